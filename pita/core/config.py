@@ -69,8 +69,8 @@ class ExecutorConfig:
     monitor_interval_s: float = _help("Seconds between GPU/RSS samples and run.log summaries.", 30.0)
     progress: bool = _help("Live progress display of tasks per device.", True)
     preimport: bool = _help("Workers import torch as soon as they start, overlapping planning.", True)
-    stage_overrides: Dict[str, str] = _help(
-        'Replace a stage function: {"QSharp.train": "mypkg.mod:fn"} ("*.stage" for all).', {}
+    stage_overrides: Dict[str, Dict[str, str]] = _help(
+        "Replace stage functions: +executor.stage_overrides.QSharp.train=mypkg.mod:fn (algo 'any' = all).", {}
     )
     ray_address: Optional[str] = _help("Ray cluster address for backend=ray (None = local Ray).", None)
 
@@ -126,22 +126,31 @@ class PretrainConfig:
 
 @dataclass
 class DatasetConfig:
-    """Union of every task's keys; a task reads its own and ignores the rest."""
+    """Union of every task's keys. Each `conf/dataset/<name>.yaml` sets its own; the rest
+    stay None and are dropped (`dataset_keys`), so a key that does not belong to the
+    selected task (e.g. dataset.degree on goal_walk) is reported by its validator."""
 
     name: str = _help("goal_walk | star_graph | gsm8k | math500 | aime | imdb | tldr", "goal_walk")
-    seed: int = _help("Seed of the task's data.", 0)
-    num_nodes: int = _help("Graph nodes N (goal_walk, star_graph).", 16)
-    out_degree: int = _help("Out-degree d of every node (goal_walk).", 2)
-    walk_length: int = _help("Walk length L (goal_walk).", 3)
-    degree: int = _help("Arms d of the star (star_graph).", 2)
-    path_length: int = _help("Nodes per arm l (star_graph).", 5)
-    train_size: int = _help("Training examples.", 1000)
-    test_size: int = _help("Test examples.", 1000)
+    seed: Optional[int] = _help("Seed of the task's data.", None)
+    num_nodes: Optional[int] = _help("Graph nodes N (goal_walk, star_graph).", None)
+    out_degree: Optional[int] = _help("Out-degree d of every node (goal_walk).", None)
+    walk_length: Optional[int] = _help("Walk length L (goal_walk).", None)
+    degree: Optional[int] = _help("Arms d of the star (star_graph).", None)
+    path_length: Optional[int] = _help("Nodes per arm l (star_graph).", None)
+    train_size: Optional[int] = _help("Training examples.", None)
+    test_size: Optional[int] = _help("Test examples.", None)
     path: Optional[str] = _help("Local .jsonl file instead of the hub (hub tasks).", None)
     hub_id: Optional[str] = _help("Override the hub dataset id.", None)
-    split: str = _help("Hub split for evaluation.", "test")
-    max_prompt_tokens: int = _help("Truncate prompts to this many tokens (hub tasks).", 512)
-    max_new_tokens: int = _help("Response budget (hub tasks).", 512)
+    split: Optional[str] = _help("Hub split for evaluation.", None)
+    max_prompt_tokens: Optional[int] = _help("Truncate prompts to this many tokens (hub tasks).", None)
+    max_new_tokens: Optional[int] = _help("Response budget (hub tasks).", None)
+
+
+def dataset_keys(dataset_cfg: Any) -> dict:
+    """The keys a dataset config actually sets (None = not this task's key)."""
+    if isinstance(dataset_cfg, DictConfig):
+        dataset_cfg = OmegaConf.to_container(dataset_cfg, resolve=True)
+    return {k: v for k, v in dict(dataset_cfg).items() if v is not None}
 
 
 @dataclass
@@ -325,9 +334,12 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
         _check(e, ex[key] > 0, f"executor.{key}", ex[key], "must be > 0 seconds")
     _check(e, ex.heartbeat_timeout_s > ex.heartbeat_s, "executor.heartbeat_timeout_s",
            ex.heartbeat_timeout_s, f"must exceed executor.heartbeat_s ({ex.heartbeat_s})")
-    for stage_key, target in (ex.stage_overrides or {}).items():
-        _check(e, isinstance(target, str) and ":" in target, f"executor.stage_overrides.{stage_key}",
-               target, "a 'module.path:function' string")
+    for algo_key, stages in (ex.stage_overrides or {}).items():
+        _check(e, algo_key in ALGO_NAMES or algo_key == "any", f"executor.stage_overrides.{algo_key}", algo_key,
+               f"an algorithm name ({', '.join(ALGO_NAMES)}) or 'any'")
+        for stage_key, target in stages.items():
+            _check(e, ":" in str(target), f"executor.stage_overrides.{algo_key}.{stage_key}", target,
+                   "a 'module.path:function' string")
 
     tr = cfg.training
     _check(e, tr.micro_batch_size >= 1, "training.micro_batch_size", tr.micro_batch_size, "must be >= 1")
@@ -405,7 +417,7 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
     from pita.datasets import validate_dataset_cfg
 
     try:
-        validate_dataset_cfg(OmegaConf.to_container(cfg.dataset, resolve=True))
+        validate_dataset_cfg(dataset_keys(cfg.dataset))
     except ValueError as exc:
         e.append(str(exc))
     if errors:

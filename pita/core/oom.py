@@ -1,0 +1,160 @@
+"""Classify a worker's failure (out of memory, CUDA fault, ordinary error) and shrink a batch.
+
+The executor retries by class (DESIGN.md §3): ``oom`` → the same task with a smaller micro
+batch, the effective batch kept through gradient accumulation; ``cuda_fault`` → recycle the
+worker (the CUDA context may be poisoned) and retry; ``error`` → fail that task fast.
+
+Written by hand because no library classifies both kinds: accelerate's
+``should_reduce_batch_size`` knows out-of-memory messages but not sticky CUDA faults, and it
+only looks at ``RuntimeError``s with one argument. This module imports only the standard
+library; torch's exception types are looked up in ``sys.modules``, so an exception can only
+be a torch type if torch was already imported by whoever raised it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from typing import Literal
+
+FailureClass = Literal["oom", "cuda_fault", "error"]
+
+__all__ = ["FailureClass", "classify_exception", "classify_text", "smaller_micro_batch"]
+
+# Sticky or hardware faults: after one of these the CUDA context is unusable (or suspect), so
+# the worker process must be replaced. Checked first: "CUDA kernel errors might be
+# asynchronously reported" follows both kinds of message and decides nothing.
+_FAULT = re.compile(
+    "|".join(
+        [
+            r"illegal memory access",
+            r"device-side assert",
+            r"unspecified launch failure",
+            r"misaligned address",
+            r"illegal instruction",
+            r"launch timed out",
+            r"uncorrectable ECC error",
+            r"CUBLAS_STATUS_EXECUTION_FAILED",
+            r"CUBLAS_STATUS_INTERNAL_ERROR",
+            r"CUDNN_STATUS_EXECUTION_FAILED",
+            r"CUDNN_STATUS_INTERNAL_ERROR",
+            r"CUDNN_STATUS_MAPPING_ERROR",
+            r"cudaErrorIllegalAddress",
+            r"cudaErrorLaunchFailure",
+            r"unhandled cuda error",  # NCCL wraps a failed CUDA call this way
+            r"GPU is lost",
+        ]
+    )
+)
+
+# Allocation failures: a smaller batch (or an emptied cache) fixes them. The cuBLAS / cuDNN /
+# cuFFT / cuSOLVER / cuSPARSE handles allocate workspaces outside the caching allocator and
+# report failure with their own status codes instead of torch.OutOfMemoryError.
+_OOM = re.compile(
+    "|".join(
+        [
+            r"\bout of memory\b",  # CUDA / HIP / XPU / MPS, and "CUDA error: out of memory"
+            r"CU[A-Z]+_STATUS_ALLOC_FAILED",  # CUBLAS_, CUDNN_, CUSOLVER_, CUSPARSE_
+            r"CUFFT_ALLOC_FAILED",
+            r"CUDNN_STATUS_NOT_ENOUGH_MEMORY",
+            r"cudaErrorMemoryAllocation",
+            r"DefaultCPUAllocator: can't allocate memory",
+            r"PT_DEVMEM Allocation failed",
+            # accelerate counts this as "reduce the batch": cuDNN refuses very large batches.
+            r"CUDNN_STATUS_NOT_SUPPORTED\.",
+        ]
+    )
+)
+
+# Any other CUDA runtime/driver failure: treat as a fault (recycle and retry, bounded by
+# executor.max_retries) rather than as a bug in our code.
+_CUDA_OTHER = re.compile(r"CUDA error:|CUDA driver error|CUDA error \d+|cudaError\w+")
+
+
+def _torch_type(name: str) -> type | None:
+    torch = sys.modules.get("torch")
+    t = getattr(torch, name, None) if torch is not None else None
+    return t if isinstance(t, type) else None
+
+
+def _inspect_text(exc: BaseException) -> bool:
+    """Only runtime-ish exceptions are classified by message: a ValueError that happens to
+    mention memory is still a bug in our code."""
+    if isinstance(exc, RuntimeError):
+        return True
+    module = type(exc).__module__ or ""
+    return module.split(".")[0] in {"torch", "triton", "bitsandbytes", "cupy", "pynvml"}
+
+
+def _classify_one(exc: BaseException) -> FailureClass:
+    text = str(exc)
+    inspect_text = _inspect_text(exc)
+    if inspect_text and _FAULT.search(text):
+        return "cuda_fault"
+    oom_type = _torch_type("OutOfMemoryError")
+    if (oom_type is not None and isinstance(exc, oom_type)) or isinstance(exc, MemoryError):
+        return "oom"
+    if inspect_text and _OOM.search(text):
+        return "oom"
+    accel = _torch_type("AcceleratorError")
+    if accel is not None and isinstance(exc, accel):
+        return "cuda_fault"
+    if inspect_text and _CUDA_OTHER.search(text):
+        return "cuda_fault"
+    return "error"
+
+
+def classify_exception(exc: BaseException) -> FailureClass:
+    """``"oom"``, ``"cuda_fault"`` or ``"error"`` for an exception raised by a stage.
+
+    Looks through the explicit and implicit chain (``__cause__``, ``__context__``), so an
+    out-of-memory error re-raised as another exception keeps its class. A fault anywhere in
+    the chain wins over an out-of-memory error (the context may be poisoned either way).
+    """
+    seen: set[int] = set()
+    found: set[str] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen and len(seen) < 32:
+        seen.add(id(cur))
+        found.add(_classify_one(cur))
+        cur = cur.__cause__ or cur.__context__
+    if "cuda_fault" in found:
+        return "cuda_fault"
+    return "oom" if "oom" in found else "error"
+
+
+def classify_text(text: str) -> FailureClass:
+    """Classify a failure known only as text (a traceback tail or ``"Type: message"``), as
+    the parent sees it when a worker reports a failure it could not classify itself."""
+    if _FAULT.search(text):
+        return "cuda_fault"
+    if "OutOfMemoryError" in text or "MemoryError:" in text or _OOM.search(text):
+        return "oom"
+    if "AcceleratorError" in text or _CUDA_OTHER.search(text):
+        return "cuda_fault"
+    return "error"
+
+
+def smaller_micro_batch(micro: int, global_batch: int) -> tuple[int, int]:
+    """The next micro batch after an out-of-memory error, and the accumulation steps that
+    keep the effective (global) batch: halve the micro batch, accumulate
+    ``ceil(global_batch / new_micro)`` micro batches. When ``new_micro`` does not divide the
+    global batch the last micro batch of a step is partial (the trainer normalises the loss by
+    the global batch), so the effective batch stays exactly ``global_batch``.
+
+    For a stage without accumulation (generation, scoring) pass ``global_batch=micro``: the
+    second value is then the number of passes over what used to be one batch.
+
+    Raises ``ValueError`` when the micro batch is already 1: a smaller batch cannot help.
+    """
+    if global_batch < 1 or micro < 1:
+        raise ValueError(f"micro ({micro}) and global_batch ({global_batch}) must be >= 1")
+    micro = min(micro, global_batch)
+    if micro == 1:
+        raise ValueError(
+            "out of memory at micro batch 1: a smaller batch cannot help; shorten the "
+            "sequences, enable training.gradient_checkpointing, quantize, or use more GPUs"
+        )
+    new_micro = micro // 2
+    return new_micro, math.ceil(global_batch / new_micro)

@@ -1,0 +1,234 @@
+"""Ready-queue scheduling of the task DAG onto devices, with retries by failure class.
+
+`Scheduler` is pure placement logic: given ready tasks, device memory and what is running,
+it picks (task, devices) pairs — highest priority first (`estimate_job_priority`,
+critical path by default), admission by free memory minus the reservations of running
+tasks, k-device gangs chosen by free memory, several tasks per device when
+`executor.max_tasks_per_gpu > 1`, and a reservation so a waiting gang is not starved by
+small tasks. `DagRunner` drives a `WorkerPool` (or the in-process executor) with it,
+journals every state change and applies the retry policy of DESIGN §3:
+  oom -> retry at half the micro-batch (effective batch kept by accumulation);
+  killed / cuda_fault / timeout -> recycle the worker, retry up to executor.max_retries;
+  error -> fail the task and skip its dependants; the other chains keep running.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from pita.core.planner import Plan
+from pita.core.tasks import TaskSpec
+
+log = logging.getLogger(__name__)
+
+RETRYABLE = ("oom", "killed", "cuda_fault", "timeout")
+
+
+def estimate_job_priority(job: TaskSpec, cfg: Any = None) -> float:
+    """Higher runs first. Default: critical path (work from this task to the DAG's end).
+
+    Customise here (the seed guide's hook), e.g. `return -job.round` for breadth-first.
+    """
+    return job.priority
+
+
+@dataclass
+class DeviceState:
+    index: int
+    total_mb: int
+    free_mb: int  # as last measured (NVML) or simulated
+    running: dict[str, int] = field(default_factory=dict)  # task id -> reserved MB
+
+
+class Scheduler:
+    def __init__(self, devices: list[DeviceState], max_tasks_per_device: int = 1,
+                 priority: Callable[[TaskSpec], float] = estimate_job_priority, simulated_memory: bool = True):
+        self.devices = devices
+        self.max_tasks = max_tasks_per_device
+        self.priority = priority
+        # Simulated devices (fake/cpu) have no NVML reading: free = total - reservations.
+        self.simulated_memory = simulated_memory
+
+    def available_mb(self, d: DeviceState) -> int:
+        reserved = sum(d.running.values())
+        base = d.total_mb if self.simulated_memory else d.free_mb
+        return base - reserved
+
+    def _eligible(self, d: DeviceState, mem_mb: int) -> bool:
+        return len(d.running) < self.max_tasks and self.available_mb(d) >= mem_mb
+
+    def place(self, ready: list[TaskSpec]) -> list[tuple[TaskSpec, list[int]]]:
+        """Assign as many ready tasks as fit now; mutates device reservations."""
+        placements = []
+        blocked: set[int] = set()  # devices held back for a waiting gang
+        for task in sorted(ready, key=self.priority, reverse=True):
+            per_device_mb = -(-task.mem_mb // task.gpus)
+            candidates = [d for d in self.devices if d.index not in blocked and self._eligible(d, per_device_mb)]
+            if len(candidates) < task.gpus:
+                if task.gpus > 1:
+                    # Reserve the gang's best devices: nothing new starts there until it fits.
+                    best = sorted(self.devices, key=lambda d: (len(d.running), -self.available_mb(d)))
+                    blocked.update(d.index for d in best[: task.gpus])
+                continue
+            if task.gpus == 1 and task.preferred_device is not None:
+                pref = [d for d in candidates if d.index == task.preferred_device and not d.running]
+                if pref:
+                    candidates = pref
+            chosen = sorted(candidates, key=lambda d: (len(d.running), -self.available_mb(d), d.index))[: task.gpus]
+            for d in chosen:
+                d.running[task.id] = per_device_mb
+            placements.append((task, sorted(d.index for d in chosen)))
+        return placements
+
+    def release(self, task_id: str) -> None:
+        for d in self.devices:
+            d.running.pop(task_id, None)
+
+
+def simulate(plan: Plan, scheduler: Scheduler, duration: Callable[[TaskSpec], float] = lambda t: t.work
+             ) -> tuple[dict[str, list[int]], float]:
+    """Event simulation of the schedule (dry run placement): task -> devices, makespan."""
+    done: set[str] = set()
+    running: list[tuple[float, str]] = []
+    placement: dict[str, list[int]] = {}
+    now = 0.0
+    pending = dict(plan.tasks)
+    while pending or running:
+        ready = [t for t in pending.values() if all(d in done for d in t.deps)]
+        for task, devs in scheduler.place(ready):
+            placement[task.id] = devs
+            running.append((now + duration(task), task.id))
+            del pending[task.id]
+        if not running:
+            break  # nothing fits: reported by the caller
+        running.sort()
+        now, tid = running.pop(0)
+        scheduler.release(tid)
+        done.add(tid)
+    return placement, now
+
+
+@dataclass
+class RunSummary:
+    done: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)  # task id -> "class: message"
+    skipped: dict[str, str] = field(default_factory=dict)  # task id -> failed dependency
+    interrupted: bool = False
+    wall_s: float = 0.0
+    retries: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and not self.skipped and not self.interrupted
+
+
+class DagRunner:
+    """Runs a Plan to completion on an executor (WorkerPool or InProcessExecutor)."""
+
+    def __init__(self, plan: Plan, executor, scheduler: Scheduler, *, cfg_dict: dict, run_dir,
+                 journal=None, max_retries: int = 2, already_done: set[str] | None = None,
+                 round_barrier: bool = False, on_event: Callable[[str, TaskSpec, Any], None] | None = None,
+                 refresh_free_mb: Callable[[], list[int]] | None = None):
+        self.plan = plan
+        self.executor = executor
+        self.scheduler = scheduler
+        self.cfg_dict = cfg_dict
+        self.run_dir = run_dir
+        self.journal = journal
+        self.max_retries = max_retries
+        self.done: set[str] = set(already_done or ())
+        self.round_barrier = round_barrier  # benchmark baseline only: the original runner's policy
+        self.on_event = on_event or (lambda kind, task, info: None)
+        self.refresh_free_mb = refresh_free_mb
+        self.attempts: dict[str, int] = {}
+        self.running: dict[Future, TaskSpec] = {}
+        self.placement: dict[str, list[int]] = {}
+        self.summary = RunSummary(done=sorted(self.done))
+
+    def _journal(self, event: str, **fields: Any) -> None:
+        if self.journal is not None:
+            self.journal.append(event, **fields)
+
+    def _ready(self, pending: dict[str, TaskSpec]) -> list[TaskSpec]:
+        ready = [t for t in pending.values() if all(d in self.done for d in t.deps)]
+        if self.round_barrier and ready:
+            unfinished = [t.round for t in pending.values()]
+            lowest = min(unfinished) if unfinished else 0
+            ready = [t for t in ready if t.round <= lowest]
+        return ready
+
+    def _skip_dependants(self, failed_id: str, pending: dict[str, TaskSpec]) -> None:
+        dependants = self.plan.dependants()
+        stack = list(dependants[failed_id])
+        while stack:
+            tid = stack.pop()
+            if tid in pending:
+                del pending[tid]
+                self.summary.skipped[tid] = failed_id
+                self._journal("task_skipped", task=tid, because=failed_id)
+                self.on_event("skipped", self.plan.tasks[tid], failed_id)
+                stack.extend(dependants[tid])
+
+    def run(self) -> RunSummary:
+        t0 = time.time()
+        pending = {tid: t for tid, t in self.plan.tasks.items() if tid not in self.done}
+        try:
+            while pending or self.running:
+                if self.refresh_free_mb is not None and not self.scheduler.simulated_memory:
+                    for d, free in zip(self.scheduler.devices, self.refresh_free_mb()):
+                        d.free_mb = free
+                for task, devices in self.scheduler.place(self._ready(pending)):
+                    del pending[task.id]
+                    attempt = self.attempts.get(task.id, 0) + 1
+                    self.attempts[task.id] = attempt
+                    self.placement[task.id] = devices
+                    self._journal("task_running", task=task.id, devices=devices, attempt=attempt)
+                    self.on_event("running", task, devices)
+                    fut = self.executor.submit(task, devices, self.cfg_dict, self.run_dir, attempt)
+                    self.running[fut] = task
+                if not self.running:
+                    if pending:  # nothing runnable and nothing running: impossible placements
+                        for tid in list(pending):
+                            self.summary.failed[tid] = "error: cannot be placed on any device"
+                            self._journal("task_failed", task=tid, failure="error", message="unplaceable")
+                        pending.clear()
+                    break
+                finished, _ = wait(list(self.running), timeout=0.5, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    self._handle(fut, pending)
+        except KeyboardInterrupt:
+            self.summary.interrupted = True
+            self._journal("run_interrupted", running=[t.id for t in self.running.values()])
+            raise
+        finally:
+            self.summary.wall_s = round(time.time() - t0, 3)
+        return self.summary
+
+    def _handle(self, fut: Future, pending: dict[str, TaskSpec]) -> None:
+        task = self.running.pop(fut)
+        self.scheduler.release(task.id)
+        outcome = fut.result()
+        if outcome.ok:
+            self.done.add(task.id)
+            self.summary.done.append(task.id)
+            self._journal("task_done", task=task.id, wall_s=outcome.wall_s, worker_pid=outcome.worker_pid)
+            self.on_event("done", task, outcome)
+            return
+        attempt = self.attempts[task.id]
+        self._journal("task_failed", task=task.id, failure=outcome.failure, message=outcome.message,
+                      attempt=attempt, worker_pid=outcome.worker_pid)
+        if outcome.failure in RETRYABLE and attempt <= self.max_retries:
+            if outcome.failure == "oom":
+                task.batch_scale /= 2  # same effective batch, half the micro-batch
+            self.summary.retries += 1
+            self._journal("task_retry", task=task.id, attempt=attempt + 1, batch_scale=task.batch_scale)
+            self.on_event("retry", task, outcome)
+            pending[task.id] = task
+            return
+        self.summary.failed[task.id] = f"{outcome.failure}: {outcome.message}"
+        self.on_event("failed", task, outcome)
+        self._skip_dependants(task.id, pending)

@@ -1,0 +1,181 @@
+"""`run(cfg, run_dir) -> exit code`: validate, plan, place, execute, report.
+
+Components are built in dependency order: config validation (nothing has started yet, so
+a ConfigError costs nothing) -> devices (NVML, no CUDA context) -> plan (may refuse a task
+no device can hold) -> run folder files (plan.json, journal) -> worker pool -> monitor ->
+DAG runner -> report. Exit codes: 0 all tasks succeeded, 1 some failed (the rest still
+ran), 2 bad config, 130 interrupted (resumable).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from pita.core.config import validate
+from pita.core.gpu_manager import GPUManager
+from pita.core.journal import Journal, replay
+from pita.core.parallel_executor import DagRunner, DeviceState, Scheduler, simulate
+from pita.core.paths import RunPaths, TaskPaths, atomic_write_json
+from pita.core.planner import Plan, plan_experiment
+
+log = logging.getLogger("pita")
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def make_gpu_manager(cfg: DictConfig) -> GPUManager:
+    spec = cfg.system.devices
+    if cfg.system.gpu_mode == "cpu":
+        spec = "cpu"
+    gpu = GPUManager(spec, cpu_workers=cfg.executor.cpu_workers, threads_per_worker=cfg.system.threads_per_worker)
+    if cfg.system.gpu_mode == "single_gpu" and gpu.is_gpu:
+        gpu.devices = gpu.devices[:1]
+    return gpu
+
+
+def make_scheduler(cfg: DictConfig, gpu: GPUManager) -> Scheduler:
+    states = [DeviceState(d.index, d.total_mb, d.free_mb) for d in gpu.devices]
+    return Scheduler(states, max_tasks_per_device=cfg.executor.max_tasks_per_gpu,
+                     simulated_memory=gpu.kind != "cuda")
+
+
+def build_plan(cfg: DictConfig, gpu: GPUManager) -> Plan:
+    return plan_experiment(cfg, len(gpu.devices), device_mb=[d.total_mb for d in gpu.devices],
+                           distribute=lambda n: [(a / 10000, b / 10000) for a, b in gpu.distribute_work(10000, n)])
+
+
+def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
+    placement, makespan = simulate(plan, make_scheduler(cfg, gpu))
+    print(f"Plan: {len(plan.tasks)} tasks on {len(gpu.devices)} device(s) "
+          f"({gpu.kind}); dry run, nothing started.")
+    for line in gpu.describe():
+        print("  " + line)
+    print(f"{'task':58s} {'device':9s} {'mem GB':>7s} {'prio':>6s}  depends on")
+    for t in plan.tasks.values():
+        devs = "+".join(str(d) for d in placement.get(t.id, [])) or "-"
+        deps = ", ".join(t.deps) if len(t.deps) <= 2 else f"{t.deps[0]} (+{len(t.deps) - 1})"
+        print(f"{t.id:58s} {devs:9s} {t.mem_mb / 1024:7.2f} {t.priority:6.1f}  {deps}")
+    print(f"Estimated makespan: {makespan:.1f} work units (critical path first).")
+
+
+def completed_tasks(plan: Plan, run_dir: Path) -> set[str]:
+    """Tasks whose committed folder verifies against its manifest (resume's truth)."""
+    states = replay(RunPaths(run_dir).journal)
+    done = set()
+    for tid in plan.tasks:
+        if TaskPaths(run_dir, tid).is_complete():
+            done.add(tid)
+        elif states.get(tid, {}).get("event") == "task_done":
+            log.warning("journal says %s finished but its folder does not verify: running it again", tid)
+    return done
+
+
+def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
+    """Run the experiment `cfg` in `run_dir`; returns the process exit code."""
+    validate(cfg)
+    run_dir = Path(run_dir)
+    paths = RunPaths(run_dir)
+    gpu = make_gpu_manager(cfg)
+    plan = Plan.load(paths.plan) if resumed else build_plan(cfg, gpu)
+    if cfg.dry_run:
+        print_dry_run(plan, cfg, gpu)
+        return EXIT_OK
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not resumed:
+        atomic_write_json(paths.plan, plan.to_json())
+        if not paths.saved_config.exists():  # Hydra writes it; direct callers (tests) get it here
+            paths.saved_config.parent.mkdir(parents=True, exist_ok=True)
+            paths.saved_config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    done = completed_tasks(plan, run_dir) if resumed else set()
+    journal = Journal(paths.journal)
+    journal.append("run_resumed" if resumed else "run_started", tasks=len(plan.tasks), already_done=len(done))
+    log.info("Run folder: %s", run_dir)
+    log.info("Devices (%s): %d", gpu.kind, len(gpu.devices))
+    for line in gpu.describe():
+        log.info("  %s", line)
+    log.info("Plan: %d tasks, %d already done%s", len(plan.tasks), len(done), " (resumed)" if resumed else "")
+
+    from pita.core.monitor import Monitor
+    from pita.core.progress import Progress
+    from pita.core.worker_pool import InProcessExecutor, WorkerPool
+
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    in_process = cfg.executor.backend == "inprocess" or not cfg.system.use_parallel_execution
+    if cfg.executor.backend == "ray":
+        from pita.core.ray_executor import RayExecutor
+
+        executor = RayExecutor(cfg.executor)
+    elif in_process:
+        executor = InProcessExecutor(gpu, cfg.executor.model_cache_size)
+    else:
+        executor = WorkerPool.from_config(gpu, cfg.executor)
+        executor.warm_up([(d.index,) for d in gpu.devices][: len(plan.tasks) - len(done)])
+    scheduler = make_scheduler(cfg, gpu)
+    monitor = Monitor(gpu, executor, paths.gpu_monitor, cfg.executor.monitor_interval_s,
+                      reservations=lambda: [sum(d.running.values()) for d in scheduler.devices]).start()
+    progress = Progress(len(plan.tasks), [d.label for d in gpu.devices], len(done),
+                        live=None if cfg.executor.progress else False)
+    runner = DagRunner(plan, executor, scheduler, cfg_dict=cfg_dict, run_dir=str(run_dir), journal=journal,
+                       max_retries=cfg.executor.max_retries, already_done=done, on_event=progress.event,
+                       refresh_free_mb=lambda: [d.free_mb for d in gpu.refresh()])
+    interrupted = False
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
+    t0 = time.time()
+    try:
+        with progress:
+            summary = runner.run()
+    except KeyboardInterrupt:
+        interrupted = True
+        summary = runner.summary
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
+        executor.shutdown(kill=interrupted)
+        try:
+            monitor.sample()
+        except Exception:
+            pass
+        monitor.stop()
+    journal.append("run_interrupted" if interrupted else "run_finished", done=len(runner.done),
+                   failed=len(summary.failed), skipped=len(summary.skipped), wall_s=round(time.time() - t0, 2))
+    journal.close()
+    if interrupted:
+        log.warning("Interrupted: workers stopped, journal flushed. Resume with:\n"
+                    "  python run_parallel.py resume_from=%s", run_dir)
+        return EXIT_INTERRUPTED
+
+    _report(cfg, plan, run_dir)
+    if summary.failed or summary.skipped:
+        log.error("%d task(s) failed, %d skipped because a dependency failed:", len(summary.failed),
+                  len(summary.skipped))
+        for tid, why in summary.failed.items():
+            log.error("  %s: %s", tid, why)
+            tail = TaskPaths(run_dir, tid).failed(runner.attempts.get(tid, 1)) / "log.txt"
+            if tail.is_file():
+                lines = tail.read_text(errors="replace").splitlines()
+                log.error("    log: %s (last line: %s)", tail, lines[-1] if lines else "")
+        log.error("Fix the cause, then finish the run with: python run_parallel.py resume_from=%s", run_dir)
+        return EXIT_FAILED
+    log.info("All %d tasks done in %.1fs.", len(plan.tasks), time.time() - t0)
+    return EXIT_OK
+
+
+def _raise_interrupt(signum, frame):  # SIGTERM behaves like Ctrl-C: stop, flush, exit 130
+    raise KeyboardInterrupt
+
+
+def _report(cfg: DictConfig, plan: Plan, run_dir: Path) -> None:
+    """Results table and plots from the evaluate tasks (pita/stages/report.py)."""
+    try:
+        from pita.stages.report import write_report
+    except ImportError:
+        return
+    try:
+        write_report(cfg, plan, run_dir)
+    except Exception as exc:  # a failed plot must not hide the results of a finished run
+        log.exception("writing the report failed: %s", exc)

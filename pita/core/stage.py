@@ -1,0 +1,100 @@
+"""What a stage function receives: `def stage(ctx: StageContext) -> dict | None`.
+
+A stage is a plain function looked up by (algorithm, stage) in `pita/stages/registry.py`.
+It reads its inputs through `ctx.input(...)`, writes artifacts under `ctx.out_dir` (a
+temporary folder committed atomically when the function returns) and returns a small
+JSON-able dict that becomes `result.json`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from omegaconf import DictConfig, OmegaConf
+
+from pita.core.tasks import TaskSpec
+
+
+class ModelCache:
+    """A worker's LRU of loaded models, so shards of one stage do not reload weights."""
+
+    def __init__(self, capacity: int = 2):
+        self.capacity = capacity
+        self._items: OrderedDict[str, Any] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: str, loader: Callable[[], Any]) -> Any:
+        if key in self._items:
+            self._items.move_to_end(key)
+            self.hits += 1
+            return self._items[key]
+        self.misses += 1
+        value = loader()
+        self._items[key] = value
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+        return value
+
+    def clear(self) -> None:
+        self._items.clear()
+
+
+@dataclass
+class StageContext:
+    task: TaskSpec
+    cfg: DictConfig
+    run_dir: Path
+    out_dir: Path
+    logger: logging.Logger
+    device: str = "cpu"  # "cuda" (the worker's pinned devices) or "cpu"
+    models: ModelCache = field(default_factory=ModelCache)
+    heartbeat: Callable[[str], None] = lambda msg: None
+
+    @property
+    def dataset_cfg(self) -> DictConfig:
+        return OmegaConf.create(self.task.dataset_cfg)
+
+    @property
+    def family_cfg(self) -> DictConfig:
+        return OmegaConf.create(self.task.family_cfg)
+
+    @property
+    def algo_cfg(self) -> DictConfig:
+        return self.cfg.algos[self.task.algo]
+
+    def input(self, name: str) -> Path | list[Path]:
+        """The committed folder(s) of the task(s) this task consumes under `name`."""
+        ref = self.task.inputs[name]
+        tasks = self.run_dir / "tasks"
+        return [tasks / r for r in ref] if isinstance(ref, list) else tasks / ref
+
+    def has_input(self, name: str) -> bool:
+        return bool(self.task.inputs.get(name))
+
+    def shard_slice(self, n_items: int) -> slice:
+        """This shard's contiguous part of `n_items` items."""
+        lo, hi = self.task.shard_range
+        return slice(round(lo * n_items), round(hi * n_items))
+
+    @property
+    def seed(self) -> int:
+        """A per-task seed: the run seed mixed with the task id (stable across resumes)."""
+        import zlib
+
+        return (int(self.cfg.experiment.seed) * 1_000_003 + zlib.crc32(self.task.id.encode())) % (2**31)
+
+
+def resolve_function(dotted: str) -> Callable[[StageContext], Any]:
+    """'pkg.module:function' -> the function (imported in the worker, not the orchestrator)."""
+    module_name, _, attr = dotted.partition(":")
+    module = importlib.import_module(module_name)
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ImportError(f"{module_name} has no function {attr!r}") from None

@@ -1,0 +1,63 @@
+"""TaskSpec: one stage of one chain in one round (or one shard of it).
+
+A task is plain data (it crosses the process boundary as a dict): its stable id, the
+dotted path of the stage function, its dependencies, its inputs by logical name, and the
+resources the scheduler needs (devices and a memory estimate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+STAGES = ("pretrain", "collect", "reward_model", "train", "evaluate")
+SHARDABLE = ("collect", "evaluate")
+
+
+def chain_id(algo: str, dataset: str, family: str) -> str:
+    return f"{algo}.{dataset}.{family}"
+
+
+def task_id(algo: str, dataset: str, family: str, round_idx: int, stage: str, shard: int | None = None) -> str:
+    """`QSharp.star_graph.tiny.r1.collect.s03`; the unsharded id names the shards' merge."""
+    base = f"{chain_id(algo, dataset, family)}.r{round_idx}.{stage}"
+    return base if shard is None else f"{base}.s{shard:02d}"
+
+
+@dataclass
+class TaskSpec:
+    id: str
+    algo: str
+    dataset: str
+    family: str
+    round: int
+    stage: str  # a STAGES name, or "<stage>_merge" for the merge of a sharded stage
+    fn: str  # "module.path:function", resolved in the worker
+    deps: list[str] = field(default_factory=list)
+    inputs: dict[str, Any] = field(default_factory=dict)  # logical name -> task id or [ids]
+    shard: int | None = None
+    num_shards: int = 1
+    shard_range: tuple[float, float] = (0.0, 1.0)  # fraction of the stage's items
+    gpus: int = 1
+    mem_mb: int = 0
+    preferred_device: int | None = None
+    work: float = 1.0  # relative duration estimate, for critical-path priority
+    priority: float = 0.0  # filled by the planner (critical path by default)
+    batch_scale: float = 1.0  # halved on each OOM retry (effective batch kept via accumulation)
+    dataset_cfg: dict[str, Any] = field(default_factory=dict)
+    family_cfg: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def chain(self) -> str:
+        return chain_id(self.algo, self.dataset, self.family)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shard_range"] = list(self.shard_range)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TaskSpec":
+        d = dict(d)
+        d["shard_range"] = tuple(d.get("shard_range", (0.0, 1.0)))
+        return cls(**d)

@@ -1,0 +1,262 @@
+"""The worker process: `python -m pita.core.worker --address HOST:PORT --worker-id N`.
+
+Started by `WorkerPool` with an explicit environment (its devices are pinned with
+`CUDA_VISIBLE_DEVICES` before Python starts) and the channel's authkey on stdin. It
+connects back to the orchestrator, then loops: receive (task spec, resolved config as a
+plain dict) -> rebuild the DictConfig -> run the stage function -> commit the task folder
+atomically -> answer `done` or a classified `failed`. A heartbeat thread reports liveness
+and memory every `heartbeat_s`. The worker exits when the orchestrator goes away.
+
+Messages (tuples over a `multiprocessing.connection`):
+  parent -> worker: ("run", task_dict, cfg_dict, run_dir, attempt) | ("stop",)
+  worker -> parent: ("hello", worker_id, pid) | ("started", task_id)
+                    ("heartbeat", task_id|None, stats) | ("done", task_id, result, stats)
+                    ("failed", task_id, failure_class, message, stats)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Client
+from pathlib import Path
+from typing import Any
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this process when the orchestrator dies (even by SIGKILL)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def memory_stats() -> dict[str, Any]:
+    """RSS of this process, plus torch's CUDA allocator figures when CUDA is in use."""
+    stats: dict[str, Any] = {"pid": os.getpid()}
+    try:
+        import psutil
+
+        stats["rss_mb"] = round(psutil.Process().memory_info().rss / 2**20, 1)
+    except Exception:
+        pass
+    torch = sys.modules.get("torch")  # never import torch just to report
+    if torch is not None:
+        try:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                stats["cuda"] = [
+                    {
+                        "allocated_mb": round(torch.cuda.memory_allocated(i) / 2**20, 1),
+                        "reserved_mb": round(torch.cuda.memory_reserved(i) / 2**20, 1),
+                        "peak_mb": round(torch.cuda.max_memory_reserved(i) / 2**20, 1),
+                    }
+                    for i in range(torch.cuda.device_count())
+                ]
+        except Exception:
+            pass
+    return stats
+
+
+class Channel:
+    """A connection whose sends are serialised (main thread + heartbeat thread)."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.lock = threading.Lock()
+
+    def send(self, msg: tuple) -> None:
+        with self.lock:
+            self.conn.send(msg)
+
+
+def classify(exc: BaseException) -> str:
+    try:
+        from pita.core.oom import classify_exception
+
+        return classify_exception(exc)
+    except ImportError:
+        return "error"
+
+
+def _task_logger(task_id: str, log_path: Path) -> logging.Logger:
+    logger = logging.getLogger(f"pita.task.{task_id}")
+    logger.handlers.clear()
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    handler = logging.FileHandler(log_path)
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(levelname)s] %(message)s"))
+    logger.addHandler(handler)
+    return logger
+
+
+def execute_task(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, device: str, models,
+                 heartbeat=lambda msg: None, reraise_interrupt: bool = False) -> tuple[bool, str | None, str, dict]:
+    """Run one stage function and commit its folder; shared by workers and in-process runs.
+
+    Returns (ok, failure class, one-line message, result). On success the task folder is
+    committed atomically (manifest last); on failure the temporary folder, with the log
+    and error.json, is kept as `tasks/<id>.attempt<N>.failed/` and resume ignores it.
+    """
+    from omegaconf import OmegaConf
+
+    from pita.core.paths import TaskPaths, atomic_write_json
+    from pita.core.stage import StageContext, resolve_function
+
+    paths = TaskPaths(run_dir, task.id)
+    tmp = paths.tmp(os.getpid())
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    logger = _task_logger(task.id, tmp / "log.txt")
+    t0 = time.time()
+    try:
+        logger.info("task %s (attempt %d) on %s, CUDA_VISIBLE_DEVICES=%r, pid %d", task.id, attempt, device,
+                    os.environ.get("CUDA_VISIBLE_DEVICES"), os.getpid())
+        fn = resolve_function(task.fn)
+        ctx = StageContext(task=task, cfg=OmegaConf.create(cfg_dict), run_dir=Path(run_dir), out_dir=tmp,
+                           logger=logger, device=device, models=models, heartbeat=heartbeat)
+        result = fn(ctx) or {}
+        wall = round(time.time() - t0, 3)
+        result = {"task_id": task.id, "wall_s": wall, "attempt": attempt, **result}
+        atomic_write_json(tmp / "result.json", result)
+        logger.info("done in %.2fs", wall)
+        _close(logger)
+        paths.commit(tmp)
+        return True, None, "", result
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported, classified
+        failure = "interrupted" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else classify(exc)
+        logger.error("failed (%s): %s\n%s", failure, exc, traceback.format_exc())
+        _close(logger)
+        (tmp / "error.json").write_text(json.dumps(
+            {"failure": failure, "message": str(exc), "type": type(exc).__name__}))
+        failed_dir = paths.failed(attempt)
+        shutil.rmtree(failed_dir, ignore_errors=True)
+        os.replace(tmp, failed_dir)
+        if failure == "interrupted" and reraise_interrupt:
+            raise  # in-process runs: Ctrl-C inside a stage stops the whole run
+        message = f"{type(exc).__name__}: {exc}".strip().splitlines()
+        return False, failure, (message[0][:500] if message else ""), {}
+
+
+def _close(logger: logging.Logger) -> None:
+    for h in logger.handlers:
+        h.close()
+    logger.handlers.clear()
+
+
+class Worker:
+    def __init__(self, channel: Channel, worker_id: int, heartbeat_s: float, cache_size: int):
+        from pita.core.stage import ModelCache
+
+        self.channel = channel
+        self.worker_id = worker_id
+        self.heartbeat_s = heartbeat_s
+        self.models = ModelCache(cache_size)
+        self.current: str | None = None
+        self.progress: str = ""
+        self.device = "cpu"
+        self.kind = os.environ.get("PITA_DEVICE_KIND", "cpu")
+        self._torch_ready = False
+
+    # ---- liveness ------------------------------------------------------------------------
+    def heartbeat_loop(self, parent_pid: int) -> None:
+        while True:
+            time.sleep(self.heartbeat_s)
+            if os.getppid() != parent_pid:
+                os._exit(3)  # orchestrator gone: nothing to report to
+            try:
+                stats = memory_stats()
+                stats["progress"] = self.progress
+                self.channel.send(("heartbeat", self.current, stats))
+            except (OSError, EOFError, BrokenPipeError):
+                os._exit(3)
+
+    def _set_progress(self, message: str) -> None:
+        self.progress = message
+
+    def _setup_torch(self) -> None:
+        if self._torch_ready:
+            return
+        self._torch_ready = True
+        threads = int(os.environ.get("PITA_TORCH_THREADS", "0") or 0)
+        try:
+            import torch
+        except ImportError:
+            return
+        if threads > 0:
+            torch.set_num_threads(threads)
+        if self.kind == "cuda" and torch.cuda.is_available():
+            self.device = "cuda"
+
+    # ---- one task ------------------------------------------------------------------------
+    def run_task(self, task_dict: dict, cfg_dict: dict, run_dir: str, attempt: int) -> None:
+        from pita.core.tasks import TaskSpec
+
+        self._setup_torch()
+        task = TaskSpec.from_dict(task_dict)
+        self.current, self.progress = task.id, ""
+        self.channel.send(("started", task.id))
+        try:
+            ok, failure, message, result = execute_task(task, cfg_dict, run_dir, attempt, device=self.device,
+                                                        models=self.models, heartbeat=self._set_progress)
+        finally:
+            self.current = None
+        if ok:
+            self.channel.send(("done", task.id, result, memory_stats()))
+            return
+        self.channel.send(("failed", task.id, failure, message, memory_stats()))
+        if failure in ("oom", "cuda_fault", "interrupted"):
+            raise SystemExit(4)  # a broken CUDA context is not reused: the pool recycles us
+
+    def serve(self) -> None:
+        while True:
+            try:
+                msg = self.channel.conn.recv()
+            except (EOFError, OSError):
+                return
+            if msg[0] == "stop":
+                return
+            if msg[0] == "run":
+                _, task_dict, cfg_dict, run_dir, attempt = msg
+                self.run_task(task_dict, cfg_dict, run_dir, attempt)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="pita worker (started by the orchestrator)")
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--worker-id", type=int, required=True)
+    parser.add_argument("--heartbeat-s", type=float, default=2.0)
+    parser.add_argument("--cache-size", type=int, default=2)
+    parser.add_argument("--preimport", action="store_true")
+    args = parser.parse_args(argv)
+
+    _die_with_parent()
+    parent_pid = os.getppid()
+    authkey = bytes.fromhex(sys.stdin.readline().strip())
+    host, port = args.address.rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=authkey)
+    channel = Channel(conn)
+    worker = Worker(channel, args.worker_id, args.heartbeat_s, args.cache_size)
+    channel.send(("hello", args.worker_id, os.getpid()))
+    threading.Thread(target=worker.heartbeat_loop, args=(parent_pid,), daemon=True).start()
+    if args.preimport:
+        worker._setup_torch()
+        try:
+            import transformers  # noqa: F401  - overlap the slow import with planning
+        except ImportError:
+            pass
+    worker.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

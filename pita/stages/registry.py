@@ -1,0 +1,50 @@
+"""Which function runs each (algorithm, stage): dotted paths, imported only in workers.
+
+The algorithm issues add rows here; the planner never imports these modules (they load
+torch), it only checks that the module file exists. `executor.stage_overrides` replaces
+any entry from the command line ("QSharp.train" or "*.evaluate" -> "pkg.mod:function").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Mapping
+
+# Rounds of each algorithm: the stages of one round, in order. The reference policy is
+# evaluated once (round 0). `pretrain` is planned once per (dataset, family) when the
+# family's models are built in the run (model.name=tiny).
+ROUND_STAGES: dict[str, tuple[str, ...]] = {
+    "reference": ("evaluate",),
+    "QSharp": ("collect", "train", "evaluate"),
+    "PITA": ("collect", "train", "evaluate"),
+    "QSharp-HF": ("collect", "reward_model", "train", "evaluate"),
+    "DPO": ("collect", "train", "evaluate"),
+    "GRPO": ("train", "evaluate"),
+    "GRPO-HF": ("collect", "reward_model", "train", "evaluate"),
+}
+
+# (algo, stage) -> "module:function"; "*" matches every algorithm.
+STAGE_FUNCTIONS: dict[tuple[str, str], str] = {
+    ("*", "pretrain"): "pita.stages.pretrain:pretrain",
+    ("*", "evaluate"): "pita.stages.evaluate:evaluate_shard",
+    ("*", "evaluate_merge"): "pita.stages.evaluate:evaluate_merge",
+    ("diagnostic", "device_check"): "pita.stages.diagnostic:device_check",
+}
+
+
+def lookup(algo: str, stage: str, overrides: Mapping[str, Mapping[str, str]] | None = None) -> str | None:
+    """The dotted path for (algo, stage), or None if no implementation is registered."""
+    overrides = overrides or {}
+    for key in (algo, "any"):
+        if stage in overrides.get(key, {}):
+            return overrides[key][stage]
+    return STAGE_FUNCTIONS.get((algo, stage)) or STAGE_FUNCTIONS.get(("*", stage))
+
+
+def is_importable(dotted: str) -> bool:
+    """True when the module of 'module:function' can be found (without importing it)."""
+    module = dotted.partition(":")[0]
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False

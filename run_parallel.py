@@ -1,0 +1,15 @@
+#!/usr/bin/env python
+"""Run a pita experiment on every device of this machine.
+
+    python run_parallel.py                                  # default: goal-walk, CPU is enough
+    python run_parallel.py experiment=star_graph system.devices=fake:4
+    python run_parallel.py dry_run=true                     # print the task DAG, start nothing
+    python run_parallel.py resume_from=outputs/<name>/<timestamp>
+
+Exit codes: 0 all tasks succeeded, 1 some failed, 2 bad config, 130 interrupted.
+"""
+
+from pita.core.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Stage functions for orchestrator tests (plugged in with executor.stage_overrides).
+
+They do real things in real worker processes — sleep, write files, raise, hang — and
+leave markers so a test can watch them and kill their worker mid-task. Behaviour is
+chosen through environment variables that the worker inherits from the test process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from pita.core.stage import StageContext
+
+
+def _marker(ctx: StageContext, what: str) -> None:
+    folder = os.environ.get("PITA_TEST_MARKERS")
+    if folder:
+        path = os.path.join(folder, f"{ctx.task.id}.{what}")
+        with open(path, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "t": time.time(),
+                                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\n")
+
+
+def sleep_stage(ctx: StageContext) -> dict:
+    """Sleep `PITA_TEST_SLEEP` × task.work seconds (per-algo scale: PITA_TEST_SCALE_<ALGO>)."""
+    _marker(ctx, "started")
+    scale = float(os.environ.get(f"PITA_TEST_SCALE_{ctx.task.algo.replace('-', '_')}", "1"))
+    duration = float(os.environ.get("PITA_TEST_SLEEP", "0.05")) * ctx.task.work * scale
+    kill_on = os.environ.get("PITA_TEST_SLOW_TASK")
+    if kill_on and kill_on == ctx.task.id:
+        duration = max(duration, float(os.environ.get("PITA_TEST_SLOW_S", "30")))
+    time.sleep(duration)
+    (ctx.out_dir / "artifact.txt").write_text(f"{ctx.task.id} by {os.getpid()}\n")
+    _marker(ctx, "finished")
+    return {"slept_s": duration, "pid": os.getpid(), "inputs": ctx.task.inputs}
+
+
+def failing_stage(ctx: StageContext) -> dict:
+    """Raise for the algorithm named in PITA_TEST_FAIL_ALGO, sleep otherwise."""
+    if ctx.task.algo == os.environ.get("PITA_TEST_FAIL_ALGO"):
+        _marker(ctx, "raised")
+        raise ValueError(f"deliberate failure in {ctx.task.id}")
+    return sleep_stage(ctx)
+
+
+def hang_stage(ctx: StageContext) -> dict:
+    _marker(ctx, "started")
+    while True:
+        time.sleep(1)
+
+
+def noop_stage(ctx: StageContext) -> dict:
+    return {}
