@@ -317,17 +317,22 @@ class _Bracket:
         return used
 
 
-def _secant(br: _Bracket, target: float) -> tuple[int, float] | None:
-    """Next batch from a straight line through two measurements: the bracket's ends when
-    the upper one has a finite reading (regula falsi), else the two largest that fitted."""
+def _secant(br: _Bracket, target: float, min_span: float) -> tuple[int, float] | None:
+    """Next batch from a straight line through two measurements, or None when no pair is
+    trustworthy yet. The pair: the bracket's ends when the smallest failure has a finite
+    reading (regula falsi: interpolation), else the largest batch that fitted and the
+    largest one below it whose memory is at least ``min_span`` lower (a short lever arm
+    turns measurement noise into a wild slope)."""
     lo, hi = br.lo, br.hi
-    if lo >= 1 and hi in br.bad and math.isfinite(br.bad[hi]):
+    if lo < 1:
+        return None
+    if hi in br.bad and math.isfinite(br.bad[hi]):
         (b0, m0), (b1, m1) = (lo, br.ok[lo]), (hi, br.bad[hi])
     else:
-        fits = sorted(b for b in br.ok if b < hi)
-        if len(fits) < 2:
+        below = [b for b in br.ok if b < lo and br.ok[lo] - br.ok[b] >= min_span]
+        if not below:
             return None
-        (b0, m0), (b1, m1) = (fits[-2], br.ok[fits[-2]]), (fits[-1], br.ok[fits[-1]])
+        (b0, m0), (b1, m1) = (max(below), br.ok[max(below)]), (lo, br.ok[lo])
     slope = (m1 - m0) / (b1 - b0)
     if slope <= 0:
         raise _PoorFit(f"memory did not grow from batch {b0} to {b1}")
@@ -336,15 +341,28 @@ def _secant(br: _Bracket, target: float) -> tuple[int, float] | None:
     return b, m0 + slope * (b - b0)
 
 
-def _grow(br: _Bracket, target: float) -> int:
-    """Next batch when no line can be drawn yet (one measurement, or only failures)."""
+def _explore(br: _Bracket, target: float, estimate: MemoryEstimate | None) -> int:
+    """Next batch when no line can be drawn yet: shrink below failures, else use the one
+    reading to correct the estimate's per-sample bytes and go to ~¾ of the batch it now
+    predicts (far enough for a long lever arm, short of the target); if that is not far,
+    step down instead, since the reading is then already close to the target."""
     lo, hi = br.lo, br.hi
     if lo == 0:  # everything so far failed: go well below the smallest failure
         return max(1, hi // 4)
-    # Memory is at least affine with a non-negative intercept, so per-sample memory is at
-    # most used/lo and target/(used/lo) samples are safe; go >= 8x for a usable lever arm.
-    safe = int(lo * target / max(br.ok[lo], 1.0))
-    return max(lo + 1, min(max(safe, 8 * lo), hi - 1, br.cap))
+    used = br.ok[lo]
+    fixed = estimate.fixed_bytes if estimate is not None else 0.0
+    if used - fixed < 0.25 * used:  # the estimate's fixed part explains the reading:
+        fixed = 0.0  # its slope is unknowable from here; assume none (a safe bound)
+    predicted = lo * (target - fixed) / max(used - fixed, 1.0)
+    b = int(0.75 * predicted)
+    if b >= int(1.5 * lo) or lo == 1:
+        if estimate is None and b < 4 * lo:
+            b = 8 * lo  # fixed memory dominates and nothing says how much: grow fast
+        return max(lo + 1, min(b, hi - 1, br.cap))
+    if lo >= 2 and lo // 2 not in br.ok:
+        return lo // 2
+    # nothing useful below: halve the distance to the failure (or grow)
+    return max(lo + 1, min((lo + hi) // 2 if hi <= br.cap else 2 * lo, hi - 1, br.cap))
 
 
 def _power_binary(br: _Bracket, rel_tol: float) -> None:
@@ -384,6 +402,7 @@ def search_batch_size(
     aim: float = 0.97,
     accept: float = 0.94,
     fit_tolerance: float = 0.10,
+    min_span: float = 0.15,
     rel_tol: float = 1 / 32,
     max_probes: int = 64,
     logger: logging.Logger | None = None,
@@ -393,8 +412,9 @@ def search_batch_size(
 
     ``measure(b)`` returns the peak bytes on the most loaded device at batch ``b``; it
     signals out of memory by raising (anything :func:`classify_exception` calls ``"oom"``)
-    or by returning ``inf`` / ``None``. Fit phase (<= ``max_fit_probes`` probes): two
-    opening probes at ~¼ and ~½ of the estimated batch, then secant steps aimed at
+    or by returning ``inf`` / ``None``. Fit phase (<= ``max_fit_probes`` probes): a first
+    probe at ~¼ of the estimate's batch (1 without an estimate); a second at ~¾ of the
+    batch the estimate predicts once corrected by that reading; then secant steps aimed at
     ``aim`` × budget until a probe lands in ``[accept, 1]`` × budget, brackets to one, or
     hits the cap. A secant probe off its line by more than ``fit_tolerance`` × budget (or
     out of memory) means the curve is not smooth: fall back to power + binary search from
@@ -414,28 +434,23 @@ def search_batch_size(
             return True  # nothing fits
         return lo >= 1 and (br.ok[lo] >= accept * budget_bytes or br.hi <= lo + 1 or lo >= cap)
 
-    opening: list[int] = [1]
+    first = 1
     if estimate is not None and estimate.per_sample_bytes > 0:
-        b_est = max(1, min(cap, estimate.max_batch(target)))
-        opening = sorted({max(1, b_est // 4), max(1, b_est // 2)})
+        first = max(1, min(cap, estimate.max_batch(target)) // 4)
     method = "fit"
     try:
         while br.probes < max_fit_probes and not converged():
-            if opening:
-                b = opening.pop(0)
-                if b >= br.hi:  # the estimate was far too low: shrink instead
-                    opening.clear()
-                    continue
-                br.probe(b, "Fit")
+            if br.probes == 0:
+                br.probe(first, "Fit")
                 continue
-            step = _secant(br, target)
+            step = _secant(br, target, min_span * budget_bytes)
             if step is None:
-                br.probe(_grow(br, target), "Fit")
+                br.probe(_explore(br, target, estimate), "Fit")
                 continue
             b, predicted = step
             used = br.probe(b, "Fit", predicted)
             if math.isinf(used) or abs(used - predicted) > fit_tolerance * budget_bytes:
-                raise _PoorFit(f"batch {b} used {used:.3g} bytes, the fit said {predicted:.3g}")
+                raise _PoorFit(f"batch {b} used {_gib(used)}, the fit said {_gib(predicted)}")
         if not converged():
             raise _PoorFit(f"not converged after {br.probes} probes")
     except _PoorFit as why:

@@ -29,7 +29,7 @@ _FAULT = re.compile(
     "|".join(
         [
             r"illegal memory access",
-            r"device-side assert",
+            r"device-side assert triggered",
             r"unspecified launch failure",
             r"misaligned address",
             r"illegal instruction",
@@ -67,6 +67,15 @@ _OOM = re.compile(
     )
 )
 
+# The advice torch appends to every CUDA error, OOM included ("... to enable device-side
+# assertions"): removed before matching so it cannot make an OOM look like a fault.
+_BOILERPLATE = re.compile(
+    r"CUDA kernel errors might be asynchronously reported[^\n]*"
+    r"|For debugging consider passing CUDA_LAUNCH_BLOCKING=1[^\n]*"
+    r"|Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions\.?"
+    r"|Search for `cudaError\w*' in https://[^\n]*"
+)
+
 # Any other CUDA runtime/driver failure: treat as a fault (recycle and retry, bounded by
 # executor.max_retries) rather than as a bug in our code.
 _CUDA_OTHER = re.compile(r"CUDA error:|CUDA driver error|CUDA error \d+|cudaError\w+")
@@ -88,7 +97,7 @@ def _inspect_text(exc: BaseException) -> bool:
 
 
 def _classify_one(exc: BaseException) -> FailureClass:
-    text = str(exc)
+    text = _BOILERPLATE.sub("", str(exc))
     inspect_text = _inspect_text(exc)
     if inspect_text and _FAULT.search(text):
         return "cuda_fault"
@@ -127,6 +136,7 @@ def classify_exception(exc: BaseException) -> FailureClass:
 def classify_text(text: str) -> FailureClass:
     """Classify a failure known only as text (a traceback tail or ``"Type: message"``), as
     the parent sees it when a worker reports a failure it could not classify itself."""
+    text = _BOILERPLATE.sub("", text)
     if _FAULT.search(text):
         return "cuda_fault"
     if "OutOfMemoryError" in text or "MemoryError:" in text or _OOM.search(text):

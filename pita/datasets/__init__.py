@@ -1,1 +1,78 @@
+"""Tasks (datasets): the registry, config validation and `build_task`.
 
+    task = build_task(cfg.dataset)                       # goal_walk, star_graph
+    task = build_task(cfg.dataset, tokenizer=tok)        # gsm8k, math500, aime
+    task = build_task(cfg.dataset, tokenizer=tok, scorer=rm_score)   # imdb, tldr
+
+Importing this package loads neither torch nor transformers: the orchestrator calls
+`validate_dataset_cfg` before it starts any process. Task modules are imported on demand.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+from .base import Example, Task, cfg_error
+
+# name -> module under pita.datasets that defines `validate_cfg(cfg) -> list[str]` and
+# `build(cfg, tokenizer=None, scorer=None) -> Task`
+REGISTRY: dict[str, str] = {
+    "goal_walk": "goal_walk",
+    "star_graph": "star_graph",
+    "gsm8k": "hub",
+    "math500": "hub",
+    "aime": "hub",
+    "imdb": "hub",
+    "tldr": "hub",
+}
+OFFLINE_TASKS = ("goal_walk", "star_graph")  # built in code, need no tokenizer or network
+
+__all__ = ["REGISTRY", "Example", "Task", "build_task", "task_names", "validate_dataset_cfg"]
+
+
+def task_names() -> list[str]:
+    return list(REGISTRY)
+
+
+def _as_dict(dataset_cfg: Mapping) -> dict[str, Any]:
+    """A plain dict of the keys that are set (dicts and OmegaConf DictConfigs).
+
+    A key whose value is None counts as not set (the config schema declares every task's
+    keys and leaves the other tasks' keys None), so the task's default applies.
+    """
+    if not isinstance(dataset_cfg, Mapping):
+        raise TypeError(f"dataset config must be a mapping, got {type(dataset_cfg).__name__}")
+    return {str(k): dataset_cfg[k] for k in dataset_cfg if dataset_cfg[k] is not None}
+
+
+def _module(name: str):
+    return importlib.import_module(f"{__name__}.{REGISTRY[name]}")
+
+
+def validate_dataset_cfg(dataset_cfg: Mapping) -> None:
+    """Raise ValueError naming every bad key: "dataset.<key>=<value>: <what is allowed>".
+
+    Several problems are joined with "; " on one line. Loads no torch/transformers and
+    touches no network (local paths are checked for existence).
+    """
+    cfg = _as_dict(dataset_cfg)
+    name = cfg.get("name")
+    if name not in REGISTRY:
+        raise ValueError(cfg_error("name", name, f"must be one of {', '.join(REGISTRY)}"))
+    errors = _module(name).validate_cfg(cfg)
+    if errors:
+        raise ValueError("; ".join(errors))
+
+
+def build_task(dataset_cfg: Mapping, tokenizer: Any = None, scorer: Any = None) -> Task:
+    """Build the task named by dataset_cfg["name"].
+
+    tokenizer: required for hub tasks (the model family's tokenizer, or a path/hub id to
+    load it from); ignored by goal_walk and star_graph, which build their own.
+    scorer: reward function for imdb/tldr, `fn(prompts, responses) -> list[float]`.
+    """
+    validate_dataset_cfg(dataset_cfg)
+    cfg = _as_dict(dataset_cfg)
+    return _module(cfg["name"]).build(cfg, tokenizer=tokenizer, scorer=scorer)

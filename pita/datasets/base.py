@@ -58,9 +58,13 @@ class Task(Protocol):
         self, rng: random.Random, batch_size: int
     ) -> list[tuple[list[int], list[int]]]: ...
 
-    def rewards(self, examples: Sequence[Example], responses: Sequence[Sequence[int]]) -> list[float]: ...
+    def rewards(
+        self, examples: Sequence[Example], responses: Sequence[Sequence[int]]
+    ) -> list[float]: ...
 
-    def answers(self, examples: Sequence[Example], responses: Sequence[Sequence[int]]) -> list[str]: ...
+    def answers(
+        self, examples: Sequence[Example], responses: Sequence[Sequence[int]]
+    ) -> list[str]: ...
 
     def extra_metrics(
         self, examples: Sequence[Example], responses: Sequence[Sequence[int]]
@@ -126,6 +130,10 @@ def check_unknown_keys(cfg: Mapping, allowed: set[str], errors: list[str]) -> No
         if str(key).startswith("_") or key in allowed:
             continue
         errors.append(
-            cfg_error(key, cfg[key], f"unknown key for dataset {cfg.get('name')!r}; "
-                      f"allowed keys: {', '.join(sorted(allowed))}")
+            cfg_error(
+                key,
+                cfg[key],
+                f"unknown key for dataset {cfg.get('name')!r}; "
+                f"allowed keys: {', '.join(sorted(allowed))}",
+            )
         )

@@ -23,9 +23,18 @@ UNK = "<unk>"
 SPECIALS = (EOS, PAD, UNK)
 
 
-def build_tokenizer(tokens: Sequence[str]) -> PreTrainedTokenizerFast:
-    """A left-padding word-level tokenizer over `tokens` plus EOS/PAD/UNK (ids in that order)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def build_tokenizer(
+    tokens: Sequence[str], *, drop: str = "", isolate: str = ""
+) -> PreTrainedTokenizerFast:
+    """A left-padding word-level tokenizer over `tokens` plus EOS/PAD/UNK (ids in that order).
+
+    Text is split on whitespace; then each character in `drop` is a separator that is
+    removed (star graph: ",") and each character in `isolate` becomes a token of its own
+    (star graph: "|/="), so "3,4|5,6" encodes like "3 4 | 5 6".
+    """
+    import re
+
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     tokens = list(tokens)
@@ -36,7 +45,12 @@ def build_tokenizer(tokens: Sequence[str]) -> PreTrainedTokenizerFast:
             raise ValueError(f"token {t!r} is empty, contains whitespace or is a special token")
     vocab = {t: i for i, t in enumerate([*tokens, *SPECIALS])}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    steps = [pre_tokenizers.WhitespaceSplit()]
+    if drop:
+        steps.append(pre_tokenizers.Split(Regex(f"[{re.escape(drop)}]"), "removed"))
+    if isolate:
+        steps.append(pre_tokenizers.Split(Regex(f"[{re.escape(isolate)}]"), "isolated"))
+    backend.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
     # No decoder: `tokenizers` then joins tokens with one space, the text form we want.
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,

@@ -1,0 +1,398 @@
+"""Batched generation in token space, with a hook for guided decoding.
+
+Written by hand because ``transformers.generate`` does not give what the experiments need
+in one pass: a per-step hook that sees the fed tokens, masks and raw logits (the value
+model keeps its own KV cache alongside), the log-prob of each sampled token under *both*
+the distribution actually sampled from and the model's own distribution (so KL(π‖π_ref)
+costs nothing extra), and no full-vocabulary scores kept across steps.
+
+How a batch is decoded:
+
+- prompts are sorted by length (longest first, so an out-of-memory shows up in the first
+  batch), cut into batches of ``batch_size`` and left-padded; results come back in input
+  order;
+- position ids are computed from the attention mask (``cumsum - 1``), so a left-padded row
+  sees exactly the positions it would see alone; the KV cache is the model's own
+  (``use_cache=True``) and only the newest token is fed after the first step;
+- each step turns the raw next-token logits ℓ into a token in this order (ALGORITHMS.md,
+  "Guided decoding"):
+
+  1. candidates: the ``top_k`` largest raw logits (all tokens when ``top_k == 0``);
+  2. guidance: ``ℓ + offsets`` from the offset hook (added on the candidates only, *before*
+     temperature, so the effective guidance strength is η / T);
+  3. temperature: divide by ``temperature``;
+  4. nucleus: keep the smallest set of tokens whose probability reaches ``top_p``;
+  5. sample with the generator (inverse CDF on uniform draws), or argmax when greedy;
+
+- a row that emits EOS is finished: it receives ``pad_token_id`` afterwards, its response
+  is cut after the EOS (EOS included), and the loop stops once every row is finished or
+  ``max_new_tokens`` is reached (``force_full_length`` ignores EOS, for worst-case memory
+  probes).
+
+Per step only the sampled token's two log-probs are kept, never a [B, V] tensor.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class GenerationOutput:
+    """What :func:`generate` returns, one entry per prompt, in input order."""
+
+    responses: list[list[int]]
+    """Generated ids, cut after the first EOS (EOS included) unless ``force_full_length``."""
+    logprobs: list[list[float]]
+    """log π(y_t | s_t) under the distribution actually sampled from (top-k, offsets,
+    temperature, top-p applied). For greedy decoding: that distribution's log-prob of the
+    argmax token (the greedy policy itself is a point mass)."""
+    base_logprobs: list[list[float]]
+    """log π_model(y_t | s_t) under the model's unmodified distribution (raw logits,
+    temperature 1, no filtering)."""
+
+    def kl(self) -> list[float]:
+        """Per-sequence Monte-Carlo KL(π‖π_model) = Σ_t [logprobs - base_logprobs]."""
+        return [sum(a) - sum(b) for a, b in zip(self.logprobs, self.base_logprobs)]
+
+
+class OffsetHook(Protocol):
+    """Additive logit offsets for guided decoding; one instance per batch (it may keep its
+    own KV cache across the steps of that batch).
+
+    Called once per step for the whole batch, finished rows included (their tokens are
+    replaced by pad afterwards):
+
+    - ``step_ids``: the ids fed to the model at this step: the left-padded prompts
+      ``[B, prompt_len]`` on the first call, then ``[B, 1]``;
+    - ``attention_mask``: ``[B, total_len_so_far]`` (0 on left padding);
+    - ``position_ids``: as fed to the model, same shape as ``step_ids``;
+    - ``logits``: the model's raw next-token logits ``[B, V]`` in fp32.
+
+    Returns offsets ``[B, V]`` added to the logits (only the top-k candidates matter when
+    ``top_k > 0``; those are ``torch.topk(logits, top_k)``), or None for no offset.
+    """
+
+    def __call__(
+        self,
+        step_ids: torch.LongTensor,
+        attention_mask: torch.LongTensor,
+        position_ids: torch.LongTensor,
+        logits: torch.FloatTensor,
+    ) -> torch.FloatTensor | None: ...
+
+
+# --- helpers shared with sequence scoring -------------------------------------------------
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device inputs go to (the first parameter's for device-mapped models)."""
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    return next(model.parameters()).device
+
+
+def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - exotic wrappers
+        return False
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """0, 1, 2, ... over the real tokens of each row; padding gets 0 (it is masked anyway)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
+
+
+def _check_prompts(prompts: Sequence[Sequence[int]]) -> None:
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty; a prompt needs at least one token (e.g. BOS)")
+
+
+# --- token selection ----------------------------------------------------------------------
+
+
+def _top_p_mask(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """True for tokens outside the nucleus: the smallest set whose probability >= top_p."""
+    sorted_scores, sorted_idx = scores.sort(dim=-1, descending=True)
+    probs = sorted_scores.softmax(dim=-1)
+    # Remove a token when the mass strictly before it already reaches top_p; the most
+    # likely token always survives (mass before it is 0).
+    remove_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+    return remove_sorted.scatter(-1, sorted_idx, remove_sorted)
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row by inverse CDF; the generator may live on another device than
+    ``probs`` (only B uniforms cross), which keeps a CPU generator reproducible on GPU."""
+    rand_device = generator.device if generator is not None else probs.device
+    u = torch.rand(
+        probs.shape[0], 1, generator=generator, device=rand_device, dtype=torch.float64
+    ).to(probs.device)
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # u < 1, but u * total may round up to total; stay strictly below so the draw lands on
+    # a token with positive probability (cdf jumps there).
+    v = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    tok = torch.searchsorted(cdf, v, right=True).squeeze(1)
+    return tok.clamp_(max=probs.shape[-1] - 1)
+
+
+def select_tokens(
+    logits: torch.Tensor,
+    offsets: torch.Tensor | None,
+    *,
+    do_sample: bool,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token, log-prob under the processed distribution, log-prob under raw logits), each
+    [B], from raw fp32 logits [B, V]; see the module docstring for the order of steps."""
+    base_logp = logits.log_softmax(dim=-1)
+    scores = logits
+    if 0 < top_k < logits.shape[-1]:
+        cand = logits.topk(top_k, dim=-1).indices
+        scores = torch.full_like(logits, float("-inf")).scatter(-1, cand, logits.gather(-1, cand))
+    if offsets is not None:
+        scores = scores + offsets.to(device=scores.device, dtype=scores.dtype)
+    if temperature != 1.0:
+        scores = scores / temperature
+    if top_p < 1.0:
+        scores = scores.masked_fill(_top_p_mask(scores, top_p), float("-inf"))
+    logp = scores.log_softmax(dim=-1)
+    tok = _sample(logp.exp(), generator) if do_sample else scores.argmax(dim=-1)
+    idx = tok.unsqueeze(-1)
+    return tok, logp.gather(-1, idx).squeeze(-1), base_logp.gather(-1, idx).squeeze(-1)
+
+
+# --- generation ---------------------------------------------------------------------------
+
+
+def _left_pad(
+    rows: Sequence[Sequence[int]], pad_token_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for b, r in enumerate(rows):
+        if len(r):
+            ids[b, width - len(r) :] = torch.as_tensor(r, dtype=torch.long)
+            mask[b, width - len(r) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def generate(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    batch_size: int,
+    pad_token_id: int,
+    eos_token_id: int | Sequence[int],
+    do_sample: bool = True,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    offset_hook_factory: Callable[[], OffsetHook] | None = None,
+    force_full_length: bool = False,
+) -> GenerationOutput:
+    """Generate a continuation for every prompt (token ids in, token ids out).
+
+    ``eos_token_id`` may be a list (e.g. Llama 3's several end tokens). Sampling draws
+    from ``generator`` (seed it for reproducible samples). ``offset_hook_factory`` is
+    called once per batch; see :class:`OffsetHook`.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: must be >= 1")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature}: must be > 0 (use do_sample=False)")
+    if top_k < 0:
+        raise ValueError(f"top_k={top_k}: must be >= 0 (0 disables it)")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p}: must be in (0, 1]")
+    _check_prompts(prompts)
+    n = len(prompts)
+    out = GenerationOutput([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)])
+    if n == 0 or max_new_tokens == 0:
+        return out
+
+    device = model_device(model)
+    eos = torch.as_tensor(
+        [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device
+    )
+    keep = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
+    order = sorted(range(n), key=lambda i: -len(prompts[i]))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            for start in range(0, n, batch_size):
+                idx = order[start : start + batch_size]
+                hook = offset_hook_factory() if offset_hook_factory is not None else None
+                tokens, lps, blps, lengths = _generate_batch(
+                    model,
+                    [prompts[i] for i in idx],
+                    hook=hook,
+                    keep=keep,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=pad_token_id,
+                    eos=eos,
+                    do_sample=do_sample,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    generator=generator,
+                    force_full_length=force_full_length,
+                )
+                for b, i in enumerate(idx):
+                    length = lengths[b]
+                    out.responses[i] = tokens[b][:length]
+                    out.logprobs[i] = lps[b][:length]
+                    out.base_logprobs[i] = blps[b][:length]
+    finally:
+        model.train(was_training)
+    return out
+
+
+def _generate_batch(
+    model: torch.nn.Module,
+    rows: list[list[int]],
+    *,
+    hook: OffsetHook | None,
+    keep: dict[str, int],
+    max_new_tokens: int,
+    pad_token_id: int,
+    eos: torch.Tensor,
+    do_sample: bool,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator | None,
+    force_full_length: bool,
+) -> tuple[list[list[int]], list[list[float]], list[list[float]], list[int]]:
+    """Decode one left-padded batch; returns per-row tokens, log-probs and lengths."""
+    device = eos.device
+    step_ids, attn = _left_pad(rows, pad_token_id, device)
+    pos = position_ids_from_mask(attn)
+    n_rows = len(rows)
+    finished = torch.zeros(n_rows, dtype=torch.bool, device=device)
+    lengths = torch.full((n_rows,), max_new_tokens, dtype=torch.long, device=device)
+    pad = torch.full((n_rows,), pad_token_id, dtype=torch.long, device=device)
+    ones = torch.ones((n_rows, 1), dtype=attn.dtype, device=device)
+    tokens, lps, blps = [], [], []
+    cache = None
+    for t in range(max_new_tokens):
+        fwd = model(
+            input_ids=step_ids,
+            attention_mask=attn,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            **keep,
+        )
+        cache = fwd.past_key_values
+        logits = fwd.logits[:, -1, :].float()
+        del fwd
+        offsets = hook(step_ids, attn, pos, logits) if hook is not None else None
+        tok, lp, blp = select_tokens(
+            logits,
+            offsets,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            generator=generator,
+        )
+        tok = torch.where(finished, pad, tok)
+        tokens.append(tok)
+        lps.append(lp)
+        blps.append(blp)
+        if not force_full_length:
+            hit = ~finished & torch.isin(tok, eos)
+            lengths = torch.where(hit, t + 1, lengths)
+            finished |= hit
+            if bool(finished.all()):
+                break
+        if t + 1 < max_new_tokens:
+            step_ids = tok.unsqueeze(-1)
+            attn = torch.cat([attn, ones], dim=-1)
+            pos = pos[:, -1:] + 1
+    return (
+        torch.stack(tokens, dim=1).tolist(),
+        torch.stack(lps, dim=1).tolist(),
+        torch.stack(blps, dim=1).tolist(),
+        lengths.tolist(),
+    )
+
+
+def sequence_logprobs(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    *,
+    batch_size: int,
+    pad_token_id: int,
+) -> list[list[float]]:
+    """Teacher-forced log π(response_t | prompt, response_<t) for every response token.
+
+    One forward per batch of ``batch_size`` pairs. Each row is laid out as
+    ``[pad…][prompt][response][pad…]`` with the prompts' ends aligned, exactly as
+    :func:`generate` feeds them, so both give the same numbers up to float rounding.
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: must be >= 1")
+    _check_prompts(prompts)
+    n = len(prompts)
+    result: list[list[float]] = [[] for _ in range(n)]
+    device = model_device(model)
+    supports_keep = _accepts_logits_to_keep(model)
+    order = sorted(range(n), key=lambda i: -len(prompts[i]))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            for start in range(0, n, batch_size):
+                idx = [i for i in order[start : start + batch_size] if len(responses[i])]
+                if not idx:
+                    continue
+                r_max = max(len(responses[i]) for i in idx)
+                prompt_ids, prompt_mask = _left_pad([prompts[i] for i in idx], pad_token_id, device)
+                resp_ids = torch.full((len(idx), r_max), pad_token_id, dtype=torch.long)
+                resp_mask = torch.zeros((len(idx), r_max), dtype=torch.long)
+                for b, i in enumerate(idx):
+                    resp_ids[b, : len(responses[i])] = torch.as_tensor(responses[i])
+                    resp_mask[b, : len(responses[i])] = 1
+                resp_ids, resp_mask = resp_ids.to(device), resp_mask.to(device)
+                ids = torch.cat([prompt_ids, resp_ids], dim=1)
+                mask = torch.cat([prompt_mask, resp_mask], dim=1)
+                # Logits at columns P-1 .. P+R-2 predict the R response tokens.
+                extra = {"logits_to_keep": r_max + 1} if supports_keep else {}
+                logits = model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=position_ids_from_mask(mask),
+                    use_cache=False,
+                    **extra,
+                ).logits[:, -(r_max + 1) : -1]
+                for b, i in enumerate(idx):  # fp32 log-softmax one row at a time: bounded memory
+                    length = len(responses[i])
+                    row = logits[b, :length].float().log_softmax(dim=-1)
+                    result[i] = row.gather(-1, resp_ids[b, :length, None]).squeeze(-1).tolist()
+                del logits
+    finally:
+        model.train(was_training)
+    return result

@@ -1,0 +1,41 @@
+"""Shared helpers: run the real command line in a subprocess, in a temporary folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("pretrain", "collect", "collect_merge", "reward_model", "train", "evaluate", "evaluate_merge")
+
+
+def sleep_overrides(fn: str = "tests.fault_stages:sleep_stage") -> list[str]:
+    """Replace every stage with a test stage (the orchestrator is what is under test)."""
+    return [f"+executor.stage_overrides.any.{s}={fn}" for s in STAGES]
+
+
+def run_cli(args: list[str], cwd: Path, env: dict | None = None, timeout: float = 180,
+            script: str = "run_parallel.py") -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_dirs(cwd: Path, name: str) -> list[Path]:
+    return sorted(p for p in (cwd / "outputs" / name).glob("*") if p.is_dir())
+
+
+def journal(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "journal.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def markers(tmp_path: Path) -> Path:
+    folder = tmp_path / "markers"
+    folder.mkdir()
+    return folder

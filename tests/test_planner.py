@@ -1,0 +1,80 @@
+"""The planner: chains × rounds × stages, shards and merges, per-chain dependencies only."""
+
+from __future__ import annotations
+
+import pytest
+
+from pita.core.cli import compose_config
+from pita.core.errors import ConfigError
+from pita.core.planner import plan_experiment
+from tests.conftest import sleep_overrides
+
+
+def _plan(overrides, n_devices=2, device_mb=None):
+    cfg = compose_config(overrides)
+    return cfg, plan_experiment(cfg, n_devices, device_mb=device_mb)
+
+
+def test_dag_2_algos_2_datasets_2_families_3_rounds():
+    cfg, plan = _plan(["algos.reference.enabled=false", "algos.QSharp.enabled=true", "algos.DPO.enabled=true",
+                       "experiment.datasets=[goal_walk,star_graph]", "experiment.families=[tiny,gpt2]",
+                       "rounds_of_training=3", *sleep_overrides()])
+    tasks = plan.tasks
+    chains = {t.chain for t in tasks.values() if t.stage != "pretrain"}
+    assert len(chains) == 2 * 2 * 2
+    # per round: collect (2 shards + merge), train, evaluate (2 shards + merge) = 7 tasks
+    per_chain = {c: [t for t in tasks.values() if t.chain == c] for c in chains}
+    assert all(len(ts) == 3 * 7 for ts in per_chain.values())
+    # pretrain only for the family built in the run (tiny), once per dataset
+    assert sorted(t.id for t in tasks.values() if t.stage == "pretrain") == [
+        "pretrain.goal_walk.tiny", "pretrain.star_graph.tiny"]
+    # no edge between chains: every dependency is in the same chain or a shared pretrain
+    for t in tasks.values():
+        for d in t.deps:
+            dep = tasks[d]
+            assert dep.chain == t.chain or dep.stage == "pretrain", (t.id, d)
+    # round r collect depends on round r-1 train of its own chain
+    c = "QSharp.star_graph.gpt2"
+    collect_r1 = tasks[f"{c}.r1.collect.s00"]
+    assert f"{c}.r0.train" in collect_r1.deps and collect_r1.inputs["guide"] == f"{c}.r0.train"
+    # train aggregates the data of every round so far (DAgger)
+    assert tasks[f"{c}.r2.train"].inputs["data"] == [f"{c}.r0.collect", f"{c}.r1.collect", f"{c}.r2.collect"]
+    # the merge depends on its shards; evaluate depends on its round's train
+    assert tasks[f"{c}.r1.evaluate"].deps == [f"{c}.r1.evaluate.s00", f"{c}.r1.evaluate.s01"]
+    assert tasks[f"{c}.r1.evaluate.s00"].inputs["policy"] == f"{c}.r1.train"
+    # insertion order is topological
+    seen = set()
+    for tid, t in tasks.items():
+        assert all(d in seen for d in t.deps), tid
+        seen.add(tid)
+
+
+def test_critical_path_priority_prefers_long_chains():
+    _, plan = _plan(["algos.QSharp.enabled=true", "rounds_of_training=3", *sleep_overrides()])
+    t = plan.tasks
+    assert t["QSharp.goal_walk.tiny.r0.collect.s00"].priority > t["reference.goal_walk.tiny.r0.evaluate.s00"].priority
+    assert t["pretrain.goal_walk.tiny"].priority >= max(x.priority for x in t.values() if x.stage != "pretrain")
+
+
+def test_shard_ranges_weighted_and_cover_everything():
+    from pita.core.gpu_manager import GPUManager
+
+    gpu = GPUManager("fake:[80GB,40GB,40GB]")
+    assert gpu.distribute_work(100) == [(0, 50), (50, 75), (75, 100)]
+    assert gpu.distribute_work(2) == [(0, 1), (1, 2)]  # fewer items than devices: empty parts dropped
+    cfg = compose_config(["algos.QSharp.enabled=true", *sleep_overrides()])
+    plan = plan_experiment(cfg, 3, distribute=lambda n: [(a / 100, b / 100) for a, b in gpu.distribute_work(100, n)])
+    shards = [plan.tasks[f"QSharp.goal_walk.tiny.r0.collect.s0{i}"].shard_range for i in range(3)]
+    assert shards == [(0.0, 0.5), (0.5, 0.75), (0.75, 1.0)]
+
+
+def test_task_larger_than_any_device_is_refused():
+    with pytest.raises(ConfigError, match="model.memory_gb: task .* needs ~"):
+        _plan(["model.memory_gb=100", *sleep_overrides()], n_devices=2, device_mb=[80 * 1024, 80 * 1024])
+    with pytest.raises(ConfigError, match="model.gpus_per_task=4"):
+        _plan(["model.gpus_per_task=4", *sleep_overrides()], n_devices=2)
+
+
+def test_unimplemented_stage_is_a_config_error():
+    with pytest.raises(ConfigError, match="algos.QSharp.enabled=true: stage 'collect' of QSharp"):
+        _plan(["algos.QSharp.enabled=true", *sleep_overrides(), "+executor.stage_overrides.QSharp.collect=nowhere.module:fn"])

@@ -1,0 +1,227 @@
+"""The star-graph task G(d, l, N): generator, text form, splits, reward, trap metrics."""
+
+import json
+import random
+
+import pytest
+
+from pita.datasets import Task, build_task, validate_dataset_cfg
+from pita.datasets.star_graph import (
+    StarGraph,
+    StarGraphTask,
+    generate_graph,
+    num_distinct_graphs,
+)
+from pita.datasets.vocab import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def task() -> StarGraphTask:
+    return build_task(
+        {
+            "name": "star_graph",
+            "degree": 2,
+            "path_length": 5,
+            "num_nodes": 20,
+            "train_size": 500,
+            "test_size": 300,
+            "seed": 0,
+        }
+    )
+
+
+def arms_of(graph: StarGraph) -> list[list[int]]:
+    nxt = {}
+    for u, v in graph.edges:
+        nxt.setdefault(u, []).append(v)
+    arms = []
+    for first in nxt[graph.source]:
+        arm = [graph.source, first]
+        while arm[-1] in nxt:
+            assert len(nxt[arm[-1]]) == 1, "only the source branches"
+            arm.append(nxt[arm[-1]][0])
+        arms.append(arm)
+    return arms
+
+
+@pytest.mark.parametrize("d,l,n", [(2, 5, 20), (5, 5, 50), (3, 8, 50), (2, 2, 3), (4, 3, 9)])
+def test_generator_shape(d, l, n):
+    rng = random.Random(d * 100 + l)
+    for _ in range(50):
+        g = generate_graph(rng, d, l, n)
+        assert len(g.edges) == d * (l - 1)
+        arms = arms_of(g)
+        assert len(arms) == d, "d arms leave the source"
+        assert all(len(a) == l for a in arms), "each arm has l nodes"
+        inner = [v for a in arms for v in a[1:]]
+        assert len(set(inner)) == len(inner) and g.source not in inner, "arms are disjoint"
+        assert all(0 <= v < n for v in inner)
+        assert g.source != g.goal
+        assert list(g.path) in arms and g.path[0] == g.source and g.path[-1] == g.goal
+        assert sum(g.goal in a for a in arms) == 1
+
+
+def test_edges_are_shuffled():
+    rng = random.Random(0)
+    graphs = [generate_graph(rng, 2, 5, 20) for _ in range(50)]
+    assert len({g.edges[0] for g in graphs}) > 10
+    assert any(g.edges[0][0] != g.source for g in graphs), "edge order is not arm order"
+
+
+def test_text_round_trip(task):
+    g = task.graph_of(task.test_examples()[0])
+    text = g.to_text()
+    assert text.count("|") == len(g.edges) - 1 and text.count("=") == 1 and "/" in text
+    assert StarGraph.from_text(text) == g
+    prompt_only = StarGraph.from_text(g.prompt_text())
+    assert prompt_only == g, "the path is recovered from the edges"
+    fixed = StarGraph.from_text("0,1|1,2|0,3|3,4/0,4=0,3,4")
+    assert fixed.edges == ((0, 1), (1, 2), (0, 3), (3, 4)) and fixed.path == (0, 3, 4)
+    with pytest.raises(ValueError, match="not a star-graph text"):
+        StarGraph.from_text("0-1/0,1=")
+
+
+def test_tokens(task):
+    ex = task.test_examples()[0]
+    g = task.graph_of(ex)
+    assert len(ex.prompt_ids) == 27 == task.prompt_length  # 3·d·(l−1) + 3 for G(2,5)
+    assert ex.target_ids == [*g.path, task.eos_id] and task.max_new_tokens == 6
+    tok = task.tokenizer
+    assert tok(g.prompt_text())["input_ids"] == ex.prompt_ids, "commas dropped, |/= isolated"
+    assert tok(g.to_text())["input_ids"] == ex.prompt_ids + ex.target_ids[:-1]
+    decoded = tok.decode(ex.prompt_ids)
+    assert decoded.endswith(f"/ {g.source} {g.goal} =") and "," not in decoded
+    assert len(tok) == 20 + 3 + 3  # nodes, | = /, eos pad unk
+    assert tok.padding_side == "left" and tok.bos_token_id is None
+    json.dumps(ex.meta)
+    assert isinstance(task, Task)
+
+
+def test_tokenizer_save_load(task, tmp_path):
+    task.save_tokenizer(str(tmp_path))
+    tok = load_tokenizer(str(tmp_path))
+    g = task.graph_of(task.train_examples()[0])
+    assert tok(g.to_text())["input_ids"] == task.tokenizer(g.to_text())["input_ids"]
+    assert tok.padding_side == "left" and tok.eos_token_id == task.eos_id
+
+
+def test_splits_are_seeded_and_disjoint(task):
+    train, test = task.train_examples(), task.test_examples()
+    assert len(train) == 500 and len(test) == 300
+    test_keys = {task.graph_of(e).key() for e in test}
+    assert not test_keys & {task.graph_of(e).key() for e in train}
+    again = StarGraphTask(train_size=500, test_size=300)
+    assert [e.prompt_ids for e in again.test_examples()] == [e.prompt_ids for e in test]
+    other = StarGraphTask(train_size=500, test_size=300, seed=1)
+    assert [e.prompt_ids for e in other.test_examples()] != [e.prompt_ids for e in test]
+
+
+def test_splits_disjoint_when_collisions_are_likely():
+    # G(2,2,4): only 24 distinct graphs, so train draws often hit test graphs and are skipped
+    small = StarGraphTask(degree=2, path_length=2, num_nodes=4, train_size=200, test_size=5)
+    assert num_distinct_graphs(2, 2, 4) == 24
+    test_keys = small.test_keys()
+    assert all(small.graph_of(e).key() not in test_keys for e in small.train_examples())
+    batch = small.pretrain_batch(random.Random(0), 200)
+    for prompt, target in batch:
+        g = StarGraph.from_text(_to_text(small, prompt))
+        assert g.key() not in test_keys
+        assert target == [*g.path, small.eos_id]
+
+
+def _to_text(task, prompt_ids):
+    """Prompt ids back to the text form: "u v | u v / s g =" -> "u,v|u,v/s,g="."""
+    toks = task.tokenizer.convert_ids_to_tokens(prompt_ids)
+    out, nums = [], []
+    for t in toks:
+        if t.isdigit():
+            nums.append(t)
+            continue
+        if nums:
+            out.append(",".join(nums))
+            nums = []
+        out.append(t)
+    return "".join(out)
+
+
+def test_num_distinct_graphs_by_enumeration():
+    rng = random.Random(0)
+    seen = {generate_graph(rng, 2, 3, 5).key() for _ in range(20000)}
+    assert len(seen) == num_distinct_graphs(2, 3, 5) == 5 * 4 * 3 * 2
+
+
+def test_pretrain_batch_fresh(task):
+    batch = task.pretrain_batch(random.Random(7), 64)
+    assert len(batch) == 64
+    assert all(len(p) == 27 and len(t) == 6 and t[-1] == task.eos_id for p, t in batch)
+    assert batch == task.pretrain_batch(random.Random(7), 64)
+    assert batch != task.pretrain_batch(random.Random(8), 64)
+
+
+def test_rewards_and_trap_metrics(task):
+    ex = task.test_examples()[0]
+    g = task.graph_of(ex)
+    eos, pad = task.eos_id, task.tokenizer.pad_token_id
+    wrong_arm = next(a for a in arms_of(g) if a != list(g.path))
+    path = list(g.path)
+    responses = [
+        [*path, eos],  # exact: 1
+        [*path, eos, pad, pad],  # padding after EOS ignored: 1
+        [*path],  # no EOS: 0 (first step right)
+        [*path[:-1], path[-2], eos],  # first step right, wrong later: 0
+        [*wrong_arm, eos],  # the trap: wrong first step: 0
+        [*path, path[-1], eos],  # too long: 0
+        [eos],  # empty: 0
+    ]
+    examples = [ex] * len(responses)
+    assert task.rewards(examples, responses) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert [task.first_step_correct(ex, r) for r in responses] == [
+        True,
+        True,
+        True,
+        True,
+        False,
+        True,
+        False,
+    ]
+    assert task.accuracy_after_first_step(examples, responses) == pytest.approx(2 / 5)
+    metrics = task.extra_metrics(examples, responses)
+    assert metrics == {
+        "first_step_acc": pytest.approx(5 / 7),
+        "acc_after_first_step": pytest.approx(2 / 5),
+    }
+    answers = task.answers(examples, responses)
+    assert answers[0] == answers[1] == ",".join(map(str, path)) and answers[2] == ""
+
+
+def test_trapped_policy_numbers(task):
+    """A 'model' that guesses the arm and then follows edges: ≈ 1/d exact, 1.0 after step 1."""
+    rng = random.Random(0)
+    examples = task.test_examples()
+    responses = [[*rng.choice(arms_of(task.graph_of(e))), task.eos_id] for e in examples]
+    acc = sum(task.rewards(examples, responses)) / len(examples)
+    assert acc == pytest.approx(0.5, abs=0.08)
+    metrics = task.extra_metrics(examples, responses)
+    assert metrics["acc_after_first_step"] == 1.0
+    assert metrics["first_step_acc"] == pytest.approx(acc)
+
+
+@pytest.mark.parametrize(
+    "cfg,key",
+    [
+        ({"degree": 1}, "degree"),
+        ({"path_length": 1}, "path_length"),
+        ({"num_nodes": 8}, "num_nodes"),  # G(2,5) needs >= 9
+        ({"degree": 5, "path_length": 5, "num_nodes": 20}, "num_nodes"),
+        ({"train_size": 0}, "train_size"),
+        ({"test_size": 0}, "test_size"),
+        ({"degree": 2, "path_length": 2, "num_nodes": 3, "test_size": 4}, "test_size"),
+        ({"nodes": 20}, "nodes"),
+    ],
+)
+def test_validation_names_the_key(cfg, key):
+    with pytest.raises(ValueError) as e:
+        validate_dataset_cfg({"name": "star_graph", **cfg})
+    assert str(e.value).startswith(f"dataset.{key}=") and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=f"dataset.{key}="):
+        build_task({"name": "star_graph", **cfg})
