@@ -128,6 +128,15 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
     return cfg, run_dir
 
 
+def preflight(cfg: DictConfig) -> None:
+    """Everything that can be checked before a folder or a process exists: values, the
+    devices (NVML only, no CUDA context) and the plan (e.g. a task no device can hold)."""
+    from pita.core.runner import build_plan, make_gpu_manager
+
+    validate(cfg, project_root=PROJECT_ROOT)
+    build_plan(cfg, make_gpu_manager(cfg))
+
+
 def _print_config_error(exc: ConfigError) -> None:
     for line in exc.messages:
         print(f"error: {line}", file=sys.stderr)
@@ -144,6 +153,9 @@ def main(argv: list[str] | None = None) -> None:
         try:
             cfg, run_dir = load_resume_config(resume, [o for o in overrides if not o.startswith("resume_from=")])
             validate(cfg, project_root=PROJECT_ROOT)
+            from pita.core.runner import make_gpu_manager
+
+            make_gpu_manager(cfg)
         except ConfigError as exc:
             _print_config_error(exc)
             sys.exit(2)
@@ -154,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if not info_only:
         try:
-            validate(compose_config(overrides), project_root=PROJECT_ROOT)
+            preflight(compose_config(overrides))
         except ConfigError as exc:
             _print_config_error(exc)
             sys.exit(2)

@@ -144,6 +144,13 @@ class DatasetConfig:
     split: Optional[str] = _help("Hub split for evaluation.", None)
     max_prompt_tokens: Optional[int] = _help("Truncate prompts to this many tokens (hub tasks).", None)
     max_new_tokens: Optional[int] = _help("Response budget (hub tasks).", None)
+    train_path: Optional[str] = _help("Local .jsonl of training prompts (hub tasks).", None)
+    train_split: Optional[str] = _help("Hub split of training prompts.", None)
+    hub_config: Optional[str] = _help("Hub dataset config name (e.g. main for gsm8k).", None)
+    cache_dir: Optional[str] = _help("datasets cache folder.", None)
+    prompt_template: Optional[str] = _help("Python format string with {question}.", None)
+    use_chat_template: Optional[bool] = _help("Wrap prompts with the tokenizer's chat template.", None)
+    prompt_words: Optional[int] = _help("Truncate prompt text to this many words.", None)
 
 
 def dataset_keys(dataset_cfg: Any) -> dict:
@@ -304,10 +311,9 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
     errors: list[str] = []
     e = errors
 
-    _check(e, bool(_NAME_RE.match(str(cfg.experiment.name))), "experiment.name", cfg.experiment.name,
-           "letters, digits, '.', '_' and '-' only (it names a folder inside outputs/)")
-    _check(e, ".." not in str(cfg.experiment.name), "experiment.name", cfg.experiment.name,
-           "may not contain '..' (the run folder must stay inside outputs/)")
+    name = str(cfg.experiment.name)
+    _check(e, bool(_NAME_RE.match(name)) and ".." not in name, "experiment.name", name,
+           "letters, digits, '.', '_' and '-' only, no '..' (it names a folder inside outputs/)")
     try:
         validate_devices_spec(cfg.system.devices)
     except ConfigError as exc:
