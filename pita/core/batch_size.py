@@ -208,6 +208,15 @@ def estimate_from_config(
                           weights_bytes=weights)
 
 
+def _checkpointing(model: Any) -> bool:
+    """Whether activation checkpointing is on (the property was renamed in transformers 5;
+    looked up on the class so the deprecated one is not called)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
 def estimate_from_model(
     model: Any,
     *,
@@ -234,7 +243,7 @@ def estimate_from_model(
             n_params=sum(p.numel() for p in params),
             trainable_params=sum(p.numel() for p in params if p.requires_grad),
             num_return_sequences=num_return_sequences,
-            gradient_checkpointing=bool(getattr(model, "is_gradient_checkpointing", False)),
+            gradient_checkpointing=_checkpointing(model),
         )
     except (AttributeError, TypeError, ValueError, ZeroDivisionError):
         return None
@@ -983,7 +992,7 @@ def training_probe(
         raise ValueError("training_probe with make_batch needs seq_tokens (>= 1)")
     estimate = estimate_from_model(model, mode="train", prompt_tokens=tokens)
     key = {**_model_key(model), "seq_tokens": tokens, "steps": max(2, steps),
-           "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False))}
+           "gradient_checkpointing": _checkpointing(model)}
 
     def factory() -> ProbeSetup | None:
         if not _cuda_available() or not _cuda_devices([model]):

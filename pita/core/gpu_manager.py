@@ -209,6 +209,7 @@ class GPUManager:
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PITA_TORCH_THREADS"):
             env[var] = threads
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         return env
 
     # ---- work splitting ------------------------------------------------------------------

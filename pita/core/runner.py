@@ -114,7 +114,7 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
     elif in_process:
         executor = InProcessExecutor(gpu, cfg.executor.model_cache_size)
     else:
-        executor = WorkerPool.from_config(gpu, cfg.executor)
+        executor = WorkerPool.from_config(gpu, cfg.executor, log_dir=run_dir / "workers")
         executor.warm_up([(d.index,) for d in gpu.devices][: len(plan.tasks) - len(done)])
     scheduler = make_scheduler(cfg, gpu)
     monitor = Monitor(gpu, executor, paths.gpu_monitor, cfg.executor.monitor_interval_s,
@@ -135,12 +135,13 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
         summary = runner.summary
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
-        executor.shutdown(kill=interrupted)
-        try:
-            monitor.sample()
-        except Exception:
-            pass
         monitor.stop()
+        if not interrupted:
+            try:
+                monitor.sample()  # a last summary while the workers still report
+            except Exception:
+                pass
+        executor.shutdown(kill=interrupted)
     journal.append("run_interrupted" if interrupted else "run_finished", done=len(runner.done),
                    failed=len(summary.failed), skipped=len(summary.skipped), wall_s=round(time.time() - t0, 2))
     journal.close()

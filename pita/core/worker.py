@@ -194,6 +194,13 @@ class Worker:
             return
         if threads > 0:
             torch.set_num_threads(threads)
+        try:  # per-task logs say what happens; library progress bars only clutter them
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+            hf_logging.set_verbosity_error()
+        except ImportError:
+            pass
         if self.kind == "cuda" and torch.cuda.is_available():
             self.device = "cuda"
 

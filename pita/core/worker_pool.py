@@ -86,8 +86,9 @@ class WorkerPool:
     def __init__(self, gpu_manager, *, max_tasks_per_device: int = 1, max_tasks_per_worker: int = 200,
                  task_timeout_s: float = 7200.0, heartbeat_s: float = 2.0, heartbeat_timeout_s: float = 120.0,
                  start_timeout_s: float = 300.0, model_cache_size: int = 2, preimport: bool = True,
-                 extra_env: dict[str, str] | None = None):
+                 extra_env: dict[str, str] | None = None, log_dir: Path | None = None):
         self.gpu = gpu_manager
+        self.log_dir = Path(log_dir) if log_dir else None
         self.max_tasks_per_device = max_tasks_per_device
         self.max_tasks_per_worker = max_tasks_per_worker
         self.task_timeout_s = task_timeout_s
@@ -108,12 +109,14 @@ class WorkerPool:
         self._dispatcher.start()
 
     @classmethod
-    def from_config(cls, gpu_manager, executor_cfg, extra_env: dict[str, str] | None = None) -> "WorkerPool":
+    def from_config(cls, gpu_manager, executor_cfg, extra_env: dict[str, str] | None = None,
+                    log_dir: Path | None = None) -> "WorkerPool":
         return cls(
             gpu_manager, max_tasks_per_device=executor_cfg.max_tasks_per_gpu,
             max_tasks_per_worker=executor_cfg.max_tasks_per_worker, task_timeout_s=executor_cfg.task_timeout_s,
             heartbeat_s=executor_cfg.heartbeat_s, heartbeat_timeout_s=executor_cfg.heartbeat_timeout_s,
             model_cache_size=executor_cfg.model_cache_size, preimport=executor_cfg.preimport, extra_env=extra_env,
+            log_dir=log_dir,
         )
 
     # ---- public interface ----------------------------------------------------------------
@@ -199,7 +202,14 @@ class WorkerPool:
                "--cache-size", str(self.model_cache_size)]
         if self.preimport:
             cmd.append("--preimport")
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, start_new_session=True, cwd=root)
+        out = None
+        if self.log_dir is not None:  # a worker's own stdout/stderr (library noise, crashes)
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"worker-{worker_id}.log", "ab")
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=out, stderr=out,
+                                start_new_session=True, cwd=root)
+        if out is not None:
+            out.close()  # the child holds its own descriptor
         proc.stdin.write((self._authkey.hex() + "\n").encode())
         proc.stdin.close()
         handle = WorkerHandle(worker_id, devices, proc)

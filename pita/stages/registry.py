@@ -28,6 +28,22 @@ STAGE_FUNCTIONS: dict[tuple[str, str], str] = {
     ("*", "pretrain"): "pita.stages.pretrain:pretrain",
     ("*", "evaluate"): "pita.stages.evaluate:evaluate_shard",
     ("*", "evaluate_merge"): "pita.stages.evaluate:evaluate_merge",
+    ("*", "collect_merge"): "pita.stages.collect:collect_merge",
+    # value-guided decoding (pita/algos/qsharp.py, pita_algo.py, qsharp_hf.py)
+    ("QSharp", "collect"): "pita.algos.qsharp:collect",
+    ("QSharp", "train"): "pita.algos.qsharp:train",
+    ("PITA", "collect"): "pita.algos.pita_algo:collect",
+    ("PITA", "train"): "pita.algos.pita_algo:train",
+    ("QSharp-HF", "collect"): "pita.algos.qsharp_hf:collect",
+    ("QSharp-HF", "reward_model"): "pita.algos.reward_model:train_reward_model",
+    ("QSharp-HF", "train"): "pita.algos.qsharp_hf:train",
+    # policy-optimisation baselines with TRL (pita/algos/dpo.py, grpo.py)
+    ("DPO", "collect"): "pita.algos.dpo:collect",
+    ("DPO", "train"): "pita.algos.dpo:train",
+    ("GRPO", "train"): "pita.algos.grpo:train",
+    ("GRPO-HF", "collect"): "pita.algos.dpo:collect",
+    ("GRPO-HF", "reward_model"): "pita.algos.reward_model:train_reward_model",
+    ("GRPO-HF", "train"): "pita.algos.grpo:train_hf",
     ("diagnostic", "device_check"): "pita.stages.diagnostic:device_check",
 }
 

@@ -1,0 +1,1 @@
+"""Evaluation metrics (pure Python; no torch)."""

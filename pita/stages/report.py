@@ -1,0 +1,142 @@
+"""The run's report: results/summary.csv, summary.md, the printed table and the plots.
+
+Runs in the orchestrator after the DAG finished (matplotlib, no torch). One row per
+(algo, dataset, family, round, eta) from every evaluate merge's `metrics.json`; the
+columns of DESIGN §6 first, then task-specific ones (e.g. `acc_after_first_step` on the
+star graph, `valid_walk` and the analytic `optimum_pass@1` on goal-walk). `wall_s` is the
+chain's cumulative task time (shared pretrain excluded) up to and including that round.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import math
+from pathlib import Path
+
+from pita.core.paths import RunPaths, atomic_write_text
+from pita.core.planner import Plan
+
+log = logging.getLogger("pita.report")
+
+COLUMNS = ["algo", "dataset", "family", "round", "eta", "n_prompts", "samples", "pass@1", "maj@k", "avg_reward",
+           "kl", "wall_s"]
+ALGO_ORDER = ["reference", "PITA", "QSharp", "QSharp-HF", "DPO", "GRPO", "GRPO-HF"]
+
+
+def collect_rows(plan: Plan, run_dir: Path) -> list[dict]:
+    paths = RunPaths(run_dir)
+    walls: dict[str, float] = {}
+    for t in plan.tasks.values():
+        result = paths.task(t.id).result
+        if result.is_file():
+            walls[t.id] = json.loads(result.read_text()).get("wall_s", 0.0)
+    rows = []
+    for t in plan.tasks.values():
+        if t.stage != "evaluate_merge":
+            continue
+        metrics = paths.task(t.id).final / "metrics.json"
+        if not metrics.is_file():
+            continue
+        chain_wall = sum(w for tid, w in walls.items()
+                         if plan.tasks[tid].chain == t.chain and plan.tasks[tid].round <= t.round)
+        for row in json.loads(metrics.read_text()):
+            row["wall_s"] = round(chain_wall, 1)
+            rows.append(row)
+    rows.sort(key=lambda r: (r["dataset"], r["family"], ALGO_ORDER.index(r["algo"]) if r["algo"] in ALGO_ORDER
+                             else 99, r["round"], -1 if r["eta"] is None else r["eta"]))
+    return rows
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.4g}" if abs(value) < 1000 else f"{value:.1f}"
+    return str(value)
+
+
+def to_markdown(rows: list[dict], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def plot_accuracy(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["dataset"], r["family"]) for r in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False)
+    for ax, (ds, fam) in zip(axes[0], groups):
+        sub = [r for r in rows if r["dataset"] == ds and r["family"] == fam]
+        labels, values, kls = [], [], []
+        for r in sub:
+            eta = "" if r["eta"] is None else f" η={_fmt(r['eta'])}"
+            labels.append(f"{r['algo']} r{r['round']}{eta}")
+            values.append(r["pass@1"])
+            kls.append(r["kl"])
+        bars = ax.bar(range(len(values)), values, color=[f"C{ALGO_ORDER.index(r['algo']) % 10}" for r in sub])
+        for bar, kl in zip(bars, kls):
+            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height() + 0.01, f"KL {_fmt(kl)}", ha="center",
+                    fontsize=6, rotation=90)
+        ax.set_xticks(range(len(labels)), labels, rotation=75, fontsize=7)
+        ax.set_ylim(0, 1.15)
+        ax.set_ylabel("pass@1")
+        ax.set_title(f"{ds} / {fam}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_gpu_memory(monitor_file: Path, path: Path) -> None:
+    if not monitor_file.is_file():
+        return
+    samples = [json.loads(line) for line in monitor_file.read_text().splitlines() if line.strip()]
+    if not samples:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = samples[0]["ts"]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for dev in sorted({s["device"] for s in samples}):
+        pts = [s for s in samples if s["device"] == dev]
+        cpu = pts[0]["kind"] == "cpu"
+        ys = [(s["worker_rss_mb"] if cpu else s["reserved_mb"] or (s["total_mb"] - (s["free_mb"] or s["total_mb"])))
+              / 1024 for s in pts]
+        ax.plot([s["ts"] - t0 for s in pts], ys, marker=".", label=f"{'CPU' if cpu else 'GPU'} {dev}")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("GB (worker RSS on CPU, reserved on GPU)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(cfg, plan: Plan, run_dir: Path) -> list[dict]:
+    paths = RunPaths(run_dir)
+    rows = collect_rows(plan, run_dir)
+    if not rows:
+        return rows
+    extra = sorted({k for r in rows for k in r} - set(COLUMNS) - {"eval_wall_s"})
+    columns = COLUMNS + extra
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({c: ("" if r.get(c) is None else r.get(c)) for c in columns})
+    atomic_write_text(paths.results / "summary.csv", buf.getvalue())
+    table = to_markdown(rows, columns)
+    atomic_write_text(paths.results / "summary.md", table)
+    paths.plots.mkdir(parents=True, exist_ok=True)
+    plot_accuracy(rows, paths.plots / "accuracy.png")
+    plot_gpu_memory(paths.gpu_monitor, paths.plots / "gpu_memory.png")
+    log.info("Results (%s):\n%s", paths.results / "summary.csv", table)
+    return rows
