@@ -79,7 +79,15 @@ def _group_cfg(cfg: DictConfig, group: str, name: str) -> dict[str, Any]:
         key = "experiment.datasets" if group == "dataset" else "experiment.families"
         raise ConfigError(f"{key}: no {group} config {name!r}; available: {', '.join(options)}")
     schema = OmegaConf.structured(DatasetConfig if group == "dataset" else ModelConfig)
-    return clean(OmegaConf.merge(schema, OmegaConf.load(path)))
+    try:
+        loaded = clean(OmegaConf.merge(schema, OmegaConf.load(path)))
+        if group == "dataset":
+            from pita.datasets import validate_dataset_cfg
+
+            validate_dataset_cfg(loaded)
+    except Exception as exc:  # a bad value in a listed group file
+        raise ConfigError(f"{group} config {path.name}: {str(exc).splitlines()[0]}") from None
+    return loaded
 
 
 def enabled_algos(cfg: DictConfig) -> list[str]:

@@ -1,0 +1,94 @@
+"""Run tasks as Ray tasks on an existing Ray cluster (`executor=ray`).
+
+pita does not build its own cluster: beyond one machine it hands tasks to Ray (or runs
+whole experiments under SLURM with Hydra's submitit launcher, `conf/hydra/launcher/`).
+With `executor=ray`, the DAG runner and scheduler stay the same; each task becomes one
+Ray task asking for `num_gpus=task.gpus`, and Ray pins it (`CUDA_VISIBLE_DEVICES`) on
+whichever node has room. The run folder must be on a filesystem every node mounts.
+The scheduler's device slots are the cluster's GPUs (or CPUs when it has none), read
+from `ray.cluster_resources()`.
+
+Install: `pip install "ray[default]"`; start a cluster (`ray start --head` ...), then
+`python run_parallel.py executor=ray executor.ray_address=<head>:6379`.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from pita.core.errors import ConfigError
+from pita.core.tasks import TaskSpec
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError('executor.backend=ray: Ray is not installed; pip install "ray[default]" '
+                          "or use executor=local") from None
+    return ray
+
+
+def _run_remote(task_dict: dict, cfg_dict: dict, run_dir: str, attempt: int):
+    """Body of the Ray task: the same code path as a local worker."""
+    import os
+
+    from pita.core.stage import ModelCache
+    from pita.core.tasks import TaskSpec as _TaskSpec
+    from pita.core.worker import execute_task
+    from pita.core.worker_pool import TaskOutcome
+
+    task = _TaskSpec.from_dict(task_dict)
+    device = "cuda" if os.environ.get("CUDA_VISIBLE_DEVICES") else "cpu"
+    ok, failure, message, result = execute_task(task, cfg_dict, run_dir, attempt, device=device,
+                                                models=ModelCache(1))
+    return TaskOutcome(task.id, ok, failure, message, result, result.get("wall_s", 0.0), os.getpid())
+
+
+class RayExecutor:
+    """The WorkerPool interface on top of `ray.remote`."""
+
+    def __init__(self, executor_cfg):
+        ray = _ray()
+        if not ray.is_initialized():
+            address = executor_cfg.ray_address
+            ray.init(address=None if address in (None, "local") else address, ignore_reinit_error=True,
+                     log_to_driver=False)
+        self.ray = ray
+        self._remote = ray.remote(max_retries=0)(_run_remote)
+
+    def slots(self) -> tuple[str, int]:
+        res = self.ray.cluster_resources()
+        gpus = int(res.get("GPU", 0))
+        return ("gpu", gpus) if gpus else ("cpu", int(res.get("CPU", 1)))
+
+    def submit(self, task: TaskSpec, devices, cfg_dict: dict, run_dir: str | Path, attempt: int = 1) -> Future:
+        kind, _ = self.slots()
+        options: dict[str, Any] = {"num_gpus": task.gpus} if kind == "gpu" else {"num_cpus": 1}
+        ref = self._remote.options(**options).remote(task.to_dict(), cfg_dict, str(run_dir), attempt)
+        future: Future = Future()
+
+        def _done(inner: Future) -> None:
+            from pita.core.worker_pool import TaskOutcome
+
+            try:
+                future.set_result(inner.result())
+            except Exception as exc:  # the Ray worker died: same class as a killed local worker
+                future.set_result(TaskOutcome(task.id, False, "killed", f"Ray task lost: {exc}"))
+
+        ref.future().add_done_callback(_done)
+        return future
+
+    def warm_up(self, device_sets) -> None:
+        pass
+
+    def workers(self) -> list[dict[str, Any]]:
+        return []
+
+    def worker_pids(self) -> list[int]:
+        return []
+
+    def shutdown(self, kill: bool = False, grace_s: float = 5.0) -> None:
+        self.ray.shutdown()
