@@ -20,14 +20,15 @@ How the probe works, and where it departs from the guide (which binary-searched 
   the max over devices of (peak reserved − baseline reserved), scaled to the tightest
   device's free memory — never the sum. Reserved, not allocated: the caching allocator's
   fragmentation is what OOMs.
-* Fit, don't search: memory is close to affine in the batch size (weights and optimizer
-  state fixed, KV cache and activations per sample). Starting from an analytic estimate
-  (KV cache per token × tokens + activations, :func:`estimate_from_config`), two probes at
-  ~¼ and ~½ of the estimated batch fit the line, a third confirms the predicted batch; a
-  secant step fixes a curved memory profile. That is <= 4 probes. When a probe departs from
-  the line by more than ``fit_tolerance`` of the target (an allocator step, an OOM where the
-  fit said it fits), it falls back to the guide's power-of-two + binary search, reusing the
-  bracket it already has.
+* Fit, don't search: memory is close to affine in the batch size (optimizer state fixed,
+  KV cache and activations per sample). Starting from an analytic estimate (weights + KV
+  cache per token × tokens + activations, :func:`estimate_from_config`), a probe at ~¼ of
+  the estimated batch corrects the estimate, a second at ~¾ of the corrected batch gives a
+  long lever arm, a third confirms the batch the line predicts; a secant step absorbs a
+  curved profile. That is <= 4 probes where the guide's search needs ≈ 2·log2(B). When a
+  probe departs from the line by more than ``fit_tolerance`` of the target (an allocator
+  step, an OOM where the fit said it fits), it falls back to the guide's power-of-two +
+  binary search, reusing the bracket it already has.
 * Results are cached in a JSON file keyed by GPU name and memory, model, dtype, stage kind,
   lengths and library versions, and reused only while the free memory is at least what it
   was when probed (:class:`BatchSizeCache`).
@@ -80,6 +81,7 @@ __all__ = [
     "power_binary_search",
     "resolve_batch_size",
     "search_batch_size",
+    "search_result_dict",
     "training_probe",
     "training_workload",
     "workload_probe",
@@ -170,13 +172,13 @@ def estimate_from_config(
     Eager attention adds heads·P²·(bytes + 4) for the score matrix and its softmax.
     """
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    n_layers = int(getattr(cfg, "num_hidden_layers"))
-    hidden = int(getattr(cfg, "hidden_size"))
-    heads = int(getattr(cfg, "num_attention_heads"))
+    n_layers = int(cfg.num_hidden_layers)
+    hidden = int(cfg.hidden_size)
+    heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
     inter = int(getattr(cfg, "intermediate_size", None) or 4 * hidden)
-    vocab = int(getattr(cfg, "vocab_size"))
+    vocab = int(cfg.vocab_size)
     eager = getattr(cfg, "_attn_implementation", None) == "eager"
     if n_params is None:  # attention + MLP per layer, embeddings and head
         attn = hidden * (heads * head_dim) * 2 + hidden * (kv_heads * head_dim) * 2
@@ -197,15 +199,18 @@ def estimate_from_config(
         per_sample += attn_scores
     elif mode == "train":
         layer = tokens * (8 * hidden + 4 * inter) * b
-        saved = n_layers * tokens * hidden * b + layer if gradient_checkpointing else n_layers * layer
+        saved = (
+            n_layers * tokens * hidden * b + layer if gradient_checkpointing else n_layers * layer
+        )
         per_sample = saved + tokens * vocab * (b + 8) + n_layers * attn_scores
         trainable = n_params if trainable_params is None else trainable_params
         opt = 2 * b if optimizer_bytes_per_param is None else optimizer_bytes_per_param
         fixed = trainable * (b + opt)  # gradients + optimizer moments
     else:
         raise ValueError(f"mode must be 'generate', 'forward' or 'train', not {mode!r}")
-    return MemoryEstimate(per_sample_bytes=float(per_sample), fixed_bytes=float(fixed),
-                          weights_bytes=weights)
+    return MemoryEstimate(
+        per_sample_bytes=float(per_sample), fixed_bytes=float(fixed), weights_bytes=weights
+    )
 
 
 def _checkpointing(model: Any) -> bool:
@@ -284,8 +289,9 @@ class _Bracket:
     """Every measurement so far, and the bracket they imply: ``lo`` the largest batch that
     fitted below the smallest one that did not (``hi``; cap + 1 while none failed)."""
 
-    def __init__(self, measure: Measure, budget: float, cap: int, log: logging.Logger,
-                 max_probes: int) -> None:
+    def __init__(
+        self, measure: Measure, budget: float, cap: int, log: logging.Logger, max_probes: int
+    ) -> None:
         self.measure, self.budget, self.cap, self.log = measure, budget, cap, log
         self.max_probes = max_probes
         self.ok: dict[int, float] = {}
@@ -311,7 +317,7 @@ class _Bracket:
         self.log.info("%s phase - Trial %d: Testing batch size %d", phase, self.probes + 1, b)
         try:
             used = self.measure(b)
-        except Exception as exc:  # noqa: BLE001 - only out-of-memory is an answer
+        except Exception as exc:
             if classify_exception(exc) != "oom":
                 raise
             used = math.inf
@@ -320,8 +326,13 @@ class _Bracket:
         if math.isinf(used):
             self.log.info("Batch size %d: out of memory", b)
         else:
-            self.log.info("Batch size %d uses %s (%.1f%% of the %s target)",
-                          b, _gib(used), 100 * used / self.budget, _gib(self.budget))
+            self.log.info(
+                "Batch size %d uses %s (%.1f%% of the %s target)",
+                b,
+                _gib(used),
+                100 * used / self.budget,
+                _gib(self.budget),
+            )
         (self.ok if used <= self.budget else self.bad)[b] = used
         return used
 
@@ -345,7 +356,7 @@ def _secant(br: _Bracket, target: float, min_span: float) -> tuple[int, float] |
     slope = (m1 - m0) / (b1 - b0)
     if slope <= 0:
         raise _PoorFit(f"memory did not grow from batch {b0} to {b1}")
-    b = int(math.floor(b0 + (target - m0) / slope))
+    b = math.floor(b0 + (target - m0) / slope)
     b = max(lo + 1, min(b, hi - 1, br.cap))
     return b, m0 + slope * (b - b0)
 
@@ -360,8 +371,8 @@ def _explore(br: _Bracket, target: float, estimate: MemoryEstimate | None) -> in
         return max(1, hi // 4)
     used = br.ok[lo]
     fixed = estimate.fixed_bytes if estimate is not None else 0.0
-    if used - fixed < 0.25 * used:  # the estimate's fixed part explains the reading:
-        fixed = 0.0  # its slope is unknowable from here; assume none (a safe bound)
+    if used <= fixed:  # the estimate's fixed part is more than the whole reading: wrong;
+        fixed = 0.0  # assume none (then used/lo bounds the per-sample bytes from above)
     predicted = lo * (target - fixed) / max(used - fixed, 1.0)
     b = int(0.75 * predicted)
     if b >= int(1.5 * lo) or lo == 1:
@@ -387,9 +398,11 @@ def _finish(br: _Bracket, method: str, reduction: float, log: logging.Logger) ->
     found = br.lo
     used = br.ok.get(found)
     if found == 0:
-        log.warning("Even batch size 1 does not fit in the %s target; using 1 (expect an "
-                    "out-of-memory error: lower the lengths, quantize or add GPUs)",
-                    _gib(br.budget))
+        log.warning(
+            "Even batch size 1 does not fit in the %s target; using 1 (expect an "
+            "out-of-memory error: lower the lengths, quantize or add GPUs)",
+            _gib(br.budget),
+        )
         final = 1
     elif found >= br.cap and used is not None and used <= reduction * br.budget:
         final = found  # capped (by the data size, say), with memory to spare: keep it all
@@ -464,7 +477,7 @@ def search_batch_size(
             raise _PoorFit(f"not converged after {br.probes} probes")
     except _PoorFit as why:
         method = "fallback"
-        log.info("Memory is not linear in the batch size here (%s): power + binary search", why)
+        log.info("The linear fit does not hold (%s): power + binary search from here", why)
         _power_binary(br, rel_tol)
     return _finish(br, method, reduction, log)
 
@@ -522,8 +535,13 @@ class BatchSizeCache:
 
     VERSION = 1
 
-    def __init__(self, path: str | os.PathLike[str], *, free_tolerance: float = 0.005,
-                 logger: logging.Logger | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        free_tolerance: float = 0.005,
+        logger: logging.Logger | None = None,
+    ) -> None:
         self.path = Path(path)
         self.free_tolerance = free_tolerance
         self.log = logger or _log
@@ -546,8 +564,9 @@ class BatchSizeCache:
         entries = data.get("entries")
         return entries if isinstance(entries, dict) else {}
 
-    def lookup(self, key: Mapping[str, Any], *, free_bytes: float, safety_margin: float,
-               cap: int) -> dict[str, Any] | None:
+    def lookup(
+        self, key: Mapping[str, Any], *, free_bytes: float, safety_margin: float, cap: int
+    ) -> dict[str, Any] | None:
         """The cached entry (with ``batch_size`` adjusted to ``cap``) or None on a miss."""
         entry = self._read().get(self.key_id(key))
         if not isinstance(entry, dict):
@@ -568,8 +587,15 @@ class BatchSizeCache:
         except (KeyError, TypeError, ValueError):
             return None
 
-    def store(self, key: Mapping[str, Any], result: SearchResult, *, free_bytes: float,
-              safety_margin: float, cap: int) -> None:
+    def store(
+        self,
+        key: Mapping[str, Any],
+        result: SearchResult,
+        *,
+        free_bytes: float,
+        safety_margin: float,
+        cap: int,
+    ) -> None:
         entry = {
             "key": dict(key),
             "batch_size": result.batch_size,
@@ -587,8 +613,9 @@ class BatchSizeCache:
         with self._locked():
             entries = self._read()
             entries[self.key_id(key)] = entry
-            blob = json.dumps({"version": self.VERSION, "entries": entries}, indent=1,
-                              sort_keys=True, default=str)
+            blob = json.dumps(
+                {"version": self.VERSION, "entries": entries}, indent=1, sort_keys=True, default=str
+            )
             fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
             try:
                 with os.fdopen(fd, "w") as f:
@@ -676,29 +703,48 @@ def resolve_batch_size(
         raise ValueError(f"fallback ({fallback}) and cap ({cap}) must be >= 1")
     setup = measure_fn_factory() if measure_fn_factory is not None else None
     if setup is None:
-        log.info("Auto batch size (%s): no CUDA device, nothing to measure; using the "
-                 "configured fallback batch size %d", stage_kind, fallback)
+        log.info(
+            "Auto batch size (%s): no CUDA device, nothing to measure; using the "
+            "configured fallback batch size %d",
+            stage_kind,
+            fallback,
+        )
         return fallback
     try:
         budget = safety_margin * setup.free_bytes
-        log.info("Target memory usage (with %.1f%% safety margin): %s of %s free",
-                 100 * safety_margin, _gib(budget), _gib(setup.free_bytes))
-        key = {"stage_kind": stage_kind, **dict(cache_key), **setup.key,
-               "versions": library_versions()}
+        log.info(
+            "Target memory usage (with %.1f%% safety margin): %s of %s free",
+            100 * safety_margin,
+            _gib(budget),
+            _gib(setup.free_bytes),
+        )
+        key = {
+            "stage_kind": stage_kind,
+            **dict(cache_key),
+            **setup.key,
+            "versions": library_versions(),
+        }
         cache = BatchSizeCache(cache_path, logger=log) if cache_path is not None else None
         if cache is not None:
-            hit = cache.lookup(key, free_bytes=setup.free_bytes, safety_margin=safety_margin,
-                               cap=cap)
+            hit = cache.lookup(
+                key, free_bytes=setup.free_bytes, safety_margin=safety_margin, cap=cap
+            )
             if hit is not None:
-                log.info("Using cached batch size %d for %s (probed with %s free, now %s)",
-                         hit["batch_size"], stage_kind, _gib(hit["free_bytes"]),
-                         _gib(setup.free_bytes))
+                log.info(
+                    "Using cached batch size %d for %s (probed with %s free, now %s)",
+                    hit["batch_size"],
+                    stage_kind,
+                    _gib(hit["free_bytes"]),
+                    _gib(setup.free_bytes),
+                )
                 return int(hit["batch_size"])
-        result = search_batch_size(setup.measure, budget, estimate=setup.estimate, cap=cap,
-                                   logger=log)
+        result = search_batch_size(
+            setup.measure, budget, estimate=setup.estimate, cap=cap, logger=log
+        )
         if cache is not None and result.found >= 1:
-            cache.store(key, result, free_bytes=setup.free_bytes, safety_margin=safety_margin,
-                        cap=cap)
+            cache.store(
+                key, result, free_bytes=setup.free_bytes, safety_margin=safety_margin, cap=cap
+            )
         return result.batch_size
     finally:
         if setup.close is not None:
@@ -752,8 +798,13 @@ class _CudaMeter:
         for d in self.devices:
             props = torch.cuda.get_device_properties(d)
             self.info.append({"name": props.name, "total_bytes": int(props.total_memory)})
-            log.info("GPU %d: %s with %s free of %s", d, props.name, _gib(self.free[d]),
-                     _gib(props.total_memory))
+            log.info(
+                "GPU %d: %s with %s free of %s",
+                d,
+                props.name,
+                _gib(self.free[d]),
+                _gib(props.total_memory),
+            )
 
     def run(self, fn: Callable[[int], None], batch_size: int) -> dict[int, int] | None:
         """Per-device extra reserved bytes of ``fn(batch_size)``; None if it ran out of
@@ -770,7 +821,7 @@ class _CudaMeter:
             fn(batch_size)
             for d in self.devices:
                 cuda.synchronize(d)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if classify_exception(exc) != "oom":
                 raise
             oom = True  # clean up below, once the traceback (holding tensors) is gone
@@ -836,8 +887,15 @@ def _model_key(model: Any) -> dict[str, Any]:
     return {"model": name, "architectures": arch, "dtype": dtype, "n_params": n_params}
 
 
-_NO_EARLY_STOP = ("stopping_criteria", "stop_strings", "max_length", "min_length",
-                  "max_new_tokens", "min_new_tokens", "max_time")
+_NO_EARLY_STOP = (
+    "stopping_criteria",
+    "stop_strings",
+    "max_length",
+    "min_length",
+    "max_new_tokens",
+    "min_new_tokens",
+    "max_time",
+)
 
 
 def generation_workload(
@@ -867,9 +925,14 @@ def generation_workload(
         ids = row.expand(batch_size, -1).contiguous()
         mask = torch.ones_like(ids)
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=pad,
-                                 max_new_tokens=max_new_tokens,
-                                 min_new_tokens=max_new_tokens, **kwargs)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                pad_token_id=pad,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                **kwargs,
+            )
         del out, ids, mask
 
     return run
@@ -955,17 +1018,28 @@ def generation_probe(
     ``max_new_tokens``. ``extra_models`` are other models resident on the same devices."""
     kwargs = dict(generation_kwargs or {})
     n_ret = int(kwargs.get("num_return_sequences", 1) or 1) * int(kwargs.get("num_beams", 1) or 1)
-    estimate = estimate_from_model(model, mode="generate", prompt_tokens=len(prompt_ids),
-                                   new_tokens=max_new_tokens, num_return_sequences=n_ret)
-    key = {**_model_key(model), "prompt_tokens": len(prompt_ids), "new_tokens": max_new_tokens,
-           "sequences_per_prompt": n_ret, "do_sample": bool(kwargs.get("do_sample", False))}
+    estimate = estimate_from_model(
+        model,
+        mode="generate",
+        prompt_tokens=len(prompt_ids),
+        new_tokens=max_new_tokens,
+        num_return_sequences=n_ret,
+    )
+    key = {
+        **_model_key(model),
+        "prompt_tokens": len(prompt_ids),
+        "new_tokens": max_new_tokens,
+        "sequences_per_prompt": n_ret,
+        "do_sample": bool(kwargs.get("do_sample", False)),
+    }
 
     def factory() -> ProbeSetup | None:
         if not _cuda_available() or not _cuda_devices([model]):
             return None  # before touching torch.tensor on a device that is not there
         run = generation_workload(model, prompt_ids, max_new_tokens, kwargs)
-        return workload_probe(run, models=[model, *extra_models], estimate=estimate, key=key,
-                              logger=logger)()
+        return workload_probe(
+            run, models=[model, *extra_models], estimate=estimate, key=key, logger=logger
+        )()
 
     return factory
 
@@ -991,17 +1065,23 @@ def training_probe(
     if tokens < 1:
         raise ValueError("training_probe with make_batch needs seq_tokens (>= 1)")
     estimate = estimate_from_model(model, mode="train", prompt_tokens=tokens)
-    key = {**_model_key(model), "seq_tokens": tokens, "steps": max(2, steps),
-           "gradient_checkpointing": _checkpointing(model)}
+    key = {
+        **_model_key(model),
+        "seq_tokens": tokens,
+        "steps": max(2, steps),
+        "gradient_checkpointing": _checkpointing(model),
+    }
 
     def factory() -> ProbeSetup | None:
         if not _cuda_available() or not _cuda_devices([model]):
             return None
         batch_fn = make_batch or _causal_lm_batch(model, seq_ids or [])
-        run = training_workload(model, batch_fn, loss_fn=loss_fn,
-                                optimizer_factory=optimizer_factory, steps=steps)
-        return workload_probe(run, models=[model, *extra_models], estimate=estimate, key=key,
-                              logger=logger)()
+        run = training_workload(
+            model, batch_fn, loss_fn=loss_fn, optimizer_factory=optimizer_factory, steps=steps
+        )
+        return workload_probe(
+            run, models=[model, *extra_models], estimate=estimate, key=key, logger=logger
+        )()
 
     return factory
 
@@ -1047,8 +1127,12 @@ def measure_memory_usage(
         raise RuntimeError("measure_memory_usage needs a model on a CUDA device")
     import torch
 
-    run = generation_workload(model, _prompt_ids(tokenizer, sample_text, max_length),
-                              _max_new_tokens(generation_kwargs), generation_kwargs)
+    run = generation_workload(
+        model,
+        _prompt_ids(tokenizer, sample_text, max_length),
+        _max_new_tokens(generation_kwargs),
+        generation_kwargs,
+    )
     devices = _cuda_devices([model])
     _empty_cache()
     start = {}
@@ -1093,9 +1177,17 @@ def find_optimal_batch_size_for_llm(
     prompt = _prompt_ids(tokenizer, sample_text, max_length)
     new_tokens = _max_new_tokens(generation_kwargs)
     factory = generation_probe(model, prompt, new_tokens, generation_kwargs, logger=logger)
-    return resolve_batch_size("auto", stage_kind="generate", fallback=fallback,
-                              measure_fn_factory=factory, cache_path=cache_path, cache_key={},
-                              safety_margin=safety_margin, cap=cap, logger=logger)
+    return resolve_batch_size(
+        "auto",
+        stage_kind="generate",
+        fallback=fallback,
+        measure_fn_factory=factory,
+        cache_path=cache_path,
+        cache_key={},
+        safety_margin=safety_margin,
+        cap=cap,
+        logger=logger,
+    )
 
 
 class BatchSizeFinder:
@@ -1119,30 +1211,58 @@ class BatchSizeFinder:
         self.max_fit_probes, self.cache_path = max_fit_probes, cache_path
         self.log = logger or _log
 
-    def search(self, measure: Measure, free_bytes: float,
-               estimate: MemoryEstimate | None = None) -> SearchResult:
+    def search(
+        self, measure: Measure, free_bytes: float, estimate: MemoryEstimate | None = None
+    ) -> SearchResult:
         """Search on any ``measure`` (real or simulated) against ``free_bytes``."""
-        return search_batch_size(measure, self.safety_margin * free_bytes, estimate=estimate,
-                                 cap=self.cap, reduction=self.reduction,
-                                 max_fit_probes=self.max_fit_probes, logger=self.log)
+        return search_batch_size(
+            measure,
+            self.safety_margin * free_bytes,
+            estimate=estimate,
+            cap=self.cap,
+            reduction=self.reduction,
+            max_fit_probes=self.max_fit_probes,
+            logger=self.log,
+        )
 
-    def find(self, factory: Callable[[], ProbeSetup | None] | None, *, stage_kind: str,
-             fallback: int = 1, cache_key: Mapping[str, Any] | None = None) -> int:
+    def find(
+        self,
+        factory: Callable[[], ProbeSetup | None] | None,
+        *,
+        stage_kind: str,
+        fallback: int = 1,
+        cache_key: Mapping[str, Any] | None = None,
+    ) -> int:
         """:func:`resolve_batch_size` for ``"auto"`` with this finder's settings."""
-        return resolve_batch_size("auto", stage_kind=stage_kind, fallback=fallback,
-                                  measure_fn_factory=factory, cache_path=self.cache_path,
-                                  cache_key=cache_key or {}, safety_margin=self.safety_margin,
-                                  cap=self.cap, logger=self.log)
+        return resolve_batch_size(
+            "auto",
+            stage_kind=stage_kind,
+            fallback=fallback,
+            measure_fn_factory=factory,
+            cache_path=self.cache_path,
+            cache_key=cache_key or {},
+            safety_margin=self.safety_margin,
+            cap=self.cap,
+            logger=self.log,
+        )
 
-    def for_generation(self, model: Any, prompt_ids: Sequence[int], max_new_tokens: int,
-                       generation_kwargs: Mapping[str, Any] | None = None, *,
-                       fallback: int = 1) -> int:
-        factory = generation_probe(model, prompt_ids, max_new_tokens, generation_kwargs,
-                                   logger=self.log)
+    def for_generation(
+        self,
+        model: Any,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        generation_kwargs: Mapping[str, Any] | None = None,
+        *,
+        fallback: int = 1,
+    ) -> int:
+        factory = generation_probe(
+            model, prompt_ids, max_new_tokens, generation_kwargs, logger=self.log
+        )
         return self.find(factory, stage_kind="generate", fallback=fallback)
 
-    def for_training(self, model: Any, seq_ids: Sequence[int], *, fallback: int = 1,
-                     **probe_kwargs: Any) -> int:
+    def for_training(
+        self, model: Any, seq_ids: Sequence[int], *, fallback: int = 1, **probe_kwargs: Any
+    ) -> int:
         factory = training_probe(model, seq_ids, logger=self.log, **probe_kwargs)
         return self.find(factory, stage_kind="train", fallback=fallback)
 

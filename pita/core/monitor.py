@@ -74,7 +74,7 @@ class Monitor:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pita-monitor", daemon=True)
 
-    def start(self) -> "Monitor":
+    def start(self) -> Monitor:
         self._thread.start()
         return self
 

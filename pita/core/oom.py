@@ -25,47 +25,41 @@ __all__ = ["FailureClass", "classify_exception", "classify_text", "smaller_micro
 # Sticky or hardware faults: after one of these the CUDA context is unusable (or suspect), so
 # the worker process must be replaced. Checked first: "CUDA kernel errors might be
 # asynchronously reported" follows both kinds of message and decides nothing.
-_FAULT = re.compile(
-    "|".join(
-        [
-            r"illegal memory access",
-            r"device-side assert triggered",
-            r"unspecified launch failure",
-            r"misaligned address",
-            r"illegal instruction",
-            r"launch timed out",
-            r"uncorrectable ECC error",
-            r"CUBLAS_STATUS_EXECUTION_FAILED",
-            r"CUBLAS_STATUS_INTERNAL_ERROR",
-            r"CUDNN_STATUS_EXECUTION_FAILED",
-            r"CUDNN_STATUS_INTERNAL_ERROR",
-            r"CUDNN_STATUS_MAPPING_ERROR",
-            r"cudaErrorIllegalAddress",
-            r"cudaErrorLaunchFailure",
-            r"unhandled cuda error",  # NCCL wraps a failed CUDA call this way
-            r"GPU is lost",
-        ]
-    )
+_FAULT_PATTERNS = (
+    r"illegal memory access",
+    r"device-side assert triggered",
+    r"unspecified launch failure",
+    r"misaligned address",
+    r"illegal instruction",
+    r"launch timed out",
+    r"uncorrectable ECC error",
+    r"CUBLAS_STATUS_EXECUTION_FAILED",
+    r"CUBLAS_STATUS_INTERNAL_ERROR",
+    r"CUDNN_STATUS_EXECUTION_FAILED",
+    r"CUDNN_STATUS_INTERNAL_ERROR",
+    r"CUDNN_STATUS_MAPPING_ERROR",
+    r"cudaErrorIllegalAddress",
+    r"cudaErrorLaunchFailure",
+    r"unhandled cuda error",  # NCCL wraps a failed CUDA call this way
+    r"GPU is lost",
 )
+_FAULT = re.compile("|".join(_FAULT_PATTERNS))
 
 # Allocation failures: a smaller batch (or an emptied cache) fixes them. The cuBLAS / cuDNN /
 # cuFFT / cuSOLVER / cuSPARSE handles allocate workspaces outside the caching allocator and
 # report failure with their own status codes instead of torch.OutOfMemoryError.
-_OOM = re.compile(
-    "|".join(
-        [
-            r"\bout of memory\b",  # CUDA / HIP / XPU / MPS, and "CUDA error: out of memory"
-            r"CU[A-Z]+_STATUS_ALLOC_FAILED",  # CUBLAS_, CUDNN_, CUSOLVER_, CUSPARSE_
-            r"CUFFT_ALLOC_FAILED",
-            r"CUDNN_STATUS_NOT_ENOUGH_MEMORY",
-            r"cudaErrorMemoryAllocation",
-            r"DefaultCPUAllocator: can't allocate memory",
-            r"PT_DEVMEM Allocation failed",
-            # accelerate counts this as "reduce the batch": cuDNN refuses very large batches.
-            r"CUDNN_STATUS_NOT_SUPPORTED\.",
-        ]
-    )
+_OOM_PATTERNS = (
+    r"\bout of memory\b",  # CUDA / HIP / XPU / MPS, and "CUDA error: out of memory"
+    r"CU[A-Z]+_STATUS_ALLOC_FAILED",  # CUBLAS_, CUDNN_, CUSOLVER_, CUSPARSE_
+    r"CUFFT_ALLOC_FAILED",
+    r"CUDNN_STATUS_NOT_ENOUGH_MEMORY",
+    r"cudaErrorMemoryAllocation",
+    r"DefaultCPUAllocator: can't allocate memory",
+    r"PT_DEVMEM Allocation failed",
+    # accelerate counts this as "reduce the batch": cuDNN refuses very large batches.
+    r"CUDNN_STATUS_NOT_SUPPORTED\.",
 )
+_OOM = re.compile("|".join(_OOM_PATTERNS))
 
 # The advice torch appends to every CUDA error, OOM included ("... to enable device-side
 # assertions"): removed before matching so it cannot make an OOM look like a fault.

@@ -69,7 +69,7 @@ class RunPaths:
     def plots(self) -> Path:
         return self.root / "results" / "plots"
 
-    def task(self, task_id: str) -> "TaskPaths":
+    def task(self, task_id: str) -> TaskPaths:
         return TaskPaths(self.root, task_id)
 
 

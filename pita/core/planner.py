@@ -53,14 +53,14 @@ class Plan:
         return {"tasks": [t.to_dict() for t in self.tasks.values()]}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Plan":
+    def from_json(cls, data: dict[str, Any]) -> Plan:
         plan = cls()
         for d in data["tasks"]:
             plan.add(TaskSpec.from_dict(d))
         return plan
 
     @classmethod
-    def load(cls, path: Path) -> "Plan":
+    def load(cls, path: Path) -> Plan:
         return cls.from_json(json.loads(Path(path).read_text()))
 
 
@@ -132,7 +132,7 @@ def plan_experiment(cfg: DictConfig, n_devices: int, *, device_mb: list[int] | N
             gpus = int(fam_cfg.get("gpus_per_task", 1))
             common = dict(dataset=ds_name, family=fam_name, dataset_cfg=ds_cfg, family_cfg=fam_cfg)
 
-            def mem(stage: str) -> int:
+            def mem(stage: str, mem_gb: float = mem_gb) -> int:
                 return int(mem_gb * STAGE_MEMORY.get(stage, 1.0) * 1024)
 
             pretrain_id = None

@@ -40,7 +40,7 @@ class Progress:
             table.add_row(label, str(self.done_per_device[i]), ", ".join(tasks) or "-")
         return table
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         if self.live_enabled:
             from rich.live import Live
 

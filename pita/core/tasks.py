@@ -57,7 +57,7 @@ class TaskSpec:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TaskSpec":
+    def from_dict(cls, d: dict[str, Any]) -> TaskSpec:
         d = dict(d)
         d["shard_range"] = tuple(d.get("shard_range", (0.0, 1.0)))
         return cls(**d)

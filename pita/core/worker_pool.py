@@ -110,7 +110,7 @@ class WorkerPool:
 
     @classmethod
     def from_config(cls, gpu_manager, executor_cfg, extra_env: dict[str, str] | None = None,
-                    log_dir: Path | None = None) -> "WorkerPool":
+                    log_dir: Path | None = None) -> WorkerPool:
         return cls(
             gpu_manager, max_tasks_per_device=executor_cfg.max_tasks_per_gpu,
             max_tasks_per_worker=executor_cfg.max_tasks_per_worker, task_timeout_s=executor_cfg.task_timeout_s,
@@ -121,7 +121,7 @@ class WorkerPool:
 
     # ---- public interface ----------------------------------------------------------------
     def submit(self, task: TaskSpec, devices: list[int] | tuple[int, ...], cfg_dict: dict, run_dir: str | Path,
-               attempt: int = 1) -> "Future[TaskOutcome]":
+               attempt: int = 1) -> Future[TaskOutcome]:
         """Run `task` on a worker pinned to exactly `devices`; the future never raises."""
         devices = tuple(devices)
         future: Future = Future()

@@ -17,8 +17,9 @@ The policy depends on the chain:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pita.core.stage import StageContext
 

@@ -1,0 +1,45 @@
+"""End-to-end runs of the real command line (slow: real workers, real training)."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from tests.conftest import run_cli, run_dirs
+
+
+def _summary(run_dir):
+    with open(run_dir / "results" / "summary.csv") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_smoke_experiment_end_to_end(tmp_path):
+    proc = run_cli(["experiment=smoke", "executor.progress=false"], tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [run_dir] = run_dirs(tmp_path, "smoke")
+    rows = _summary(run_dir)
+    header = list(rows[0])
+    assert header[:12] == ["algo", "dataset", "family", "round", "eta", "n_prompts", "samples", "pass@1", "maj@k",
+                           "avg_reward", "kl", "wall_s"]
+    assert any(r["algo"] == "reference" for r in rows)
+    assert (run_dir / "results" / "summary.md").is_file()
+    assert (run_dir / "results" / "plots" / "accuracy.png").stat().st_size > 1000
+    assert "| algo |" in proc.stdout  # the table is printed at the end
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "plan.json").is_file()
+
+
+@pytest.mark.slow
+def test_default_reference_matches_analytic_pass_at_1(tmp_path):
+    """The default goal-walk reference (400 teacher-forced steps) is the ideal random walk:
+    its pass@1 equals E_s[1/|reach(s)|] on the evaluated prompts within ±0.03."""
+    args = ["algos.PITA.enabled=false", "algos.QSharp.enabled=false", "algos.QSharp-HF.enabled=false",
+            "algos.DPO.enabled=false", "algos.GRPO.enabled=false", "algos.GRPO-HF.enabled=false",
+            "evaluation.max_prompts=400", "experiment.name=ref", "executor.progress=false"]
+    proc = run_cli(args, tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [row] = [r for r in _summary(run_dirs(tmp_path, "ref")[0]) if r["algo"] == "reference"]
+    assert abs(float(row["pass@1"]) - float(row["optimum_pass@1"])) <= 0.03, row
+    assert abs(float(row["kl"])) < 1e-6  # π_ref against itself
+    assert float(row["valid_walk"]) > 0.95
