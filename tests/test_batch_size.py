@@ -37,8 +37,14 @@ class SimulatedGPU:
     """``measure`` for a memory curve: true bytes × (1 ± noise), and a real
     ``torch.OutOfMemoryError`` past the device's free memory, as the CUDA adapter sees."""
 
-    def __init__(self, curve: Callable[[int], float], *, noise: float = 0.0, seed: int = 0,
-                 free: float = FREE) -> None:
+    def __init__(
+        self,
+        curve: Callable[[int], float],
+        *,
+        noise: float = 0.0,
+        seed: int = 0,
+        free: float = FREE,
+    ) -> None:
         self.curve, self.noise, self.free = curve, noise, free
         self.rng = random.Random(seed)
         self.calls: list[int] = []
@@ -71,10 +77,11 @@ SMOOTH = {
 NOISY = (lambda b: 20 * GiB + 0.1 * GiB * b, 0.1 * GiB, 20 * GiB)
 
 
-# An allocator block change: +15 GiB from batch 400 on. The fit from below predicts ~438,
-# which runs out of memory, so the search must fall back; the right answer is 399.
+# An allocator block change: +10 GiB from batch 420 on. The line through probes below the
+# step predicts ~438, which uses 14% of the target more than predicted, so the search must
+# fall back; the right answer is 419.
 def STEP(b: int) -> float:
-    return 4 * GiB + 0.15 * GiB * b + (15 * GiB if b >= 400 else 0.0)
+    return 4 * GiB + 0.15 * GiB * b + (10 * GiB if b >= 420 else 0.0)
 
 
 def estimate(per_sample: float, fixed: float, factor: float) -> MemoryEstimate:
@@ -126,13 +133,14 @@ def test_fit_beats_power_binary_search() -> None:
 
 def test_step_curve_falls_back_and_is_still_correct(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger=bs.__name__)
-    result = search_batch_size(SimulatedGPU(STEP), BUDGET,
-                               estimate=MemoryEstimate(0.15 * GiB, 4 * GiB))
+    result = search_batch_size(
+        SimulatedGPU(STEP), BUDGET, estimate=MemoryEstimate(0.15 * GiB, 4 * GiB)
+    )
     assert result.method == "fallback"
     assert any(t.phase in {"power", "binary"} for t in result.trace)
     assert "Binary phase - Trial" in caplog.text
     assert check_choice(result, STEP) >= 0.85
-    assert true_max(STEP) == 399 and 399 - 399 // 32 <= result.found <= 399
+    assert true_max(STEP) == 419 and 419 - 419 // 32 <= result.found <= 419
 
 
 def test_without_an_estimate_it_still_converges() -> None:
@@ -152,8 +160,9 @@ def test_estimate_far_too_low_recovers_from_oom() -> None:
 
 def test_the_cap_bounds_the_search() -> None:
     curve, per_sample, fixed = SMOOTH["linear"]
-    result = search_batch_size(SimulatedGPU(curve), BUDGET, cap=100,
-                               estimate=estimate(per_sample, fixed, 1.0))
+    result = search_batch_size(
+        SimulatedGPU(curve), BUDGET, cap=100, estimate=estimate(per_sample, fixed, 1.0)
+    )
     assert result.found == 100
     assert result.batch_size == 100  # capped with memory to spare: no reduction needed
     assert result.probes <= 4
@@ -204,8 +213,9 @@ def test_log_lines_match_the_guide(caplog: pytest.LogCaptureFixture) -> None:
 def test_fit_log_lines(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     curve, per_sample, fixed = SMOOTH["linear"]
-    result = search_batch_size(SimulatedGPU(curve), BUDGET,
-                               estimate=estimate(per_sample, fixed, 1.0))
+    result = search_batch_size(
+        SimulatedGPU(curve), BUDGET, estimate=estimate(per_sample, fixed, 1.0)
+    )
     trials = [r.getMessage() for r in caplog.records if "Testing batch size" in r.getMessage()]
     assert len(trials) == result.probes
     for i, line in enumerate(trials, 1):
@@ -223,8 +233,13 @@ def test_is_auto() -> None:
 
 
 def test_int_passes_through_and_bad_values_raise() -> None:
-    kw = dict(stage_kind="generate", fallback=4, measure_fn_factory=None, cache_path=None,
-              cache_key={})
+    kw = {
+        "stage_kind": "generate",
+        "fallback": 4,
+        "measure_fn_factory": None,
+        "cache_path": None,
+        "cache_key": {},
+    }
     assert resolve_batch_size(32, **kw) == 32  # type: ignore[arg-type]
     for bad in (0, -1, True, "big", 2.5):
         with pytest.raises(ValueError, match="batch size"):
@@ -235,8 +250,14 @@ def test_int_passes_through_and_bad_values_raise() -> None:
 
 def test_cpu_returns_the_fallback_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger=bs.__name__)
-    got = resolve_batch_size("auto_batch_size", stage_kind="evaluate", fallback=8,
-                             measure_fn_factory=None, cache_path=None, cache_key={})
+    got = resolve_batch_size(
+        "auto_batch_size",
+        stage_kind="evaluate",
+        fallback=8,
+        measure_fn_factory=None,
+        cache_path=None,
+        cache_key={},
+    )
     assert got == 8
     assert len(caplog.records) == 1
     assert "nothing to measure" in caplog.text and "fallback batch size 8" in caplog.text
@@ -246,8 +267,14 @@ def test_cpu_model_factory_returns_the_fallback(tiny_model, caplog) -> None:  # 
     caplog.set_level(logging.INFO, logger=bs.__name__)
     factory = bs.generation_probe(tiny_model, [1, 2, 3], 4, {"do_sample": False})
     assert factory() is None  # no CUDA here, or the model is on the CPU
-    got = resolve_batch_size("auto", stage_kind="generate", fallback=3,
-                             measure_fn_factory=factory, cache_path=None, cache_key={})
+    got = resolve_batch_size(
+        "auto",
+        stage_kind="generate",
+        fallback=3,
+        measure_fn_factory=factory,
+        cache_path=None,
+        cache_key={},
+    )
     assert got == 3 and len(caplog.records) == 1
 
 
@@ -256,8 +283,9 @@ def test_finder_guide_api_on_cpu(tiny_model) -> None:  # type: ignore[no-untyped
         def __call__(self, text: str) -> dict[str, list[int]]:
             return {"input_ids": [ord(c) % 60 + 2 for c in text]}
 
-    got = bs.find_optimal_batch_size_for_llm(tiny_model, Tok(), "hello", 16,
-                                             {"max_new_tokens": 4}, fallback=5)
+    got = bs.find_optimal_batch_size_for_llm(
+        tiny_model, Tok(), "hello", 16, {"max_new_tokens": 4}, fallback=5
+    )
     assert got == 5
     finder = BatchSizeFinder(0.8, cap=512)
     curve, per_sample, fixed = SMOOTH["fixed_overhead"]
@@ -275,20 +303,42 @@ DEVICE = {"devices": [{"name": "NVIDIA H100 80GB HBM3", "total_bytes": 85_520_80
 
 def make_factory(gpu: SimulatedGPU, free: float = FREE, device: dict | None = None):  # type: ignore[no-untyped-def]
     def factory() -> ProbeSetup:
-        return ProbeSetup(measure=gpu, free_bytes=free, key=dict(device or DEVICE),
-                          estimate=MemoryEstimate(0.1 * GiB, 20 * GiB))
+        return ProbeSetup(
+            measure=gpu,
+            free_bytes=free,
+            key=dict(device or DEVICE),
+            estimate=MemoryEstimate(0.1 * GiB, 20 * GiB),
+        )
 
     return factory
 
 
-def resolve(gpu: SimulatedGPU, path: Path, *, free: float = FREE, device: dict | None = None,
-            margin: float = MARGIN, **key: object) -> int:
-    cache_key = {"model": "llama-1b", "dtype": "torch.bfloat16", "prompt_tokens": 512,
-                 "new_tokens": 256, **key}
-    return resolve_batch_size("auto", stage_kind="generate", fallback=1,
-                              measure_fn_factory=make_factory(gpu, free, device),
-                              cache_path=path, cache_key=cache_key, safety_margin=margin,
-                              cap=2048)
+def resolve(
+    gpu: SimulatedGPU,
+    path: Path,
+    *,
+    free: float = FREE,
+    device: dict | None = None,
+    margin: float = MARGIN,
+    **key: object,
+) -> int:
+    cache_key = {
+        "model": "llama-1b",
+        "dtype": "torch.bfloat16",
+        "prompt_tokens": 512,
+        "new_tokens": 256,
+        **key,
+    }
+    return resolve_batch_size(
+        "auto",
+        stage_kind="generate",
+        fallback=1,
+        measure_fn_factory=make_factory(gpu, free, device),
+        cache_path=path,
+        cache_key=cache_key,
+        safety_margin=margin,
+        cap=2048,
+    )
 
 
 def test_cache_hit_and_miss_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -321,8 +371,9 @@ def test_cache_hit_and_miss_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert not any(p.name.startswith(".batch_size.json.") for p in path.parent.iterdir())
 
 
-def test_cache_atomic_write_and_corrupt_file(tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cache_atomic_write_and_corrupt_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "batch_size.json"
     path.write_text("{not json")
     replaced: list[tuple[str, str]] = []
@@ -360,9 +411,17 @@ def tiny_model():  # type: ignore[no-untyped-def]
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
-                         max_position_embeddings=128, eos_token_id=2, pad_token_id=0)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=128,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -380,8 +439,9 @@ def test_generation_workload_forces_max_new_tokens(tiny_model, monkeypatch) -> N
     with torch.no_grad():
         tiny_model.lm_head.weight[2].fill_(5.0)
     try:
-        run = bs.generation_workload(tiny_model, [5, 6, 7, 8, 9], 6,
-                                     {"do_sample": False, "stop_strings": ["x"]})
+        run = bs.generation_workload(
+            tiny_model, [5, 6, 7, 8, 9], 6, {"do_sample": False, "stop_strings": ["x"]}
+        )
         run(3)
     finally:
         with torch.no_grad():
@@ -397,8 +457,9 @@ def test_training_workload_leaves_the_weights_alone(tiny_model) -> None:  # type
         steps.append(batch["input_ids"].shape[0])
         return model(**batch).loss
 
-    run = bs.training_workload(tiny_model, bs._causal_lm_batch(tiny_model, list(range(3, 19))),
-                               loss_fn=loss_fn)
+    run = bs.training_workload(
+        tiny_model, bs._causal_lm_batch(tiny_model, list(range(3, 19))), loss_fn=loss_fn
+    )
     run(4)
     assert steps == [4, 4]  # >= 2 optimizer steps
     assert all(p.grad is None for p in tiny_model.parameters())
@@ -410,9 +471,15 @@ def test_training_workload_leaves_the_weights_alone(tiny_model) -> None:  # type
 def test_estimate_from_config_counts_the_kv_cache() -> None:
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                      head_dim=64)
+    cfg = LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        head_dim=64,
+    )
     a = estimate_from_config(cfg, mode="generate", prompt_tokens=512, new_tokens=256)
     b = estimate_from_config(cfg, mode="generate", prompt_tokens=512, new_tokens=512)
     kv_per_token = 2 * 16 * 8 * 64 * 2  # K and V, layers, kv heads, head dim, bf16 bytes
@@ -430,3 +497,121 @@ def test_estimate_from_model(tiny_model) -> None:  # type: ignore[no-untyped-def
     assert est is not None and est.per_sample_bytes > 0
     n = sum(p.numel() for p in tiny_model.parameters())
     assert est.weights_bytes == n * 4  # float32
+
+
+# ------------------------------------------------- the CUDA meter, on a fake torch.cuda
+
+
+class FakeCuda:
+    """The torch.cuda calls the meter makes, over simulated devices: ``use[d]`` bytes per
+    sample on device d (a sharded model loads its devices unevenly)."""
+
+    def __init__(self, free: dict[int, float], use: dict[int, float]) -> None:
+        self.free, self.use = free, use
+        self.reserved = {d: int(2 * GiB) for d in free}  # weights
+        self.peak = dict(self.reserved)
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        for name in (
+            "is_available",
+            "device_count",
+            "mem_get_info",
+            "get_device_properties",
+            "synchronize",
+            "reset_peak_memory_stats",
+            "memory_reserved",
+            "max_memory_reserved",
+            "empty_cache",
+        ):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return len(self.free)
+
+    def mem_get_info(self, d: int) -> tuple[int, int]:
+        return int(self.free[d]), int(80 * GiB)
+
+    def get_device_properties(self, d: int):  # type: ignore[no-untyped-def]
+        from types import SimpleNamespace
+
+        return SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=int(80 * GiB))
+
+    def synchronize(self, d: int | None = None) -> None:
+        pass
+
+    def reset_peak_memory_stats(self, d: int) -> None:
+        self.peak[d] = self.reserved[d]
+
+    def memory_reserved(self, d: int) -> int:
+        return self.reserved[d]
+
+    def max_memory_reserved(self, d: int) -> int:
+        return self.peak[d]
+
+    def empty_cache(self) -> None:
+        pass
+
+    def workload(self, b: int) -> None:
+        for d, per_sample in self.use.items():
+            if per_sample * b > self.free[d]:
+                raise torch.OutOfMemoryError(f"CUDA out of memory on device {d}")
+            self.peak[d] = max(self.peak[d], self.reserved[d] + int(per_sample * b))
+
+
+def sharded_model():  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    params = [SimpleNamespace(device=SimpleNamespace(type="cuda", index=d)) for d in (0, 1)]
+    return SimpleNamespace(parameters=lambda: iter(params), buffers=lambda: iter(()))
+
+
+@pytest.mark.parametrize(
+    ("free", "use", "limit"),
+    [
+        # equal devices: device 1 is the most loaded and decides (0.9·40/0.5 = 72), where the
+        # guide's sum over devices would allow 0.9·80/0.8 = 90 and OOM device 1
+        ({0: 40 * GiB, 1: 40 * GiB}, {0: 0.3 * GiB, 1: 0.5 * GiB}, 72),
+        # unequal free memory: device 0 is the tighter one (0.9·20/0.3 = 60)
+        ({0: 20 * GiB, 1: 40 * GiB}, {0: 0.3 * GiB, 1: 0.5 * GiB}, 60),
+    ],
+)
+def test_sharded_model_most_loaded_device_decides(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, free: dict, use: dict, limit: int
+) -> None:
+    fake = FakeCuda(free, use)
+    fake.install(monkeypatch)
+    factory = bs.workload_probe(
+        fake.workload, models=[sharded_model()], estimate=MemoryEstimate(0.4 * GiB), key={"m": 1}
+    )
+    setup = factory()
+    assert setup is not None and setup.free_bytes == min(free.values())
+    assert [d["name"] for d in setup.key["devices"]] == ["NVIDIA H100 80GB HBM3"] * 2
+    got = resolve_batch_size(
+        "auto",
+        stage_kind="generate",
+        fallback=1,
+        measure_fn_factory=factory,
+        cache_path=tmp_path / "c.json",
+        cache_key={},
+    )
+    assert int(0.95 * (limit - limit // 16)) <= got <= int(0.95 * limit)
+    for d in (0, 1):  # the chosen batch fits every device's own target
+        assert use[d] * got <= 0.9 * free[d]
+
+
+def test_meter_turns_oom_into_inf_and_passes_other_errors(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    fake = FakeCuda({0: 10 * GiB}, {0: 1 * GiB})
+    fake.install(monkeypatch)
+    meter = bs._CudaMeter([0], logging.getLogger("test"))
+    measure = meter.measure(fake.workload)
+    assert measure(4) == 4 * GiB
+    assert measure(11) == math.inf
+
+    def broken(b: int) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        meter.measure(broken)(1)

@@ -62,7 +62,9 @@ def test_real_cpu_allocation_failure_is_oom() -> None:
 @pytest.mark.parametrize(
     "exc",
     [
-        torch.AcceleratorError("CUDA error: an illegal memory access was encountered" + KERNEL_NOTE),
+        torch.AcceleratorError(
+            "CUDA error: an illegal memory access was encountered" + KERNEL_NOTE
+        ),
         RuntimeError("CUDA error: an illegal memory access was encountered" + KERNEL_NOTE),
         RuntimeError("CUDA error: device-side assert triggered" + KERNEL_NOTE),
         RuntimeError("CUDA error: unspecified launch failure" + KERNEL_NOTE),

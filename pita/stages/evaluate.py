@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pita.core.stage import StageContext
+from pita.stages.batching import generation_batch_size
 
 GUIDED = ("PITA", "QSharp", "QSharp-HF")
 
@@ -39,17 +40,6 @@ def test_examples(ctx: StageContext, task) -> list:
     if ctx.cfg.evaluation.max_prompts:
         examples = examples[: ctx.cfg.evaluation.max_prompts]
     return examples
-
-
-def batch_size(ctx: StageContext, value: Any, fallback: int = 64) -> int:
-    """A configured batch size; `auto` goes through the probe (pita/core/batch_size.py)."""
-    if isinstance(value, int):
-        return max(1, int(value * ctx.task.batch_scale))
-    from pita.core.batch_size import resolve_batch_size
-
-    return resolve_batch_size(value, stage_kind="generation", fallback=fallback, measure_fn_factory=None,
-                              cache_path=None, cache_key={}, safety_margin=ctx.cfg.batch_size_safety_margin,
-                              cap=4096, logger=ctx.logger)
 
 
 def _policies(ctx: StageContext, task, ref) -> list[tuple[float | None, Any, Callable | None, int, bool]]:
@@ -90,7 +80,8 @@ def evaluate_shard(ctx: StageContext) -> dict:
     examples = [all_examples[i] for i in prompt_index]
     gen = ctx.cfg.generation
     max_new = int(gen.max_new_tokens or task.max_new_tokens)
-    bs = batch_size(ctx, ctx.cfg.evaluation.batch_size)
+    bs = generation_batch_size(ctx, ctx.cfg.evaluation.batch_size, model=ref, prompts=prompts,
+                               max_new_tokens=max_new)
     n_records = 0
     with open(ctx.out_dir / "samples.jsonl", "w") as f:
         for eta, model, hook_factory, top_k, needs_ref in _policies(ctx, task, ref):

@@ -1,0 +1,38 @@
+"""Batch sizes of stages: an int as configured, or `auto` through the probe.
+
+An int is scaled by the task's `batch_scale` (halved after each OOM retry, the effective
+batch being kept by the caller through accumulation). `auto` / `auto_batch_size` runs
+`pita.core.batch_size` in the worker on the stage's worst case (longest prompt, full
+`max_new_tokens`) with results cached across runs; on CPU it logs that there is nothing
+to measure and uses the fallback.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pita.core.stage import StageContext
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get("PITA_CACHE_DIR", Path.home() / ".cache" / "pita")) / "batch_sizes.json"
+
+
+def generation_batch_size(ctx: StageContext, value: Any, *, model=None, prompts: list[list[int]] | None = None,
+                          max_new_tokens: int = 0, fallback: int = 64) -> int:
+    """Prompts per generate() call for `value` (int or auto)."""
+    if isinstance(value, int):
+        return max(1, int(value * ctx.task.batch_scale))
+    from pita.core.batch_size import generation_probe, resolve_batch_size
+
+    factory = None
+    if model is not None and prompts:
+        longest = max(prompts, key=len)
+        factory = generation_probe(model, longest, max_new_tokens, {"do_sample": True}, logger=ctx.logger)
+    size = resolve_batch_size(value, stage_kind="generate", fallback=fallback, measure_fn_factory=factory,
+                              cache_path=cache_path(), cache_key={"stage": ctx.task.stage},
+                              safety_margin=ctx.cfg.batch_size_safety_margin,
+                              cap=max(1, len(prompts) if prompts else 4096), logger=ctx.logger)
+    return max(1, int(size * ctx.task.batch_scale))
