@@ -199,6 +199,7 @@ def _hydra_main() -> None:
     from hydra.types import RunMode
 
     register_configs()
+    worst = [0]  # a sweep exits with its worst job's code
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
     def _main(cfg: DictConfig) -> int:
@@ -208,6 +209,8 @@ def _hydra_main() -> None:
         code = _run_checked(lambda: run(cfg, Path(hc.runtime.output_dir)))
         if hc.mode != RunMode.MULTIRUN or code in (2, 130):
             sys.exit(code)
+        worst[0] = max(worst[0], code)
         return code
 
     _main()
+    sys.exit(worst[0])

@@ -210,9 +210,12 @@ class AlgoConfig:
     beta: float = _help("KL coefficient (DPO β, GRPO β).", 0.1)
     num_generations: int = _help("GRPO group size.", 8)
     max_completion_length: int = _help("GRPO completion budget (0 = task length).", 0)
-    sft_weight: float = _help("Weight of an SFT term on chosen responses (DPO rpo_alpha).", 0.0)
+    sft_weight: float = _help("Weight of an NLL term on the chosen responses (DPO; TRL's sigmoid+sft = RPO α).", 0.0)
     reward_lr: float = _help("Learning rate of the proxy reward model (-HF variants).", 1e-3)
     reward_epochs: int = _help("Epochs of the proxy reward model (-HF variants).", 1)
+    samples_per_example: int = _help(
+        "Samples per training prompt in this algorithm's collect (0 = data_collection.samples_per_example).", 0)
+    pairs_per_example: int = _help("DPO / -HF collect: at most this many preference pairs per training prompt.", 8)
 
 
 @dataclass
@@ -411,6 +414,10 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
         _check(e, algo.guidance.mode in ("bernoulli", "mle", "expectation"), f"algos.{name}.guidance.mode",
                algo.guidance.mode, "allowed: bernoulli | mle | expectation")
         _check(e, algo.guidance.top_k >= 1, f"algos.{name}.guidance.top_k", algo.guidance.top_k,
+               "must be >= 1")
+        _check(e, algo.samples_per_example >= 0, f"algos.{name}.samples_per_example", algo.samples_per_example,
+               "must be >= 0 (0 = data_collection.samples_per_example)")
+        _check(e, algo.pairs_per_example >= 1, f"algos.{name}.pairs_per_example", algo.pairs_per_example,
                "must be >= 1")
         _check(e, algo.num_generations >= 2, f"algos.{name}.num_generations", algo.num_generations,
                "must be >= 2 (GRPO needs a group)")
