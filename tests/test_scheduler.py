@@ -88,3 +88,13 @@ def test_two_gpu_gang_runs_on_two_devices(tmp_path, markers):
     assert gangs, running
     seen = json.loads((markers / "reference.goal_walk.tiny.r0.evaluate.s00.started").read_text())["cuda_visible_devices"]
     assert len(seen.split(",")) == 2 and all(u.startswith("GPU-fake-") for u in seen.split(","))
+
+
+def test_measured_devices_subtract_only_unallocated_reservations():
+    s = Scheduler(_devices(80_000), max_tasks_per_device=4, simulated_memory=False)
+    d = s.devices[0]
+    s.place([_task("a", mem=30_000)])
+    d.free_mb, d.allocated_by_ours_mb = 60_000, 20_000  # "a" holds 20 of its 30 GB
+    assert s.available_mb(d) == 50_000
+    assert [t.id for t, _ in s.place([_task("b", mem=45_000)])] == ["b"]
+    assert s.place([_task("c", mem=10_000)]) == []  # 60 - (75 - 20) = 5 GB left

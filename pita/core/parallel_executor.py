@@ -43,6 +43,7 @@ class DeviceState:
     total_mb: int
     free_mb: int  # as last measured (NVML) or simulated
     running: dict[str, int] = field(default_factory=dict)  # task id -> reserved MB
+    allocated_by_ours_mb: int = 0  # NVML: memory our own workers already hold on this device
 
 
 class Scheduler:
@@ -55,9 +56,16 @@ class Scheduler:
         self.simulated_memory = simulated_memory
 
     def available_mb(self, d: DeviceState) -> int:
+        """Free memory minus what running tasks reserved but have not allocated yet.
+
+        Simulated devices (fake GPUs, CPU slots) have no measurement: total - reservations.
+        On NVML devices the measured free memory already excludes what our workers hold,
+        so only the not-yet-allocated part of the reservations is subtracted.
+        """
         reserved = sum(d.running.values())
-        base = d.total_mb if self.simulated_memory else d.free_mb
-        return base - reserved
+        if self.simulated_memory:
+            return d.total_mb - reserved
+        return d.free_mb - max(0, reserved - d.allocated_by_ours_mb)
 
     def _eligible(self, d: DeviceState, mem_mb: int) -> bool:
         return len(d.running) < self.max_tasks and self.available_mb(d) >= mem_mb
@@ -133,7 +141,7 @@ class DagRunner:
     def __init__(self, plan: Plan, executor, scheduler: Scheduler, *, cfg_dict: dict, run_dir,
                  journal=None, max_retries: int = 2, already_done: set[str] | None = None,
                  round_barrier: bool = False, on_event: Callable[[str, TaskSpec, Any], None] | None = None,
-                 refresh_free_mb: Callable[[], list[int]] | None = None):
+                 refresh_memory: Callable[[], list[tuple[int, int]]] | None = None):
         self.plan = plan
         self.executor = executor
         self.scheduler = scheduler
@@ -144,7 +152,7 @@ class DagRunner:
         self.done: set[str] = set(already_done or ())
         self.round_barrier = round_barrier  # benchmark baseline only: the original runner's policy
         self.on_event = on_event or (lambda kind, task, info: None)
-        self.refresh_free_mb = refresh_free_mb
+        self.refresh_memory = refresh_memory  # -> [(free MB, MB held by our workers)] per device
         self.attempts: dict[str, int] = {}
         self.running: dict[Future, TaskSpec] = {}
         self.placement: dict[str, list[int]] = {}
@@ -179,9 +187,9 @@ class DagRunner:
         pending = {tid: t for tid, t in self.plan.tasks.items() if tid not in self.done}
         try:
             while pending or self.running:
-                if self.refresh_free_mb is not None and not self.scheduler.simulated_memory:
-                    for d, free in zip(self.scheduler.devices, self.refresh_free_mb()):
-                        d.free_mb = free
+                if self.refresh_memory is not None and not self.scheduler.simulated_memory:
+                    for d, (free, ours) in zip(self.scheduler.devices, self.refresh_memory()):
+                        d.free_mb, d.allocated_by_ours_mb = free, ours
                 for task, devices in self.scheduler.place(self._ready(pending)):
                     del pending[task.id]
                     attempt = self.attempts.get(task.id, 0) + 1

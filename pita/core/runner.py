@@ -128,7 +128,7 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
                         live=None if cfg.executor.progress else False)
     runner = DagRunner(plan, executor, scheduler, cfg_dict=cfg_dict, run_dir=str(run_dir), journal=journal,
                        max_retries=cfg.executor.max_retries, already_done=done, on_event=progress.event,
-                       refresh_free_mb=lambda: [d.free_mb for d in gpu.refresh()])
+                       refresh_memory=lambda: _measured_memory(gpu, executor))
     interrupted = False
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
     t0 = time.time()
@@ -169,6 +169,12 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
         return EXIT_FAILED
     log.info("All %d tasks done in %.1fs.", len(plan.tasks), time.time() - t0)
     return EXIT_OK
+
+
+def _measured_memory(gpu: GPUManager, executor) -> list[tuple[int, int]]:
+    """Per device: NVML free MB, and MB held by this run's worker processes."""
+    ours = set(executor.worker_pids())
+    return [(d.free_mb, sum(p["used_mb"] for p in d.processes if p["pid"] in ours)) for d in gpu.refresh()]
 
 
 def _raise_interrupt(signum, frame):  # SIGTERM behaves like Ctrl-C: stop, flush, exit 130
