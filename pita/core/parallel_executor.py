@@ -165,7 +165,7 @@ class DagRunner:
     def _ready(self, pending: dict[str, TaskSpec]) -> list[TaskSpec]:
         ready = [t for t in pending.values() if all(d in self.done for d in t.deps)]
         if self.round_barrier and ready:
-            unfinished = [t.round for t in pending.values()]
+            unfinished = [t.round for t in pending.values()] + [t.round for t in self.running.values()]
             lowest = min(unfinished) if unfinished else 0
             ready = [t for t in ready if t.round <= lowest]
         return ready

@@ -107,7 +107,6 @@ def execute_task(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, dev
     committed atomically (manifest last); on failure the temporary folder, with the log
     and error.json, is kept as `tasks/<id>.attempt<N>.failed/` and resume ignores it.
     """
-    from omegaconf import OmegaConf
 
     from pita.core.paths import TaskPaths, atomic_write_json
     from pita.core.stage import StageContext, resolve_function
@@ -122,7 +121,7 @@ def execute_task(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, dev
         logger.info("task %s (attempt %d) on %s, CUDA_VISIBLE_DEVICES=%r, pid %d", task.id, attempt, device,
                     os.environ.get("CUDA_VISIBLE_DEVICES"), os.getpid())
         fn = resolve_function(task.fn)
-        ctx = StageContext(task=task, cfg=OmegaConf.create(cfg_dict), run_dir=Path(run_dir), out_dir=tmp,
+        ctx = StageContext(task=task, cfg=_rebuild_config(cfg_dict), run_dir=Path(run_dir), out_dir=tmp,
                            logger=logger, device=device, models=models, heartbeat=heartbeat)
         result = fn(ctx) or {}
         wall = round(time.time() - t0, 3)
@@ -145,6 +144,21 @@ def execute_task(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, dev
             raise  # in-process runs: Ctrl-C inside a stage stops the whole run
         message = f"{type(exc).__name__}: {exc}".strip().splitlines()
         return False, failure, (message[0][:500] if message else ""), {}
+
+
+_CONFIG_CACHE: list = [None, None]  # (last plain dict, its DictConfig)
+
+
+def _rebuild_config(cfg_dict: dict):
+    """OmegaConf.create on the full config costs ~10 ms; every task of a run sends the
+    same one, so a worker rebuilds it only when it changes."""
+    from omegaconf import OmegaConf
+
+    if _CONFIG_CACHE[0] != cfg_dict:
+        cfg = OmegaConf.create(cfg_dict)
+        OmegaConf.set_readonly(cfg, True)  # shared by the worker's tasks: nobody may edit it
+        _CONFIG_CACHE[:] = [cfg_dict, cfg]
+    return _CONFIG_CACHE[1]
 
 
 def _close(logger: logging.Logger) -> None:

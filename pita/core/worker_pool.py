@@ -99,7 +99,9 @@ class WorkerPool:
         self.preimport = preimport
         self.extra_env = extra_env or {}
         self._authkey = secrets.token_bytes(32)
-        self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
+        # backlog: 8 workers connecting at once overflow the default backlog of 1 and a
+        # dropped connection leaves a worker blocked in Client() until start_timeout_s.
+        self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey, backlog=64)
         self._lock = threading.RLock()
         self._workers: dict[int, WorkerHandle] = {}
         self._next_id = 0
@@ -176,6 +178,22 @@ class WorkerPool:
                     w.job.future.set_result(TaskOutcome(w.job.task.id, False, "killed", "run interrupted",
                                                         worker_pid=w.pid, devices=w.devices))
                 w.state = "dead"
+        with self._lock:
+            for w in self._workers.values():
+                if w.conn is not None:
+                    w.conn.close()
+                    w.conn = None
+        self._wake_accept_loop()
+
+    def _wake_accept_loop(self) -> None:
+        """Closing a listening socket does not wake a thread blocked in accept() on Linux:
+        shut the socket down, which does, then close it (no port left in LISTEN)."""
+        import socket
+
+        try:
+            self._listener._listener._socket.shutdown(socket.SHUT_RDWR)
+        except (AttributeError, OSError):
+            pass
         try:
             self._listener.close()
         except OSError:
@@ -328,18 +346,18 @@ class WorkerPool:
             _, task_id, result, stats = msg
             w.stats = stats
             w.tasks_run += 1
-            self._finish(w, TaskOutcome(task_id, True, result=result, wall_s=result.get("wall_s", 0.0)))
-            w.state = "idle"
-            if w.tasks_run >= self.max_tasks_per_worker:
+            job, w.job, w.state = w.job, None, "idle"  # idle before the future completes:
+            if w.tasks_run >= self.max_tasks_per_worker:  # a callback may submit again at once
                 self._retire(w)
+            w.job = job
+            self._finish(w, TaskOutcome(task_id, True, result=result, wall_s=result.get("wall_s", 0.0)))
         elif kind == "failed":
             _, task_id, failure, message, stats = msg
             w.stats = stats
             w.tasks_run += 1
+            # the worker exits by itself after an OOM / CUDA fault: never reuse it
+            w.state = "stopping" if failure in ("oom", "cuda_fault", "interrupted") else "idle"
             self._finish(w, TaskOutcome(task_id, False, failure, message))
-            w.state = "idle"
-            if failure in ("oom", "cuda_fault"):
-                w.state = "stopping"  # the worker exits by itself; never reuse it
 
     def _check_liveness(self) -> None:
         now = time.time()
