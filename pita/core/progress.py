@@ -72,6 +72,8 @@ class Progress:
             for d in devs:
                 self.done_per_device[d] += 1
             log.info("[%d/%d] done  %s on %s in %.1fs", self.done, self.n_tasks, task.id, where(devs), info.wall_s)
+            for line in info.result.get("run_log_lines", []):  # e.g. a sharded model's layer distribution
+                log.info("  %s: %s", task.id, line)
         elif kind == "retry":
             self.running.pop(task.id, None)
             log.warning("retry %s after %s: %s", task.id, info.failure, info.message)

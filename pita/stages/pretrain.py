@@ -4,7 +4,16 @@ Teacher forcing on the target tokens only (the prompt positions carry label -100
 with linear warmup then cosine decay, fresh examples every step from the task's
 `pretrain_batch` (goal-walk: random walks that ignore the goal; star graph: the true
 path). One pretrain task per (dataset, family) is shared by every chain using them. The
-model and its tokenizer are written with `save_pretrained` into `model/`.
+model and its tokenizer are written with `save_pretrained` into `model/`, next to
+`training_metrics.png` and `performance_summary.txt`.
+
+Training mechanics come from `pita.training`: precision (`training.mixed_precision` /
+`precision_type`), exact gradient accumulation, clipping, `system.clear_cache_interval`,
+`training.compile` and `training.gradient_checkpointing`, and DDP over the task's gang
+with `training.parallel_strategy=data_parallel`. The tiny policy trains on its whole batch
+at once (`training.micro_batch_size` is sized for hub models and would only slow it down);
+it is cut into micro-batches when `training.accumulation_steps` is set or an OOM retry
+halves the task's `batch_scale`.
 """
 
 from __future__ import annotations
@@ -37,44 +46,86 @@ def teacher_forcing_batch(pairs: list[tuple[list[int], list[int]]], pad_id: int)
 
 
 def pretrain(ctx: StageContext) -> dict:
+    from pita.training.ddp import run_stage
+
+    return run_stage(ctx, _pretrain)  # one process, or one per GPU of the gang (data_parallel)
+
+
+def _pretrain(ctx: StageContext, dist=None) -> dict:
+    """The loop, on one process (`dist` None) or on one rank of a DDP gang."""
     import torch
     from transformers import get_cosine_schedule_with_warmup
 
     from pita.datasets import build_task
     from pita.models.tiny import build_tiny_llama
+    from pita.training.ddp import wrap_model
+    from pita.training.loop import (
+        TrainStep,
+        accumulation_plan,
+        compile_model,
+        enable_gradient_checkpointing,
+        split_batch,
+        token_weights,
+    )
+    from pita.training.precision import training_device
+    from pita.training.report import write_training_report
+
+    tr, pcfg = ctx.cfg.training, ctx.cfg.pretrain
+    world = dist.world_size if dist else 1
+    # pretrain.batch_size is the effective batch over all ranks; each rank cuts its share
+    # into micro-batches whose gradients add up to those of the whole share.
+    per_rank = -(-pcfg.batch_size // world)
+    micro, n_micro = accumulation_plan(per_rank, per_rank, tr.accumulation_steps, ctx.task.batch_scale)
 
     task = build_task(ctx.task.dataset_cfg)
     tok = task.tokenizer
     arch = ctx.task.family_cfg["reference_arch"]
-    pcfg = ctx.cfg.pretrain
     torch.manual_seed(ctx.seed)
-    rng = random.Random(ctx.seed)
+    rng = random.Random(ctx.seed)  # the same stream on every rank: same batches, then sharded
     sample = task.pretrain_batch(random.Random(0), 1)[0]
     model = build_tiny_llama(len(tok), n_layer=arch["n_layer"], d_model=arch["d_model"], n_head=arch["n_head"],
                              max_position=max(64, 2 * (len(sample[0]) + task.max_new_tokens)),
                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=ctx.seed,
                              attn_impl=ctx.cfg.system.attn_impl)
-    device = torch.device(ctx.device)
+    device = torch.device(training_device(ctx.cfg.system.gpu_mode, ctx.device).device)  # system.gpu_mode
     model.to(device).train()
-    optim = torch.optim.AdamW(model.parameters(), lr=pcfg.lr, weight_decay=ctx.cfg.training.weight_decay)
+    checkpointing = enable_gradient_checkpointing(model, tr.gradient_checkpointing, ctx.logger)
+    compiled = compile_model(model, tr.compile, tr.compile_mode, logger=ctx.logger)
+    net = wrap_model(model, dist)  # DDP all-reduces the gradients; the same model otherwise
+    optim = torch.optim.AdamW(model.parameters(), lr=pcfg.lr, weight_decay=tr.weight_decay)
     sched = get_cosine_schedule_with_warmup(optim, pcfg.warmup_steps, pcfg.steps)
-    losses = []
-    for step in range(pcfg.steps):
-        ids, mask, labels = teacher_forcing_batch(task.pretrain_batch(rng, pcfg.batch_size), tok.pad_token_id)
-        loss = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device)).loss
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        if ctx.cfg.training.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), ctx.cfg.training.max_grad_norm)
-        optim.step()
-        sched.step()
-        losses.append(loss.item())
-        if step % 50 == 0 or step == pcfg.steps - 1:
-            ctx.logger.info("step %d/%d loss %.4f lr %.2e", step + 1, pcfg.steps, losses[-1], sched.get_last_lr()[0])
-            ctx.heartbeat(f"step {step + 1}/{pcfg.steps}")
+    step = TrainStep.from_context(ctx, net, optim, scheduler=sched, device=device, compile_status=compiled)
+    ctx.logger.info("pretrain: effective batch %d = micro %d x %d accumulation x %d rank(s), %s",
+                    per_rank * world, micro, n_micro, world, step.precision.name)
+
+    for i in range(pcfg.steps):
+        pairs = task.pretrain_batch(rng, pcfg.batch_size)
+        n_tokens = sum(len(p) + len(t) for p, t in pairs)  # throughput counts the whole batch
+        n_targets = sum(len(t) for _, t in pairs)  # the loss positions of the whole batch
+        if dist is not None:
+            pairs = [pairs[j] for j in dist.shard(len(pairs))]
+        ids, mask, labels = teacher_forcing_batch(pairs, tok.pad_token_id)
+        batch = {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
+        micro_batches = split_batch(batch, micro)
+        # The model's loss is a mean over a micro-batch's target tokens: weight each by its
+        # share of the batch's tokens, so the accumulated gradient is the whole batch's.
+        counts = [int((mb["labels"][:, 1:] != -100).sum()) for mb in micro_batches]
+        result = step.run(micro_batches, lambda mb: net(**mb).loss,
+                          weights=token_weights(counts, total=n_targets, world_size=world),
+                          samples=pcfg.batch_size, tokens=n_tokens)
+        if i % 50 == 0 or i == pcfg.steps - 1:
+            ctx.logger.info("step %d/%d loss %.4f lr %.2e", i + 1, pcfg.steps, result.loss, step.lr())
+            ctx.heartbeat(f"step {i + 1}/{pcfg.steps}")
+
+    if dist is not None and not dist.is_main:
+        return {}  # rank 0 writes the model and the report
     model.eval()
     model.save_pretrained(ctx.out_dir / "model")
     task.save_tokenizer(str(ctx.out_dir / "model"))
-    tail = losses[-20:]
-    return {"steps": pcfg.steps, "final_loss": sum(tail) / len(tail),
-            "parameters": sum(p.numel() for p in model.parameters())}
+    perf = write_training_report(ctx.out_dir, step, micro_batch=micro, accumulation_steps=n_micro, world_size=world,
+                                 gradient_checkpointing=checkpointing, title=ctx.task.id)
+    losses = step.metrics.series("loss")[1][-20:]
+    return {"steps": pcfg.steps, "final_loss": sum(losses) / len(losses),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            **{k: perf[k] for k in ("precision", "compile", "effective_batch", "samples_per_s", "tokens_per_s",
+                                    "peak_memory_mb")}}

@@ -1,0 +1,121 @@
+"""Data parallel training on the CPU: 2 gloo processes, each on half the batch, step like
+one process on the whole batch (same init, same data)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pita.training.ddp import DataParallelError, run_data_parallel, shard_indices, wrap_model
+from pita.training.loop import TrainStep, split_batch
+from pita.training.precision import choose_precision
+
+STEPS, BATCH, LR = 3, 8, 0.1
+
+
+def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 1, generator=g)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _train(dist, micro: int) -> dict[str, torch.Tensor]:
+    """SGD for a few steps; with `dist`, on this rank's shard of every batch (module level:
+    the spawned ranks import it)."""
+    model = _model()
+    net = wrap_model(model, dist)
+    step = TrainStep(net, torch.optim.SGD(model.parameters(), lr=LR), choose_precision("auto", True, "cpu"))
+    for s in range(STEPS):
+        x, y = _data(s)
+        if dist is not None:
+            idx = dist.shard(BATCH)
+            x, y = x[idx], y[idx]
+            dist.log(f"step {s} on {len(idx)} examples")
+        step.run(split_batch((x, y), micro), lambda mb: torch.nn.functional.mse_loss(net(mb[0]), mb[1]))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _fail_on_rank_one(dist) -> None:
+    if dist.rank == 1:
+        raise ValueError("rank one is broken")
+    dist.barrier()  # rank 0 waits for a peer that never comes: it must be stopped, not hang
+
+
+def test_shard_indices_are_strided_and_padded():
+    assert shard_indices(8, 0, 2) == [0, 2, 4, 6] and shard_indices(8, 1, 2) == [1, 3, 5, 7]
+    shards = [shard_indices(7, r, 3) for r in range(3)]
+    assert all(len(s) == 3 for s in shards)  # padded to equal shares
+    assert sorted({i for s in shards for i in s}) == list(range(7))
+
+
+def test_world_size_follows_parallel_strategy_and_gpu_mode():
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from pita.training.ddp import data_parallel_world_size
+
+    def ctx(strategy, gpu_mode="auto", gpus=2):
+        cfg = OmegaConf.create({"training": {"parallel_strategy": strategy}, "system": {"gpu_mode": gpu_mode}})
+        return SimpleNamespace(cfg=cfg, device="cpu", task=SimpleNamespace(gpus=gpus))
+
+    assert data_parallel_world_size(ctx("none")) == 1
+    assert data_parallel_world_size(ctx("data_parallel")) == 2  # a fake / CPU gang: 2 gloo ranks
+    assert data_parallel_world_size(ctx("data_parallel", gpus=1)) == 1
+    assert data_parallel_world_size(ctx("data_parallel", "single_gpu")) == 1
+    assert data_parallel_world_size(ctx("data_parallel", "cpu")) == 1
+
+
+def test_ddp_on_two_gloo_processes_matches_one_process_on_the_full_batch():
+    single = _train(None, micro=BATCH)
+    messages: list[tuple[str, int, object]] = []
+    # Each rank: half the batch, in 2 accumulated micro-batches of 2 (no_sync until the last).
+    ranks = run_data_parallel(_train, 2, args=(2,), backend="gloo", device_type="cpu",
+                              on_message=lambda kind, rank, payload: messages.append((kind, rank, payload)))
+    assert len(ranks) == 2
+    moved = max((single[k] - _model().state_dict()[k]).abs().max().item() for k in single)
+    assert moved > 1e-3  # training changed the weights
+    for k in single:
+        torch.testing.assert_close(ranks[0][k], ranks[1][k], atol=0, rtol=0)  # ranks stay in sync
+        torch.testing.assert_close(ranks[0][k], single[k], atol=1e-6, rtol=1e-5)
+    assert {(rank, payload[1]) for kind, rank, payload in messages if kind == "log"} == {
+        (r, f"step {s} on 4 examples") for r in range(2) for s in range(STEPS)}
+
+
+def test_a_failing_rank_raises_with_its_error():
+    with pytest.raises(DataParallelError, match=r"rank 1 of 2 failed: .*rank one is broken"):
+        run_data_parallel(_fail_on_rank_one, 2, backend="gloo", device_type="cpu", timeout_s=60)
+
+
+@pytest.mark.slow
+def test_pretrain_data_parallel_on_a_two_device_gang_matches_one_process(tmp_path):
+    """The production path: run_stage rebuilds a StageContext per rank, forwards its log."""
+    import logging
+
+    from safetensors.torch import load_file
+
+    from pita.stages.pretrain import pretrain
+    from tests.test_training_stack import pretrain_context
+
+    single = pretrain_context(tmp_path / "single")
+    pretrain(single)
+    gang = pretrain_context(tmp_path / "gang", gpus=2, parallel_strategy="data_parallel")
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    gang.logger.addHandler(handler)
+    gang.logger.setLevel(logging.INFO)
+    result = pretrain(gang)
+
+    assert result["effective_batch"] == 16
+    assert any("DDP over 2 ranks" in ln for ln in lines) and any(ln.startswith("step 4/4 loss") for ln in lines)
+    assert "x 2 rank(s) = effective batch 16" in (gang.out_dir / "performance_summary.txt").read_text()
+    a = load_file(single.out_dir / "model" / "model.safetensors")
+    b = load_file(gang.out_dir / "model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=2e-5, rtol=1e-4)

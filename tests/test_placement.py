@@ -1,0 +1,138 @@
+"""pita.models.placement: max_memory, device maps of real architectures over simulated GPUs
+(meta device: nothing allocated, nothing downloaded), models placed on a gang, GPU counts,
+and the clear error of a quantized alias without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+from accelerate.utils import convert_file_size_to_int
+from transformers import LlamaConfig
+
+from pita.models.placement import (
+    GiB,
+    estimate_model_bytes,
+    gpus_needed,
+    infer_placement,
+    layer_distribution,
+    layer_distribution_line,
+    load_on_gang,
+    max_memory_for_gang,
+    model_bytes,
+    place_models_on_gang,
+    plan_gang_placement,
+)
+
+
+def llama_8b() -> LlamaConfig:
+    """meta-llama/Llama-3.1-8B's architecture (no download)."""
+    return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+                       tie_word_embeddings=False)
+
+
+def llama_1b() -> LlamaConfig:
+    """meta-llama/Llama-3.2-1B's architecture (tied embeddings)."""
+    return LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True)
+
+
+def test_max_memory_keeps_a_reserve_per_device():
+    mm = max_memory_for_gang([80 * GiB, 40 * GiB, int(10.5 * GiB)], reserve_fraction=0.1)
+    assert mm == {0: "72GiB", 1: "36GiB", 2: "9.45GiB"}
+    assert convert_file_size_to_int(mm[2]) <= 10.5 * GiB * 0.9
+    assert max_memory_for_gang([GiB], 0.0) == {0: "1GiB"}
+    with pytest.raises(ValueError, match="reserve_fraction"):
+        max_memory_for_gang([GiB], 1.0)
+
+
+def test_device_map_of_llama_8b_over_four_simulated_gpus():
+    max_memory = {0: "6GiB", 1: "6GiB", 2: "6GiB", 3: "6GiB"}  # 15 GiB of bf16 weights over 24 GiB
+    p = infer_placement(llama_8b(), max_memory, "bfloat16")
+    assert p.num_layers == 32 and sum(p.layers.values()) == 32
+    assert set(p.layers) == {0, 1, 2, 3} and set(p.device_map.values()) <= {0, 1, 2, 3}
+    assert sum(p.bytes_per_device.values()) == p.total_bytes
+    assert 14.9 * GiB < p.total_bytes < 15.1 * GiB
+    busiest = max(p.bytes_per_device, key=p.bytes_per_device.get)
+    assert p.bytes_per_device[busiest] <= convert_file_size_to_int(max_memory[busiest])
+    assert all(p.bytes_per_device[d] <= 6 * GiB for d in p.bytes_per_device)
+    assert p.log_line() == layer_distribution_line(p.layers)
+    assert p.log_line().startswith("Layer distribution: GPU 0: ") and "GPU 3:" in p.log_line()
+    assert len(p.log_lines()) == 4 and "of 6.00 GiB allowed" in p.log_lines()[0]
+
+
+def test_device_map_of_llama_1b_over_two_gpus_is_balanced():
+    p = infer_placement(llama_1b(), max_memory_for_gang([4 * GiB, 4 * GiB]), "bfloat16")
+    assert sum(p.layers.values()) == 16 and set(p.layers) == {0, 1}
+    assert abs(p.layers[0] - p.layers[1]) <= 4  # balanced, not GPU 0 first
+    assert p.device_map["lm_head"] == p.device_map["model.embed_tokens"]  # tied: one copy
+    assert p.log_line() == f"Layer distribution: GPU 0: {p.layers[0]} layers, GPU 1: {p.layers[1]} layers"
+
+
+def test_a_model_that_does_not_fit_is_refused_unless_offload_is_allowed():
+    with pytest.raises(ValueError, match=r"does not fit in max_memory .*gpus_per_task.*-8bit / -4bit"):
+        infer_placement(llama_8b(), {0: "3GiB", 1: "3GiB"}, "bfloat16")
+    p = infer_placement(llama_8b(), {0: "3GiB", 1: "3GiB", "cpu": "64GiB"}, "bfloat16", allow_offload=True)
+    assert "cpu" in set(p.device_map.values()) and sum(p.layers.values()) == 32
+
+
+def test_quantized_sizes_shrink_the_map():
+    assert estimate_model_bytes(llama_1b(), "4bit") < estimate_model_bytes(llama_1b(), "8bit") \
+        < estimate_model_bytes(llama_1b(), "bfloat16")
+    p = infer_placement(llama_8b(), {0: "6GiB", 1: "6GiB"}, "8bit")  # 8 GB in int8 fits on 2 x 6 GiB
+    assert sum(p.layers.values()) == 32
+
+
+def test_layer_distribution_resolves_parents_and_counts_blocks():
+    assert layer_distribution({"": 0}, 16, "model.layers") == {0: 16}
+    dm = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "model.layers.2": 1, "lm_head": 1}
+    assert layer_distribution(dm) == {0: 1, 1: 2}
+    assert layer_distribution({"model.embed_tokens": 1, "model.layers": 0, "lm_head": 1}, 4, "model.layers") == {0: 4}
+    assert layer_distribution_line({0: 1, "cpu": 2}) == "Layer distribution: GPU 0: 1 layer, CPU: 2 layers"
+
+
+def test_models_go_largest_first_to_the_gpu_with_most_free_memory():
+    models = [("guide", 2 * GiB), ("reference", 8 * GiB), ("reward", 16 * GiB)]
+    # reward -> GPU 0 (24 free, 8 left); reference -> GPU 1 (20 free, 12 left); guide -> GPU 1 (12 > 8)
+    assert place_models_on_gang(models, [24 * GiB, 20 * GiB]) == {"guide": 1, "reference": 1, "reward": 0}
+    assert list(place_models_on_gang(models, [24 * GiB, 20 * GiB])) == ["guide", "reference", "reward"]
+    assert place_models_on_gang([("a", GiB), ("b", GiB)], [10 * GiB, 10 * GiB]) == {"a": 0, "b": 1}
+
+
+def test_a_model_larger_than_any_gpu_is_sharded_over_the_gang():
+    models = [("reward-70b", 140 * GiB), ("reference", 16 * GiB), ("guide", 2 * GiB)]
+    plan = plan_gang_placement(models, [80 * GiB] * 4)
+    assert plan.devices["reward-70b"] == "auto"
+    assert plan.devices["reference"] in range(4) and plan.devices["guide"] in range(4)
+    assert set(plan.auto_max_memory["reward-70b"]) == {0, 1, 2, 3}
+    assert sum(plan.free_after) == 4 * 80 * GiB - (140 + 16 + 2) * GiB
+    assert any("sharded over the gang" in line for line in plan.log_lines())
+    with pytest.raises(ValueError, match=r"needs 400.0 GiB but the gang has 160.0 GiB free.*gpus_per_task"):
+        place_models_on_gang([("huge", 400 * GiB)], [80 * GiB, 80 * GiB])
+
+
+def test_gpus_needed_for_large_models():
+    bf16_70b = model_bytes(70e9, "bfloat16")
+    assert gpus_needed(bf16_70b, 40 * GiB) == 4  # 168 GB with overhead over 40 GB GPUs
+    assert gpus_needed(bf16_70b, 80 * GiB) == 2
+    assert gpus_needed(model_bytes(70e9, "4bit"), 40 * GiB) == 1
+    assert gpus_needed(model_bytes(8e9, "bf16"), [10 * GiB, 40 * GiB, 24 * GiB]) == 1
+    assert gpus_needed(bf16_70b, [24 * GiB] * 8) == 7
+    with pytest.raises(ValueError, match="does not fit on all 2 GPUs"):
+        gpus_needed(bf16_70b, [40 * GiB, 40 * GiB])
+
+
+@pytest.mark.parametrize("alias", ["llama3.2-1b-4bit", "llama3.2-1b-8bit"])
+def test_a_quantized_alias_on_cpu_fails_with_one_clear_line(alias):
+    from pita.models.catalog import resolve_family
+    from pita.models.loading import load_causal_lm
+
+    family = resolve_family(alias)
+    quant = alias.rsplit("-", 1)[1]
+    assert family.quantization == quant
+    for load in (lambda: load_causal_lm(family.guide, device="cpu", quantization=family.quantization),
+                 lambda: load_on_gang(family.guide, quantization=family.quantization)):
+        with pytest.raises(RuntimeError) as err:
+            load()
+        message = str(err.value)
+        assert "\n" not in message
+        assert f"-{quant} needs CUDA + bitsandbytes" in message and f"drop the -{quant} suffix" in message
