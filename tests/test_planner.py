@@ -78,3 +78,13 @@ def test_task_larger_than_any_device_is_refused():
 def test_unimplemented_stage_is_a_config_error():
     with pytest.raises(ConfigError, match="algos.QSharp.enabled=true: stage 'collect' of QSharp"):
         _plan(["algos.QSharp.enabled=true", *sleep_overrides(), "+executor.stage_overrides.QSharp.collect=nowhere.module:fn"])
+
+
+def test_device_map_auto_sizes_gangs_for_large_models():
+    # 70 GB of weights (x3 for training) on 40 GB devices: shards of evaluate need 2 GPUs,
+    # training 6; nothing is refused because device_map=auto shards over a gang.
+    _, plan = _plan(["model.memory_gb=70", "model.device_map=auto", "algos.QSharp.enabled=true",
+                     *sleep_overrides()], n_devices=8, device_mb=[40 * 1024] * 8)
+    t = plan.tasks
+    assert t["QSharp.goal_walk.tiny.r0.evaluate.s00"].gpus == 2
+    assert t["QSharp.goal_walk.tiny.r0.train"].gpus == 6

@@ -189,9 +189,24 @@ def plan_experiment(cfg: DictConfig, n_devices: int, *, device_mb: list[int] | N
                         collected.append(produced["collect"])
                     prev_train = produced.get("train", prev_train)
 
+    if device_mb and cfg.model.device_map == "auto":
+        size_gangs(plan, device_mb)
     check_resources(plan, n_devices, device_mb)
     critical_path_priorities(plan)
     return plan
+
+
+def size_gangs(plan: Plan, device_mb: list[int]) -> None:
+    """With model.device_map=auto, a task too large for one device gets the k devices its
+    size needs (a 70B reward model over 4 GPUs); its models are sharded over that gang."""
+    from pita.models.placement import gpus_needed
+
+    for t in plan.tasks.values():
+        if t.mem_mb > max(device_mb):
+            try:
+                t.gpus = max(t.gpus, gpus_needed(t.mem_mb, device_mb, overhead=1.0))
+            except ValueError:
+                pass  # not even the whole machine: check_resources reports it
 
 
 def check_resources(plan: Plan, n_devices: int, device_mb: list[int] | None) -> None:
