@@ -75,6 +75,15 @@ class StageContext:
         tasks = self.run_dir / "tasks"
         return [tasks / r for r in ref] if isinstance(ref, list) else tasks / ref
 
+    def reference_model(self) -> str:
+        """π_ref: `<pretrain>/model` for families built in the run (tiny), else the hub id
+        or path of the family's reference model (pita/models/catalog.py)."""
+        if self.has_input("reference"):
+            return str(self.input("reference") / "model")
+        from pita.models.catalog import resolve_family
+
+        return resolve_family(self.task.family, self.task.family_cfg).reference
+
     def has_input(self, name: str) -> bool:
         return bool(self.task.inputs.get(name))
 

@@ -27,12 +27,13 @@ from pita.stages.batching import generation_batch_size
 GUIDED = ("PITA", "QSharp", "QSharp-HF")
 
 
-def load_model(ctx: StageContext, folder: Path):
-    """A causal LM saved with save_pretrained, through the worker's model LRU."""
+def load_model(ctx: StageContext, name_or_path: Path | str):
+    """A causal LM (a save_pretrained folder or a hub id), through the worker's model LRU."""
     from pita.models.loading import load_causal_lm
 
-    return ctx.models.get(f"lm:{folder}", lambda: load_causal_lm(str(folder), device=ctx.device,
-                                                                  attn_impl=ctx.cfg.system.attn_impl))
+    return ctx.models.get(f"lm:{name_or_path}", lambda: load_causal_lm(
+        str(name_or_path), device=ctx.device, attn_impl=ctx.cfg.system.attn_impl,
+        dtype=ctx.task.family_cfg.get("dtype", "auto"), device_map=ctx.task.family_cfg.get("device_map")))
 
 
 def test_examples(ctx: StageContext, task) -> list:
@@ -67,9 +68,9 @@ def evaluate_shard(ctx: StageContext) -> dict:
     from pita.datasets import build_task
     from pita.models.generation import generate, sequence_logprobs
 
-    ref_dir = ctx.input("reference") / "model"
+    ref_dir = ctx.reference_model()
     ref = load_model(ctx, ref_dir)
-    task = build_task(ctx.task.dataset_cfg, tokenizer=str(ref_dir))
+    task = build_task(ctx.task.dataset_cfg, tokenizer=ref_dir)
     tok = task.tokenizer
     all_examples = test_examples(ctx, task)
     part = ctx.shard_slice(len(all_examples))
@@ -109,8 +110,7 @@ def evaluate_merge(ctx: StageContext) -> dict:
     from pita.datasets import build_task
     from pita.eval.metrics import maj_at_k, mean, pass_at_1
 
-    ref_dir = ctx.input("reference") / "model"
-    task = build_task(ctx.task.dataset_cfg, tokenizer=str(ref_dir))
+    task = build_task(ctx.task.dataset_cfg, tokenizer=ctx.reference_model())
     examples = test_examples(ctx, task)
     by_eta: dict[Any, list[dict]] = {}
     wall = 0.0

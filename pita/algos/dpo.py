@@ -1,0 +1,240 @@
+"""DPO baseline (Rafailov et al. 2023) with TRL's `DPOTrainer`; also the pair collector of GRPO-HF.
+
+Round k:
+1. `collect` (sharded over the training prompts): sample `samples_per_example` responses per
+   prompt from the current policy (round 0: π_ref; round k: round k−1's trained policy),
+   score them with the task's verifier in batches and turn each prompt's samples into
+   preference pairs (`preference_pairs`), written to `pairs.jsonl` in token space:
+   `{"example": i, "prompt": [ids], "chosen": [ids], "rejected": [ids]}` (responses end with
+   EOS unless the sampler ran out of tokens).
+2. `train`: DPO on the pairs of rounds 0..k (DAgger style), the policy starting from round
+   k−1's policy (π_ref in round 0) and the frozen reference always π_ref, so every round
+   stays regularised towards the same π_ref that evaluation measures KL against.
+
+Where it departs from the papers / TRL defaults:
+- Pairs. Binary reward: a successful sample vs a failed one; when no sample succeeded but
+  the example carries a target the verifier accepts, the target is the chosen response (the
+  star-graph recipe: chosen = ground-truth path, rejected = π_ref's wrong sample; on that
+  task a correct sample *is* the target, token for token). Real rewards: the i-th best
+  sample against the i-th worst while the first scores strictly higher. Responses are
+  de-duplicated per prompt and at most `algos.<NAME>.pairs_per_example` pairs are kept.
+- Token space through text. TRL 1.16's DPOTrainer always tokenizes `prompt` / `chosen` /
+  `rejected` itself (it has no pre-tokenized input path), so the pairs are decoded with the
+  task tokenizer (word-level, space separated) and the ids TRL produced are compared with
+  ours before training; a tokenizer that does not round-trip is refused. TRL appends EOS to
+  a response that lacks one (a sample cut by the token budget); that is the only change.
+- The SFT term (RPO, Pang et al. 2024) is TRL's `loss_type=["sigmoid", "sft"]` with
+  weights [1, `sft_weight`] (TRL 1.16 has no `rpo_alpha`): an NLL on the chosen responses.
+- Constant learning rate, no warmup (trl_common), so a learning-rate sweep means what it says.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+from pita.core.stage import StageContext
+
+
+def training_prompts(ctx: StageContext, task) -> list:
+    """The task's training prompts, at most `data_collection.max_examples` (0 = all)."""
+    examples = task.train_examples()
+    cap = int(ctx.cfg.data_collection.max_examples)
+    return examples[:cap] if cap else examples
+
+
+def samples_per_example(ctx: StageContext) -> int:
+    """`algos.<NAME>.samples_per_example`, else `data_collection.samples_per_example`."""
+    return int(ctx.algo_cfg.samples_per_example) or int(ctx.cfg.data_collection.samples_per_example)
+
+
+def _unique(responses: Sequence[Sequence[int]]) -> list[list[int]]:
+    seen, out = set(), []
+    for r in responses:
+        key = tuple(r)
+        if key not in seen:
+            seen.add(key)
+            out.append(list(r))
+    return out
+
+
+def preference_pairs(responses: Sequence[Sequence[int]], rewards: Sequence[float], *, binary: bool,
+                     max_pairs: int, target: Sequence[int] | None = None) -> list[tuple[list[int], list[int]]]:
+    """(chosen, rejected) response pairs from one prompt's samples; see the module docstring.
+
+    `target` is a response the verifier accepts (e.g. the star graph's ground-truth path), or
+    None. Binary: every distinct failure is paired with a distinct success (cycling through
+    the successes; the target when nothing succeeded). Real rewards: best against worst,
+    second best against second worst, ... while the first scores strictly higher.
+    """
+    if binary:
+        successes = _unique([r for r, x in zip(responses, rewards) if x >= 1.0])
+        failures = _unique([r for r, x in zip(responses, rewards) if x < 1.0])
+        if not successes and target is not None:
+            successes = [list(target)]
+        if not successes:
+            return []
+        return [(successes[i % len(successes)], f) for i, f in enumerate(failures[:max_pairs])]
+    best: dict[tuple, float] = {}
+    for r, x in zip(responses, rewards):  # one reward per distinct response (the verifier is deterministic)
+        best.setdefault(tuple(r), float(x))
+    ranked = sorted(best.items(), key=lambda kv: -kv[1])
+    pairs = []
+    for i in range(len(ranked) // 2):
+        (hi, r_hi), (lo, r_lo) = ranked[i], ranked[-1 - i]
+        if r_hi <= r_lo or len(pairs) == max_pairs:
+            break
+        pairs.append((list(hi), list(lo)))
+    return pairs
+
+
+def collect(ctx: StageContext) -> dict:
+    import torch
+
+    from pita.algos.trl_common import load_cached_lm, reference_dir
+    from pita.datasets import build_task
+    from pita.models.generation import generate
+    from pita.stages.batching import generation_batch_size
+
+    # The task (its tokenizer and verifier) and the policy that samples this round.
+    ref_dir = reference_dir(ctx)
+    task = build_task(ctx.task.dataset_cfg, tokenizer=ref_dir)
+    tok = task.tokenizer
+    policy_dir = str(ctx.input("guide") / "model") if ctx.has_input("guide") else ref_dir
+    policy = load_cached_lm(ctx, policy_dir)
+    ctx.logger.info("sampling with %s", policy_dir)
+
+    # This shard's prompts, each repeated k times, sampled in batches.
+    all_examples = training_prompts(ctx, task)
+    indices = list(range(len(all_examples)))[ctx.shard_slice(len(all_examples))]
+    k = samples_per_example(ctx)
+    examples = [all_examples[i] for i in indices for _ in range(k)]
+    gen = ctx.cfg.generation
+    prompts = [e.prompt_ids for e in examples]
+    max_new = int(gen.max_new_tokens or task.max_new_tokens)
+    bs = generation_batch_size(ctx, gen.batch_size, model=policy, prompts=prompts, max_new_tokens=max_new)
+    out = generate(policy, prompts, max_new_tokens=max_new, batch_size=bs, pad_token_id=tok.pad_token_id,
+                   eos_token_id=tok.eos_token_id, do_sample=True, temperature=gen.temperature, top_k=gen.top_k,
+                   top_p=gen.top_p, generator=torch.Generator(device="cpu").manual_seed(ctx.seed))
+    ctx.heartbeat(f"sampled {len(examples)}")
+
+    # Rewards in batches of data_collection.reward_batch_size (one verifier call per batch).
+    rb = generation_batch_size(ctx, ctx.cfg.data_collection.reward_batch_size, fallback=256)
+    rewards: list[float] = []
+    for start in range(0, len(examples), rb):
+        rewards += task.rewards(examples[start:start + rb], out.responses[start:start + rb])
+    binary = all(r in (0.0, 1.0) for r in rewards)
+
+    # Pairs per prompt, in token space.
+    max_pairs = int(ctx.algo_cfg.pairs_per_example)
+    n_pairs = n_with_pairs = 0
+    with open(ctx.out_dir / "pairs.jsonl", "w") as f:
+        for j, i in enumerate(indices):
+            ex = all_examples[i]
+            target = None
+            if ex.target_ids is not None and task.rewards([ex], [ex.target_ids])[0] >= 1.0:
+                target = ex.target_ids
+            pairs = preference_pairs(out.responses[j * k:(j + 1) * k], rewards[j * k:(j + 1) * k],
+                                     binary=binary, max_pairs=max_pairs, target=target)
+            for chosen, rejected in pairs:
+                f.write(json.dumps({"example": i, "prompt": list(ex.prompt_ids), "chosen": chosen,
+                                    "rejected": rejected}) + "\n")
+            n_pairs += len(pairs)
+            n_with_pairs += bool(pairs)
+    mean_reward = sum(rewards) / max(1, len(rewards))
+    ctx.logger.info("%d prompts x %d samples: mean reward %.4f (%s), %d pairs from %d prompts", len(indices), k,
+                    mean_reward, "binary" if binary else "real-valued", n_pairs, n_with_pairs)
+    return {"prompts": len(indices), "samples": len(examples), "pairs": n_pairs, "prompts_with_pairs": n_with_pairs,
+            "reward_sum": sum(rewards)}
+
+
+def read_pairs(folders: Sequence[Path]) -> list[dict]:
+    """Every record of `pairs.jsonl` in the given collect folders, in order."""
+    records = []
+    for folder in folders:
+        path = Path(folder) / "pairs.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no pairs.jsonl; the collect stage wrote no preference pairs")
+        with open(path) as f:
+            records += [json.loads(line) for line in f if line.strip()]
+    return records
+
+
+def pairs_as_text(records: Sequence[dict], tokenizer) -> list[dict]:
+    """TRL's text format: prompt, " " + chosen, " " + rejected (the word-level tokenizers
+    split on spaces, so prompt + chosen tokenizes as the concatenated ids)."""
+
+    def text(ids):
+        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    return [{"prompt": text(r["prompt"]), "chosen": " " + text(r["chosen"]), "rejected": " " + text(r["rejected"])}
+            for r in records]
+
+
+def check_round_trip(records: Sequence[dict], dataset, eos_id: int) -> None:
+    """Raise unless TRL's tokenization of the text pairs gives back our token ids."""
+
+    def with_eos(ids):
+        return list(ids) if ids and ids[-1] == eos_id else [*ids, eos_id]
+
+    for r, row in zip(records, dataset):
+        got = (row["prompt_ids"], row["chosen_ids"], row["rejected_ids"])
+        want = (list(r["prompt"]), with_eos(r["chosen"]), with_eos(r["rejected"]))
+        if tuple(map(list, got)) != want:
+            raise RuntimeError(
+                f"the tokenizer does not round-trip the preference pairs (example {r['example']}: ids {want} became "
+                f"{got} after decode + TRL's tokenization); DPO needs a tokenizer whose decode/encode is lossless")
+
+
+def train(ctx: StageContext) -> dict:
+    import torch
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    from pita.algos.trl_common import (
+        effective_batch,
+        last_logged,
+        load_trainable_lm,
+        policy_start_dir,
+        quiet,
+        reference_dir,
+        save_model,
+        stage_log_callback,
+        training_args,
+    )
+    from pita.models.loading import load_tokenizer
+
+    algo = ctx.algo_cfg
+    # Data first (fail before loading models): the pairs of every round so far, shuffled.
+    records = read_pairs(ctx.input("data"))
+    if not records:
+        raise RuntimeError("no preference pairs were collected (every prompt's samples were all right or all "
+                           "wrong); raise data_collection.samples_per_example")
+    random.Random(ctx.seed).shuffle(records)
+
+    # Models: the policy starts from the previous round (else π_ref); the frozen reference is π_ref.
+    ref_dir, start_dir = reference_dir(ctx), policy_start_dir(ctx)
+    tok = load_tokenizer(ref_dir)
+    policy = load_trainable_lm(ctx, start_dir)
+    ref_model = load_trainable_lm(ctx, ref_dir)
+    ref_model.requires_grad_(False)
+    torch.manual_seed(ctx.seed)
+
+    sft = float(algo.sft_weight)
+    loss = {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, sft]} if sft > 0 else {"loss_type": ["sigmoid"]}
+    args = training_args(ctx, DPOConfig, batch_size=effective_batch(ctx), lr=float(algo.lr), epochs=int(algo.epochs),
+                         steps=int(algo.steps), beta=float(algo.beta), max_length=None, **loss)
+    trainer = quiet(DPOTrainer(model=policy, ref_model=ref_model, args=args,
+                         train_dataset=Dataset.from_list(pairs_as_text(records, tok)), processing_class=tok,
+                         callbacks=[stage_log_callback(ctx)]))
+    check_round_trip(records, trainer.train_dataset, tok.eos_token_id)
+    ctx.logger.info("DPO on %d pairs from %d round(s); policy from %s, reference %s", len(records),
+                    len(ctx.input("data")), start_dir, ref_dir)
+
+    trainer.train()
+    save_model(trainer.accelerator.unwrap_model(trainer.model), tok, ctx.out_dir / "model")
+    stats = last_logged(trainer, "train_loss", "rewards/accuracies", "rewards/margins", "rewards/chosen",
+                        "rewards/rejected", "logps/chosen", "logps/rejected")
+    return {"pairs": len(records), "steps": trainer.state.global_step, "start": start_dir, **stats}

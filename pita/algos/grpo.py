@@ -1,0 +1,158 @@
+"""GRPO baseline (Shao et al. 2024) with TRL's `GRPOTrainer`: the task's verifier as reward
+(`train`, algo GRPO) or a proxy Bradley–Terry reward model (`train_hf`, algo GRPO-HF).
+
+Each step samples `num_generations` completions for each of `batch_size / num_generations`
+training prompts from the current policy (transformers' `generate`, on the CPU when the
+task runs there), scores them, normalises rewards within each group and takes a clipped
+policy-gradient step with a KL penalty β towards π_ref. Round k starts from round k−1's
+policy; the KL reference stays π_ref in every round (as in evaluation).
+
+The reward adapter (`TaskReward`, `ProxyReward`): TRL calls a reward function with the
+prompts and completions as text, plus `completion_ids` and every extra dataset column as
+keyword arguments. Our dataset carries the index of each prompt's `Example` (column
+`example`), so the adapter maps a batch straight back to Examples and completion token ids
+(EOS included when generated) and calls `task.rewards` (or the reward model) once per batch.
+
+Where it departs from the paper / TRL defaults:
+- TRL's default loss (`dapo`: token-level normalisation over the batch) and group reward
+  scaling; one policy update per generation batch (`num_iterations=1`), so the clipping
+  never binds; KL by TRL's k3 estimator on the sampled tokens.
+- Prompts travel to TRL as text and are re-tokenized by it; the round trip to our ids is
+  checked before training (the word-level task tokenizers are lossless).
+- Sampling uses `generation.temperature / top_k / top_p`, as evaluation does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pita.core.stage import StageContext
+
+
+class TaskReward:
+    """TRL reward function: the task's verifier on (Example, completion ids), one batch per call."""
+
+    __name__ = "task_reward"
+
+    def __init__(self, task, examples: Sequence) -> None:
+        self.task = task
+        self.examples = list(examples)
+
+    def __call__(self, prompts: list, completions: list, completion_ids: list, example: list,
+                 **kwargs: Any) -> list[float]:
+        return self.task.rewards([self.examples[i] for i in example], [list(ids) for ids in completion_ids])
+
+
+class ProxyReward:
+    """TRL reward function: a proxy reward model's score of (prompt ids + completion ids).
+
+    With `task`, the verifier's reward of the same completions is logged beside it as
+    `true_reward` (never optimised), so reward hacking shows in the training log.
+    """
+
+    __name__ = "proxy_reward"
+
+    def __init__(self, scorer, examples: Sequence, task=None) -> None:
+        self.scorer = scorer
+        self.examples = list(examples)
+        self.task = task
+
+    def __call__(self, prompts: list, completions: list, completion_ids: list, example: list,
+                 **kwargs: Any) -> list[float]:
+        examples = [self.examples[i] for i in example]
+        ids = [list(c) for c in completion_ids]
+        if self.task is not None and "log_metric" in kwargs:
+            true = self.task.rewards(examples, ids)
+            kwargs["log_metric"]("true_reward", sum(true) / max(1, len(true)))
+        return self.scorer.score([list(e.prompt_ids) for e in examples], ids)
+
+
+def prompt_dataset(examples: Sequence, tokenizer):
+    """A `datasets.Dataset` of {"prompt": text, "example": index}; raises unless the text
+    tokenizes back to the prompt ids (TRL re-tokenizes it)."""
+    from datasets import Dataset
+
+    texts = [tokenizer.decode(e.prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+             for e in examples]
+    encoded = tokenizer(texts, add_special_tokens=True)["input_ids"]
+    for i, (e, ids) in enumerate(zip(examples, encoded)):
+        if list(ids) != list(e.prompt_ids):
+            raise RuntimeError(f"the tokenizer does not round-trip prompt {i} ({list(e.prompt_ids)} -> {texts[i]!r} "
+                               f"-> {list(ids)}); GRPO needs a tokenizer whose decode/encode is lossless")
+    return Dataset.from_dict({"prompt": texts, "example": list(range(len(examples)))})
+
+
+def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
+    """GRPO from the round's starting policy against π_ref; saves the policy to out_dir/model."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from pita.algos.trl_common import (
+        effective_batch,
+        last_logged,
+        load_trainable_lm,
+        policy_start_dir,
+        quiet,
+        reference_dir,
+        save_model,
+        stage_log_callback,
+        training_args,
+    )
+    from pita.models.loading import load_tokenizer
+
+    algo, gen = ctx.algo_cfg, ctx.cfg.generation
+    batch, group = effective_batch(ctx), int(algo.num_generations)
+    if batch % group:
+        raise ValueError(f"algos.{ctx.task.algo}.batch_size={batch}: must be a multiple of "
+                         f"algos.{ctx.task.algo}.num_generations={group} (a batch holds whole groups)")
+    ref_dir, start_dir = reference_dir(ctx), policy_start_dir(ctx)
+    tok = load_tokenizer(ref_dir)
+    dataset = prompt_dataset(examples, tok)
+    policy = load_trainable_lm(ctx, start_dir)
+    # TRL builds the KL reference from the policy's `_name_or_path`: point it at π_ref, so a
+    # round-k policy (started from round k−1's) is still regularised towards π_ref.
+    policy.config._name_or_path = ref_dir
+
+    args = training_args(ctx, GRPOConfig, batch_size=batch, lr=float(algo.lr), epochs=int(algo.epochs),
+                         steps=int(algo.steps), beta=float(algo.beta), num_generations=group,
+                         max_completion_length=int(algo.max_completion_length or task.max_new_tokens),
+                         temperature=float(gen.temperature), top_k=int(gen.top_k), top_p=float(gen.top_p),
+                         disable_dropout=True, log_completions=False)
+    trainer = quiet(GRPOTrainer(model=policy, reward_funcs=reward_fn, args=args, train_dataset=dataset,
+                          processing_class=tok, callbacks=[stage_log_callback(ctx)]))
+    ref_model = getattr(trainer, "ref_model", None)
+    assert (ref_model is None) == (float(algo.beta) == 0.0), "TRL loads a KL reference exactly when beta > 0"
+    kl_ref = "none (beta=0)" if ref_model is None else trainer.accelerator.unwrap_model(ref_model).config._name_or_path
+    ctx.logger.info("GRPO on %d prompts, groups of %d; policy from %s, KL reference %s", len(examples), group,
+                    start_dir, kl_ref)
+
+    trainer.train()
+    save_model(trainer.accelerator.unwrap_model(trainer.model), tok, ctx.out_dir / "model")
+    stats = last_logged(trainer, "train_loss", "reward", "reward_std", "kl", "entropy", "frac_reward_zero_std",
+                        "true_reward")
+    first = next((r for r in trainer.state.log_history if "reward" in r), {})
+    return {"prompts": len(examples), "steps": trainer.state.global_step, "start": start_dir,
+            "first_reward": first.get("reward"), **stats}
+
+
+def train(ctx: StageContext) -> dict:
+    from pita.algos.dpo import training_prompts
+    from pita.algos.trl_common import reference_dir
+    from pita.datasets import build_task
+
+    task = build_task(ctx.task.dataset_cfg, tokenizer=reference_dir(ctx))
+    examples = training_prompts(ctx, task)
+    return run_grpo(ctx, task, examples, TaskReward(task, examples))
+
+
+def train_hf(ctx: StageContext) -> dict:
+    from pita.algos.dpo import training_prompts
+    from pita.algos.reward_model import load_reward_scorer
+    from pita.algos.trl_common import reference_dir
+    from pita.datasets import build_task
+
+    task = build_task(ctx.task.dataset_cfg, tokenizer=reference_dir(ctx))
+    examples = training_prompts(ctx, task)
+    scorer = load_reward_scorer(ctx, ctx.input("reward_model"))
+    result = run_grpo(ctx, task, examples, ProxyReward(scorer, examples, task))
+    return {**result, "reward_model": str(ctx.input("reward_model"))}

@@ -1,0 +1,132 @@
+"""The proxy reward model of the -HF variants (GRPO-HF, QSharp-HF): Bradley–Terry on pairs.
+
+`train_reward_model` (stage `reward_model`) fits r_φ(x, y) with TRL's `RewardTrainer`,
+loss −log σ(r_φ(x, y_chosen) − r_φ(x, y_rejected)), on the `pairs.jsonl` records of every
+collect folder in `ctx.input("data")` (rounds 0..k). The data is handed to TRL already
+tokenized (`chosen_ids` / `rejected_ids` = prompt + response ids), so no text round trip.
+
+Model: `AutoModelForSequenceClassification` with one output, warm-started from π_ref's
+checkpoint (for the tiny family a `LlamaForSequenceClassification` whose backbone is the
+reference's; the scalar head starts random). HF pools a decoder's sequence-classification
+logits at the last token that is not `pad_token_id`; TRL's collator pads on the right with
+that id and `RewardScorer` pads with it too, so training and scoring read the same
+position: the response's last token (its EOS).
+
+Held-out check: the pairs of 10% of the prompts (at least one prompt) are kept out of
+training; `heldout_accuracy` in result.json is the fraction of those pairs the model ranks
+correctly (ties count half), scored through `load_reward_scorer`'s path (`RewardScorer`).
+
+`load_reward_scorer(ctx, folder)`: the `RewardScorer` of a reward_model task folder (or of
+its `reward_model/` subfolder), cached in the worker's model LRU.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+from pita.core.stage import StageContext
+
+HELDOUT_FRACTION = 0.1
+
+
+def split_by_prompt(records: Sequence[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) pairs; held-out prompts (by prompt ids) never appear in training."""
+    prompts = sorted({tuple(r["prompt"]) for r in records})
+    random.Random(seed).shuffle(prompts)
+    n_held = max(1, round(fraction * len(prompts))) if len(prompts) > 1 else 0
+    held = set(prompts[:n_held])
+    train = [r for r in records if tuple(r["prompt"]) not in held]
+    heldout = [r for r in records if tuple(r["prompt"]) in held]
+    return train, heldout
+
+
+def pairwise_accuracy(scorer, records: Sequence[dict]) -> float:
+    """Fraction of pairs with r(chosen) > r(rejected); ties count half. nan without pairs."""
+    if not records:
+        return float("nan")
+    prompts = [r["prompt"] for r in records]
+    chosen = scorer.score(prompts, [r["chosen"] for r in records])
+    rejected = scorer.score(prompts, [r["rejected"] for r in records])
+    wins = sum(1.0 if c > r else 0.5 if c == r else 0.0 for c, r in zip(chosen, rejected))
+    return wins / len(records)
+
+
+def _scorer_batch(ctx: StageContext) -> int:
+    from pita.stages.batching import generation_batch_size
+
+    return generation_batch_size(ctx, ctx.cfg.data_collection.reward_batch_size, fallback=32)
+
+
+def load_reward_scorer(ctx: StageContext, folder: Path | str):
+    """The RewardScorer of a trained proxy reward model (task folder or its reward_model/)."""
+    from pita.models.loading import load_reward_model, load_tokenizer
+    from pita.models.reward_scorer import RewardScorer
+
+    folder = Path(folder)
+    if (folder / "reward_model").is_dir():
+        folder = folder / "reward_model"
+
+    def load():
+        model = load_reward_model(str(folder), device=ctx.device, attn_impl=ctx.cfg.system.attn_impl)
+        return RewardScorer(model, load_tokenizer(str(folder)), _scorer_batch(ctx), padding_side="right")
+
+    return ctx.models.get(f"rm:{folder}", load)
+
+
+def train_reward_model(ctx: StageContext) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification
+    from trl import RewardConfig, RewardTrainer
+
+    from pita.algos.dpo import read_pairs
+    from pita.algos.trl_common import (
+        effective_batch,
+        last_logged,
+        quiet,
+        reference_dir,
+        save_model,
+        stage_log_callback,
+        training_args,
+    )
+    from pita.models.loading import load_tokenizer
+    from pita.models.reward_scorer import RewardScorer
+
+    algo = ctx.algo_cfg
+    # Data: every round's pairs, split by prompt into train / held-out.
+    records = read_pairs(ctx.input("data"))
+    train_pairs, heldout = split_by_prompt(records, HELDOUT_FRACTION, ctx.seed)
+    if not train_pairs:
+        raise RuntimeError(f"{len(records)} preference pairs: too few to train a reward model; raise "
+                           "data_collection.samples_per_example or the number of training prompts")
+    dataset = Dataset.from_dict({"chosen_ids": [r["prompt"] + r["chosen"] for r in train_pairs],
+                                 "rejected_ids": [r["prompt"] + r["rejected"] for r in train_pairs]})
+
+    # Model: π_ref's backbone under a fresh scalar head; pooling needs the pad id in the config.
+    ref_dir = reference_dir(ctx)
+    tok = load_tokenizer(ref_dir)
+    torch.manual_seed(ctx.seed)
+    model = AutoModelForSequenceClassification.from_pretrained(ref_dir, num_labels=1, dtype=torch.float32,
+                                                               attn_implementation=ctx.cfg.system.attn_impl)
+    model.config.pad_token_id = tok.pad_token_id
+
+    args = training_args(ctx, RewardConfig, batch_size=effective_batch(ctx), lr=float(algo.reward_lr),
+                         epochs=int(algo.reward_epochs), max_length=None, disable_dropout=True)
+    trainer = quiet(RewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok,
+                            callbacks=[stage_log_callback(ctx)]))
+    ctx.logger.info("reward model on %d pairs (%d held out) from %d round(s), backbone %s", len(train_pairs),
+                    len(heldout), len(ctx.input("data")), ref_dir)
+    trainer.train()
+
+    model = trainer.accelerator.unwrap_model(trainer.model).eval()
+    save_model(model, tok, ctx.out_dir / "reward_model")
+    scorer = RewardScorer(model, tok, _scorer_batch(ctx), padding_side="right")
+    result = {"pairs": len(train_pairs), "heldout_pairs": len(heldout),
+              "train_accuracy": pairwise_accuracy(scorer, train_pairs[:2000]),
+              "heldout_accuracy": pairwise_accuracy(scorer, heldout), "steps": trainer.state.global_step,
+              **last_logged(trainer, "train_loss")}
+    ctx.logger.info("pairwise accuracy: train %.3f, held-out %.3f", result["train_accuracy"],
+                    result["heldout_accuracy"])
+    return result

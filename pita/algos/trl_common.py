@@ -1,0 +1,244 @@
+"""What the TRL-based stages (DPO, GRPO, GRPO-HF, the proxy reward model) share.
+
+- `training_args(ctx, ConfigClass, ...)`: a TRL config (`DPOConfig`, `GRPOConfig`,
+  `RewardConfig`) built from `training.*` and `algos.<NAME>.*` for the device the task
+  runs on. TRL's own defaults are tuned for GPUs (bf16 on, gradient checkpointing on); here
+  bf16 / fp16 are used only on CUDA and only as `training.mixed_precision` /
+  `training.precision_type` say, gradient checkpointing only when
+  `training.gradient_checkpointing` is on, `use_cpu` on CPU, no reporting integration,
+  no hub, no checkpoints (the stage itself saves the final model with `save_pretrained`),
+  and a constant learning rate without warmup (so a learning-rate sweep means what it says).
+- The effective batch `algos.<NAME>.batch_size` is kept; it is cut into micro-batches with
+  gradient accumulation (`micro_batches`: `training.micro_batch_size` × the task's
+  `batch_scale` for hub models, the whole batch for the tiny models built in the run).
+- `StageLogCallback`: TRL's log lines go to the task's `log.txt`, to `train_log.jsonl`
+  in the task folder and to the worker's heartbeat.
+- `offline()`: the hub is never contacted (HF_HUB_OFFLINE and friends), so a missing file
+  fails fast instead of hanging a CPU box without network; no `datasets` progress bars.
+- Where the checkpoints come from: `reference_dir` (π_ref), `policy_start_dir` (the policy
+  a train stage starts from: the previous round's, else π_ref).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from pita.core.stage import StageContext
+
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+def offline() -> None:
+    """Forbid every hub access from this process (env vars, and the already-imported flag)."""
+    for key, value in OFFLINE_ENV.items():
+        os.environ[key] = value
+    try:  # huggingface_hub reads the variable at import; the worker may have imported it already
+        from huggingface_hub import constants
+
+        constants.HF_HUB_OFFLINE = True
+    except ImportError:  # pragma: no cover - huggingface_hub always comes with transformers
+        pass
+    try:  # TRL tokenizes with datasets.map: no progress bars in the worker's log
+        import datasets
+
+        datasets.disable_progress_bars()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+# --- checkpoints --------------------------------------------------------------------------
+
+
+def reference_dir(ctx: StageContext) -> str:
+    """π_ref: `<pretrain>/model` for families built in the run (tiny), else the family's hub id."""
+    return ctx.reference_model()
+
+
+def policy_start_dir(ctx: StageContext) -> str:
+    """The policy a train stage starts from: round k−1's trained policy, else π_ref."""
+    if ctx.has_input("previous"):
+        return str(ctx.input("previous") / "model")
+    return reference_dir(ctx)
+
+
+def load_trainable_lm(ctx: StageContext, path: str):
+    """A fresh fp32 copy of a causal LM for training (never the worker's cached copy: the
+    trainers patch `forward` and change the weights). Mixed precision is autocast's job."""
+    from pita.models.loading import load_causal_lm
+
+    return load_causal_lm(path, dtype="float32", device=ctx.device, attn_impl=ctx.cfg.system.attn_impl,
+                          trust_remote_code=bool(ctx.task.family_cfg.get("trust_remote_code", False)))
+
+
+def load_cached_lm(ctx: StageContext, path: str):
+    """A causal LM for sampling only, through the worker's model LRU (shared by shards)."""
+    from pita.models.loading import load_causal_lm
+
+    return ctx.models.get(f"lm:{path}", lambda: load_causal_lm(path, device=ctx.device,
+                                                                attn_impl=ctx.cfg.system.attn_impl))
+
+
+def save_model(model: Any, tokenizer: Any, folder: Path) -> None:
+    """`save_pretrained` of the unwrapped model and its tokenizer (loadable with from_pretrained);
+    the trainer's unused, empty `output_dir` beside it is removed."""
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    with contextlib.suppress(OSError):  # rmdir refuses a folder that is not empty
+        (Path(folder).parent / "trainer").rmdir()
+
+
+# --- batch sizes and precision ------------------------------------------------------------
+
+
+def effective_batch(ctx: StageContext, fallback: int = 64) -> int:
+    """`algos.<NAME>.batch_size` (the effective batch); `auto` -> `fallback` (the micro-batch,
+    not the effective batch, is what memory limits)."""
+    value = ctx.algo_cfg.batch_size
+    if isinstance(value, int):
+        return value
+    ctx.logger.info("algos.%s.batch_size=%s: training uses an effective batch of %d", ctx.task.algo, value, fallback)
+    return fallback
+
+
+def micro_batches(ctx: StageContext, batch: int) -> tuple[int, int]:
+    """(micro-batch, accumulation steps) with micro × steps == batch.
+
+    `training.accumulation_steps` > 0 fixes the steps. Otherwise hub models use
+    `training.micro_batch_size` × `batch_scale`; the tiny models built in the run (they have
+    a `reference` input) take the whole batch at once, as pretrain and the value stages do
+    (on a CPU a micro-batch of 4 makes a GRPO step 7x slower), until an OOM retry halves
+    `batch_scale`.
+    """
+    tr, scale = ctx.cfg.training, ctx.task.batch_scale
+    if tr.accumulation_steps > 0:
+        micro = -(-batch // int(tr.accumulation_steps))
+    elif ctx.has_input("reference"):
+        micro = batch if scale >= 1 else min(int(tr.micro_batch_size), int(batch * scale))
+    else:
+        micro = int(tr.micro_batch_size * scale)
+    micro = max(1, min(micro, batch))
+    while batch % micro:  # the largest micro-batch that divides the effective batch
+        micro -= 1
+    return micro, batch // micro
+
+
+def precision_flags(ctx: StageContext) -> dict[str, bool]:
+    """bf16 / fp16 autocast only on CUDA, as training.mixed_precision / precision_type say."""
+    import torch
+
+    tr = ctx.cfg.training
+    on_cuda = torch.device(ctx.device).type == "cuda" and torch.cuda.is_available()
+    if not (on_cuda and tr.mixed_precision) or tr.precision_type == "fp32":
+        return {"bf16": False, "fp16": False}
+    kind = tr.precision_type
+    if kind == "auto":
+        kind = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return {"bf16": kind == "bf16", "fp16": kind == "fp16"}
+
+
+def training_args(ctx: StageContext, config_cls: type, *, batch_size: int, lr: float, epochs: int = 1,
+                  steps: int = 0, **extra: Any):
+    """A TRL config for this task: effective batch, lr, epochs or steps, and CPU/GPU settings.
+
+    `extra` are the trainer-specific fields (beta, num_generations, ...).
+    """
+    import torch
+
+    offline()
+    tr = ctx.cfg.training
+    on_cuda = torch.device(ctx.device).type == "cuda" and torch.cuda.is_available()
+    micro, accum = micro_batches(ctx, batch_size)
+    workers = int(ctx.algo_cfg.num_workers)
+    if workers < 0:  # -1 = auto
+        workers = 2 if on_cuda else 0
+    # transformers 5 renamed gradient_checkpointing (a deprecated alias that warns) to activation_checkpointing
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    checkpointing = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    extra = {checkpointing: bool(tr.gradient_checkpointing), **extra}
+    args = config_cls(
+        output_dir=str(ctx.out_dir / "trainer"),  # nothing is written there: save_strategy="no"
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accum,
+        learning_rate=lr,
+        num_train_epochs=epochs,
+        max_steps=steps if steps > 0 else -1,
+        lr_scheduler_type="constant",  # a fair lr sweep: no hidden decay schedule
+        warmup_steps=0,
+        weight_decay=tr.weight_decay,
+        max_grad_norm=tr.max_grad_norm,
+        use_cpu=not on_cuda,
+        dataloader_num_workers=workers,
+        dataloader_pin_memory=bool(tr.pin_memory and on_cuda),
+        torch_compile=bool(tr.compile),
+        seed=ctx.seed,
+        data_seed=ctx.seed,
+        logging_steps=0.05,  # about 20 log lines per run, whatever its length
+        save_strategy="no",
+        report_to="none",
+        push_to_hub=False,
+        disable_tqdm=True,
+        **precision_flags(ctx),
+        **extra,
+    )
+    ctx.logger.info("%s: effective batch %d = %d micro x %d accumulation, lr %.2e, %s, %s, device %s",
+                    config_cls.__name__, batch_size, micro, accum, lr,
+                    f"{steps} steps" if steps > 0 else f"{epochs} epoch(s)",
+                    "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32", ctx.device)
+    return args
+
+
+# --- logging ------------------------------------------------------------------------------
+
+
+def quiet(trainer: Any) -> Any:
+    """Drop the Trainer's stdout printer (with tqdm off it prints every log dict); the
+    stage's callback already writes them to the task log."""
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
+    return trainer
+
+
+def stage_log_callback(ctx: StageContext):
+    """A TrainerCallback writing TRL's logs to the task log, train_log.jsonl and the heartbeat."""
+    from transformers import TrainerCallback
+
+    path = ctx.out_dir / "train_log.jsonl"
+    t0 = time.time()
+
+    class StageLogCallback(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logs = {k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))}
+            record = {"step": state.global_step, "max_steps": state.max_steps,
+                      "elapsed_s": round(time.time() - t0, 2), **logs}
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            shown = ", ".join(f"{k}={v:.4g}" for k, v in logs.items() if _worth_showing(k))
+            ctx.logger.info("step %d/%d %s", state.global_step, state.max_steps, shown)
+            ctx.heartbeat(f"step {state.global_step}/{state.max_steps}")
+
+    return StageLogCallback()
+
+
+_SHOWN = ("loss", "reward", "kl", "rewards/", "accuracy", "margin", "logps/", "grad_norm", "entropy", "train_")
+
+
+def _worth_showing(key: str) -> bool:
+    return key.startswith(_SHOWN) or key in ("loss", "reward", "kl")
+
+
+def last_logged(trainer: Any, *keys: str) -> dict[str, float]:
+    """The most recent logged value of each key (for the stage's result.json)."""
+    out: dict[str, float] = {}
+    for record in reversed(trainer.state.log_history):
+        for key in keys:
+            if key not in out and key in record:
+                out[key] = float(record[key])
+    return out
