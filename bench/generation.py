@@ -7,6 +7,16 @@ the batched engine (``pita.models.generate`` with ``--batch-size``) and for the 
 baseline (the same engine with batch size 1, i.e. one prompt at a time with a KV cache),
 their ratio, and whether both produced the same greedy tokens. The model is a random tiny Llama (built in code, nothing downloads) and
 the prompts have mixed lengths, so left padding and length sorting are exercised.
+
+Guided decoding (pita/algos/guidance.py) is timed in the same run at the same batch size:
+the same engine with a value-model offset hook (a random value model of `--value-n-layer`
+layers, 64 dims, per-vocabulary head, mode `bernoulli`, η = 5, top-k = 2). `guided_ratio` =
+guided / unguided tokens per second (target >= 0.5: one extra value forward per step, KV
+cache kept; with a value model as large as the reference that extra forward costs as much
+as the reference's, so ~0.5 is the ceiling there; the hub families pair a small guide with
+a large reference, e.g. 1B with 8B), and
+`value_forwards_per_token` = value-model forwards (counted by a forward hook on the module)
+per decoding step of a batch (target exactly 1.0).
 """
 
 from __future__ import annotations
@@ -22,13 +32,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pita.algos.guidance import hook_factory
 from pita.models.generation import generate
-from pita.models.tiny import build_tiny_llama
+from pita.models.tiny import build_tiny_llama, tiny_llama_config
+from pita.models.value_model import ValueModel
 
 PAD, BOS, EOS = 0, 1, 2
 
 
-def _timed(model, prompts, *, batch_size, max_new_tokens, device):
+def _timed(model, prompts, *, batch_size, max_new_tokens, device, hook=None, top_k=0):
     start = time.perf_counter()
     out = generate(
         model,
@@ -38,6 +50,8 @@ def _timed(model, prompts, *, batch_size, max_new_tokens, device):
         pad_token_id=PAD,
         eos_token_id=EOS,
         do_sample=False,
+        top_k=top_k,
+        offset_hook_factory=hook,
     )
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -54,6 +68,7 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=40)
     parser.add_argument("--n-layer", type=int, default=2)
     parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--value-n-layer", type=int, default=2, help="value model depth (64 dims)")
     parser.add_argument("--quick", action="store_true", help="64 prompts, 8 new tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="best of N for both (noise)")
@@ -78,15 +93,35 @@ def main() -> None:
         seed=args.seed,
     ).to(args.device)
 
+    # A value model like the tiny family's guide (2 layers, 64 dims by default), random head.
+    vconf = tiny_llama_config(args.vocab_size, n_layer=args.value_n_layer, d_model=64, n_head=4, max_position=64,
+                              pad_token_id=PAD, eos_token_id=EOS)
+    torch.manual_seed(args.seed)
+    from transformers import LlamaModel
+
+    value = ValueModel(LlamaModel(vconf), args.vocab_size).to(args.device).eval()
+    torch.nn.init.normal_(value.head.weight, std=0.5)
+    value_forwards = [0]
+    value.register_forward_pre_hook(lambda *_: value_forwards.__setitem__(0, value_forwards[0] + 1))
+
     kw = {"max_new_tokens": args.max_new_tokens, "device": args.device}
     _timed(model, prompts[:4], batch_size=4, **kw)  # warm-up (allocator, kernels)
     # Interleaved repeats, best time of each: both suffer the same background load.
-    runs_b, runs_l = [], []
+    runs_b, runs_l, runs_u, runs_g = [], [], [], []
+    guided_factory = None
     for _ in range(max(1, args.repeats)):
         runs_b.append(_timed(model, prompts, batch_size=args.batch_size, **kw))
         runs_l.append(_timed(model, prompts, batch_size=1, **kw))
+        # unguided vs guided at the same batch size and the same top-k
+        runs_u.append(_timed(model, prompts, batch_size=args.batch_size, top_k=2, **kw))
+        guided_factory = hook_factory(value, 5.0, "bernoulli")
+        value_forwards[0] = 0
+        runs_g.append(_timed(model, prompts, batch_size=args.batch_size, top_k=2, hook=guided_factory, **kw))
     batched, batched_s, batched_tokens = min(runs_b, key=lambda r: r[1])
     loop, loop_s, loop_tokens = min(runs_l, key=lambda r: r[1])
+    _, unguided_s, unguided_tokens = min(runs_u, key=lambda r: r[1])
+    _, guided_s, guided_tokens = min(runs_g, key=lambda r: r[1])
+    guided_tps, unguided_tps = guided_tokens / guided_s, unguided_tokens / unguided_s
 
     batched_tps = batched_tokens / batched_s
     loop_tps = loop_tokens / loop_s
@@ -110,6 +145,11 @@ def main() -> None:
         "loop_tokens_per_s": round(loop_tps, 1),
         "speedup": round(batched_tps / loop_tps, 2),
         "outputs_match": batched.responses == loop.responses,
+        "unguided_tokens_per_s": round(unguided_tps, 1),
+        "guided_tokens_per_s": round(guided_tps, 1),
+        "guided_ratio": round(guided_tps / unguided_tps, 3),
+        "value_forwards_per_token": round(value_forwards[0] / guided_factory.stats.steps, 4),
+        "value_model": f"tiny llama {args.value_n_layer}x64 + per-vocabulary head (bernoulli, eta 5, top-k 2)",
     }
     print(json.dumps(result))
 

@@ -147,9 +147,11 @@ def collect_shard(ctx: Any, *, pairs: bool) -> tuple[list[dict], dict]:
     from pita.stages.evaluate import load_model
 
     t0 = time.perf_counter()
-    ref_dir = ctx.input("reference") / "model"
+    from pita.models.value_model import reference_dir
+
+    ref_dir = reference_dir(ctx)
     reference = load_model(ctx, ref_dir)
-    task = build_task(ctx.task.dataset_cfg, tokenizer=str(ref_dir))
+    task = build_task(ctx.task.dataset_cfg, tokenizer=ref_dir)
     tok = task.tokenizer
     examples = task.train_examples()
     dc, gen, algo = ctx.cfg.data_collection, ctx.cfg.generation, ctx.algo_cfg
@@ -173,14 +175,14 @@ def collect_shard(ctx: Any, *, pairs: bool) -> tuple[list[dict], dict]:
     samples = int(algo.get("samples_per_example", 0) or dc.samples_per_example)  # per-algo override, if any
     records = generator.collect(indices, [examples[i] for i in indices], samples,
                                 pairs=pairs, bradley_terry_beta=float(dc.bradley_terry_beta))
-    n = max(1, len(records))
+    # sums, not means: collect_merge adds up every number of the shards' results
     stats = {"prompts": len(indices), "records": len(records), "guided": hook is not None,
-             "mean_reward": sum(r["reward"] for r in records) / n, "collect_s": round(time.perf_counter() - t0, 2)}
+             "reward_sum": sum(r["reward"] for r in records), "collect_s": round(time.perf_counter() - t0, 2)}
     if pairs:
-        stats["mean_reward_roll_in"] = sum(r["reward_original"] for r in records) / n
-        stats["mean_label"] = sum(r["label"] for r in records) / n
+        stats["reward_roll_in_sum"] = sum(r["reward_original"] for r in records)
+        stats["label_sum"] = sum(r["label"] for r in records)
     if hook is not None:
-        stats["value_forwards_per_step"] = hook.stats.forwards_per_step
+        stats["value_forwards"], stats["decode_steps"] = hook.stats.forwards, hook.stats.steps  # 1 per step
     ctx.logger.info("collected %s", stats)
     return records, stats
 

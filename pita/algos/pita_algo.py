@@ -1,0 +1,50 @@
+"""PITA: preference-guided decoding with a learned preference model over π_ref's tokens.
+
+Implements ALGORITHMS.md "PITA": round k samples a full response y from π^k (π_ref in
+round 0, whose value head is zero-initialised anyway), cuts it at h ~ U{1..|y|−1}, rolls
+out y' from y_<h with π_ref and labels 1[y_<h + y' ≻ y] (the decided winner when exactly
+one of the two is correct, else a Bradley–Terry draw with β_BT =
+`data_collection.bradley_terry_beta`). The preference model p(s, a) = P(y' ≻ y | s, a) is
+trained with BCE on the roll-out tokens of y' against that label, and guides with mode
+`expectation`: offset η·log(p / (1 − p)) on π_ref's top-k tokens. Records of rounds 0..k
+are aggregated (DAgger); round k's model warm-starts from round k−1's.
+
+Where this departs from the paper / reference code:
+- Records sharing a (state, action) are merged into their mean label, weighted by count
+  (the same BCE objective, less label noise per step; see pita/algos/qsharp.py).
+- `loss_type=bradley_terry` instead trains the pairwise form at the cut: at s_h, the
+  logits of y'_h and y_h are compared, σ(v(s_h, y'_h) − v(s_h, y_h)) against the label
+  (pairs whose first tokens agree carry no signal there and are dropped). The guidance is
+  unchanged: `expectation` offsets are η·(logit), and softmax only sees their differences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pita.algos.qsharp import train_value
+from pita.core.parallel_generation import collect_shard, read_jsonl, write_jsonl
+from pita.core.stage import StageContext
+
+
+def collect(ctx: StageContext) -> dict:
+    records, stats = collect_shard(ctx, pairs=True)
+    write_jsonl(ctx.out_dir / "records.jsonl", records)
+    return stats
+
+
+def preference_items(records: Sequence[dict], loss_type: str) -> list[tuple]:
+    """Training items (prompt, response, start, [label], alt) from PITA records."""
+    if loss_type == "bce":  # every roll-out token of y' against 1[y' ≻ y]
+        return [(r["prompt"], r["prefix"] + r["rollout"], len(r["prefix"]), [float(r["label"])], None)
+                for r in records]
+    if loss_type == "bradley_terry":  # the first tokens of y' and y, compared at the cut
+        return [(r["prompt"], r["prefix"] + r["rollout"][:1], len(r["prefix"]), [float(r["label"])],
+                 r["original"][0]) for r in records
+                if r["rollout"] and r["original"] and r["rollout"][0] != r["original"][0]]
+    raise ValueError(f"algos.PITA.loss_type={loss_type!r}: PITA trains bce | bradley_terry")
+
+
+def train(ctx: StageContext) -> dict:
+    records = read_jsonl(ctx.input("data"), "records.jsonl")
+    return train_value(ctx, preference_items(records, str(ctx.algo_cfg.loss_type)))

@@ -1,0 +1,238 @@
+"""Q#: value-guided decoding with a (distributional) value model of π_ref.
+
+Implements ALGORITHMS.md "Q#": round k rolls in with π^k (π_ref in round 0, else π_ref
+guided by round k−1's value model), cuts at h ~ U{1..|y|−1}, rolls out with π_ref, and
+trains the value model on the roll-out tokens against the sequence reward (`bce` for
+binary rewards, `mse`, or `mle` over `num_atoms` atoms on [V_min, V_max]); the records
+of rounds 0..k are aggregated (DAgger). Guidance: π_ref's top-k logits + offsets
+(pita/algos/guidance.py), also used for the guided roll-ins.
+
+Where this departs from the paper / reference code:
+- In round 0 the roll-in *is* π_ref, so every response token is a π_ref roll-out token
+  and carries an unbiased label of Q^{π_ref}(s_t, y_t): all of them are trained (later
+  rounds train only the roll-out part, from the cut on).
+- Records that share a (state, action) are merged into one soft target (the mean label,
+  or the atom histogram for `mle`) weighted by their count, and training batches draw
+  *unique sequences*. For these losses (linear in the target) this is the same objective
+  as the sum over records; each step just sees far less label noise, which is what lets
+  a tiny value model learn goal-walk within a CPU minute.
+- Guidance is restricted to π_ref's top-k tokens (k = out-degree on goal-walk), as in
+  evaluation.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pita.core.parallel_generation import collect_shard, read_jsonl, write_jsonl
+from pita.core.stage import StageContext
+
+
+def collect(ctx: StageContext) -> dict:
+    records, stats = collect_shard(ctx, pairs=False)
+    write_jsonl(ctx.out_dir / "records.jsonl", records)
+    return stats
+
+
+def reward_targets(rewards: Sequence[float], algo: Any, name: str = "QSharp") -> list[list[float]]:
+    """Per-record targets: [r mapped to [0, 1]] for bce/mse, the atom one-hot for mle."""
+    import torch
+
+    from pita.algos.losses import atom_histogram
+
+    r = torch.tensor([float(x) for x in rewards])
+    if algo.loss_type == "mle":
+        return atom_histogram(r, int(algo.num_atoms), float(algo.V_min), float(algo.V_max)).tolist()
+    if algo.loss_type not in ("bce", "mse"):
+        raise ValueError(f"algos.{name}.loss_type={algo.loss_type!r}: Q# trains bce | mse | mle "
+                         "(bradley_terry needs preference pairs: PITA)")
+    return ((r - algo.V_min) / (algo.V_max - algo.V_min)).clamp(0, 1)[:, None].tolist()
+
+
+def training_items(records: Sequence[dict], targets: Sequence[list[float]]) -> list[tuple]:
+    """(prompt, response, first trained response index, target, None) per record; the
+    response is prefix + roll-out, exactly the ids that were scored."""
+    return [(r["prompt"], r["prefix"] + r["rollout"], 0 if r.get("roll_in") == "reference" else len(r["prefix"]),
+             t, None) for r, t in zip(records, targets)]
+
+
+def build_targets(items: Sequence[tuple], pad_id: int) -> dict:
+    """Merge records sharing a (state, action) into soft targets over unique sequences.
+
+    An item is (prompt, response, start, target, alt): response positions >= start are
+    trained; `alt` (Bradley–Terry pairs only) is the competing action at the last position.
+    A trie numbers every prefix (prompts of different lengths never share a node); each
+    trained position adds its item's target to the key (node of state + action, alt).
+    Every unique (sequence, alt) then carries, at each position whose key was trained,
+    the key's mean target with weight count / (units through the key), so the weights of
+    a key sum to its record count: the objective of the records, exactly. Tensors are
+    aligned with hidden states: column t scores token t + 1 (and alt[:, t]).
+    """
+    import torch
+
+    trie: dict[tuple[int, int], int] = {}
+    sums: dict[tuple, list[float]] = {}
+    counts: dict[tuple, int] = {}
+    units: dict[tuple, tuple[list[int], int, Any]] = {}
+
+    def keys(prompt: Sequence[int], response: Sequence[int], alt: Any) -> list[tuple]:
+        node = -1 - len(prompt)  # one root per prompt length: the prompt/response boundary is part of the key
+        out = []
+        for i, tok in enumerate([*prompt, *response]):
+            node = trie.setdefault((node, int(tok)), len(trie))
+            if i >= len(prompt):
+                out.append((node, None))
+        if out and alt is not None:
+            out[-1] = (out[-1][0], int(alt))
+        return out
+
+    for prompt, response, start, target, alt in items:
+        ks = keys(prompt, response, alt)
+        for key in ks[start:]:
+            if key in sums:
+                sums[key] = [a + b for a, b in zip(sums[key], target)]
+                counts[key] += 1
+            else:
+                sums[key], counts[key] = list(target), 1
+        if ks:
+            units.setdefault(ks[-1], ([*prompt, *response], len(prompt), alt))
+    seqs = list(units.values())
+    through: dict[tuple, int] = {}
+    paths = []
+    for seq, p, alt in seqs:
+        ks = keys(seq[:p], seq[p:], alt)
+        paths.append(ks)
+        for key in set(ks):
+            through[key] = through.get(key, 0) + 1
+    width = max(len(s) for s, _, _ in seqs)
+    k = len(items[0][3])
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    alts = torch.zeros((len(seqs), width - 1), dtype=torch.long)
+    target = torch.zeros((len(seqs), width - 1, k))
+    weight = torch.zeros((len(seqs), width - 1))
+    for u, ((seq, p, _), ks) in enumerate(zip(seqs, paths)):
+        ids[u, : len(seq)] = torch.tensor(seq)
+        for j, key in enumerate(ks):
+            if key in counts:
+                target[u, p + j - 1] = torch.tensor(sums[key]) / counts[key]
+                weight[u, p + j - 1] = counts[key] / through[key]
+                alts[u, p + j - 1] = key[1] if key[1] is not None else 0
+    return {"ids": ids, "alt": alts, "target": target, "weight": weight, "records": len(items),
+            "unique": len(seqs), "states": len(counts)}
+
+
+def train(ctx: StageContext) -> dict:
+    records = read_jsonl(ctx.input("data"), "records.jsonl")
+    targets = reward_targets([r["reward"] for r in records], ctx.algo_cfg, ctx.task.algo)
+    return train_value(ctx, training_items(records, targets))
+
+
+def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
+    """Fit the value model on merged (state, action) targets and save `value_model/`.
+
+    Model: round 0 builds the family's guide (warm-started from π_ref when `warm_start`);
+    round k loads round k−1's checkpoint (input "previous"). Steps of
+    `algos.<NAME>.batch_size` unique sequences (or `epochs` passes when `steps` is 0),
+    AdamW with warmup + cosine decay; `pita.training.TrainStep` does the accumulation over
+    micro-batches (one micro-batch = the whole batch, unless an OOM retry lowered
+    `batch_scale`: then `training.micro_batch_size` if smaller), clipping and the
+    precision (bf16/fp16 autocast on CUDA only, fp32 on CPU).
+    """
+    import torch
+    from transformers import get_cosine_schedule_with_warmup
+
+    from pita.algos import losses
+    from pita.models.value_model import ValueModel, build_value_model, head_atoms, reference_dir
+    from pita.stages.evaluate import load_model
+    from pita.training.loop import TrainStep, accumulation_plan, enable_gradient_checkpointing
+    from pita.training.precision import training_device
+    from pita.training.report import write_training_report
+
+    t0 = time.perf_counter()
+    algo, tr = ctx.algo_cfg, ctx.cfg.training
+    if not items:
+        raise ValueError(f"{ctx.task.id}: no training records in {ctx.input('data')}")
+    torch.manual_seed(ctx.seed)
+    device = torch.device(training_device(ctx.cfg.system.gpu_mode, ctx.device).device)
+    reference = load_model(ctx, reference_dir(ctx))
+    pad_id = int(reference.config.pad_token_id if reference.config.pad_token_id is not None else 0)
+    data = build_targets(items, pad_id)
+    ctx.logger.info("training data: %d records -> %d unique sequences, %d (state, action) targets",
+                    data["records"], data["unique"], data["states"])
+
+    # The model: round k−1's checkpoint, else a fresh guide (warm-started from π_ref).
+    if ctx.has_input("previous"):
+        prev = ctx.input("previous") / "value_model"
+        model = ValueModel.load(prev, device="cpu", attn_impl=ctx.cfg.system.attn_impl)
+        ctx.logger.info("warm start from the previous round's checkpoint %s", prev)
+        init = f"previous:{ctx.input('previous').name}"
+    else:
+        model = build_value_model(reference, ctx.task.family_cfg, algo, vocab_size=reference.config.vocab_size,
+                                  seed=ctx.seed, attn_impl=ctx.cfg.system.attn_impl, logger=ctx.logger)
+        init = "reference" if algo.warm_start else "scratch"
+    if model.num_outputs != head_atoms(algo.loss_type, algo.num_atoms):
+        raise ValueError(f"{ctx.task.id}: checkpoint has {model.num_outputs} outputs per token but "
+                         f"loss_type={algo.loss_type} needs {head_atoms(algo.loss_type, algo.num_atoms)}")
+    model.to(device).train()
+    checkpointing = enable_gradient_checkpointing(model.backbone, tr.gradient_checkpointing, ctx.logger)
+
+    # Batch (unique sequences), micro-batch, steps.
+    n = data["unique"]
+    batch = min(n, int(algo.batch_size) if isinstance(algo.batch_size, int) else 256)
+    scale = ctx.task.batch_scale
+    micro = batch if scale >= 1 else max(1, min(tr.micro_batch_size, int(batch * scale)))
+    micro, n_micro = accumulation_plan(batch, micro, tr.accumulation_steps)
+    steps = int(algo.steps) or int(algo.epochs) * math.ceil(n / batch)
+    optim = torch.optim.AdamW(model.parameters(), lr=float(algo.lr), weight_decay=tr.weight_decay)
+    sched = get_cosine_schedule_with_warmup(optim, min(100, steps // 10), steps)
+    trainer = TrainStep.from_context(ctx, model, optim, scheduler=sched, device=device)
+    loss_type = str(algo.loss_type)
+    ids, alts, target, weight = data["ids"], data["alt"], data["target"], data["weight"]
+
+    def loss_fn(m: torch.Tensor):
+        """The weighted mean loss of micro-batch m (indices into the unique sequences)."""
+        x, w, y = ids[m].to(device), weight[m].to(device), target[m].to(device)
+        hidden = model.hidden(x[:, :-1])
+        sel = w > 0
+        out = model.values_at(hidden, x[:, 1:])[sel].float()  # [n, M]: the value of each next token
+        y, w = y[sel], w[sel]
+        if loss_type == "bradley_terry":  # P(y' ≻ y) = σ(v(s, a') − v(s, a)), a the competing token
+            alt = model.values_at(hidden, alts[m].to(device))[sel].float()
+            return (losses.bradley_terry_loss(out[:, 0], alt[:, 0], y[:, 0], w),
+                    {"accuracy": losses.scalar_accuracy(out[:, 0] - alt[:, 0], y[:, 0], w)})
+        if loss_type == "mle":
+            return losses.mle_loss(out, y, w), {"accuracy": losses.mle_accuracy(out, y, w)}
+        fn = losses.bce_loss if loss_type == "bce" else losses.mse_loss
+        return fn(out[:, 0], y[:, 0], w), {"accuracy": losses.scalar_accuracy(out[:, 0], y[:, 0], w)}
+
+    gen = torch.Generator().manual_seed(ctx.seed)
+    order, cursor = torch.randperm(n, generator=gen), 0
+    log_every = max(1, steps // 10)
+    ctx.logger.info("training %s: %d steps, batch %d = micro %d x %d, lr %g, %s, init %s", loss_type, steps, batch,
+                    micro, n_micro, algo.lr, trainer.precision.name, init)
+    for step in range(steps):
+        if cursor + batch > n:  # the next epoch, freshly shuffled
+            order, cursor = torch.randperm(n, generator=gen), 0
+        idx = order[cursor: cursor + batch]
+        cursor += batch
+        parts = list(idx.split(micro))
+        # each micro-batch's weighted mean, weighted by its share of the batch's weight
+        shares = [float(weight[m].sum() / weight[idx].sum()) for m in parts]
+        result = trainer.run(parts, loss_fn, weights=shares, samples=len(idx))
+        if (step + 1) % log_every == 0 or step + 1 == steps:
+            recent = trainer.metrics.rows[-log_every:]
+            mean_loss = sum(r["loss"] for r in recent) / len(recent)
+            mean_acc = sum(r.get("accuracy", 0.0) for r in recent) / len(recent)
+            ctx.logger.info("step %d/%d (epoch %.1f) loss %.4f acc %.3f lr %.2e", step + 1, steps,
+                            (step + 1) * batch / n, mean_loss, mean_acc, trainer.lr())
+            ctx.heartbeat(f"step {step + 1}/{steps} loss {result.loss:.4f}")
+    model.eval().save(ctx.out_dir / "value_model")
+    perf = write_training_report(ctx.out_dir, trainer, micro_batch=micro, accumulation_steps=n_micro,
+                                 gradient_checkpointing=checkpointing, title=ctx.task.id)
+    return {"steps": steps, "batch_size": batch, "micro_batch_size": micro, "records": data["records"],
+            "unique_sequences": n, "targets": data["states"], "final_loss": round(mean_loss, 5),
+            "final_acc": round(mean_acc, 4), "init": init, "train_s": round(time.perf_counter() - t0, 2),
+            **{k: perf[k] for k in ("precision", "samples_per_s", "peak_memory_mb")}}

@@ -1,0 +1,234 @@
+"""The value / preference model of value-guided decoding (Q#, PITA, Q#-HF).
+
+A causal backbone (the family's guide: a tiny Llama for `model=tiny`, a hub base model
+otherwise) and a linear head that outputs, at every position t, one value *per vocabulary
+entry*: the value of appending token a to the prefix s_t. One forward of the prefix
+therefore scores every candidate of the next step, which is what makes guided decoding
+cost exactly one value-model forward per generated token (with the backbone's KV cache
+kept across steps, see pita/algos/guidance.py).
+
+Head outputs, shape [B, T, V, M]:
+
+- M = 1 (losses `bce`, `mse`, `bradley_terry`): a logit; p = σ(logit) is P(correct | s, a)
+  for Q# and P(continuation ≻ reference | s, a) for PITA;
+- M = num_atoms (loss `mle`): logits of a pmf over the atoms z_1..z_M, evenly spaced on
+  [V_min, V_max] (the distributional value of Q#).
+
+The head is zero-initialised: every candidate gets the same value, so an untrained guide
+adds the same offset to every token and leaves π_ref unchanged (PITA's round 0).
+
+Memory: the head has d·V·M weights and the per-step output is [B, V, M]. That is nothing
+for the offline tasks (V ≈ 25) and fine for M = 1 on hub vocabularies (gpt2: 768·50k ≈
+39M weights), but an `mle` head over a 128k vocabulary is billions of weights. The
+alternative for large vocabularies (not implemented here) is a head with M outputs read
+at the candidate's own position: append the k candidates of each row to the prefix's
+shared KV cache as k extra query tokens that attend to the prefix and themselves only
+(a block-diagonal 4D mask, equal position ids), read the k heads, keep the sampled
+candidate's keys/values and drop the others: still one forward per step.
+
+Warm start (`warm_start`, tiny family): the reference's token embeddings, its first
+block(s) and final norm are copied into the guide backbone when the widths match; the
+prototype only learned the goal-walk value function within the CPU budget that way
+(ALGORITHMS.md).
+
+Checkpoints: `value_model/model.safetensors` (state dict) + `value_model/config.json`
+(backbone config + head settings); no pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+@dataclass
+class ValueOutput:
+    values: torch.Tensor
+    """[B, T, V, M] head outputs (logits; atom logits when M > 1)."""
+    past_key_values: Any = None
+
+
+class ValueModel(nn.Module):
+    """Backbone (any HF base model returning `last_hidden_state`) + per-vocabulary head."""
+
+    def __init__(self, backbone: nn.Module, vocab_size: int, *, num_atoms: int = 1,
+                 v_min: float = 0.0, v_max: float = 1.0, loss_type: str = "bce"):
+        super().__init__()
+        self.backbone = backbone
+        self.vocab_size = int(vocab_size)
+        self.num_outputs = int(num_atoms)
+        self.v_min, self.v_max, self.loss_type = float(v_min), float(v_max), loss_type
+        hidden = backbone.config.hidden_size
+        self.head = nn.Linear(hidden, self.vocab_size * self.num_outputs)
+        nn.init.zeros_(self.head.weight)  # untrained guide = no guidance (see module docstring)
+        nn.init.zeros_(self.head.bias)
+
+    @property
+    def atoms(self) -> torch.Tensor:
+        """z_1..z_M evenly spaced on [V_min, V_max] (M = 1: the single value V_max)."""
+        device = self.head.weight.device
+        if self.num_outputs == 1:
+            return torch.tensor([self.v_max], device=device)
+        return torch.linspace(self.v_min, self.v_max, self.num_outputs, device=device)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, past_key_values: Any = None,
+                use_cache: bool = False, last_only: bool = False) -> ValueOutput:
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            past_key_values=past_key_values, use_cache=use_cache)
+        hidden = out.last_hidden_state
+        if last_only:  # decoding: only the newest position is scored
+            hidden = hidden[:, -1:]
+        values = self.head(hidden).view(*hidden.shape[:2], self.vocab_size, self.num_outputs)
+        return ValueOutput(values, out.past_key_values if use_cache else None)
+
+    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The backbone's last hidden states [B, T, d] (training; no cache)."""
+        return self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    def values_at(self, hidden: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        """[B, T, M]: the head's output at each position t for the one token actions[b, t]
+        only. Gathers those rows of the head instead of materialising [B, T, V, M], which
+        matters for hub vocabularies."""
+        weight = self.head.weight.view(self.vocab_size, self.num_outputs, -1)[actions]  # [B, T, M, d]
+        bias = self.head.bias.view(self.vocab_size, self.num_outputs)[actions]  # [B, T, M]
+        return torch.einsum("btd,btmd->btm", hidden, weight) + bias
+
+    # --- checkpoints ---------------------------------------------------------------------
+
+    def config_dict(self) -> dict:
+        return {"format": "pita-value-model/1", "backbone": self.backbone.config.to_dict(),
+                "vocab_size": self.vocab_size, "num_atoms": self.num_outputs, "V_min": self.v_min,
+                "V_max": self.v_max, "loss_type": self.loss_type}
+
+    def save(self, folder: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(folder / WEIGHTS_NAME))
+        (folder / CONFIG_NAME).write_text(json.dumps(self.config_dict(), indent=2))
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | Path, device: str | torch.device = "cpu", attn_impl: str | None = None) -> ValueModel:
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        if not (folder / WEIGHTS_NAME).is_file():
+            raise FileNotFoundError(f"{folder}: no {WEIGHTS_NAME}; not a value-model checkpoint")
+        model = cls.from_config(json.loads((folder / CONFIG_NAME).read_text()), attn_impl=attn_impl)
+        model.load_state_dict(load_file(str(folder / WEIGHTS_NAME)))
+        return model.to(device).eval()
+
+    @classmethod
+    def from_config(cls, cfg: dict, attn_impl: str | None = None) -> ValueModel:
+        from transformers import AutoConfig, AutoModel
+
+        bb = dict(cfg["backbone"])
+        config = AutoConfig.for_model(bb.pop("model_type"), **bb)
+        if attn_impl is not None:
+            config._attn_implementation = attn_impl
+        backbone = AutoModel.from_config(config).to(torch.float32)
+        return cls(backbone, cfg["vocab_size"], num_atoms=cfg["num_atoms"], v_min=cfg["V_min"],
+                   v_max=cfg["V_max"], loss_type=cfg.get("loss_type", "bce"))
+
+
+def head_atoms(loss_type: str, num_atoms: int) -> int:
+    """Outputs per vocabulary entry: num_atoms for `mle`, else one logit."""
+    return int(num_atoms) if loss_type == "mle" else 1
+
+
+def build_value_model(reference: nn.Module, family_cfg: dict, algo_cfg: Any, *, vocab_size: int,
+                      seed: int = 0, attn_impl: str = "eager", logger: Any = None) -> ValueModel:
+    """A fresh value model for a family: `model=tiny` builds a Llama with `guide_arch`
+    sizes (warm-started from `reference` when `algo_cfg.warm_start`); other families load
+    the base model of `family_cfg['guide']` (a hub id or local folder)."""
+    from pita.models.catalog import resolve_family
+
+    family = resolve_family(family_cfg.get("name", "tiny"), family_cfg)
+    n_out = head_atoms(algo_cfg.loss_type, algo_cfg.num_atoms)
+    kw = dict(num_atoms=n_out, v_min=algo_cfg.V_min, v_max=algo_cfg.V_max, loss_type=algo_cfg.loss_type)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if family.is_builtin:
+            from transformers import LlamaModel
+
+            from pita.models.tiny import tiny_llama_config
+
+            arch = family_cfg["guide_arch"]
+            ref_cfg = reference.config
+            config = tiny_llama_config(vocab_size, n_layer=arch["n_layer"], d_model=arch["d_model"],
+                                       n_head=arch["n_head"], max_position=ref_cfg.max_position_embeddings,
+                                       pad_token_id=ref_cfg.pad_token_id, eos_token_id=ref_cfg.eos_token_id,
+                                       attn_impl=attn_impl)
+            model = LlamaModel(config).to(torch.float32)
+            vm = ValueModel(model, vocab_size, **kw)
+            if algo_cfg.warm_start:
+                copied = warm_start_from(vm, reference)
+                if logger is not None:
+                    logger.info("value model warm-started from the reference: %s", copied or "nothing (widths differ)")
+        else:
+            from transformers import AutoModel
+
+            from pita.models.loading import check_shared_vocab, load_tokenizer, resolve_dtype
+
+            # offsets are added id by id: guide and reference must share the tokenizer
+            check_shared_vocab(load_tokenizer(family.guide, trust_remote_code=family.trust_remote_code),
+                               load_tokenizer(family.reference, trust_remote_code=family.trust_remote_code),
+                               f"model.name={family_cfg.get('name')}: guide {family.guide} vs reference "
+                               f"{family.reference}")
+            backbone = AutoModel.from_pretrained(family.guide, dtype=resolve_dtype("float32"),
+                                                 trust_remote_code=family.trust_remote_code,
+                                                 attn_implementation=attn_impl)
+            vm = ValueModel(backbone, vocab_size, **kw)
+    return vm
+
+
+def warm_start_from(vm: ValueModel, reference: nn.Module) -> list[str]:
+    """Copy the reference's embeddings, first block(s) and final norm into `vm`'s backbone
+    where the shapes match; returns what was copied."""
+    ref_base = getattr(reference, "model", reference)
+    bb = vm.backbone
+    copied = []
+
+    def copy(dst: nn.Module, src: nn.Module, name: str) -> None:
+        dst_state, src_state = dst.state_dict(), src.state_dict()
+        if dst_state.keys() == src_state.keys() and all(dst_state[k].shape == src_state[k].shape for k in dst_state):
+            dst.load_state_dict(src_state)
+            copied.append(name)
+
+    copy(bb.embed_tokens, ref_base.embed_tokens, "embed_tokens")
+    for i in range(min(len(bb.layers), len(ref_base.layers))):
+        copy(bb.layers[i], ref_base.layers[i], f"layers.{i}")
+    copy(bb.norm, ref_base.norm, "norm")
+    return copied
+
+
+def reference_dir(ctx: Any) -> str:
+    """π_ref's checkpoint: `<pretrain>/model` for families built in the run (tiny), else
+    the family's hub id / folder."""
+    if ctx.has_input("reference"):
+        return str(ctx.input("reference") / "model")
+    from pita.models.catalog import resolve_family
+
+    return resolve_family(ctx.task.family, ctx.task.family_cfg).reference
+
+
+def load_value_model(ctx: Any, guide_dir: str | Path) -> ValueModel:
+    """The value model of a train folder (`<guide_dir>/value_model`), through the worker's
+    model LRU so shards and η values of one stage load it once."""
+    folder = Path(guide_dir)
+    if (folder / "value_model").is_dir():
+        folder = folder / "value_model"
+    return ctx.models.get(f"value:{folder}", lambda: ValueModel.load(folder, device=ctx.device,
+                                                                    attn_impl=ctx.cfg.system.attn_impl))
