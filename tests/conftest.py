@@ -39,3 +39,11 @@ def markers(tmp_path: Path) -> Path:
     folder = tmp_path / "markers"
     folder.mkdir()
     return folder
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Tiny models on a busy 2-core machine run far faster on one intra-op thread."""
+    import torch
+
+    torch.set_num_threads(1)
