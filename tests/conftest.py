@@ -11,12 +11,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+ALGOS = ("reference", "PITA", "QSharp", "QSharp-HF", "DPO", "GRPO", "GRPO-HF")
 STAGES = ("pretrain", "collect", "collect_merge", "reward_model", "train", "evaluate", "evaluate_merge")
 
 
 def sleep_overrides(fn: str = "tests.fault_stages:sleep_stage") -> list[str]:
     """Replace every stage with a test stage (the orchestrator is what is under test)."""
     return [f"+executor.stage_overrides.any.{s}={fn}" for s in STAGES]
+
+
+def only(*algos: str) -> list[str]:
+    """Overrides enabling exactly these algorithms (the default experiment enables all)."""
+    return [f"algos.{a}.enabled={'true' if a in algos else 'false'}" for a in ALGOS]
 
 
 def run_cli(args: list[str], cwd: Path, env: dict | None = None, timeout: float = 180,

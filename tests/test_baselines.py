@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli, run_dirs
+from tests.conftest import only, run_cli, run_dirs
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
@@ -238,8 +238,7 @@ def test_reward_model_learns_an_easy_preference_and_scores_it(tmp_path):
 @pytest.mark.slow
 def test_dpo_grpo_and_grpo_hf_chains_through_the_command_line(tmp_path):
     name = "baselines_smoke"
-    res = run_cli(["algos.DPO.enabled=true", "algos.GRPO.enabled=true", "algos.GRPO-HF.enabled=true",
-                   "algos.reference.enabled=false", f"experiment.name={name}", "executor.progress=false",
+    res = run_cli([*only("DPO", "GRPO", "GRPO-HF"), f"experiment.name={name}", "executor.progress=false",
                    "pretrain.steps=30", "pretrain.batch_size=64", "evaluation.max_prompts=20", "dataset.test_size=50",
                    "evaluation.num_samples=2", "data_collection.max_examples=32",
                    "algos.DPO.epochs=1", "algos.DPO.samples_per_example=8",

@@ -6,7 +6,7 @@ import csv
 
 import pytest
 
-from tests.conftest import run_cli, run_dirs
+from tests.conftest import only, run_cli, run_dirs
 
 
 def _summary(run_dir):
@@ -34,9 +34,7 @@ def test_smoke_experiment_end_to_end(tmp_path):
 def test_default_reference_matches_analytic_pass_at_1(tmp_path):
     """The default goal-walk reference (400 teacher-forced steps) is the ideal random walk:
     its pass@1 equals E_s[1/|reach(s)|] on the evaluated prompts within ±0.03."""
-    args = ["algos.PITA.enabled=false", "algos.QSharp.enabled=false", "algos.QSharp-HF.enabled=false",
-            "algos.DPO.enabled=false", "algos.GRPO.enabled=false", "algos.GRPO-HF.enabled=false",
-            "evaluation.max_prompts=400", "experiment.name=ref", "executor.progress=false"]
+    args = [*only("reference"), "evaluation.max_prompts=400", "experiment.name=ref", "executor.progress=false"]
     proc = run_cli(args, tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [row] = [r for r in _summary(run_dirs(tmp_path, "ref")[0]) if r["algo"] == "reference"]

@@ -11,9 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import ROOT, journal, run_cli, run_dirs, sleep_overrides
+from tests.conftest import ROOT, journal, only, run_cli, run_dirs, sleep_overrides
 
 BASE = ["system.devices=fake:2", "executor.progress=false", "executor.heartbeat_s=0.5"]
+REF = only("reference")
 
 
 def _wait_for(path: Path, timeout: float = 60) -> None:
@@ -40,7 +41,7 @@ def _pid_alive(pid: int) -> bool:
 def test_sigkill_worker_mid_task_is_retried_and_run_succeeds(tmp_path, markers):
     victim = "reference.goal_walk.tiny.r0.evaluate.s00"
     env = {"PITA_TEST_MARKERS": str(markers), "PITA_TEST_SLOW_TASK": victim, "PITA_TEST_SLOW_S": "2"}
-    proc = _start([*BASE, "experiment.name=killworker", *sleep_overrides()], tmp_path, env)
+    proc = _start([*BASE, *REF, "experiment.name=killworker", *sleep_overrides()], tmp_path, env)
     started = markers / f"{victim}.started"
     _wait_for(started)
     pid = json.loads(started.read_text().splitlines()[0])["pid"]
@@ -56,7 +57,7 @@ def test_sigkill_worker_mid_task_is_retried_and_run_succeeds(tmp_path, markers):
 
 
 def test_raising_stage_fails_its_chain_others_finish_exit_1(tmp_path, markers):
-    args = [*BASE, "experiment.name=raise", "algos.QSharp.enabled=true", "algos.PITA.enabled=true",
+    args = [*BASE, "experiment.name=raise", *only("reference", "QSharp", "PITA"),
             *sleep_overrides("tests.fault_stages:failing_stage")]
     proc = run_cli(args, tmp_path, {"PITA_TEST_FAIL_ALGO": "PITA", "PITA_TEST_MARKERS": str(markers)})
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -74,7 +75,7 @@ def test_raising_stage_fails_its_chain_others_finish_exit_1(tmp_path, markers):
 
 
 def test_hung_worker_times_out(tmp_path):
-    args = [*BASE, "experiment.name=hang", "executor.task_timeout_s=2", "executor.max_retries=0",
+    args = [*BASE, *REF, "experiment.name=hang", "executor.task_timeout_s=2", "executor.max_retries=0",
             *sleep_overrides(), "+executor.stage_overrides.reference.evaluate_merge=tests.fault_stages:hang_stage"]
     t0 = time.time()
     proc = run_cli(args, tmp_path, timeout=120)
@@ -88,7 +89,7 @@ def test_hung_worker_times_out(tmp_path):
 def test_sigkill_orchestrator_then_resume_redoes_nothing(tmp_path, markers):
     env = {"PITA_TEST_MARKERS": str(markers), "PITA_TEST_SLOW_TASK": "QSharp.goal_walk.tiny.r0.train",
            "PITA_TEST_SLOW_S": "30"}
-    args = [*BASE, "experiment.name=crash", "algos.QSharp.enabled=true", *sleep_overrides()]
+    args = [*BASE, "experiment.name=crash", *only("reference", "QSharp"), *sleep_overrides()]
     proc = _start(args, tmp_path, env)
     started = markers / "QSharp.goal_walk.tiny.r0.train.started"
     _wait_for(started)
@@ -116,7 +117,7 @@ def test_sigkill_orchestrator_then_resume_redoes_nothing(tmp_path, markers):
 def test_ctrl_c_stops_workers_exits_130_and_is_resumable(tmp_path, markers):
     env = {"PITA_TEST_MARKERS": str(markers), "PITA_TEST_SLOW_TASK": "pretrain.goal_walk.tiny",
            "PITA_TEST_SLOW_S": "30"}
-    proc = _start([*BASE, "experiment.name=ctrlc", *sleep_overrides()], tmp_path, env)
+    proc = _start([*BASE, *REF, "experiment.name=ctrlc", *sleep_overrides()], tmp_path, env)
     started = markers / "pretrain.goal_walk.tiny.started"
     _wait_for(started)
     worker_pid = json.loads(started.read_text())["pid"]

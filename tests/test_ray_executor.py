@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import journal, run_cli, run_dirs, sleep_overrides
+from tests.conftest import journal, only, run_cli, run_dirs, sleep_overrides
 
 pytest.importorskip("ray")
 
 
 @pytest.mark.slow
 def test_dag_runs_as_ray_tasks(tmp_path):
-    args = ["executor=ray", "executor.ray_address=local", "experiment.name=ray", "algos.QSharp.enabled=true",
+    args = ["executor=ray", "executor.ray_address=local", "experiment.name=ray", *only("reference", "QSharp"),
             "executor.progress=false", *sleep_overrides()]
     proc = run_cli(args, tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

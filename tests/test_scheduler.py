@@ -6,7 +6,7 @@ import json
 
 from pita.core.parallel_executor import DeviceState, Scheduler
 from pita.core.tasks import TaskSpec
-from tests.conftest import journal, run_cli, run_dirs, sleep_overrides
+from tests.conftest import journal, only, run_cli, run_dirs, sleep_overrides
 
 
 def _task(tid, gpus=1, mem=1000, prio=1.0, pref=None):
@@ -56,8 +56,8 @@ def test_shard_prefers_its_device():
 
 def test_chains_progress_independently_on_fake4(tmp_path, markers):
     """QSharp is 6x slower than PITA: PITA's round 1 must start while QSharp is in round 0."""
-    args = ["system.devices=fake:4", "experiment.name=indep", "algos.QSharp.enabled=true",
-            "algos.PITA.enabled=true", "rounds_of_training=2", "executor.progress=false", *sleep_overrides()]
+    args = ["system.devices=fake:4", "experiment.name=indep", *only("reference", "QSharp", "PITA"),
+            "rounds_of_training=2", "executor.progress=false", *sleep_overrides()]
     env = {"PITA_TEST_SLEEP": "0.15", "PITA_TEST_SCALE_QSharp": "6", "PITA_TEST_MARKERS": str(markers)}
     proc = run_cli(args, tmp_path, env)
     assert proc.returncode == 0, proc.stderr + proc.stdout
@@ -79,6 +79,7 @@ def test_chains_progress_independently_on_fake4(tmp_path, markers):
 
 def test_two_gpu_gang_runs_on_two_devices(tmp_path, markers):
     args = ["system.devices=fake:4", "experiment.name=gang", "model.gpus_per_task=2", "executor.progress=false",
+            *only("reference"),
             *sleep_overrides()]
     proc = run_cli(args, tmp_path, {"PITA_TEST_MARKERS": str(markers)})
     assert proc.returncode == 0, proc.stderr + proc.stdout

@@ -16,7 +16,7 @@ import torch
 from pita.core.parallel_generation import ParallelDataGenerator, preference_label, preference_pairs
 from pita.datasets.goal_walk import GoalWalkTask
 from pita.models.tiny import build_tiny_llama
-from tests.conftest import run_cli, run_dirs
+from tests.conftest import only, run_cli, run_dirs
 
 
 @pytest.fixture(autouse=True)
@@ -130,7 +130,7 @@ def test_two_round_chain_through_run_parallel(tmp_path):
     """Round 1 collects with round 0's guide and its train stage loads round 0's checkpoint;
     the training data of round 1 is rounds 0 and 1 (DAgger)."""
     args = ["experiment=smoke", "experiment.name=chain", "executor.progress=false", "rounds_of_training=2",
-            "algos.QSharp.enabled=true", "algos.PITA.enabled=true", "pretrain.steps=30", "dataset.test_size=50",
+            *only("reference", "QSharp", "PITA"), "pretrain.steps=30", "dataset.test_size=50",
             "evaluation.max_prompts=20", "data_collection.max_examples=16"]
     for algo in ("QSharp", "PITA"):
         args += [f"algos.{algo}.steps=20", f"algos.{algo}.samples_per_example=2", f"algos.{algo}.batch_size=32"]

@@ -202,6 +202,7 @@ def train(ctx: StageContext) -> dict:
         reference_dir,
         save_model,
         stage_log_callback,
+        train_with_report,
         training_args,
     )
     from pita.models.loading import load_tokenizer
@@ -233,8 +234,9 @@ def train(ctx: StageContext) -> dict:
     ctx.logger.info("DPO on %d pairs from %d round(s); policy from %s, reference %s", len(records),
                     len(ctx.input("data")), start_dir, ref_dir)
 
-    trainer.train()
+    performance = train_with_report(ctx, trainer)
     save_model(trainer.accelerator.unwrap_model(trainer.model), tok, ctx.out_dir / "model")
     stats = last_logged(trainer, "train_loss", "rewards/accuracies", "rewards/margins", "rewards/chosen",
                         "rewards/rejected", "logps/chosen", "logps/rejected")
-    return {"pairs": len(records), "steps": trainer.state.global_step, "start": start_dir, **stats}
+    return {"pairs": len(records), "steps": trainer.state.global_step, "start": start_dir, **stats,
+            "performance": performance}

@@ -96,6 +96,7 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
         reference_dir,
         save_model,
         stage_log_callback,
+        train_with_report,
         training_args,
     )
     from pita.models.loading import load_tokenizer
@@ -126,13 +127,13 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
     ctx.logger.info("GRPO on %d prompts, groups of %d; policy from %s, KL reference %s", len(examples), group,
                     start_dir, kl_ref)
 
-    trainer.train()
+    performance = train_with_report(ctx, trainer)
     save_model(trainer.accelerator.unwrap_model(trainer.model), tok, ctx.out_dir / "model")
     stats = last_logged(trainer, "train_loss", "reward", "reward_std", "kl", "entropy", "frac_reward_zero_std",
                         "true_reward")
     first = next((r for r in trainer.state.log_history if "reward" in r), {})
     return {"prompts": len(examples), "steps": trainer.state.global_step, "start": start_dir,
-            "first_reward": first.get("reward"), **stats}
+            "first_reward": first.get("reward"), **stats, "performance": performance}
 
 
 def train(ctx: StageContext) -> dict:

@@ -89,6 +89,7 @@ def train_reward_model(ctx: StageContext) -> dict:
         reference_dir,
         save_model,
         stage_log_callback,
+        train_with_report,
         training_args,
     )
     from pita.models.loading import load_tokenizer
@@ -118,7 +119,7 @@ def train_reward_model(ctx: StageContext) -> dict:
                             callbacks=[stage_log_callback(ctx)]))
     ctx.logger.info("reward model on %d pairs (%d held out) from %d round(s), backbone %s", len(train_pairs),
                     len(heldout), len(ctx.input("data")), ref_dir)
-    trainer.train()
+    performance = train_with_report(ctx, trainer)
 
     model = trainer.accelerator.unwrap_model(trainer.model).eval()
     save_model(model, tok, ctx.out_dir / "reward_model")
@@ -126,7 +127,7 @@ def train_reward_model(ctx: StageContext) -> dict:
     result = {"pairs": len(train_pairs), "heldout_pairs": len(heldout),
               "train_accuracy": pairwise_accuracy(scorer, train_pairs[:2000]),
               "heldout_accuracy": pairwise_accuracy(scorer, heldout), "steps": trainer.state.global_step,
-              **last_logged(trainer, "train_loss")}
+              **last_logged(trainer, "train_loss"), "performance": performance}
     ctx.logger.info("pairwise accuracy: train %.3f, held-out %.3f", result["train_accuracy"],
                     result["heldout_accuracy"])
     return result

@@ -130,17 +130,30 @@ def micro_batches(ctx: StageContext, batch: int) -> tuple[int, int]:
 
 
 def precision_flags(ctx: StageContext) -> dict[str, bool]:
-    """bf16 / fp16 autocast only on CUDA, as training.mixed_precision / precision_type say."""
-    import torch
+    """bf16 / fp16 for TRL configs from training.mixed_precision / precision_type, chosen
+    by the shared training stack (TRL defaults to bf16, which must be off on a CPU)."""
+    from pita.training.precision import trl_precision_kwargs
 
-    tr = ctx.cfg.training
-    on_cuda = torch.device(ctx.device).type == "cuda" and torch.cuda.is_available()
-    if not (on_cuda and tr.mixed_precision) or tr.precision_type == "fp32":
-        return {"bf16": False, "fp16": False}
-    kind = tr.precision_type
-    if kind == "auto":
-        kind = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return {"bf16": kind == "bf16", "fp16": kind == "fp16"}
+    return trl_precision_kwargs(ctx.cfg.training, ctx.device, logger=ctx.logger)
+
+
+def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
+    """trainer.train(), then the task's training_metrics.png and performance_summary.txt
+    (the same report as the hand-written training loops); returns the summary."""
+    from pita.training.loop import TrainingMetrics
+    from pita.training.precision import precision_for
+    from pita.training.report import trainer_metrics_callback, write_training_report
+
+    args = trainer.args
+    world = max(1, int(getattr(args, "world_size", 1) or 1))
+    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+    metrics = TrainingMetrics(ctx.device)
+    trainer.add_callback(trainer_metrics_callback(metrics, samples_per_step=per_step))
+    trainer.train()
+    return write_training_report(ctx.out_dir, metrics, micro_batch=args.per_device_train_batch_size,
+                                 accumulation_steps=args.gradient_accumulation_steps, world_size=world,
+                                 gradient_checkpointing=bool(ctx.cfg.training.gradient_checkpointing),
+                                 precision=precision_for(ctx), title=ctx.task.id)
 
 
 def training_args(ctx: StageContext, config_cls: type, *, batch_size: int, lr: float, epochs: int = 1,
