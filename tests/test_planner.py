@@ -7,7 +7,7 @@ import pytest
 from pita.core.cli import compose_config
 from pita.core.errors import ConfigError
 from pita.core.planner import plan_experiment
-from tests.conftest import sleep_overrides
+from tests.conftest import only, sleep_overrides
 
 
 def _plan(overrides, n_devices=2, device_mb=None):
@@ -16,7 +16,7 @@ def _plan(overrides, n_devices=2, device_mb=None):
 
 
 def test_dag_2_algos_2_datasets_2_families_3_rounds():
-    cfg, plan = _plan(["algos.reference.enabled=false", "algos.QSharp.enabled=true", "algos.DPO.enabled=true",
+    cfg, plan = _plan([*only("QSharp", "DPO"),
                        "experiment.datasets=[goal_walk,star_graph]", "experiment.families=[tiny,gpt2]",
                        "rounds_of_training=3", *sleep_overrides()])
     tasks = plan.tasks
