@@ -29,6 +29,7 @@ from typing import Any
 
 from pita.core.parallel_generation import collect_shard, read_jsonl, write_jsonl
 from pita.core.stage import StageContext
+from pita.stages.batching import training_micro_batch
 
 
 def collect(ctx: StageContext) -> dict:
@@ -181,14 +182,10 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
 
     # Batch (unique sequences), micro-batch, steps.
     n = data["unique"]
-    batch = min(n, int(algo.batch_size) if isinstance(algo.batch_size, int) else 256)
+    auto = not isinstance(algo.batch_size, int)  # auto: the probe picks the micro-batch
+    batch = min(n, 256 if auto else int(algo.batch_size))
     scale = ctx.task.batch_scale
     micro = batch if scale >= 1 else max(1, min(tr.micro_batch_size, int(batch * scale)))
-    micro, n_micro = accumulation_plan(batch, micro, tr.accumulation_steps)
-    steps = int(algo.steps) or int(algo.epochs) * math.ceil(n / batch)
-    optim = torch.optim.AdamW(model.parameters(), lr=float(algo.lr), weight_decay=tr.weight_decay)
-    sched = get_cosine_schedule_with_warmup(optim, min(100, steps // 10), steps)
-    trainer = TrainStep.from_context(ctx, model, optim, scheduler=sched, device=device)
     loss_type = str(algo.loss_type)
     ids, alts, target, weight = data["ids"], data["alt"], data["target"], data["weight"]
 
@@ -207,6 +204,16 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
             return losses.mle_loss(out, y, w), {"accuracy": losses.mle_accuracy(out, y, w)}
         fn = losses.bce_loss if loss_type == "bce" else losses.mse_loss
         return fn(out[:, 0], y[:, 0], w), {"accuracy": losses.scalar_accuracy(out[:, 0], y[:, 0], w)}
+
+    if auto:  # worst case: the longest sequences, >= 2 optimizer steps, before the real optimizer
+        micro = training_micro_batch(ctx, model=model, batch=batch, seq_tokens=int(ids.shape[1]),
+                                     make_batch=lambda b: {"m": torch.arange(b) % n},
+                                     loss_fn=lambda _model, mb: loss_fn(mb["m"])[0], fallback=micro)
+    micro, n_micro = accumulation_plan(batch, micro, tr.accumulation_steps)
+    steps = int(algo.steps) or int(algo.epochs) * math.ceil(n / batch)
+    optim = torch.optim.AdamW(model.parameters(), lr=float(algo.lr), weight_decay=tr.weight_decay)
+    sched = get_cosine_schedule_with_warmup(optim, min(100, steps // 10), steps)
+    trainer = TrainStep.from_context(ctx, model, optim, scheduler=sched, device=device)
 
     gen = torch.Generator().manual_seed(ctx.seed)
     order, cursor = torch.randperm(n, generator=gen), 0

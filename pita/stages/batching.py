@@ -36,3 +36,22 @@ def generation_batch_size(ctx: StageContext, value: Any, *, model=None, prompts:
                               safety_margin=ctx.cfg.batch_size_safety_margin,
                               cap=max(1, len(prompts) if prompts else 4096), logger=ctx.logger)
     return max(1, int(size * ctx.task.batch_scale))
+
+
+def training_micro_batch(ctx: StageContext, *, model, batch: int, seq_tokens: int, make_batch, loss_fn,
+                         fallback: int) -> int:
+    """Micro-batch of a training stage whose `algos.<NAME>.batch_size` is auto.
+
+    The effective batch is an algorithm setting; memory limits the micro-batch, so the
+    probe measures >= 2 optimizer steps (forward, backward, AdamW state) at candidate
+    micro-batches on the worst-case sequence length. Call it before the real optimizer
+    exists. On CPU: the fallback, logged.
+    """
+    from pita.core.batch_size import resolve_batch_size, training_probe
+
+    factory = training_probe(model, make_batch=make_batch, seq_tokens=seq_tokens, loss_fn=loss_fn,
+                             logger=ctx.logger)
+    size = resolve_batch_size("auto", stage_kind="train", fallback=fallback, measure_fn_factory=factory,
+                              cache_path=cache_path(), cache_key={"stage": ctx.task.stage, "algo": ctx.task.algo},
+                              safety_margin=ctx.cfg.batch_size_safety_margin, cap=batch, logger=ctx.logger)
+    return max(1, min(batch, int(size * ctx.task.batch_scale)))
