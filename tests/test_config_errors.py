@@ -10,6 +10,7 @@ from tests.conftest import only, run_cli
 
 BAD = [
     (["foo=1"], "foo: unknown key"),
+    (["experiment.name=ok", "system.devices=fake:[80GB,40GB]"], "system.devices=fake:[80GB,40GB]: not a valid override"),
     (["algos.PITA.lrr=0.1"], "algos.PITA.lrr: unknown key"),
     (["dataset.num_nodes=abc"], "dataset.num_nodes=abc"),
     (["experiment=nope"], "experiment=nope: no such experiment config"),

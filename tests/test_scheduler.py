@@ -99,3 +99,24 @@ def test_measured_devices_subtract_only_unallocated_reservations():
     assert s.available_mb(d) == 50_000
     assert [t.id for t, _ in s.place([_task("b", mem=45_000)])] == ["b"]
     assert s.place([_task("c", mem=10_000)]) == []  # 60 - (75 - 20) = 5 GB left
+
+
+def test_in_process_executor_runs_the_same_dag(tmp_path):
+    """system.use_parallel_execution=false: every task in the orchestrator's process (pdb works)."""
+    args = ["system.use_parallel_execution=false", "experiment.name=inproc", *only("reference", "QSharp"),
+            "executor.progress=false", *sleep_overrides()]
+    proc = run_cli(args, tmp_path, {"PITA_TEST_SLEEP": "0.01"})
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    [run_dir] = run_dirs(tmp_path, "inproc")
+    done = [e for e in journal(run_dir) if e["event"] == "task_done"]
+    assert len(done) == 11 and len({e["worker_pid"] for e in done}) == 1  # one process did everything
+    assert not (run_dir / "workers").exists()
+
+
+def test_dry_run_prints_placement_and_starts_nothing(tmp_path):
+    proc = run_cli(["dry_run=true", 'system.devices="fake:[80GB,40GB]"', "experiment.name=dry",
+                    *only("reference", "QSharp"), *sleep_overrides()], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "QSharp.goal_walk.tiny.r0.train" in proc.stdout and "Estimated makespan" in proc.stdout
+    for run_dir in run_dirs(tmp_path, "dry"):
+        assert not (run_dir / "journal.jsonl").exists() and not (run_dir / "tasks").exists()

@@ -52,13 +52,26 @@ def format_compose_error(exc: BaseException, overrides: list[str]) -> str:
         detail = _first_line(cause) if cause else _first_line(text)
         return f"{m.group(1)}: {detail}"
     if "mismatched input" in text or "extraneous input" in text or "no viable alternative" in text:
-        bad = next((o for o in overrides if o and o.split("=", 1)[0] in text), " ".join(overrides))
-        return f"{bad}: not a valid override (write key=value, e.g. dataset.num_nodes=20)"
+        return f"{_unparsable(overrides)}: not a valid override (write key=value; quote values with brackets or " \
+               f"commas, e.g. 'system.devices=\"fake:[80GB,40GB]\"')"
     cause = exc.__cause__
     key = getattr(cause, "full_key", None) if cause else None
     if key:
         return f"{key}: {_first_line(cause)}"
     return _first_line(text) or type(exc).__name__
+
+
+def _unparsable(overrides: list[str]) -> str:
+    """The first override Hydra's grammar rejects (its error names the whole list)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for o in overrides:
+        try:
+            parser.parse_overrides([o])
+        except Exception:
+            return o
+    return " ".join(overrides)
 
 
 def _sweep_to_single(overrides: list[str]) -> list[str]:
