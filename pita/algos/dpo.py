@@ -93,17 +93,17 @@ def preference_pairs(responses: Sequence[Sequence[int]], rewards: Sequence[float
 def collect(ctx: StageContext) -> dict:
     import torch
 
-    from pita.algos.trl_common import load_cached_lm, reference_dir
     from pita.datasets import build_task
     from pita.models.generation import generate
     from pita.stages.batching import generation_batch_size
+    from pita.stages.evaluate import load_model
 
     # The task (its tokenizer and verifier) and the policy that samples this round.
-    ref_dir = reference_dir(ctx)
+    ref_dir = ctx.reference_model()
     task = build_task(ctx.task.dataset_cfg, tokenizer=ref_dir)
     tok = task.tokenizer
     policy_dir = str(ctx.input("guide") / "model") if ctx.has_input("guide") else ref_dir
-    policy = load_cached_lm(ctx, policy_dir)
+    policy = load_model(ctx, policy_dir)
     ctx.logger.info("sampling with %s", policy_dir)
 
     # This shard's prompts, each repeated k times, sampled in batches.
@@ -199,7 +199,6 @@ def train(ctx: StageContext) -> dict:
         load_trainable_lm,
         policy_start_dir,
         quiet,
-        reference_dir,
         save_model,
         stage_log_callback,
         train_with_report,
@@ -216,7 +215,7 @@ def train(ctx: StageContext) -> dict:
     random.Random(ctx.seed).shuffle(records)
 
     # Models: the policy starts from the previous round (else π_ref); the frozen reference is π_ref.
-    ref_dir, start_dir = reference_dir(ctx), policy_start_dir(ctx)
+    ref_dir, start_dir = ctx.reference_model(), policy_start_dir(ctx)
     tok = load_tokenizer(ref_dir)
     policy = load_trainable_lm(ctx, start_dir)
     ref_model = load_trainable_lm(ctx, ref_dir)

@@ -93,7 +93,6 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
         load_trainable_lm,
         policy_start_dir,
         quiet,
-        reference_dir,
         save_model,
         stage_log_callback,
         train_with_report,
@@ -106,7 +105,7 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
     if batch % group:
         raise ValueError(f"algos.{ctx.task.algo}.batch_size={batch}: must be a multiple of "
                          f"algos.{ctx.task.algo}.num_generations={group} (a batch holds whole groups)")
-    ref_dir, start_dir = reference_dir(ctx), policy_start_dir(ctx)
+    ref_dir, start_dir = ctx.reference_model(), policy_start_dir(ctx)
     tok = load_tokenizer(ref_dir)
     dataset = prompt_dataset(examples, tok)
     policy = load_trainable_lm(ctx, start_dir)
@@ -138,10 +137,9 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
 
 def train(ctx: StageContext) -> dict:
     from pita.algos.dpo import training_prompts
-    from pita.algos.trl_common import reference_dir
     from pita.datasets import build_task
 
-    task = build_task(ctx.task.dataset_cfg, tokenizer=reference_dir(ctx))
+    task = build_task(ctx.task.dataset_cfg, tokenizer=ctx.reference_model())
     examples = training_prompts(ctx, task)
     return run_grpo(ctx, task, examples, TaskReward(task, examples))
 
@@ -149,10 +147,9 @@ def train(ctx: StageContext) -> dict:
 def train_hf(ctx: StageContext) -> dict:
     from pita.algos.dpo import training_prompts
     from pita.algos.reward_model import load_reward_scorer
-    from pita.algos.trl_common import reference_dir
     from pita.datasets import build_task
 
-    task = build_task(ctx.task.dataset_cfg, tokenizer=reference_dir(ctx))
+    task = build_task(ctx.task.dataset_cfg, tokenizer=ctx.reference_model())
     examples = training_prompts(ctx, task)
     scorer = load_reward_scorer(ctx, ctx.input("reward_model"))
     result = run_grpo(ctx, task, examples, ProxyReward(scorer, examples, task))

@@ -146,7 +146,7 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
     from transformers import get_cosine_schedule_with_warmup
 
     from pita.algos import losses
-    from pita.models.value_model import ValueModel, build_value_model, head_atoms, reference_dir
+    from pita.models.value_model import ValueModel, build_value_model, head_atoms
     from pita.stages.evaluate import load_model
     from pita.training.loop import TrainStep, accumulation_plan, enable_gradient_checkpointing
     from pita.training.precision import training_device
@@ -158,7 +158,7 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
         raise ValueError(f"{ctx.task.id}: no training records in {ctx.input('data')}")
     torch.manual_seed(ctx.seed)
     device = torch.device(training_device(ctx.cfg.system.gpu_mode, ctx.device).device)
-    reference = load_model(ctx, reference_dir(ctx))
+    reference = load_model(ctx, ctx.reference_model())
     pad_id = int(reference.config.pad_token_id if reference.config.pad_token_id is not None else 0)
     data = build_targets(items, pad_id)
     ctx.logger.info("training data: %d records -> %d unique sequences, %d (state, action) targets",

@@ -86,7 +86,6 @@ def train_reward_model(ctx: StageContext) -> dict:
         effective_batch,
         last_logged,
         quiet,
-        reference_dir,
         save_model,
         stage_log_callback,
         train_with_report,
@@ -106,7 +105,7 @@ def train_reward_model(ctx: StageContext) -> dict:
                                  "rejected_ids": [r["prompt"] + r["rejected"] for r in train_pairs]})
 
     # Model: π_ref's backbone under a fresh scalar head; pooling needs the pad id in the config.
-    ref_dir = reference_dir(ctx)
+    ref_dir = ctx.reference_model()
     tok = load_tokenizer(ref_dir)
     torch.manual_seed(ctx.seed)
     model = AutoModelForSequenceClassification.from_pretrained(ref_dir, num_labels=1, dtype=torch.float32,

@@ -15,7 +15,7 @@
   in the task folder and to the worker's heartbeat.
 - `offline()`: the hub is never contacted (HF_HUB_OFFLINE and friends), so a missing file
   fails fast instead of hanging a CPU box without network; no `datasets` progress bars.
-- Where the checkpoints come from: `reference_dir` (π_ref), `policy_start_dir` (the policy
+- Where the checkpoints come from: `ctx.reference_model()` (π_ref), `policy_start_dir` (the policy
   a train stage starts from: the previous round's, else π_ref).
 """
 
@@ -56,16 +56,11 @@ def offline() -> None:
 # --- checkpoints --------------------------------------------------------------------------
 
 
-def reference_dir(ctx: StageContext) -> str:
-    """π_ref: `<pretrain>/model` for families built in the run (tiny), else the family's hub id."""
-    return ctx.reference_model()
-
-
 def policy_start_dir(ctx: StageContext) -> str:
     """The policy a train stage starts from: round k−1's trained policy, else π_ref."""
     if ctx.has_input("previous"):
         return str(ctx.input("previous") / "model")
-    return reference_dir(ctx)
+    return ctx.reference_model()
 
 
 def load_trainable_lm(ctx: StageContext, path: str):
@@ -75,14 +70,6 @@ def load_trainable_lm(ctx: StageContext, path: str):
 
     return load_causal_lm(path, dtype="float32", device=ctx.device, attn_impl=ctx.cfg.system.attn_impl,
                           trust_remote_code=bool(ctx.task.family_cfg.get("trust_remote_code", False)))
-
-
-def load_cached_lm(ctx: StageContext, path: str):
-    """A causal LM for sampling only, through the worker's model LRU (shared by shards)."""
-    from pita.models.loading import load_causal_lm
-
-    return ctx.models.get(f"lm:{path}", lambda: load_causal_lm(path, device=ctx.device,
-                                                                attn_impl=ctx.cfg.system.attn_impl))
 
 
 def save_model(model: Any, tokenizer: Any, folder: Path) -> None:

@@ -147,9 +147,8 @@ def collect_shard(ctx: Any, *, pairs: bool) -> tuple[list[dict], dict]:
     from pita.stages.evaluate import load_model
 
     t0 = time.perf_counter()
-    from pita.models.value_model import reference_dir
 
-    ref_dir = reference_dir(ctx)
+    ref_dir = ctx.reference_model()
     reference = load_model(ctx, ref_dir)
     task = build_task(ctx.task.dataset_cfg, tokenizer=ref_dir)
     tok = task.tokenizer

@@ -183,10 +183,8 @@ def _raise_interrupt(signum, frame):  # SIGTERM behaves like Ctrl-C: stop, flush
 
 def _report(cfg: DictConfig, plan: Plan, run_dir: Path) -> None:
     """Results table and plots from the evaluate tasks (pita/stages/report.py)."""
-    try:
-        from pita.stages.report import write_report
-    except ImportError:
-        return
+    from pita.stages.report import write_report
+
     try:
         write_report(cfg, plan, run_dir)
     except Exception as exc:  # a failed plot must not hide the results of a finished run

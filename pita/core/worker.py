@@ -31,6 +31,8 @@ from multiprocessing.connection import Client
 from pathlib import Path
 from typing import Any
 
+from pita.core.oom import classify_exception
+
 
 def _die_with_parent() -> None:
     """Linux: SIGTERM this process when the orchestrator dies (even by SIGKILL)."""
@@ -79,15 +81,6 @@ class Channel:
             self.conn.send(msg)
 
 
-def classify(exc: BaseException) -> str:
-    try:
-        from pita.core.oom import classify_exception
-
-        return classify_exception(exc)
-    except ImportError:
-        return "error"
-
-
 def _task_logger(task_id: str, log_path: Path) -> logging.Logger:
     logger = logging.getLogger(f"pita.task.{task_id}")
     logger.handlers.clear()
@@ -132,7 +125,7 @@ def execute_task(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, dev
         paths.commit(tmp)
         return True, None, "", result
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, classified
-        failure = "interrupted" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else classify(exc)
+        failure = "interrupted" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else classify_exception(exc)
         logger.error("failed (%s): %s\n%s", failure, exc, traceback.format_exc())
         _close(logger)
         (tmp / "error.json").write_text(json.dumps(

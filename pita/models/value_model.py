@@ -214,16 +214,6 @@ def warm_start_from(vm: ValueModel, reference: nn.Module) -> list[str]:
     return copied
 
 
-def reference_dir(ctx: Any) -> str:
-    """π_ref's checkpoint: `<pretrain>/model` for families built in the run (tiny), else
-    the family's hub id / folder."""
-    if ctx.has_input("reference"):
-        return str(ctx.input("reference") / "model")
-    from pita.models.catalog import resolve_family
-
-    return resolve_family(ctx.task.family, ctx.task.family_cfg).reference
-
-
 def load_value_model(ctx: Any, guide_dir: str | Path) -> ValueModel:
     """The value model of a train folder (`<guide_dir>/value_model`), through the worker's
     model LRU so shards and η values of one stage load it once."""
