@@ -18,22 +18,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from pita.core.stage import StageContext
-from pita.stages.batching import generation_batch_size
-
-GUIDED = ("PITA", "QSharp", "QSharp-HF")
-
-
-def load_model(ctx: StageContext, name_or_path: Path | str):
-    """A causal LM (a save_pretrained folder or a hub id), through the worker's model LRU."""
-    from pita.models.loading import load_causal_lm
-
-    return ctx.models.get(f"lm:{name_or_path}", lambda: load_causal_lm(
-        str(name_or_path), device=ctx.device, attn_impl=ctx.cfg.system.attn_impl,
-        dtype=ctx.task.family_cfg.get("dtype", "auto"), device_map=ctx.task.family_cfg.get("device_map")))
+from pita.algos.registry import GUIDED
+from pita.runtime.batching import generation_batch_size
+from pita.runtime.context import StageContext
 
 
 def test_examples(ctx: StageContext, task) -> list:
@@ -59,7 +48,7 @@ def _policies(ctx: StageContext, task, ref) -> list[tuple[float | None, Any, Cal
             factory = guided_hook_factory(ctx, guide_dir, float(eta)) if eta > 0 else None
             out.append((float(eta), ref, factory, int(guidance.top_k), False))
         return out
-    return [(None, load_model(ctx, ctx.input("policy") / "model"), None, top_k, True)]
+    return [(None, ctx.load_model(ctx.input("policy") / "model"), None, top_k, True)]
 
 
 def evaluate_shard(ctx: StageContext) -> dict:
@@ -69,8 +58,8 @@ def evaluate_shard(ctx: StageContext) -> dict:
     from pita.models.generation import generate, sequence_logprobs
 
     ref_dir = ctx.reference_model()
-    ref = load_model(ctx, ref_dir)
-    task = build_task(ctx.task.dataset_cfg, tokenizer=ref_dir)
+    ref = ctx.load_model(ref_dir)
+    task = build_task(ctx.cfg.dataset, tokenizer=ref_dir)
     tok = task.tokenizer
     all_examples = test_examples(ctx, task)
     part = ctx.shard_slice(len(all_examples))
@@ -110,7 +99,7 @@ def evaluate_merge(ctx: StageContext) -> dict:
     from pita.datasets import build_task
     from pita.eval.metrics import maj_at_k, mean, pass_at_1
 
-    task = build_task(ctx.task.dataset_cfg, tokenizer=ctx.reference_model())
+    task = build_task(ctx.cfg.dataset, tokenizer=ctx.reference_model())
     examples = test_examples(ctx, task)
     by_eta: dict[Any, list[dict]] = {}
     wall = 0.0
