@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pita.core.paths import Artifact
 from pita.runtime.context import StageContext
 
 
@@ -127,7 +128,7 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
                     start_dir, kl_ref)
 
     performance = train_with_report(ctx, trainer)
-    save_model(trainer.accelerator.unwrap_model(trainer.model), tok, ctx.out_dir / "model")
+    save_model(trainer.accelerator.unwrap_model(trainer.model), tok, ctx.out_dir / Artifact.MODEL)
     stats = last_logged(trainer, "train_loss", "reward", "reward_std", "kl", "entropy", "frac_reward_zero_std",
                         "true_reward")
     first = next((r for r in trainer.state.log_history if "reward" in r), {})

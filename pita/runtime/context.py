@@ -22,6 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from pita.core.paths import Artifact
 from pita.core.tasks import TaskSpec
 
 
@@ -81,7 +82,7 @@ class StageContext:
         """π_ref: `<pretrain>/model` for families built in the run (tiny), else the hub id
         or path of the family's reference model (pita/models/catalog.py)."""
         if self.has_input("reference"):
-            return str(self.input("reference") / "model")
+            return str(self.input("reference") / Artifact.MODEL)
         from pita.models.catalog import resolve_family
 
         return resolve_family(self.task.family, self.cfg.model).reference

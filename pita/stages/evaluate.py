@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pita.algos.registry import GUIDED
+from pita.core.paths import Artifact, atomic_write_json
 from pita.runtime.batching import generation_batch_size
 from pita.runtime.context import StageContext
 
@@ -48,7 +49,7 @@ def _policies(ctx: StageContext, task, ref) -> list[tuple[float | None, Any, Cal
             factory = guided_hook_factory(ctx, guide_dir, float(eta)) if eta > 0 else None
             out.append((float(eta), ref, factory, int(guidance.top_k), False))
         return out
-    return [(None, ctx.load_model(ctx.input("policy") / "model"), None, top_k, True)]
+    return [(None, ctx.load_model(ctx.input("policy") / Artifact.MODEL), None, top_k, True)]
 
 
 def evaluate_shard(ctx: StageContext) -> dict:
@@ -73,7 +74,7 @@ def evaluate_shard(ctx: StageContext) -> dict:
     bs = generation_batch_size(ctx, ctx.cfg.evaluation.batch_size, model=ref, prompts=prompts,
                                max_new_tokens=max_new)
     n_records = 0
-    with open(ctx.out_dir / "samples.jsonl", "w") as f:
+    with open(ctx.out_dir / Artifact.SAMPLES, "w") as f:
         for eta, model, hook_factory, top_k, needs_ref in _policies(ctx, task, ref):
             generator = torch.Generator(device="cpu").manual_seed(ctx.seed)
             out = generate(model, prompts, max_new_tokens=max_new, batch_size=bs, pad_token_id=tok.pad_token_id,
@@ -104,8 +105,8 @@ def evaluate_merge(ctx: StageContext) -> dict:
     by_eta: dict[Any, list[dict]] = {}
     wall = 0.0
     for shard in ctx.input("shards"):
-        wall += json.loads((shard / "result.json").read_text()).get("wall_s", 0.0)
-        for line in (shard / "samples.jsonl").read_text().splitlines():
+        wall += json.loads((shard / Artifact.RESULT).read_text()).get("wall_s", 0.0)
+        for line in (shard / Artifact.SAMPLES).read_text().splitlines():
             rec = json.loads(line)
             by_eta.setdefault(rec["eta"], []).append(rec)
     rows = []
@@ -128,9 +129,8 @@ def evaluate_merge(ctx: StageContext) -> dict:
             row["optimum_pass@1"] = oracle
         rows.append(row)
         ctx.logger.info("%s", row)
-    from pita.core.paths import atomic_write_json
 
-    atomic_write_json(ctx.out_dir / "metrics.json", rows)
+    atomic_write_json(ctx.out_dir / Artifact.METRICS, rows)
     return {"rows": rows}
 
 

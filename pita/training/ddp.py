@@ -100,10 +100,6 @@ def wrap_model(model: torch.nn.Module, dist: DistContext | None) -> torch.nn.Mod
     return DistributedDataParallel(model, device_ids=device_ids)
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return getattr(model, "module", model)
-
-
 # --- launching -------------------------------------------------------------------------------
 
 
