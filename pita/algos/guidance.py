@@ -2,7 +2,7 @@
 
 At every step the generation engine (pita/models/generation.py) takes π_ref's raw logits,
 keeps its top-k tokens, adds the offsets this hook returns, applies temperature and
-samples (ALGORITHMS.md, "Guided decoding"). The offset of candidate a in state s:
+samples (docs/ALGORITHMS.md, "Guided decoding"). The offset of candidate a in state s:
 
 | mode          | value model output            | offset                              |
 |---------------|-------------------------------|-------------------------------------|

@@ -1,4 +1,4 @@
-"""The one place that builds paths inside a run folder (DESIGN §4), and atomic writes."""
+"""The one place that builds paths inside a run folder (docs/DESIGN.md §4), and atomic writes."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ candidate's keys/values and drop the others: still one forward per step.
 Warm start (`warm_start`, tiny family): the reference's token embeddings, its first
 block(s) and final norm are copied into the guide backbone when the widths match; the
 prototype only learned the goal-walk value function within the CPU budget that way
-(ALGORITHMS.md).
+(docs/ALGORITHMS.md).
 
 Checkpoints: `value_model/model.safetensors` (state dict) + `value_model/config.json`
 (backbone config + head settings); no pickle anywhere.
