@@ -21,6 +21,18 @@ For each training prompt x and each of `samples_per_example` samples:
    preference label 1[y_<h + y' ≻ y]: if exactly one of the two rewards is 1 (the other 0)
    it wins, otherwise a Bradley–Terry draw P = σ(β_BT·(r' − r)).
 
+The official Q# star-graph recipe (`data_collection.recipe: ground_truth_vs_first_wrong`,
+for tasks whose examples carry the correct answer, `target_ids`) replaces steps 1–5 with
+pairs from the same prompt: the ground-truth response (reward 1) and the *first wrong*
+π_ref sample at the generation temperature (reward 0), drawn in batched rounds until every
+prompt has one or `data_collection.max_tries` samples were spent on it (prompts without a
+wrong sample are dropped, as in the official collect_rollouts.py). Both are stored as
+whole-response records (`prefix` empty, `roll_in` "reference"), so Q# trains every target
+token against the sequence label. With `pairs` (PITA) the record's `label` is its own
+reward (the ground truth is preferred to the wrong sample) and `original` is the other
+arm: PITA's BCE preference classifier is then Q#'s classifier, as in the official code.
+The roll-in policy plays no part (one offline round, as in the paper).
+
 Records are token ids (never decoded text), one JSON object per line:
 `{"example", "prompt", "prefix", "rollout", "reward", "roll_in"}` (+ `"original"`,
 `"reward_original"`, `"label"`, `"pref_prob"` with pairs). `roll_in` is "reference" when
@@ -122,6 +134,47 @@ class RolloutCollector:
         return records
 
 
+def ground_truth_pairs(collector: RolloutCollector, indices: Sequence[int], examples: Sequence, *,
+                       max_tries: int, pairs: bool = False) -> tuple[list[dict], int]:
+    """Records of the `ground_truth_vs_first_wrong` recipe (module docstring): per example
+    the ground truth (reward 1) and π_ref's first wrong sample (reward 0). Sampling is
+    batched: each round draws, for every prompt still without a wrong sample, enough copies
+    to fill about one generation batch (never more than its remaining tries). Returns
+    (records, number of examples dropped for lack of a wrong sample)."""
+    import torch
+
+    if any(ex.target_ids is None for ex in examples):
+        raise ValueError("data_collection.recipe=ground_truth_vs_first_wrong needs a task with a known answer "
+                         f"(target_ids); {type(collector.task).__name__} has none: use recipe=rollouts")
+    generator = torch.Generator(device="cpu").manual_seed(collector.seed)
+    wrong: dict[int, list[int]] = {}
+    tries = [0] * len(examples)
+    pending = list(range(len(examples)))
+    while pending:
+        reps = max(1, collector.batch_size // len(pending))
+        rows = [j for j in pending for _ in range(min(reps, max_tries - tries[j]))]
+        out = collector._generate([list(examples[j].prompt_ids) for j in rows], top_k=collector.rollout_top_k,
+                                  hook_factory=None, generator=generator).responses
+        rewards = score_in_batches(collector.task, [examples[j] for j in rows], out, collector.reward_batch_size)
+        for j, y, r in zip(rows, out, rewards):
+            tries[j] += 1
+            if r < 1.0 and j not in wrong:
+                wrong[j] = list(y)
+        pending = [j for j in pending if j not in wrong and tries[j] < max_tries]
+        collector.heartbeat(f"ground truth vs first wrong: {len(wrong)}/{len(examples)} pairs, {len(pending)} pending")
+    records = []
+    for j in sorted(wrong):
+        ex = examples[j]
+        arms = [(list(ex.target_ids), 1.0), (wrong[j], 0.0)]
+        for (resp, r), (other, r_other) in zip(arms, arms[::-1]):
+            rec = {"example": indices[j], "prompt": list(ex.prompt_ids), "prefix": [], "rollout": resp,
+                   "reward": r, "roll_in": "reference"}
+            if pairs:
+                rec.update(original=other, reward_original=r_other, label=r, pref_prob=r)
+            records.append(rec)
+    return records, len(examples) - len(wrong)
+
+
 def preference_pairs(records: Sequence[dict]) -> list[dict]:
     """PITA-style pairs for a proxy reward model: {"example", "prompt", "chosen",
     "rejected"} with full response ids (EOS included); pairs whose two responses are the
@@ -171,11 +224,22 @@ def collect_shard(ctx: Any, *, pairs: bool) -> tuple[list[dict], dict]:
         reward_batch_size=generation_batch_size(ctx, dc.reward_batch_size, fallback=32), seed=ctx.seed,
         heartbeat=ctx.heartbeat)
     samples = int(algo.get("samples_per_example", 0) or dc.samples_per_example)  # per-algo override, if any
-    records = generator.collect(indices, [examples[i] for i in indices], samples,
-                                pairs=pairs, bradley_terry_beta=float(dc.bradley_terry_beta))
+    recipe = str(dc.get("recipe", "rollouts"))
+    dropped = None
+    if recipe == "ground_truth_vs_first_wrong":
+        hook = None  # one offline round of π_ref samples (module docstring)
+        records, dropped = ground_truth_pairs(generator, indices, [examples[i] for i in indices],
+                                              max_tries=int(dc.max_tries), pairs=pairs)
+    elif recipe == "rollouts":
+        records = generator.collect(indices, [examples[i] for i in indices], samples,
+                                    pairs=pairs, bradley_terry_beta=float(dc.bradley_terry_beta))
+    else:
+        raise ValueError(f"data_collection.recipe={recipe!r}: allowed: rollouts | ground_truth_vs_first_wrong")
     # sums, not means: collect_merge adds up every number of the shards' results
     stats = {"prompts": len(indices), "records": len(records), "guided": hook is not None,
              "reward_sum": sum(r["reward"] for r in records), "collect_s": round(time.perf_counter() - t0, 2)}
+    if dropped is not None:
+        stats["dropped_no_wrong_sample"] = dropped
     if pairs:
         stats["reward_roll_in_sum"] = sum(r["reward_original"] for r in records)
         stats["label_sum"] = sum(r["label"] for r in records)

@@ -9,17 +9,33 @@ samples (docs/ALGORITHMS.md, "Guided decoding"). The offset of candidate a in st
 | `bernoulli`   | p = σ(logit) = P(correct|s,a) | log(1 − p + p·e^η)                  |
 | `mle`         | pmf over atoms z_1..z_M       | log Σ_m pmf_m·e^{η z_m}             |
 | `expectation` | p = P(y' ≻ y | s, a)          | η·log(p / (1 − p))                  |
+| `expectation_clamped` | as `expectation`      | η·clamp(log(p/(1−p)), log 0.01, log 0.99) |
 
 η multiplies the value (η = 0 is π_ref exactly: no offset at all). p is clamped to
-[1e-6, 1 − 1e-6] for the logarithms only; offsets are *not* clamped to ≤ 0 (one public
-implementation does, and then guidance can only suppress tokens). A distributional head
-used with `bernoulli` / `expectation` gives p = the pmf's mean mapped to [0, 1].
+[1e-6, 1 − 1e-6] for the logarithms only; the three main modes' offsets are *not* clamped
+to ≤ 0 (then guidance could only suppress tokens). `expectation_clamped` is the exception,
+on purpose: it is the offset of the official star-graph PITA code (`guide_class == 2`:
+the odds clamped to [1e-2, 1 − 1e-2], so a token can be suppressed by at most η·4.6 nats
+and never promoted), which keeps an over-confident classifier from collapsing guided
+decoding at large η (the unbounded η·logit(p) reaches ±138 nats at η = 10). A
+distributional head used with `bernoulli` / `expectation*` gives p = the pmf's mean
+mapped to [0, 1].
 
-Cost: the hook keeps the value model's own KV cache across the steps of a batch and makes
-exactly one batched value-model forward per generated token: the prompt on the first
-call, then only the newest token. The per-vocabulary head (pita/models/value_model.py)
-scores every candidate from that single forward. `HookStats` counts steps and forwards
-(bench/generation.py reports their ratio).
+Cost (Q-type head, `value_head: q`): the hook keeps the value model's own KV cache
+across the steps of a batch and makes exactly one batched value-model forward per
+generated token: the prompt on the first call, then only the newest token. The
+per-vocabulary head scores every candidate from that single forward.
+
+Cost (V-type head, `value_head: v`): the candidates must enter the backbone. Per step,
+π_ref's top-k candidates of every row are scored in ONE forward of [B·k, 1] tokens over
+the prefix's KV cache repeated k times (`ValueModel.score_candidates`); the next step keeps
+the sampled candidate's row of that expanded cache (its keys/values are already there),
+so it is again one forward per step, plus the prompt's forward on the first call. A row
+whose fed token is not among its candidates (a finished row fed pad, or a generator whose
+top-k differs from the hook's) falls back to advancing the prefix with one extra forward,
+which is exact. The generator must sample among the same top-k (guided decoding does:
+`guidance.top_k` for both). `HookStats` counts steps and forwards (bench/generation.py
+reports their ratio).
 """
 
 from __future__ import annotations
@@ -34,8 +50,9 @@ import torch
 
 from pita.models.value_model import ValueModel
 
-MODES = ("bernoulli", "mle", "expectation")
+MODES = ("bernoulli", "mle", "expectation", "expectation_clamped")
 P_CLAMP = 1e-6
+ODDS_CLAMP = (1e-2, 1 - 1e-2)  # the official star-graph PITA's clamp of p / (1 − p)
 
 
 def offsets_from_values(values: torch.Tensor, eta: float, mode: str, atoms: torch.Tensor) -> torch.Tensor:
@@ -58,7 +75,10 @@ def offsets_from_values(values: torch.Tensor, eta: float, mode: str, atoms: torc
     p = p.clamp(P_CLAMP, 1 - P_CLAMP)
     if mode == "bernoulli":  # log(1 − p + p e^η), as a logaddexp for large η
         return torch.logaddexp(torch.log1p(-p), torch.log(p) + eta)
-    return eta * (torch.log(p) - torch.log1p(-p))
+    log_odds = torch.log(p) - torch.log1p(-p)
+    if mode == "expectation_clamped":
+        log_odds = log_odds.clamp(math.log(ODDS_CLAMP[0]), math.log(ODDS_CLAMP[1]))
+    return eta * log_odds
 
 
 @dataclass
@@ -73,8 +93,17 @@ class HookStats:
         return self.forwards / self.steps if self.steps else math.nan
 
 
+def _fit_width(off: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Guide and reference share a tokenizer, but embedding matrices may be padded to
+    different widths: align on the reference's logits width."""
+    width = logits.shape[-1]
+    if off.shape[-1] < width:
+        off = torch.nn.functional.pad(off, (0, width - off.shape[-1]))
+    return off[:, :width].to(logits.device)
+
+
 class ValueGuidanceHook:
-    """An `OffsetHook` for one generation batch: owns the value model's KV cache."""
+    """An `OffsetHook` for one generation batch (Q-type head): owns the value model's KV cache."""
 
     def __init__(self, model: ValueModel, eta: float, mode: str, stats: HookStats | None = None):
         self.model, self.eta, self.mode = model, float(eta), mode
@@ -92,23 +121,71 @@ class ValueGuidanceHook:
         self.stats.forwards += 1
         self.cache = out.past_key_values
         off = offsets_from_values(out.values[:, -1], self.eta, self.mode, self.model.atoms)
-        # Guide and reference share a tokenizer, but embedding matrices may be padded to
-        # different widths: align on the reference's logits width.
-        width = logits.shape[-1]
-        if off.shape[-1] < width:
-            off = torch.nn.functional.pad(off, (0, width - off.shape[-1]))
-        return off[:, :width].to(logits.device)
+        return _fit_width(off, logits)
 
 
-def hook_factory(model: ValueModel, eta: float, mode: str) -> Callable[[], ValueGuidanceHook | None]:
+class CandidateGuidanceHook:
+    """An `OffsetHook` for one generation batch (V-type head): scores π_ref's top-k
+    candidates in one batched forward over the prefix cache expanded k times, and keeps the
+    sampled candidate's row of that cache for the next step (see the module docstring)."""
+
+    def __init__(self, model: ValueModel, eta: float, mode: str, top_k: int, stats: HookStats | None = None):
+        self.model, self.eta, self.mode, self.top_k = model, float(eta), mode, int(top_k)
+        self.stats = stats if stats is not None else HookStats()
+        self.cache = None  # B·k rows after a step: row b·k + j ends with candidate j of row b
+        self.candidates: torch.Tensor | None = None  # [B, k] of the previous step
+        self.device = next(model.parameters()).device
+
+    def _advance(self, step_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> None:
+        """Feed step_ids to the B-row prefix cache (first call, or the exact fallback)."""
+        out = self.model.backbone(input_ids=step_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  past_key_values=self.cache, use_cache=True)
+        self.stats.forwards += 1
+        self.cache = out.past_key_values
+
+    def __call__(self, step_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                 logits: torch.Tensor) -> torch.Tensor:
+        self.stats.steps += 1
+        dev = self.device
+        step_ids, attention_mask, position_ids = step_ids.to(dev), attention_mask.to(dev), position_ids.to(dev)
+        b = step_ids.shape[0]
+        k = min(self.top_k, logits.shape[-1], self.model.vocab_size) if self.top_k > 0 else \
+            min(logits.shape[-1], self.model.vocab_size)
+        with torch.inference_mode():
+            if self.cache is None:  # the prompt
+                self._advance(step_ids, attention_mask, position_ids)
+            else:  # keep the fed token's row of the expanded cache, if it was a candidate
+                prev_k = self.candidates.shape[1]
+                hit = self.candidates.eq(step_ids[:, -1:])
+                rows = torch.arange(b, device=dev) * prev_k + hit.float().argmax(dim=-1)
+                self.cache.batch_select_indices(rows)
+                if not bool(hit.any(dim=-1).all()):  # exact fallback: drop the candidate, feed the token
+                    self.cache.crop(-1)
+                    self._advance(step_ids, attention_mask, position_ids)
+            cand = logits.topk(k, dim=-1).indices.to(dev)  # the generator's own top-k (same logits)
+            values, self.cache = self.model.score_candidates(self.cache, cand, attention_mask,
+                                                             position_ids[:, -1] + 1)
+            self.stats.forwards += 1
+        self.candidates = cand
+        off_k = offsets_from_values(values.unsqueeze(-2), self.eta, self.mode, self.model.atoms)[..., 0]  # [B, k]
+        off = torch.zeros((b, logits.shape[-1]), dtype=off_k.dtype, device=dev).scatter(-1, cand, off_k)
+        return off.to(logits.device)
+
+
+def hook_factory(model: ValueModel, eta: float, mode: str, top_k: int = 0) -> Callable[[], Any]:
     """A factory for `generate(offset_hook_factory=...)`; `factory.stats` counts its work.
-    η = 0 returns no hook at all, so sampling is exactly π_ref's."""
+    η = 0 returns no hook at all, so sampling is exactly π_ref's. `top_k`: the candidates a
+    V-type head scores (the generator's top-k; 0 = the whole vocabulary)."""
     if mode not in MODES:
         raise ValueError(f"guidance.mode={mode!r}: allowed: {', '.join(MODES)}")
     stats = HookStats()
 
-    def factory() -> ValueGuidanceHook | None:
-        return ValueGuidanceHook(model, eta, mode, stats) if eta != 0 else None
+    def factory() -> ValueGuidanceHook | CandidateGuidanceHook | None:
+        if eta == 0:
+            return None
+        if model.head_type == "v":
+            return CandidateGuidanceHook(model, eta, mode, top_k, stats)
+        return ValueGuidanceHook(model, eta, mode, stats)
 
     factory.stats = stats  # type: ignore[attr-defined]
     return factory
@@ -121,4 +198,5 @@ def guided_hook_factory(ctx: Any, guide_dir: str | Path, eta: float) -> Callable
     from pita.models.value_model import load_value_model
 
     model = load_value_model(ctx, guide_dir)
-    return hook_factory(model, float(eta), str(ctx.algo_cfg.guidance.mode))
+    guidance = ctx.algo_cfg.guidance
+    return hook_factory(model, float(eta), str(guidance.mode), int(guidance.top_k))

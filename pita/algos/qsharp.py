@@ -118,6 +118,7 @@ def build_targets(items: Sequence[tuple], pad_id: int) -> dict:
     width = max(len(s) for s, _, _ in seqs)
     k = len(items[0][3])
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    prompt_len = torch.tensor([p for _, p, _ in seqs], dtype=torch.long)
     alts = torch.zeros((len(seqs), width - 1), dtype=torch.long)
     target = torch.zeros((len(seqs), width - 1, k))
     weight = torch.zeros((len(seqs), width - 1))
@@ -128,7 +129,8 @@ def build_targets(items: Sequence[tuple], pad_id: int) -> dict:
                 target[u, p + j - 1] = torch.tensor(sums[key]) / counts[key]
                 weight[u, p + j - 1] = counts[key] / through[key]
                 alts[u, p + j - 1] = key[1] if key[1] is not None else 0
-    return {"ids": ids, "alt": alts, "target": target, "weight": weight, "records": len(items),
+    return {"ids": ids, "alt": alts, "target": target, "weight": weight, "prompt_len": prompt_len,
+            "records": len(items),
             "unique": len(seqs), "states": len(counts)}
 
 
@@ -144,6 +146,22 @@ def train(ctx: StageContext) -> dict:
     return train_value(ctx, training_items(records, targets))
 
 
+def official_schedule(optim: Any, steps: int) -> Any:
+    """The Q# star-graph classifier's schedule: linear warmup over max(100, 10 %) of the
+    steps (at most all of them), then cosine decay to 0.1·lr."""
+    import torch
+
+    warmup = min(steps, max(100, steps // 10))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optim, factor)
+
+
 def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
     """Fit the value model on merged (state, action) targets and save `value_model/`.
 
@@ -157,7 +175,7 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
     import torch
     from transformers import get_cosine_schedule_with_warmup
 
-    from pita.algos import losses
+    from pita.algos import losses, value_diagnostics
     from pita.models.value_model import ValueModel, build_value_model, head_atoms
     from pita.training.loop import (
         TrainStep,
@@ -176,9 +194,12 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
     device = torch.device(training_device(ctx.cfg.system.gpu_mode, ctx.device).device)
     reference = ctx.load_model(ctx.reference_model())
     pad_id = int(reference.config.pad_token_id if reference.config.pad_token_id is not None else 0)
+    items, held_items = value_diagnostics.split_holdout(items, float(algo.get("holdout_fraction", 0.0)), ctx.seed)
     data = build_targets(items, pad_id)
-    ctx.logger.info("training data: %d records -> %d unique sequences, %d (state, action) targets",
-                    data["records"], data["unique"], data["states"])
+    held = build_targets(held_items, pad_id) if held_items else None
+    ctx.logger.info("training data: %d records -> %d unique sequences, %d (state, action) targets%s",
+                    data["records"], data["unique"], data["states"],
+                    f"; held out: {held['records']} records of distinct prompts" if held else "")
 
     # The model: round k−1's checkpoint, else a fresh guide (warm-started from π_ref).
     if ctx.has_input("previous"):
@@ -193,7 +214,19 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
     if model.num_outputs != head_atoms(algo.loss_type, algo.num_atoms):
         raise ValueError(f"{ctx.task.id}: checkpoint has {model.num_outputs} outputs per token but "
                          f"loss_type={algo.loss_type} needs {head_atoms(algo.loss_type, algo.num_atoms)}")
+    if model.head_type != str(algo.get("value_head", "q")):
+        raise ValueError(f"{ctx.task.id}: checkpoint has value_head={model.head_type}, config says "
+                         f"{algo.get('value_head', 'q')}")
     model.to(device).train()
+    diagnostics: dict = {}
+    if held is not None and int(algo.get("probe_steps", 0)) > 0:  # before any training step
+        probe = value_diagnostics.linear_probe(model, data, held, device, steps=int(algo.probe_steps), seed=ctx.seed)
+        diagnostics["probe_heldout_acc"] = probe
+        ctx.logger.info("frozen-backbone linear probe (%d steps), held-out balanced accuracy by response "
+                        "position: %s", int(algo.probe_steps), value_diagnostics.format_positions(probe))
+        warning = value_diagnostics.plateau_warning(probe)
+        if warning:
+            ctx.logger.warning(warning)
     checkpointing = enable_gradient_checkpointing(model.backbone, tr.gradient_checkpointing, ctx.logger)
 
     # Batch (unique sequences), micro-batch, steps.
@@ -208,12 +241,13 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
     def loss_fn(m: torch.Tensor):
         """The weighted mean loss of micro-batch m (indices into the unique sequences)."""
         x, w, y = ids[m].to(device), weight[m].to(device), target[m].to(device)
-        hidden = model.hidden(x[:, :-1])
+        bt = loss_type == "bradley_terry"
+        out, alt = model.action_values(x, alt=alts[m].to(device) if bt else None)  # [b, T−1, M]: token t+1
         sel = w > 0
-        out = model.values_at(hidden, x[:, 1:])[sel].float()  # [n, M]: the value of each next token
+        out = out[sel].float()
         y, w = y[sel], w[sel]
-        if loss_type == "bradley_terry":  # P(y' ≻ y) = σ(v(s, a') − v(s, a)), a the competing token
-            alt = model.values_at(hidden, alts[m].to(device))[sel].float()
+        if bt:  # P(y' ≻ y) = σ(v(s, a') − v(s, a)), a the competing token
+            alt = alt[sel].float()
             return (losses.bradley_terry_loss(out[:, 0], alt[:, 0], y[:, 0], w),
                     {"accuracy": losses.scalar_accuracy(out[:, 0] - alt[:, 0], y[:, 0], w)})
         if loss_type == "mle":
@@ -227,8 +261,12 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
                                      loss_fn=lambda _model, mb: loss_fn(mb["m"])[0], fallback=micro)
     micro, n_micro = accumulation_plan(batch, micro, tr.accumulation_steps)
     steps = int(algo.steps) or int(algo.epochs) * math.ceil(n / batch)
-    optim = torch.optim.AdamW(model.parameters(), lr=float(algo.lr), weight_decay=tr.weight_decay)
-    sched = get_cosine_schedule_with_warmup(optim, min(100, steps // 10), steps)
+    wd = tr.weight_decay if algo.get("weight_decay") is None else float(algo.weight_decay)
+    optim = torch.optim.AdamW(model.parameters(), lr=float(algo.lr), weight_decay=wd)
+    if str(algo.get("lr_schedule", "cosine")) == "official":  # the Q# star-graph classifier's schedule
+        sched = official_schedule(optim, steps)
+    else:
+        sched = get_cosine_schedule_with_warmup(optim, min(100, steps // 10), steps)
     trainer = TrainStep.from_context(ctx, model, optim, scheduler=sched, device=device)
 
     gen = torch.Generator().manual_seed(ctx.seed)
@@ -251,6 +289,12 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
             mean_acc = sum(r.get("accuracy", 0.0) for r in recent) / len(recent)
             ctx.logger.info("step %d/%d (epoch %.1f) loss %.4f acc %.3f lr %.2e", step + 1, steps,
                             (step + 1) * batch / n, mean_loss, mean_acc, trainer.lr())
+            if held is not None:  # where learning stops: held-out balanced accuracy by response position
+                acc = value_diagnostics.heldout_accuracy(model, held, device)
+                diagnostics["heldout_acc"] = acc
+                trainer.metrics.rows[-1].update({f"heldout_pos{j}": a for j, a in acc.items()})
+                ctx.logger.info("held-out balanced accuracy by response position: %s",
+                                value_diagnostics.format_positions(acc))
             ctx.heartbeat(f"step {step + 1}/{steps} loss {result.loss:.4f}")
     model.eval().save(ctx.out_dir / Artifact.VALUE_MODEL)
     perf = write_training_report(ctx.out_dir, trainer, micro_batch=micro, accumulation_steps=n_micro,
@@ -258,4 +302,5 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
     return {"steps": steps, "batch_size": batch, "micro_batch_size": micro, "records": data["records"],
             "unique_sequences": n, "targets": data["states"], "final_loss": round(mean_loss, 5),
             "final_acc": round(mean_acc, 4), "init": init, "train_s": round(time.perf_counter() - t0, 2),
+            "value_head": model.head_type, **diagnostics,
             **{k: perf[k] for k in ("precision", "samples_per_s", "peak_memory_mb")}}

@@ -106,6 +106,10 @@ class DataCollectionConfig:
     samples_per_example: int = _help("Roll-outs collected per training prompt per round.", 64)
     bradley_terry_beta: float = _help("β_BT of the Bradley–Terry draw for PITA labels.", 10.0)
     max_examples: int = _help("Use at most this many training prompts per round (0 = all).", 0)
+    recipe: str = _help("rollouts (roll-in / cut / roll-out) | ground_truth_vs_first_wrong (per prompt the "
+                        "known answer, label 1, and π_ref's first wrong sample, label 0: the Q# star-graph recipe)",
+                        "rollouts")
+    max_tries: int = _help("ground_truth_vs_first_wrong: π_ref samples per prompt before it is dropped.", 1000)
 
 
 @dataclass
@@ -206,6 +210,16 @@ class AlgoConfig:
     V_min: float = _help("Smallest atom value.", 0.0)
     V_max: float = _help("Largest atom value.", 1.0)
     warm_start: bool = _help("Copy the reference's embeddings/first block into the value model.", True)
+    value_head: str = _help("q (one value per vocabulary entry, read at the prefix) | v (candidate appended, "
+                            "scalar read at its own position: the official Q# classifier)", "q")
+    weight_decay: Optional[float] = _help("AdamW weight decay of value training (None = training.weight_decay).",
+                                          None)
+    lr_schedule: str = _help("cosine (warmup min(100, 10%), decay to 0) | official (warmup max(100, 10%), "
+                             "cosine to 0.1·lr: the Q# star-graph classifier)", "cosine")
+    holdout_fraction: float = _help("Value training: fraction of prompts held out for per-position "
+                                    "accuracy (0 = none).", 0.0)
+    probe_steps: int = _help("Value training with a hold-out: steps of a frozen-backbone linear probe "
+                             "run first, which warns when the run will sit on the plateau (0 = off).", 200)
     guidance: GuidanceConfig = field(default_factory=GuidanceConfig)
     beta: float = _help("KL coefficient (DPO β, GRPO β).", 0.1)
     num_generations: int = _help("GRPO group size.", 8)
@@ -329,6 +343,10 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
     _check(e, cfg.generation.top_k >= 0, "generation.top_k", cfg.generation.top_k, "must be >= 0")
     _check(e, _is_batch(cfg.data_collection.reward_batch_size), "data_collection.reward_batch_size",
            cfg.data_collection.reward_batch_size, "a positive integer or auto / auto_batch_size")
+    _check(e, cfg.data_collection.recipe in ("rollouts", "ground_truth_vs_first_wrong"),
+           "data_collection.recipe", cfg.data_collection.recipe, "allowed: rollouts | ground_truth_vs_first_wrong")
+    _check(e, cfg.data_collection.max_tries >= 1, "data_collection.max_tries", cfg.data_collection.max_tries,
+           "must be >= 1")
     _check(e, cfg.data_collection.samples_per_example >= 1, "data_collection.samples_per_example",
            cfg.data_collection.samples_per_example, "must be >= 1")
     _check(e, _is_batch(cfg.evaluation.batch_size), "evaluation.batch_size", cfg.evaluation.batch_size,
@@ -368,8 +386,19 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
         _check(e, algo.num_atoms >= 2, f"algos.{name}.num_atoms", algo.num_atoms, "must be >= 2")
         _check(e, algo.V_min < algo.V_max, f"algos.{name}.V_min", algo.V_min,
                f"must be < algos.{name}.V_max ({algo.V_max})")
-        _check(e, algo.guidance.mode in ("bernoulli", "mle", "expectation"), f"algos.{name}.guidance.mode",
-               algo.guidance.mode, "allowed: bernoulli | mle | expectation")
+        _check(e, algo.guidance.mode in ("bernoulli", "mle", "expectation", "expectation_clamped"),
+               f"algos.{name}.guidance.mode", algo.guidance.mode,
+               "allowed: bernoulli | mle | expectation | expectation_clamped")
+        _check(e, algo.value_head in ("q", "v"), f"algos.{name}.value_head", algo.value_head, "allowed: q | v")
+        _check(e, not (algo.value_head == "v" and algo.loss_type == "bradley_terry"), f"algos.{name}.value_head",
+               algo.value_head, "v cannot train loss_type=bradley_terry (it scores one token per forward): use q")
+        _check(e, algo.lr_schedule in ("cosine", "official"), f"algos.{name}.lr_schedule", algo.lr_schedule,
+               "allowed: cosine | official")
+        _check(e, 0 <= algo.holdout_fraction < 1, f"algos.{name}.holdout_fraction", algo.holdout_fraction,
+               "a fraction in [0, 1)")
+        _check(e, algo.probe_steps >= 0, f"algos.{name}.probe_steps", algo.probe_steps, "must be >= 0")
+        _check(e, algo.weight_decay is None or algo.weight_decay >= 0, f"algos.{name}.weight_decay",
+               algo.weight_decay, "must be >= 0 (or null = training.weight_decay)")
         _check(e, algo.guidance.top_k >= 1, f"algos.{name}.guidance.top_k", algo.guidance.top_k,
                "must be >= 1")
         _check(e, algo.samples_per_example >= 0, f"algos.{name}.samples_per_example", algo.samples_per_example,

@@ -1,13 +1,25 @@
 """The value / preference model of value-guided decoding (Q#, PITA, Q#-HF).
 
 A causal backbone (the family's guide: a tiny Llama for `model=tiny`, a hub base model
-otherwise) and a linear head that outputs, at every position t, one value *per vocabulary
-entry*: the value of appending token a to the prefix s_t. One forward of the prefix
-therefore scores every candidate of the next step, which is what makes guided decoding
-cost exactly one value-model forward per generated token (with the backbone's KV cache
-kept across steps, see pita/algos/guidance.py).
+otherwise) and a linear head, of one of two types (`algos.<NAME>.value_head`):
 
-Head outputs, shape [B, T, V, M]:
+- `q` (Q-type, the default): at every position t, one value *per vocabulary entry*: the
+  value of appending token a to the prefix s_t, Q(s, a) = w_a·h(s) + b_a. One forward of
+  the prefix scores every candidate of the next step; the candidate never enters the
+  backbone, so judging a token means planning *backwards* from the prefix.
+- `v` (V-type, the official Q# star-graph classifier): the candidate token is appended and
+  a scalar head reads the value at the candidate's own position, V(s, a) = w·h(s + a) + b.
+  Judging the first step of a star graph then becomes forward verification from the
+  candidate (follow its edges to the goal), the lookup the reference already learned.
+  Guided decoding scores π_ref's top-k candidates in one batched forward over the prefix's
+  KV cache expanded k times (pita/algos/guidance.py, `score_candidates` here).
+
+Training reads both the same way (`action_values`): column t of the result is the value
+of token t+1 in the state of tokens 0..t, so the losses and targets do not care which
+head produced it.
+
+Head outputs of the Q-type head, shape [B, T, V, M] (the V-type head: [B, T, 1, M], the
+value of the token at each position):
 
 - M = 1 (losses `bce`, `mse`, `bradley_terry`): a logit; p = σ(logit) is P(correct | s, a)
   for Q# and P(continuation ≻ reference | s, a) for PITA;
@@ -17,14 +29,10 @@ Head outputs, shape [B, T, V, M]:
 The head is zero-initialised: every candidate gets the same value, so an untrained guide
 adds the same offset to every token and leaves π_ref unchanged (PITA's round 0).
 
-Memory: the head has d·V·M weights and the per-step output is [B, V, M]. That is nothing
-for the offline tasks (V ≈ 25) and fine for M = 1 on hub vocabularies (gpt2: 768·50k ≈
-39M weights), but an `mle` head over a 128k vocabulary is billions of weights. The
-alternative for large vocabularies (not implemented here) is a head with M outputs read
-at the candidate's own position: append the k candidates of each row to the prefix's
-shared KV cache as k extra query tokens that attend to the prefix and themselves only
-(a block-diagonal 4D mask, equal position ids), read the k heads, keep the sampled
-candidate's keys/values and drop the others: still one forward per step.
+Memory: the Q-type head has d·V·M weights and the per-step output is [B, V, M]. That is
+nothing for the offline tasks (V ≈ 25) and fine for M = 1 on hub vocabularies (gpt2:
+768·50k ≈ 39M weights), but an `mle` head over a 128k vocabulary is billions of weights:
+use the V-type head there (d·M weights; per step a [B·k, 1] forward over the shared cache).
 
 Warm start (`warm_start`, tiny family): the reference's token embeddings, its first
 block(s) and final norm are copied into the guide backbone when the widths match; the
@@ -48,6 +56,7 @@ from torch import nn
 from pita.core.paths import Artifact
 
 CONFIG_NAME = "config.json"
+HEAD_TYPES = ("q", "v")
 WEIGHTS_NAME = "model.safetensors"
 
 
@@ -59,17 +68,22 @@ class ValueOutput:
 
 
 class ValueModel(nn.Module):
-    """Backbone (any HF base model returning `last_hidden_state`) + per-vocabulary head."""
+    """Backbone (any HF base model returning `last_hidden_state`) + a Q-type (per-vocabulary)
+    or V-type (scalar, read at the candidate's position) head; see the module docstring."""
 
     def __init__(self, backbone: nn.Module, vocab_size: int, *, num_atoms: int = 1,
-                 v_min: float = 0.0, v_max: float = 1.0, loss_type: str = "bce"):
+                 v_min: float = 0.0, v_max: float = 1.0, loss_type: str = "bce", head_type: str = "q"):
         super().__init__()
+        if head_type not in HEAD_TYPES:
+            raise ValueError(f"value_head={head_type!r}: allowed: {' | '.join(HEAD_TYPES)}")
         self.backbone = backbone
         self.vocab_size = int(vocab_size)
         self.num_outputs = int(num_atoms)
         self.v_min, self.v_max, self.loss_type = float(v_min), float(v_max), loss_type
+        self.head_type = head_type
         hidden = backbone.config.hidden_size
-        self.head = nn.Linear(hidden, self.vocab_size * self.num_outputs)
+        width = self.vocab_size if head_type == "q" else 1
+        self.head = nn.Linear(hidden, width * self.num_outputs)
         nn.init.zeros_(self.head.weight)  # untrained guide = no guidance (see module docstring)
         nn.init.zeros_(self.head.bias)
 
@@ -89,8 +103,44 @@ class ValueModel(nn.Module):
         hidden = out.last_hidden_state
         if last_only:  # decoding: only the newest position is scored
             hidden = hidden[:, -1:]
-        values = self.head(hidden).view(*hidden.shape[:2], self.vocab_size, self.num_outputs)
+        width = self.vocab_size if self.head_type == "q" else 1
+        values = self.head(hidden).view(*hidden.shape[:2], width, self.num_outputs)
         return ValueOutput(values, out.past_key_values if use_cache else None)
+
+    def action_values(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      alt: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Training read-out: ([B, T−1, M] value of token t+1 in state ids[:, :t+1], the same
+        for the competing tokens `alt` [B, T−1] or None). Q-type: one forward of ids[:, :-1],
+        rows of the head gathered; V-type: one forward of ids, the head read at positions
+        1..T−1 (each token's own position). V-type cannot score `alt` tokens without a
+        forward per alternative: it refuses them (config validation says so earlier)."""
+        if self.head_type == "q":
+            mask = attention_mask[:, :-1] if attention_mask is not None else None
+            hidden = self.hidden(ids[:, :-1], mask)
+            return self.values_at(hidden, ids[:, 1:]), (self.values_at(hidden, alt) if alt is not None else None)
+        if alt is not None:
+            raise ValueError("value_head=v cannot score competing tokens (loss_type=bradley_terry): use value_head=q")
+        hidden = self.hidden(ids, attention_mask)[:, 1:]
+        return self.head(hidden).view(*hidden.shape[:2], self.num_outputs), None
+
+    def score_candidates(self, cache: Any, candidates: torch.Tensor, attention_mask: torch.Tensor,
+                         next_position: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """V-type decoding: the values [B, k, M] of k candidate tokens per row, appended to
+        each row's prefix, in ONE batched forward of [B·k, 1] tokens over the prefix's KV
+        cache repeated k times (row b's candidates are rows b·k..b·k+k−1).
+
+        `cache`: the prefix's cache, B rows (consumed: it is expanded in place);
+        `attention_mask`: [B, prefix_len] (0 on left padding); `next_position`: [B], the
+        position id of the candidates. Returns the values and the expanded cache, whose
+        row b·k+j ends with candidate j (guidance keeps the sampled one's row)."""
+        b, k = candidates.shape
+        cache.batch_repeat_interleave(k)
+        mask = torch.cat([attention_mask, attention_mask.new_ones((b, 1))], dim=-1).repeat_interleave(k, dim=0)
+        out = self.backbone(input_ids=candidates.reshape(b * k, 1), attention_mask=mask,
+                            position_ids=next_position.reshape(b, 1).repeat_interleave(k, dim=0),
+                            past_key_values=cache, use_cache=True)
+        values = self.head(out.last_hidden_state[:, -1]).view(b, k, self.num_outputs)
+        return values, out.past_key_values
 
     def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The backbone's last hidden states [B, T, d] (training; no cache)."""
@@ -109,7 +159,7 @@ class ValueModel(nn.Module):
     def config_dict(self) -> dict:
         return {"format": "pita-value-model/1", "backbone": self.backbone.config.to_dict(),
                 "vocab_size": self.vocab_size, "num_atoms": self.num_outputs, "V_min": self.v_min,
-                "V_max": self.v_max, "loss_type": self.loss_type}
+                "V_max": self.v_max, "loss_type": self.loss_type, "head_type": self.head_type}
 
     def save(self, folder: str | Path) -> Path:
         from safetensors.torch import save_file
@@ -142,7 +192,7 @@ class ValueModel(nn.Module):
             config._attn_implementation = attn_impl
         backbone = AutoModel.from_config(config).to(torch.float32)
         return cls(backbone, cfg["vocab_size"], num_atoms=cfg["num_atoms"], v_min=cfg["V_min"],
-                   v_max=cfg["V_max"], loss_type=cfg.get("loss_type", "bce"))
+                   v_max=cfg["V_max"], loss_type=cfg.get("loss_type", "bce"), head_type=cfg.get("head_type", "q"))
 
 
 def head_atoms(loss_type: str, num_atoms: int) -> int:
@@ -159,7 +209,8 @@ def build_value_model(reference: nn.Module, family_cfg: dict, algo_cfg: Any, *, 
 
     family = resolve_family(family_cfg.get("name", "tiny"), family_cfg)
     n_out = head_atoms(algo_cfg.loss_type, algo_cfg.num_atoms)
-    kw = dict(num_atoms=n_out, v_min=algo_cfg.V_min, v_max=algo_cfg.V_max, loss_type=algo_cfg.loss_type)
+    kw = dict(num_atoms=n_out, v_min=algo_cfg.V_min, v_max=algo_cfg.V_max, loss_type=algo_cfg.loss_type,
+              head_type=str(algo_cfg.get("value_head", "q")))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if family.is_builtin:

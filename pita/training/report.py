@@ -1,7 +1,9 @@
 """The two files every training task leaves in its folder.
 
 - `training_metrics.png`: loss, accuracy (when the stage recorded one) and step time
-  against the optimizer step.
+  against the optimizer step; value training with a hold-out adds a panel of held-out
+  balanced accuracy by response position (`heldout_pos<j>` metrics: where learning stops,
+  pita/algos/value_diagnostics.py).
 - `performance_summary.txt`: precision, compile status, gradient checkpointing, the batch
   arithmetic (micro-batch × accumulation × ranks = effective batch), throughput in
   samples/s and tokens/s, peak memory (CUDA allocator peak, or process RSS on the CPU).
@@ -121,13 +123,27 @@ def _plot(path: Path, metrics: TrainingMetrics, title: str) -> None:
 
     panels = [("loss", "loss"), ("accuracy", "accuracy"), ("step_time_s", "step time (s)")]
     panels = [(k, label) for k, label in panels if metrics.series(k)[0]] or [("loss", "loss")]
-    fig = Figure(figsize=(4.2 * len(panels), 3.4), layout="constrained")
-    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    positions = sorted({int(k[len("heldout_pos"):]) for row in metrics.rows for k in row
+                        if k.startswith("heldout_pos")})
+    n_panels = len(panels) + bool(positions)
+    fig = Figure(figsize=(4.2 * n_panels, 3.4), layout="constrained")
+    axes = fig.subplots(1, n_panels, squeeze=False)[0]
     for ax, (key, label) in zip(axes, panels):
         xs, ys = metrics.series(key)
         ax.plot(xs, ys, lw=1.2)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    if positions:  # one line per response position: where learning stops
+        ax = axes[-1]
+        for j in positions:
+            xs, ys = metrics.series(f"heldout_pos{j}")
+            ax.plot(xs, ys, marker="o", ms=3, lw=1.2, label=f"position {j}")
+        ax.axhline(0.5, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("held-out balanced accuracy")
+        ax.set_ylim(0.3, 1.02)
+        ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     if title:
         fig.suptitle(title, fontsize=10)
