@@ -56,7 +56,11 @@ ALGORITHMS: dict[str, Algorithm] = {
                                            "reward_model": _REWARD_MODEL,
                                            "train": "pita.algos.qsharp_hf:train"}, guided=True),
         # policy-optimisation baselines with TRL (pita/algos/dpo.py, grpo.py)
+        # DPO is plain DPO (`sft_weight: 0`, as the papers ran it); RPO is the same trainer with
+        # an SFT term on the chosen responses (`sft_weight: 1`, TRL's sigmoid+sft): two rows so
+        # that neither is reported under the other's name
         Algorithm("DPO", _VALUE_ROUND, {"collect": "pita.algos.dpo:collect", "train": "pita.algos.dpo:train"}),
+        Algorithm("RPO", _VALUE_ROUND, {"collect": "pita.algos.dpo:collect", "train": "pita.algos.dpo:train"}),
         Algorithm("GRPO", ("train", "evaluate"), {"train": "pita.algos.grpo:train"}),
         Algorithm("GRPO-HF", _HF_ROUND, {"collect": "pita.algos.dpo:collect", "reward_model": _REWARD_MODEL,
                                          "train": "pita.algos.grpo:train_hf"}),
