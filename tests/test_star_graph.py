@@ -225,3 +225,93 @@ def test_validation_names_the_key(cfg, key):
     assert str(e.value).startswith(f"dataset.{key}=") and "\n" not in str(e.value)
     with pytest.raises(ValueError, match=f"dataset.{key}="):
         build_task({"name": "star_graph", **cfg})
+
+
+# --- the official Q# data recipe: ground truth vs the first wrong π_ref sample -------------
+
+
+class _ScriptedCollector:
+    """A RolloutCollector whose sampler is scripted per prompt: `answers[prompt]` is the list
+    of responses its successive samples return (the last one repeats)."""
+
+    def __new__(cls, task, answers, batch_size=8):
+        from types import SimpleNamespace
+
+        from pita.algos.collector import RolloutCollector
+
+        class Scripted(RolloutCollector):
+            calls: list[int] = []
+
+            def _generate(self, prompts, *, top_k, hook_factory, generator):
+                self.calls.append(len(prompts))
+                out = []
+                for p in prompts:
+                    seq = answers[tuple(p)]
+                    count = self.drawn.get(tuple(p), 0)
+                    self.drawn[tuple(p)] = count + 1
+                    out.append(list(seq[min(count, len(seq) - 1)]))
+                return SimpleNamespace(responses=out)
+
+        col = Scripted(None, task, batch_size=batch_size, max_new_tokens=task.max_new_tokens,
+                       pad_token_id=task.tokenizer.pad_token_id, eos_token_id=task.tokenizer.eos_token_id,
+                       reward_batch_size=5)
+        col.drawn = {}
+        return col
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_ground_truth_vs_first_wrong_records(task, pairs):
+    from pita.algos.collector import ground_truth_pairs
+    from pita.algos.pita_algo import preference_items
+    from pita.algos.qsharp import reward_targets, training_items
+
+    examples = task.train_examples()[:6]
+    eos = task.tokenizer.eos_token_id
+    answers = {}
+    for j, ex in enumerate(examples):
+        gt = list(ex.target_ids)
+        wrong_a = [gt[0], (gt[1] + 1) % 20, *gt[2:]]  # a wrong first step
+        wrong_b = [gt[0], gt[1], eos]  # stops early
+        if j == 0:
+            answers[tuple(ex.prompt_ids)] = [gt]  # always right: dropped after max_tries
+        else:  # right j - 1 times, then wrong_a, then wrong_b: the FIRST wrong one is kept
+            answers[tuple(ex.prompt_ids)] = [gt] * (j - 1) + [wrong_a, wrong_b]
+    col = _ScriptedCollector(task, answers, batch_size=8)
+    records, dropped = ground_truth_pairs(col, list(range(10, 16)), examples, max_tries=4, pairs=pairs)
+    assert dropped == 2  # example 0 (never wrong) and example 5 (right 4 times = max_tries)
+    assert col.drawn[tuple(examples[0].prompt_ids)] == 4  # never more than max_tries samples
+    kept = [1, 2, 3, 4]
+    assert [r["example"] for r in records] == [10 + j for j in kept for _ in range(2)]
+    for j, (gt_rec, wrong_rec) in zip(kept, zip(records[::2], records[1::2])):
+        ex = examples[j]
+        assert gt_rec["rollout"] == ex.target_ids and gt_rec["reward"] == 1.0
+        assert wrong_rec["rollout"] == [ex.target_ids[0], (ex.target_ids[1] + 1) % 20, *ex.target_ids[2:]]
+        assert wrong_rec["reward"] == 0.0 == task.rewards([ex], [wrong_rec["rollout"]])[0]
+        for rec in (gt_rec, wrong_rec):
+            assert rec["prefix"] == [] and rec["roll_in"] == "reference" and rec["prompt"] == ex.prompt_ids
+        if pairs:  # PITA: the ground truth is preferred; each record's label is its own reward
+            assert gt_rec["label"] == 1.0 and wrong_rec["label"] == 0.0
+            assert gt_rec["original"] == wrong_rec["rollout"] and wrong_rec["original"] == gt_rec["rollout"]
+    # Q# and PITA (bce) both train every target token against the sequence label
+    q_items = training_items(records, reward_targets([r["reward"] for r in records],
+                                                     _Algo(loss_type="bce", V_min=0.0, V_max=1.0)))
+    assert all(start == 0 for _, _, start, _, _ in q_items)
+    if pairs:
+        p_items = preference_items(records, "bce")
+        assert [(i[1], i[2], i[3]) for i in p_items] == [(i[1], i[2], i[3]) for i in q_items]
+
+
+class _Algo(dict):
+    __getattr__ = dict.__getitem__
+
+    def __init__(self, **kw):
+        super().__init__(kw)
+
+
+def test_ground_truth_recipe_needs_a_known_answer(task):
+    from pita.algos.collector import ground_truth_pairs
+    from pita.datasets.base import Example
+
+    col = _ScriptedCollector(task, {}, batch_size=8)
+    with pytest.raises(ValueError, match="recipe=ground_truth_vs_first_wrong needs a task with a known answer"):
+        ground_truth_pairs(col, [0], [Example([1, 2], None, {})], max_tries=3)
