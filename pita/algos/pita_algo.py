@@ -16,6 +16,23 @@ Where this departs from the paper / reference code:
   logits of y'_h and y_h are compared, σ(v(s_h, y'_h) − v(s_h, y_h)) against the label
   (pairs whose first tokens agree carry no signal there and are dropped). The guidance is
   unchanged: `expectation` offsets are η·(logit), and softmax only sees their differences.
+
+On the star graph (`experiment=star_graph*`) this module follows the official star-graph
+PITA code, not the generic procedure above, and says so here (issue 15):
+- Data: `data_collection.recipe: ground_truth_vs_first_wrong` (pita/algos/collector.py):
+  per graph the ground truth (label 1, preferred) and π_ref's first wrong sample (label 0).
+  The generic procedure's labels are ≈ 60 % coin flips there (two 0/1 rewards tie whenever
+  both continuations fail or both succeed), which is what kept PITA at π_ref's 1/d. With
+  the recipe, the BCE preference classifier trained here *is* Q#'s classifier (same
+  records, same labels, every target token), as in the official code, which reuses its
+  classifier for PITA.
+- Guidance: mode `expectation_clamped`, η·clamp(log(p/(1−p)), log 0.01, log 0.99): the
+  official `guide_class == 2` offset, suppression-only and bounded (≤ 4.6·η nats). The
+  unbounded η·logit(p) reaches ±138 nats with a confident classifier and collapsed guided
+  decoding at η ≥ 5; docs/ALGORITHMS.md's "do not clamp to ≤ 0" rule is for the main
+  modes, and this row departs from it on purpose, to match the paper's PITA.
+So the star-graph PITA row differs from the Q# row only in the offset; compare the two at
+matched KL (the evaluation reports KL at every η).
 """
 
 from __future__ import annotations
