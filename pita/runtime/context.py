@@ -87,6 +87,17 @@ class StageContext:
 
         return resolve_family(self.task.family, self.cfg.model).reference
 
+    def load_value_model(self, guide_dir: Path | str) -> Any:
+        """The value model of a train folder (`<guide_dir>/value_model`) on this task's
+        device, through the worker's LRU so shards and η values of one stage load it once."""
+        from pita.models.value_model import ValueModel
+
+        folder = Path(guide_dir)
+        if (folder / Artifact.VALUE_MODEL).is_dir():
+            folder = folder / Artifact.VALUE_MODEL
+        return self.models.get(f"value:{folder}", lambda: ValueModel.load(
+            folder, device=self.device, attn_impl=self.cfg.system.attn_impl))
+
     def load_model(self, name_or_path: Path | str) -> Any:
         """A causal LM (a save_pretrained folder or a hub id) on this task's device, through
         the worker's model LRU."""
