@@ -195,8 +195,6 @@ def guided_hook_factory(ctx: Any, guide_dir: str | Path, eta: float) -> Callable
     """The offset-hook factory of a chain's guide (a train folder with `value_model/`) at
     strength η, with the mode of `algos.<NAME>.guidance.mode`; the value model comes
     through the worker's model LRU (`ctx.models`)."""
-    from pita.models.value_model import load_value_model
-
-    model = load_value_model(ctx, guide_dir)
+    model = ctx.load_value_model(guide_dir)
     guidance = ctx.algo_cfg.guidance
     return hook_factory(model, float(eta), str(guidance.mode), int(guidance.top_k))
