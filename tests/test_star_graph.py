@@ -315,3 +315,40 @@ def test_ground_truth_recipe_needs_a_known_answer(task):
     col = _ScriptedCollector(task, {}, batch_size=8)
     with pytest.raises(ValueError, match="recipe=ground_truth_vs_first_wrong needs a task with a known answer"):
         ground_truth_pairs(col, [0], [Example([1, 2], None, {})], max_tries=3)
+
+
+@pytest.mark.slow
+def test_star_graph_paper_config_runs_at_toy_size(tmp_path):
+    """`experiment=star_graph_paper` (the GPU table) wired end to end at toy sizes on CPU:
+    every row (reference, Q#, PITA, Q#-HF, DPO, RPO, GRPO) trains and is evaluated, the
+    value rows with the V-type head, the official recipe and the hold-out diagnostics."""
+    import csv
+
+    from tests.conftest import run_cli, run_dirs
+
+    args = ["experiment=star_graph_paper", "experiment.name=paper_toy", "executor.progress=false",
+            "model.memory_gb=0.5", "experiment.datasets=[star_graph]", "dataset.num_nodes=20",
+            *[f"model.{m}.{k}={v}" for m in ("reference_arch", "guide_arch")
+              for k, v in (("n_layer", 1), ("d_model", 32), ("n_head", 4))],
+            "pretrain.steps=20", "pretrain.batch_size=32", "generation.batch_size=64", "evaluation.batch_size=64",
+            "evaluation.max_prompts=20", "data_collection.max_examples=48", "data_collection.max_tries=5",
+            "algos.GRPO.steps=2", "algos.GRPO.batch_size=16", "algos.GRPO.num_generations=4",
+            "algos.DPO.batch_size=16", "algos.RPO.batch_size=16", "algos.DPO.epochs=1", "algos.RPO.epochs=1",
+            "algos.QSharp.probe_steps=10", "algos.PITA.probe_steps=10",
+            *[f"algos.{a}.{k}={v}" for a in ("QSharp", "PITA", "QSharp-HF")
+              for k, v in (("epochs", 1), ("holdout_fraction", 0.2))]]
+    proc = run_cli(args, tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [run_dir] = run_dirs(tmp_path, "paper_toy")
+    with open(run_dir / "results" / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["algo"] for r in rows} == {"reference", "QSharp", "PITA", "QSharp-HF", "DPO", "RPO", "GRPO"}
+    assert all(r["first_step_acc"] != "" and r["kl"] != "" for r in rows)
+    tasks = run_dir / "tasks"
+    for algo in ("QSharp", "PITA"):
+        result = json.loads((tasks / f"{algo}.star_graph.tiny.r0.train" / "result.json").read_text())
+        assert result["value_head"] == "v" and "heldout_acc" in result and "probe_heldout_acc" in result
+        collect = json.loads((tasks / f"{algo}.star_graph.tiny.r0.collect" / "stats.json").read_text()) \
+            if (tasks / f"{algo}.star_graph.tiny.r0.collect" / "stats.json").is_file() else None
+        if collect is not None:  # pairs: half the records are ground truths (reward 1)
+            assert collect["reward_sum"] * 2 == collect["records"]

@@ -18,6 +18,24 @@ Where this departs from the paper / reference code:
   a tiny value model learn goal-walk within a CPU minute.
 - Guidance is restricted to π_ref's top-k tokens (k = out-degree on goal-walk), as in
   evaluation.
+
+Options that reproduce the official star-graph recipe (issue 15; `experiment=star_graph_paper`
+sets them) and where even they depart from it:
+- `value_head: v`: the official classifier's V-type read-out (candidate appended, scalar
+  head at its position; pita/models/value_model.py) instead of the Q-type head; scored
+  over π_ref's top-k in one batched forward with the prefix cache shared.
+- `data_collection.recipe: ground_truth_vs_first_wrong`: per graph the ground truth
+  (label 1) and π_ref's first wrong sample (label 0), every target token trained. The
+  official loader concatenates each pair into the same batch; here batches draw unique
+  sequences at random (balanced in expectation, not per batch), and the pair's shared
+  prefix (the source node) is merged into one 0.5 target, the same BCE objective.
+- `lr_schedule: official`, `weight_decay: 0.1`, lr 2.5e-4: the official optimiser.
+- Initialisation: the official classifier starts from text-pretrained GPT-2 (generic
+  copy / induction heads); offline, the closest is a full copy of π_ref (`warm_start` with
+  `guide_arch` = `reference_arch`), which is what the paper config does.
+- `holdout_fraction` / `probe_steps`: per-position held-out accuracy and a frozen-backbone
+  probe (pita/algos/value_diagnostics.py) that warns before a run that will sit on the
+  plateau; not in the official code.
 """
 
 from __future__ import annotations
