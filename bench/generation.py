@@ -101,14 +101,19 @@ def main() -> None:
 
     value = ValueModel(LlamaModel(vconf), args.vocab_size).to(args.device).eval()
     torch.nn.init.normal_(value.head.weight, std=0.5)
+    # The V-type head (candidate appended, scalar read-out): top-k scored per step in one
+    # forward over the prefix cache expanded k times.
+    torch.manual_seed(args.seed)
+    v_value = ValueModel(LlamaModel(vconf), args.vocab_size, head_type="v").to(args.device).eval()
+    torch.nn.init.normal_(v_value.head.weight, std=0.5)
     value_forwards = [0]
     value.register_forward_pre_hook(lambda *_: value_forwards.__setitem__(0, value_forwards[0] + 1))
 
     kw = {"max_new_tokens": args.max_new_tokens, "device": args.device}
     _timed(model, prompts[:4], batch_size=4, **kw)  # warm-up (allocator, kernels)
     # Interleaved repeats, best time of each: both suffer the same background load.
-    runs_b, runs_l, runs_u, runs_g = [], [], [], []
-    guided_factory = None
+    runs_b, runs_l, runs_u, runs_g, runs_v = [], [], [], [], []
+    guided_factory = v_factory = None
     for _ in range(max(1, args.repeats)):
         runs_b.append(_timed(model, prompts, batch_size=args.batch_size, **kw))
         runs_l.append(_timed(model, prompts, batch_size=1, **kw))
@@ -117,10 +122,13 @@ def main() -> None:
         guided_factory = hook_factory(value, 5.0, "bernoulli")
         value_forwards[0] = 0
         runs_g.append(_timed(model, prompts, batch_size=args.batch_size, top_k=2, hook=guided_factory, **kw))
+        v_factory = hook_factory(v_value, 5.0, "bernoulli", 2)
+        runs_v.append(_timed(model, prompts, batch_size=args.batch_size, top_k=2, hook=v_factory, **kw))
     batched, batched_s, batched_tokens = min(runs_b, key=lambda r: r[1])
     loop, loop_s, loop_tokens = min(runs_l, key=lambda r: r[1])
     _, unguided_s, unguided_tokens = min(runs_u, key=lambda r: r[1])
     _, guided_s, guided_tokens = min(runs_g, key=lambda r: r[1])
+    _, v_s, v_tokens = min(runs_v, key=lambda r: r[1])
     guided_tps, unguided_tps = guided_tokens / guided_s, unguided_tokens / unguided_s
 
     batched_tps = batched_tokens / batched_s
@@ -150,6 +158,10 @@ def main() -> None:
         "guided_ratio": round(guided_tps / unguided_tps, 3),
         "value_forwards_per_token": round(value_forwards[0] / guided_factory.stats.steps, 4),
         "value_model": f"tiny llama {args.value_n_layer}x64 + per-vocabulary head (bernoulli, eta 5, top-k 2)",
+        "guided_v_tokens_per_s": round(v_tokens / v_s, 1),
+        "guided_v_ratio": round(v_tokens / v_s / unguided_tps, 3),
+        # per step: one candidate forward ([B·k, 1] over the expanded cache) + the prompt once
+        "v_value_forwards_per_token": round(v_factory.stats.forwards / v_factory.stats.steps, 4),
     }
     print(json.dumps(result))
 

@@ -234,3 +234,35 @@ def test_training_and_guided_decoding_end_to_end(tmp_path, head):
     assert set(q) == {0.0, 10.0}
     if head == "v":
         assert q[10.0] > q[0.0] + 0.1, q
+
+
+def test_v_hook_with_finished_rows_stays_one_forward_per_step_and_exact_on_live_rows():
+    """Rows that hit EOS are fed pad afterwards: the hook does not advance them (no extra
+    forward), and the rows still decoding keep exact offsets."""
+    vm = _v_model()
+    ref = build_tiny_llama(V, n_layer=1, d_model=32, n_head=4, pad_token_id=PAD, eos_token_id=EOS, seed=2)
+    with torch.no_grad():
+        ref.lm_head.weight[EOS] += 2.0 * ref.lm_head.weight.std()  # EOS often in the top-3: varied lengths
+    hooks: list[_Recorder] = []
+
+    def factory():
+        hooks.append(_Recorder(CandidateGuidanceHook(vm, 3.0, "bernoulli", top_k=3)))
+        return hooks[-1]
+
+    prompts = PROMPTS * 4
+    out = generate(ref, prompts, max_new_tokens=6, batch_size=16, pad_token_id=PAD, eos_token_id=[EOS],
+                   do_sample=True, top_k=3, generator=torch.Generator().manual_seed(0), offset_hook_factory=factory)
+    lengths = [len(r) for r in out.responses]
+    assert min(lengths) < max(lengths)  # some rows finished early
+    [rec] = hooks
+    assert rec.hook.stats.forwards == rec.hook.stats.steps + 1
+    checked = 0
+    for prefixes, cand, off in rec.calls:
+        for b, prefix in enumerate(prefixes):
+            if EOS in prefix[len(prompts[b]):] or PAD in prefix:
+                continue  # finished: its offsets are not used
+            tok = int(cand[b, 1])
+            want = offsets_from_values(_alone(vm, prefix, tok)[None, None], 3.0, "bernoulli", vm.atoms)[0, 0]
+            assert float(off[b, tok]) == pytest.approx(float(want), abs=1e-4)
+            checked += 1
+    assert checked > len(prompts)

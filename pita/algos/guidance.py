@@ -30,11 +30,12 @@ Cost (V-type head, `value_head: v`): the candidates must enter the backbone. Per
 π_ref's top-k candidates of every row are scored in ONE forward of [B·k, 1] tokens over
 the prefix's KV cache repeated k times (`ValueModel.score_candidates`); the next step keeps
 the sampled candidate's row of that expanded cache (its keys/values are already there),
-so it is again one forward per step, plus the prompt's forward on the first call. A row
-whose fed token is not among its candidates (a finished row fed pad, or a generator whose
-top-k differs from the hook's) falls back to advancing the prefix with one extra forward,
-which is exact. The generator must sample among the same top-k (guided decoding does:
-`guidance.top_k` for both). `HookStats` counts steps and forwards (bench/generation.py
+so it is again one forward per step, plus the prompt's forward on the first call. Rows
+fed the pad token outside their candidates are finished rows (the generator feeds them
+pad): their state is not advanced, since nothing they score is used any more. Any other
+row whose fed token is not among its candidates (a generator whose top-k differs from the
+hook's) makes the step fall back to advancing the prefix with one extra forward, which
+is exact. Guided decoding samples among the same top-k (`guidance.top_k` for both). `HookStats` counts steps and forwards (bench/generation.py
 reports their ratio).
 """
 
@@ -135,6 +136,7 @@ class CandidateGuidanceHook:
         self.cache = None  # B·k rows after a step: row b·k + j ends with candidate j of row b
         self.candidates: torch.Tensor | None = None  # [B, k] of the previous step
         self.device = next(model.parameters()).device
+        self.pad_id = model.backbone.config.pad_token_id
 
     def _advance(self, step_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> None:
         """Feed step_ids to the B-row prefix cache (first call, or the exact fallback)."""
@@ -159,7 +161,8 @@ class CandidateGuidanceHook:
                 hit = self.candidates.eq(step_ids[:, -1:])
                 rows = torch.arange(b, device=dev) * prev_k + hit.float().argmax(dim=-1)
                 self.cache.batch_select_indices(rows)
-                if not bool(hit.any(dim=-1).all()):  # exact fallback: drop the candidate, feed the token
+                finished = step_ids[:, -1].eq(self.pad_id) if self.pad_id is not None else hit.new_zeros(b)
+                if not bool((hit.any(dim=-1) | finished).all()):  # exact fallback: drop the candidate, feed the token
                     self.cache.crop(-1)
                     self._advance(step_ids, attention_mask, position_ids)
             cand = logits.topk(k, dim=-1).indices.to(dev)  # the generator's own top-k (same logits)
