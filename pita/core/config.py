@@ -64,6 +64,8 @@ class ExecutorConfig:
     task_timeout_s: float = _help("Kill a task running longer than this (seconds).", 7200.0)
     heartbeat_s: float = _help("Seconds between worker heartbeats.", 2.0)
     heartbeat_timeout_s: float = _help("A worker silent this long is treated as lost.", 120.0)
+    start_timeout_s: float = _help("A worker that has not connected this long after its start is killed "
+                                   "and its task retried on a fresh one (seconds).", 60.0)
     model_cache_size: int = _help("Models a worker keeps loaded between tasks (LRU).", 2)
     max_shards: int = _help("Upper bound on shards per shardable stage (0 = one per device).", 0)
     monitor_interval_s: float = _help("Seconds between GPU/RSS samples and run.log summaries.", 30.0)
@@ -339,7 +341,7 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
         _check(e, ex[key] >= 1, f"executor.{key}", ex[key], "must be >= 1")
     _check(e, ex.max_retries >= 0, "executor.max_retries", ex.max_retries, "must be >= 0")
     _check(e, ex.max_shards >= 0, "executor.max_shards", ex.max_shards, "must be >= 0 (0 = one per device)")
-    for key in ("task_timeout_s", "heartbeat_s", "heartbeat_timeout_s", "monitor_interval_s"):
+    for key in ("task_timeout_s", "heartbeat_s", "heartbeat_timeout_s", "start_timeout_s", "monitor_interval_s"):
         _check(e, ex[key] > 0, f"executor.{key}", ex[key], "must be > 0 seconds")
     _check(e, ex.heartbeat_timeout_s > ex.heartbeat_s, "executor.heartbeat_timeout_s",
            ex.heartbeat_timeout_s, f"must exceed executor.heartbeat_s ({ex.heartbeat_s})")

@@ -17,6 +17,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from pita.core.config import validate
+from pita.core.errors import WorkerLost
 from pita.core.gpu_manager import GPUManager
 from pita.core.journal import Journal, replay
 from pita.core.parallel_executor import DagRunner, DeviceState, Scheduler, simulate
@@ -130,6 +131,7 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
                        max_retries=cfg.executor.max_retries, already_done=done, on_event=progress.event,
                        refresh_memory=lambda: _measured_memory(gpu, executor))
     interrupted = False
+    lost: str | None = None
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
     t0 = time.time()
     try:
@@ -137,6 +139,9 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
             summary = runner.run()
     except KeyboardInterrupt:
         interrupted = True
+        summary = runner.summary
+    except WorkerLost as exc:  # a pool thread stopped: fail now, loudly, rather than wait forever
+        lost = str(exc)
         summary = runner.summary
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
@@ -146,7 +151,13 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
                 monitor.sample()  # a last summary while the workers still report
             except Exception:
                 pass
-        executor.shutdown(kill=interrupted)
+        executor.shutdown(kill=interrupted or lost is not None)
+    if lost is not None:
+        journal.append("run_failed", reason=lost, done=len(runner.done), wall_s=round(time.time() - t0, 2))
+        journal.close()
+        log.error("Run stopped: %s. Finished tasks are kept; resume with:\n"
+                  "  python run_parallel.py resume_from=%s", lost, run_dir)
+        return EXIT_FAILED
     journal.append("run_interrupted" if interrupted else "run_finished", done=len(runner.done),
                    failed=len(summary.failed), skipped=len(summary.skipped), wall_s=round(time.time() - t0, 2))
     journal.close()

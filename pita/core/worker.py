@@ -1,8 +1,9 @@
-"""The worker process: `python -m pita.core.worker --address HOST:PORT --worker-id N`.
+"""The worker process: `python -m pita.core.worker --address SOCKET --worker-id N`.
 
 Started by `WorkerPool` with an explicit environment (its devices are pinned with
 `CUDA_VISIBLE_DEVICES` before Python starts) and the channel's authkey on stdin. It
-connects back to the orchestrator, then loops: receive (task spec, resolved config as a
+connects back to the orchestrator over a Unix socket in a private folder (the key never
+appears on a command line), then loops: receive (task spec, resolved config as a
 plain dict) -> rebuild the DictConfig -> run the stage function -> commit the task folder
 atomically -> answer `done` or a classified `failed`. A heartbeat thread reports liveness
 and memory every `heartbeat_s`. The worker exits when the orchestrator goes away.
@@ -246,7 +247,7 @@ class Worker:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="pita worker (started by the orchestrator)")
-    parser.add_argument("--address", required=True)
+    parser.add_argument("--address", required=True, help="the orchestrator's Unix socket path")
     parser.add_argument("--worker-id", type=int, required=True)
     parser.add_argument("--heartbeat-s", type=float, default=2.0)
     parser.add_argument("--cache-size", type=int, default=2)
@@ -256,8 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
     parent_pid = os.getppid()
     authkey = bytes.fromhex(sys.stdin.readline().strip())
-    host, port = args.address.rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=authkey)
+    conn = Client(args.address, family="AF_UNIX", authkey=authkey)
     channel = Channel(conn)
     worker = Worker(channel, args.worker_id, args.heartbeat_s, args.cache_size)
     channel.send(("hello", args.worker_id, os.getpid()))
