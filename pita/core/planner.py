@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pita.core.errors import ConfigError
 from pita.core.tasks import SHARDABLE, TaskSpec, task_id
-from pita.stages.registry import ROUND_STAGES, is_importable, lookup
+from pita.stages.registry import ROUND_STAGES, STAGE_OUTPUTS, is_importable, lookup
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -189,6 +189,8 @@ def plan_experiment(cfg: DictConfig, n_devices: int, *, device_mb: list[int] | N
                         collected.append(produced["collect"])
                     prev_train = produced.get("train", prev_train)
 
+    for t in plan.tasks.values():
+        t.outputs = list(STAGE_OUTPUTS.get(t.fn, ()))
     if device_mb and cfg.model.device_map == "auto":
         size_gangs(plan, device_mb)
     check_resources(plan, n_devices, device_mb)

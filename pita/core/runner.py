@@ -17,12 +17,14 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from pita.core.config import validate
-from pita.core.errors import WorkerLost
+from pita.core.errors import ConfigError, WorkerLost
 from pita.core.gpu_manager import GPUManager
-from pita.core.journal import Journal, replay
+from pita.core.journal import Journal
 from pita.core.parallel_executor import DagRunner, DeviceState, Scheduler, simulate
 from pita.core.paths import RunPaths, TaskPaths, atomic_write_json
-from pita.core.planner import Plan, plan_experiment
+from pita.core.planner import Plan, check_resources, plan_experiment
+from pita.core.resume import completed_tasks, remove_stale_tmp
+from pita.core.run_lock import RunLock
 
 log = logging.getLogger("pita")
 
@@ -69,18 +71,6 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
     print(f"Estimated makespan: {makespan:.1f} work units (critical path first).")
 
 
-def completed_tasks(plan: Plan, run_dir: Path) -> set[str]:
-    """Tasks whose committed folder verifies against its manifest (resume's truth)."""
-    states = replay(RunPaths(run_dir).journal)
-    done = set()
-    for tid in plan.tasks:
-        if TaskPaths(run_dir, tid).is_complete():
-            done.add(tid)
-        elif states.get(tid, {}).get("event") == "task_done":
-            log.warning("journal says %s finished but its folder does not verify: running it again", tid)
-    return done
-
-
 def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
     """Run the experiment `cfg` in `run_dir`; returns the process exit code."""
     validate(cfg)
@@ -88,12 +78,26 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
     paths = RunPaths(run_dir)
     gpu = make_gpu_manager(cfg)
     plan = Plan.load(paths.plan) if resumed else build_plan(cfg, gpu)
+    if resumed:  # the saved plan onto (maybe other) devices: refuse a task none can hold
+        try:
+            check_resources(plan, len(gpu.devices), [d.total_mb for d in gpu.devices])
+        except ConfigError as exc:
+            raise ConfigError(f"system.devices={cfg.system.devices!r} on resume ({len(gpu.devices)} device(s)): "
+                              f"{exc.messages[0]}") from None
     if cfg.dry_run:
         print_dry_run(plan, cfg, gpu)
         return EXIT_OK
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not resumed:
+    with RunLock(run_dir):  # one orchestrator per run folder (a second one exits 2)
+        return _run_locked(cfg, run_dir, paths, gpu, plan, resumed)
+
+
+def _run_locked(cfg: DictConfig, run_dir: Path, paths: RunPaths, gpu: GPUManager, plan: Plan,
+                resumed: bool) -> int:
+    if resumed:
+        remove_stale_tmp(run_dir)
+    else:
         atomic_write_json(paths.plan, plan.to_json())
         if not paths.saved_config.exists():  # Hydra writes it; direct callers (tests) get it here
             paths.saved_config.parent.mkdir(parents=True, exist_ok=True)

@@ -102,7 +102,7 @@ def execute_task(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, dev
     and error.json, is kept as `tasks/<id>.attempt<N>.failed/` and resume ignores it.
     """
 
-    from pita.core.paths import TaskPaths, atomic_write_json
+    from pita.core.paths import TaskPaths, atomic_write_json, non_finite_numbers
     from pita.core.stage import StageContext, resolve_function
 
     paths = TaskPaths(run_dir, task.id)
@@ -120,13 +120,18 @@ def execute_task(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, dev
         result = fn(ctx) or {}
         wall = round(time.time() - t0, 3)
         result = {"task_id": task.id, "wall_s": wall, "attempt": attempt, **result}
+        bad = non_finite_numbers(result)
+        if bad:  # a NaN metric is a failed task, not a row of the results table
+            raise FloatingPointError(f"non-finite value(s) in the stage's result: {', '.join(bad[:5])}")
         atomic_write_json(tmp / "result.json", result)
         logger.info("done in %.2fs", wall)
         _close(logger)
-        paths.commit(tmp)
+        paths.commit(tmp, required=task.outputs)
         return True, None, "", result
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, classified
         failure = "interrupted" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else classify_exception(exc)
+        if not logger.handlers:  # the commit itself failed (a declared output is missing)
+            logger = _task_logger(task.id, tmp / "log.txt")
         logger.error("failed (%s): %s\n%s", failure, exc, traceback.format_exc())
         _close(logger)
         (tmp / "error.json").write_text(json.dumps(

@@ -7,7 +7,6 @@ any entry from the command line ("QSharp.train" or "*.evaluate" -> "pkg.mod:func
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Mapping
 
 # Rounds of each algorithm: the stages of one round, in order. The reference policy is
@@ -47,6 +46,28 @@ STAGE_FUNCTIONS: dict[tuple[str, str], str] = {
     ("diagnostic", "device_check"): "pita.stages.diagnostic:device_check",
 }
 
+# What each stage function leaves in its task folder besides result.json and log.txt (a
+# name is a file, or a folder holding at least one file). The worker refuses to commit a
+# folder without them and resume redoes a folder whose manifest lacks one. A function
+# plugged in with executor.stage_overrides declares nothing.
+STAGE_OUTPUTS: dict[str, tuple[str, ...]] = {
+    "pita.stages.pretrain:pretrain": ("model",),
+    "pita.stages.evaluate:evaluate_shard": ("samples.jsonl",),
+    "pita.stages.evaluate:evaluate_merge": ("metrics.json",),
+    "pita.stages.collect:collect_merge": ("stats.json",),
+    "pita.algos.qsharp:collect": ("records.jsonl",),
+    "pita.algos.qsharp:train": ("value_model",),
+    "pita.algos.pita_algo:collect": ("records.jsonl",),
+    "pita.algos.pita_algo:train": ("value_model",),
+    "pita.algos.qsharp_hf:collect": ("records.jsonl", "pairs.jsonl"),
+    "pita.algos.qsharp_hf:train": ("value_model",),
+    "pita.algos.reward_model:train_reward_model": ("reward_model",),
+    "pita.algos.dpo:collect": ("pairs.jsonl",),
+    "pita.algos.dpo:train": ("model",),
+    "pita.algos.grpo:train": ("model",),
+    "pita.algos.grpo:train_hf": ("model",),
+}
+
 
 def lookup(algo: str, stage: str, overrides: Mapping[str, Mapping[str, str]] | None = None) -> str | None:
     """The dotted path for (algo, stage), or None if no implementation is registered."""
@@ -58,9 +79,8 @@ def lookup(algo: str, stage: str, overrides: Mapping[str, Mapping[str, str]] | N
 
 
 def is_importable(dotted: str) -> bool:
-    """True when the module of 'module:function' can be found (without importing it)."""
-    module = dotted.partition(":")[0]
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
+    """True when the module of 'module:function' can be found, without running any of its
+    packages' code (find_spec on `pkg.mod` would import `pkg`: config is code)."""
+    from pita.core.tasks import module_exists
+
+    return module_exists(dotted.partition(":")[0])
