@@ -146,7 +146,8 @@ def test_bad_clients_mid_run_the_run_still_finishes(tmp_path, markers):
 
 def test_a_stopped_pool_thread_fails_the_run_loudly(tmp_path, monkeypatch, capsys):
     """If a pool thread dies anyway, the run exits 1 with the journal written, not a hang."""
-    from pita.core import cli, runner
+    from pita.experiment import cli
+    from pita.experiment import run as runner
 
     def broken_liveness(self):
         raise RuntimeError("injected liveness bug")

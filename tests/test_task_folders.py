@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from pita.core.paths import TaskPaths, atomic_write_json, atomic_write_text
-from pita.core.stage import ModelCache
 from pita.core.tasks import TaskSpec
-from pita.core.worker import execute_task
+from pita.runtime.context import ModelCache
+from pita.runtime.worker import execute_task
 from tests.conftest import ROOT, journal, only, run_cli, run_dirs, sleep_overrides
 
 TID = "QSharp.goal_walk.tiny.r0.evaluate"

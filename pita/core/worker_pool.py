@@ -13,10 +13,10 @@ worker that exits or is killed mid-task, stops sending heartbeats, does not conn
 within `executor.start_timeout_s`, or overruns the task timeout completes its future with
 a classified failure (`killed`, `timeout`) and is never given another task; the parent
 never waits forever. The background threads catch and report every error; if one stops
-anyway, `broken` says why and the run fails loudly instead of waiting. A healthy worker is reused for the next task on the same devices
-(keeping its model LRU) and recycled after `max_tasks_per_worker` tasks or any OOM /
-CUDA fault. `InProcessExecutor` runs stages in this process with the same interface
-(debugging: pdb works).
+anyway, `broken` says why and the run fails loudly instead of waiting. A healthy worker
+is reused for the next task on the same devices (keeping its model LRU) and recycled after `max_tasks_per_worker` tasks or any OOM /
+CUDA fault. It implements the `Executor` protocol (pita/core/executor.py), like the
+in-process and Ray executors.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import (
     Connection,
     Listener,
@@ -45,26 +45,16 @@ from multiprocessing.connection import (
 from pathlib import Path
 from typing import Any
 
+from pita.core.errors import RECYCLE_WORKER, ExecutorBroken
+from pita.core.executor import TaskOutcome
 from pita.core.tasks import TaskSpec
 
 log = logging.getLogger(__name__)
 
-FAILURE_CLASSES = ("oom", "cuda_fault", "killed", "error", "timeout")
 AUTH_TIMEOUT_S = 10.0  # a connecting client must authenticate and say hello within this
 STOP_GRACE_S = 30.0  # a worker told to stop (or killed) that is still alive after this is SIGKILLed
 MAX_LOOP_ERRORS = 20  # consecutive errors after which a background thread gives up (run fails)
 
-
-@dataclass
-class TaskOutcome:
-    task_id: str
-    ok: bool
-    failure: str | None = None  # one of FAILURE_CLASSES when not ok
-    message: str = ""
-    result: dict[str, Any] = field(default_factory=dict)
-    wall_s: float = 0.0
-    worker_pid: int | None = None
-    devices: tuple[int, ...] = ()
 
 
 @dataclass
@@ -173,11 +163,9 @@ class WorkerPool:
                     self._spawn(tuple(devices))
 
     def check(self) -> None:
-        """Raise `WorkerLost` when a pool thread has stopped: nothing would ever complete."""
+        """Raise `ExecutorBroken` when a pool thread has stopped: nothing would ever complete."""
         if self.broken:
-            from pita.core.errors import WorkerLost
-
-            raise WorkerLost(self.broken)
+            raise ExecutorBroken(self.broken)
 
     def workers(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -248,7 +236,7 @@ class WorkerPool:
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         worker_id = self._next_id
         self._next_id += 1
-        cmd = [sys.executable, "-m", "pita.core.worker", "--address", self._listener.address,
+        cmd = [sys.executable, "-m", "pita.runtime.worker", "--address", self._listener.address,
                "--worker-id", str(worker_id), "--heartbeat-s", str(self.heartbeat_s),
                "--cache-size", str(self.model_cache_size)]
         if self.preimport:
@@ -450,7 +438,7 @@ class WorkerPool:
             w.stats = stats
             w.tasks_run += 1
             # the worker exits by itself after an OOM / CUDA fault: never reuse it
-            if failure in ("oom", "cuda_fault", "interrupted"):
+            if failure in RECYCLE_WORKER:
                 w.state, w.stopping_since = "stopping", time.time()
             else:
                 w.state = "idle"
@@ -504,36 +492,3 @@ def _shutdown_socket(conn: Connection) -> None:
         pass
     finally:
         s.close()
-
-
-class InProcessExecutor:
-    """Runs stages in this process with the WorkerPool interface (debugging, pdb works)."""
-
-    def __init__(self, gpu_manager=None, model_cache_size: int = 2):
-        from pita.core.stage import ModelCache
-
-        self.gpu = gpu_manager
-        self.models = ModelCache(model_cache_size)
-
-    def submit(self, task: TaskSpec, devices, cfg_dict: dict, run_dir: str | Path, attempt: int = 1) -> Future:
-        from pita.core import worker
-
-        future: Future = Future()
-        t0 = time.time()
-        ok, failure, message, result = worker.execute_task(task, cfg_dict, run_dir, attempt, device="cpu",
-                                                           models=self.models, reraise_interrupt=True)
-        future.set_result(TaskOutcome(task.id, ok, failure, message, result, round(time.time() - t0, 3),
-                                      os.getpid(), tuple(devices)))
-        return future
-
-    def warm_up(self, device_sets) -> None:
-        pass
-
-    def workers(self) -> list[dict[str, Any]]:
-        return []
-
-    def worker_pids(self) -> list[int]:
-        return []
-
-    def shutdown(self, kill: bool = False, grace_s: float = 5.0) -> None:
-        self.models.clear()
