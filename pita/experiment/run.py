@@ -93,41 +93,61 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
     print(f"Estimated makespan: {makespan:.1f} work units (critical path first).")
 
 
+def check_plan_fits(plan: Plan, gpu: GPUManager, cfg: DictConfig) -> None:
+    """A resumed run's saved plan onto (maybe other) devices: refuse a task none can hold."""
+    try:
+        check_resources(plan, len(gpu.devices), [d.total_mb for d in gpu.devices])
+    except ConfigError as exc:
+        raise ConfigError(f"system.devices={cfg.system.devices!r} on resume ({len(gpu.devices)} device(s)): "
+                          f"{exc.messages[0]}") from None
+
+
+def warn_stage_overrides(cfg: DictConfig) -> None:
+    """Config is code: each `executor.stage_overrides` entry names a function that the
+    workers import and run. Say so in run.log, one WARNING per entry (the orchestrator
+    itself only locates the module, without importing it or its packages)."""
+    for algo, stages in (cfg.executor.stage_overrides or {}).items():
+        for stage, target in stages.items():
+            log.warning("executor.stage_overrides.%s.%s=%s: config is code, workers will import and run "
+                        "this function instead of the registered stage", algo, stage, target)
+
+
 def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
     """Run the experiment `cfg` in `run_dir`; returns the process exit code."""
+    from pita.experiment.preflight import absolutize_paths
+
+    absolutized = absolutize_paths(cfg)  # workers run from the project root, not the user's folder
     validate(cfg)
     run_dir = Path(run_dir)
     paths = RunPaths(run_dir)
     gpu = make_gpu_manager(cfg)
     plan = Plan.load(paths.plan) if resumed else build_plan(cfg, gpu)
-    if resumed:  # the saved plan onto (maybe other) devices: refuse a task none can hold
-        try:
-            check_resources(plan, len(gpu.devices), [d.total_mb for d in gpu.devices])
-        except ConfigError as exc:
-            raise ConfigError(f"system.devices={cfg.system.devices!r} on resume ({len(gpu.devices)} device(s)): "
-                              f"{exc.messages[0]}") from None
+    if resumed:
+        check_plan_fits(plan, gpu, cfg)
     if cfg.dry_run:
+        warn_stage_overrides(cfg)
         print_dry_run(plan, cfg, gpu)
         return EXIT_OK
 
     run_dir.mkdir(parents=True, exist_ok=True)
     with RunLock(run_dir):  # one orchestrator per run folder (a second one exits 2)
-        return _run_locked(cfg, run_dir, paths, gpu, plan, resumed)
+        return _run_locked(cfg, run_dir, paths, gpu, plan, resumed, absolutized)
 
 
 def _run_locked(cfg: DictConfig, run_dir: Path, paths: RunPaths, gpu: GPUManager, plan: Plan,
-                resumed: bool) -> int:
+                resumed: bool, absolutized: list[str]) -> int:
     if resumed:
         remove_stale_tmp(run_dir)
     else:
         atomic_write_json(paths.plan, plan.to_json())
-        if not paths.saved_config.exists():  # Hydra writes it; direct callers (tests) get it here
+        if absolutized or not paths.saved_config.exists():  # Hydra writes it; tests get it here; resume
             paths.saved_config.parent.mkdir(parents=True, exist_ok=True)
             paths.saved_config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
     done = completed_tasks(plan, run_dir) if resumed else set()
     journal = Journal(paths.journal)
     journal.append("run_resumed" if resumed else "run_started", tasks=len(plan.tasks), already_done=len(done))
     log.info("Run folder: %s", run_dir)
+    warn_stage_overrides(cfg)
     log.info("Devices (%s): %d", gpu.kind, len(gpu.devices))
     for line in gpu.describe():
         log.info("  %s", line)
