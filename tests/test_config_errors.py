@@ -104,7 +104,6 @@ PREFLIGHT_BAD = [
      "model.name='mine-4bit': -4bit aliases load with bitsandbytes on CUDA GPUs, but this run's devices are cpu"),
     (["hydra.run.dir=/proc/pita-out"], "hydra.run.dir='/proc/pita-out': cannot write in /proc"),
     (["executor.start_timeout_s=0"], "executor.start_timeout_s=0"),
-    (["training.parallel_strategy=data_parallel", "model.gpus_per_task=3"], "model.gpus_per_task=3"),
 ]
 
 

@@ -88,7 +88,7 @@ class TrainingConfig:
     accumulation_steps: int = _help("Gradient accumulation steps (0 = derived from batch_size).", 0)
     compile: bool = _help("torch.compile the model.", False)
     compile_mode: str = _help("default | reduce-overhead | max-autotune", "default")
-    parallel_strategy: str = _help("none | data_parallel (DDP over the task's gang)", "none")
+    parallel_strategy: str = _help("none | data_parallel (pretrain planned on a gang of every device, one DDP rank per device)", "none")
     num_workers: int = _help("DataLoader workers (-1 = auto).", 0)
     pin_memory: bool = _help("Pin host memory in DataLoaders (GPU only).", False)
     max_grad_norm: float = _help("Gradient clipping norm (0 = off).", 1.0)

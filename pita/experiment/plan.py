@@ -122,8 +122,18 @@ class Planner:
         """A family built in the run (model.name=tiny) is pretrained once per dataset."""
         tid = f"pretrain.{common['dataset']}.{common['family']}"
         self.plan.add(TaskSpec(id=tid, algo=ANY, round=0, stage="pretrain", fn=self.function(ANY, "pretrain"),
-                               gpus=1, mem_mb=mem_mb, work=STAGE_WORK["pretrain"], **common))
+                               gpus=self.data_parallel_gang(), mem_mb=mem_mb, work=STAGE_WORK["pretrain"],
+                               **common))
         return tid
+
+    def data_parallel_gang(self) -> int:
+        """training.parallel_strategy=data_parallel: pretrain, the stage that trains with DDP
+        (pita/training/ddp.py run_stage), gets a gang of every device of the run, one rank
+        per device; other stages keep one device (or model.gpus_per_task for sharding)."""
+        strategy = str(self.cfg.training.get("parallel_strategy", "none"))
+        if strategy != "data_parallel" or str(self.cfg.system.gpu_mode) in ("cpu", "single_gpu"):
+            return 1
+        return max(1, self.n_devices)
 
     def add_stage(self, stage: str, spec: dict[str, Any], deps: list[str]) -> str:
         """One stage task, or its shards plus their merge; returns the id consumers read."""
