@@ -1,4 +1,4 @@
-"""The one place that builds paths inside a run folder (DESIGN §4), and atomic writes.
+"""The one place that builds paths inside a run folder (docs/DESIGN.md §4), and atomic writes.
 
 A committed task folder proves its own completion: its manifest, written last, lists
 every file with its size and sha256, and `TaskPaths.verify` checks them all plus the
@@ -127,8 +127,16 @@ class RunPaths:
         return self.root / "journal.jsonl"
 
     @property
+    def lock(self) -> Path:
+        return self.root / ".lock"  # flock of the orchestrator running the folder (run_lock.py)
+
+    @property
     def run_log(self) -> Path:
         return self.root / "run.log"
+
+    @property
+    def workers(self) -> Path:
+        return self.root / "workers"
 
     @property
     def gpu_monitor(self) -> Path:

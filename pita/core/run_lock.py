@@ -19,13 +19,12 @@ import time
 from pathlib import Path
 
 from pita.core.errors import ConfigError
-
-LOCK_FILE = ".lock"
+from pita.core.paths import RunPaths
 
 
 class RunLock:
     def __init__(self, run_dir: Path | str):
-        self.path = Path(run_dir) / LOCK_FILE
+        self.path = RunPaths(run_dir).lock
         self._fd: int | None = None
 
     def acquire(self) -> RunLock:
