@@ -148,8 +148,10 @@ def collect(ctx: StageContext) -> dict:
     mean_reward = sum(rewards) / max(1, len(rewards))
     ctx.logger.info("%d prompts x %d samples: mean reward %.4f (%s), %d pairs from %d prompts", len(indices), k,
                     mean_reward, "binary" if binary else "real-valued", n_pairs, n_with_pairs)
+    from pita.models.placement import placement_lines
+
     return {"prompts": len(indices), "samples": len(examples), "pairs": n_pairs, "prompts_with_pairs": n_with_pairs,
-            "reward_sum": sum(rewards)}
+            "reward_sum": sum(rewards), "run_log_lines": placement_lines(policy, "policy")}
 
 
 def read_pairs(folders: Sequence[Path]) -> list[dict]:

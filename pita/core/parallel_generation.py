@@ -183,6 +183,9 @@ def collect_shard(ctx: Any, *, pairs: bool) -> tuple[list[dict], dict]:
     if hook is not None:
         stats["value_forwards"], stats["decode_steps"] = hook.stats.forwards, hook.stats.steps  # 1 per step
     ctx.logger.info("collected %s", stats)
+    from pita.models.placement import placement_lines
+
+    stats["run_log_lines"] = placement_lines(reference, "reference")  # a sharded π_ref's layers, for run.log
     return records, stats
 
 
