@@ -150,8 +150,8 @@ def test_a_70b_judge_gets_a_gang_of_fake_gpus_and_a_device_map_over_it(local_fam
     gang (model.device_map=auto over simulated 48 GB GPUs) to the device map load_on_gang
     uses on that gang (per-GPU max_memory from free memory): every block on the gang's GPUs,
     nothing offloaded, each GPU within its budget, and the run.log line."""
-    from pita.core.cli import compose_config
-    from pita.core.planner import plan_experiment
+    from pita.experiment.cli import compose_config
+    from pita.experiment.plan import plan_experiment
     from pita.models.placement import gang_placement
     from tests.conftest import only
 

@@ -37,7 +37,7 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-from pita.core.stage import StageContext
+from pita.runtime.context import StageContext
 
 
 def training_prompts(ctx: StageContext, task) -> list:
@@ -97,15 +97,14 @@ def collect(ctx: StageContext) -> dict:
 
     from pita.datasets import build_task
     from pita.models.generation import generate
-    from pita.stages.batching import generation_batch_size
-    from pita.stages.evaluate import load_model
+    from pita.runtime.batching import generation_batch_size
 
     # The task (its tokenizer and verifier) and the policy that samples this round.
     ref_dir = ctx.reference_model()
-    task = build_task(ctx.task.dataset_cfg, tokenizer=ref_dir)
+    task = build_task(ctx.cfg.dataset, tokenizer=ref_dir)
     tok = task.tokenizer
     policy_dir = str(ctx.input("guide") / "model") if ctx.has_input("guide") else ref_dir
-    policy = load_model(ctx, policy_dir)
+    policy = ctx.load_model(policy_dir)
     ctx.logger.info("sampling with %s", policy_dir)
 
     # This shard's prompts, each repeated k times, sampled in batches.

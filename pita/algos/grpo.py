@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pita.core.stage import StageContext
+from pita.runtime.context import StageContext
 
 
 class TaskReward:
@@ -160,7 +160,7 @@ def train(ctx: StageContext) -> dict:
     from pita.algos.dpo import training_prompts
     from pita.datasets import build_task
 
-    task = build_task(ctx.task.dataset_cfg, tokenizer=ctx.reference_model())
+    task = build_task(ctx.cfg.dataset, tokenizer=ctx.reference_model())
     examples = training_prompts(ctx, task)
     return run_grpo(ctx, task, examples, TaskReward(task, examples))
 
@@ -170,7 +170,7 @@ def train_hf(ctx: StageContext) -> dict:
     from pita.algos.reward_model import load_reward_scorer
     from pita.datasets import build_task
 
-    task = build_task(ctx.task.dataset_cfg, tokenizer=ctx.reference_model())
+    task = build_task(ctx.cfg.dataset, tokenizer=ctx.reference_model())
     examples = training_prompts(ctx, task)
     scorer = load_reward_scorer(ctx, ctx.input("reward_model"))
     result = run_grpo(ctx, task, examples, ProxyReward(scorer, examples, task))

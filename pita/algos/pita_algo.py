@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pita.algos.collector import collect_shard, read_jsonl, write_jsonl
 from pita.algos.qsharp import train_value
-from pita.core.parallel_generation import collect_shard, read_jsonl, write_jsonl
-from pita.core.stage import StageContext
+from pita.runtime.context import StageContext
 
 
 def collect(ctx: StageContext) -> dict:

@@ -27,9 +27,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pita.core.parallel_generation import collect_shard, read_jsonl, write_jsonl
-from pita.core.stage import StageContext
-from pita.stages.batching import training_micro_batch
+from pita.algos.collector import collect_shard, read_jsonl, write_jsonl
+from pita.runtime.batching import training_micro_batch
+from pita.runtime.context import StageContext
 
 
 def collect(ctx: StageContext) -> dict:
@@ -147,7 +147,6 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
 
     from pita.algos import losses
     from pita.models.value_model import ValueModel, build_value_model, head_atoms
-    from pita.stages.evaluate import load_model
     from pita.training.loop import TrainStep, accumulation_plan, enable_gradient_checkpointing
     from pita.training.precision import training_device
     from pita.training.report import write_training_report
@@ -158,7 +157,7 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
         raise ValueError(f"{ctx.task.id}: no training records in {ctx.input('data')}")
     torch.manual_seed(ctx.seed)
     device = torch.device(training_device(ctx.cfg.system.gpu_mode, ctx.device).device)
-    reference = load_model(ctx, ctx.reference_model())
+    reference = ctx.load_model(ctx.reference_model())
     pad_id = int(reference.config.pad_token_id if reference.config.pad_token_id is not None else 0)
     data = build_targets(items, pad_id)
     ctx.logger.info("training data: %d records -> %d unique sequences, %d (state, action) targets",
@@ -171,7 +170,7 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
         ctx.logger.info("warm start from the previous round's checkpoint %s", prev)
         init = f"previous:{ctx.input('previous').name}"
     else:
-        model = build_value_model(reference, ctx.task.family_cfg, algo, vocab_size=reference.config.vocab_size,
+        model = build_value_model(reference, ctx.cfg.model, algo, vocab_size=reference.config.vocab_size,
                                   seed=ctx.seed, attn_impl=ctx.cfg.system.attn_impl, logger=ctx.logger)
         init = "reference" if algo.warm_start else "scratch"
     if model.num_outputs != head_atoms(algo.loss_type, algo.num_atoms):

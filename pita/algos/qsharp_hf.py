@@ -19,9 +19,9 @@ Where this departs from the paper / reference code:
 
 from __future__ import annotations
 
+from pita.algos.collector import collect_shard, preference_pairs, read_jsonl, write_jsonl
 from pita.algos.qsharp import reward_targets, train_value, training_items
-from pita.core.parallel_generation import collect_shard, preference_pairs, read_jsonl, write_jsonl
-from pita.core.stage import StageContext
+from pita.runtime.context import StageContext
 
 
 def collect(ctx: StageContext) -> dict:

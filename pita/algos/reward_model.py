@@ -26,7 +26,7 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-from pita.core.stage import StageContext
+from pita.runtime.context import StageContext
 
 HELDOUT_FRACTION = 0.1
 
@@ -54,7 +54,7 @@ def pairwise_accuracy(scorer, records: Sequence[dict]) -> float:
 
 
 def _scorer_batch(ctx: StageContext) -> int:
-    from pita.stages.batching import generation_batch_size
+    from pita.runtime.batching import generation_batch_size
 
     return generation_batch_size(ctx, ctx.cfg.data_collection.reward_batch_size, fallback=32)
 

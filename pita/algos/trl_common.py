@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pita.core.stage import StageContext
+from pita.runtime.context import StageContext
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "HF_HUB_DISABLE_TELEMETRY": "1"}
@@ -69,7 +69,7 @@ def load_trainable_lm(ctx: StageContext, path: str):
     from pita.models.loading import load_causal_lm
 
     return load_causal_lm(path, dtype="float32", device=ctx.device, attn_impl=ctx.cfg.system.attn_impl,
-                          trust_remote_code=bool(ctx.task.family_cfg.get("trust_remote_code", False)))
+                          trust_remote_code=bool(ctx.cfg.model.get("trust_remote_code", False)))
 
 
 def save_model(model: Any, tokenizer: Any, folder: Path) -> None:

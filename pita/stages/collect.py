@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from pita.core.stage import StageContext
+from pita.runtime.context import StageContext
 
 
 def collect_merge(ctx: StageContext) -> dict:

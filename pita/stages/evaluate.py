@@ -31,23 +31,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from pita.core.stage import StageContext
-from pita.stages.batching import generation_batch_size
-
-GUIDED = ("PITA", "QSharp", "QSharp-HF")
-
-
-def load_model(ctx: StageContext, name_or_path: Path | str):
-    """A causal LM (a save_pretrained folder or a hub id), through the worker's model LRU,
-    loaded as the family says (`load_stage_lm`: dtype, quantization, device_map=auto)."""
-    from pita.models.placement import load_stage_lm
-
-    return ctx.models.get(f"lm:{name_or_path}", lambda: load_stage_lm(
-        str(name_or_path), family=ctx.task.family, family_cfg=ctx.task.family_cfg, device=ctx.device,
-        attn_impl=ctx.cfg.system.attn_impl, logger=ctx.logger))
+from pita.algos.registry import GUIDED
+from pita.runtime.batching import generation_batch_size
+from pita.runtime.context import StageContext
 
 
 def test_examples(ctx: StageContext, task) -> list:
@@ -120,7 +108,7 @@ def eval_policies(ctx: StageContext, ref) -> list[EvalPolicy]:
                            hook_factory=guided_hook_factory(ctx, guide_dir, float(eta)) if eta > 0 else None,
                            is_reference=not eta > 0)
                 for eta in ctx.cfg.evaluation.etas]
-    return [EvalPolicy(None, load_model(ctx, ctx.input("policy") / "model"), generation_rule(ctx))]
+    return [EvalPolicy(None, ctx.load_model(ctx.input("policy") / "model"), generation_rule(ctx))]
 
 
 def evaluate_shard(ctx: StageContext) -> dict:
@@ -131,8 +119,8 @@ def evaluate_shard(ctx: StageContext) -> dict:
     from pita.models.placement import placement_lines
 
     ref_dir = ctx.reference_model()
-    ref = load_model(ctx, ref_dir)
-    task = build_task(ctx.task.dataset_cfg, tokenizer=ref_dir)
+    ref = ctx.load_model(ref_dir)
+    task = build_task(ctx.cfg.dataset, tokenizer=ref_dir)
     tok = task.tokenizer
     all_examples = test_examples(ctx, task)
     part = ctx.shard_slice(len(all_examples))
@@ -177,7 +165,7 @@ def evaluate_merge(ctx: StageContext) -> dict:
     from pita.datasets import build_task
     from pita.eval.metrics import maj_at_k, mean, pass_at_1
 
-    task = build_task(ctx.task.dataset_cfg, tokenizer=ctx.reference_model())
+    task = build_task(ctx.cfg.dataset, tokenizer=ctx.reference_model())
     examples = test_examples(ctx, task)
     by_row: dict[Any, list[dict]] = {}
     wall = 0.0

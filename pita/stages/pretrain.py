@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import random
 
-from pita.core.stage import StageContext
+from pita.runtime.context import StageContext
 
 
 def pad_right(rows: list[list[int]], labels: list[list[int]], pad_id: int):
@@ -77,9 +77,9 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     per_rank = -(-pcfg.batch_size // world)
     micro, n_micro = accumulation_plan(per_rank, per_rank, tr.accumulation_steps, ctx.task.batch_scale)
 
-    task = build_task(ctx.task.dataset_cfg)
+    task = build_task(ctx.cfg.dataset)
     tok = task.tokenizer
-    arch = ctx.task.family_cfg["reference_arch"]
+    arch = ctx.cfg.model["reference_arch"]
     torch.manual_seed(ctx.seed)
     rng = random.Random(ctx.seed)  # the same stream on every rank: same batches, then sharded
     sample = task.pretrain_batch(random.Random(0), 1)[0]

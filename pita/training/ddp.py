@@ -242,8 +242,8 @@ def _stage_rank(dist: DistContext, body: Callable[..., Any], snapshot: dict[str,
 
     from omegaconf import OmegaConf
 
-    from pita.core.stage import ModelCache, StageContext
     from pita.core.tasks import TaskSpec
+    from pita.runtime.context import ModelCache, StageContext
 
     logger = logging.getLogger(f"pita.task.{snapshot['task']['id']}.rank{dist.rank}")
     logger.handlers.clear()

@@ -16,14 +16,15 @@ import logging
 import math
 from pathlib import Path
 
+from pita.algos.registry import ALGO_NAMES
+from pita.core.dag import Plan
 from pita.core.paths import RunPaths, atomic_write_text
-from pita.core.planner import Plan
 
 log = logging.getLogger("pita.report")
 
 COLUMNS = ["algo", "dataset", "family", "round", "eta", "n_prompts", "samples", "pass@1", "maj@k", "avg_reward",
            "kl", "wall_s"]
-ALGO_ORDER = ["reference", "PITA", "QSharp", "QSharp-HF", "DPO", "GRPO", "GRPO-HF"]
+ALGO_ORDER = list(ALGO_NAMES)  # the registry table's order
 
 
 def collect_rows(plan: Plan, run_dir: Path) -> list[dict]:
