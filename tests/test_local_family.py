@@ -110,7 +110,7 @@ def _summary(run_dir):
         return list(csv.DictReader(f))
 
 
-def local_run_args(family, *extra: str) -> list[str]:
+def local_run_args(family, *extra: str, dataset: str = "gsm8k") -> list[str]:
     """Every algorithm at toy sizes on the local family: 8 training prompts, 4 samples each,
     4 test prompts x 2 samples, 12 new tokens, a few optimizer steps, one round."""
     sizes = ["evaluation.num_samples=2", "evaluation.etas=[0.0,5.0]", "data_collection.samples_per_example=4",
@@ -126,16 +126,18 @@ def local_run_args(family, *extra: str) -> list[str]:
         per_algo += [f"algos.{algo}.steps=2", f"algos.{algo}.batch_size=8", f"algos.{algo}.num_generations=4"]
     per_algo += ["algos.DPO.epochs=1", "algos.DPO.batch_size=8", "algos.QSharp-HF.reward_epochs=1",
                  "algos.GRPO-HF.reward_epochs=1"]
-    return [*family.overrides(), *sizes, *per_algo, *extra]
+    return [*family.overrides(dataset), *sizes, *per_algo, *extra]
 
 
 @pytest.mark.slow
-def test_every_algorithm_runs_on_the_local_family(local_family, tmp_path):
+@pytest.mark.parametrize("dataset", ["gsm8k", "imdb"])
+def test_every_algorithm_runs_on_the_local_family(local_family, tmp_path, dataset):
     """All seven algorithms through run_parallel.py on CPU with a BPE tokenizer and
-    save_pretrained checkpoints: every expected row exists, every number is finite, and
-    the rows are comparable (the η = 0 guided rows are π_ref under the guided rule: KL 0,
-    with a reference row under the same rule)."""
-    proc = run_cli(local_run_args(local_family, "model.device_map=auto"), tmp_path, timeout=600)
+    save_pretrained checkpoints, on GSM8K-format data (verifier reward) and IMDB-format data
+    (scored by the family's sequence-classification reward model): every expected row
+    exists, every number is finite, and the rows are comparable (the η = 0 guided rows are
+    π_ref under the guided rule: KL 0, with a reference row under the same rule)."""
+    proc = run_cli(local_run_args(local_family, "model.device_map=auto", dataset=dataset), tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [run_dir] = run_dirs(tmp_path, "local")
     rows = _summary(run_dir)
@@ -147,14 +149,16 @@ def test_every_algorithm_runs_on_the_local_family(local_family, tmp_path):
     assert got == expected, got
     assert len(rows) == len(expected)
     for r in rows:
-        assert r["dataset"] == "gsm8k" and r["family"] == "local" and r["n_prompts"] == "4", r
-        for key in ("pass@1", "maj@k", "avg_reward", "kl", "wall_s", "has_answer"):
+        assert r["dataset"] == dataset and r["family"] == "local" and r["n_prompts"] == "4", r
+        for key in ("pass@1", "maj@k", "avg_reward", "kl", "wall_s", *(["has_answer"] if dataset == "gsm8k" else [])):
             assert math.isfinite(float(r[key])), (key, r)
     for r in rows:
         if r["algo"] == "reference" or r["eta"] == "0.0":  # π_ref under its own rule
             assert float(r["kl"]) == 0.0, r
-    result = (run_dir / "tasks" / "DPO.gsm8k.local.r0.train" / "result.json").read_text()
+    result = (run_dir / "tasks" / f"DPO.{dataset}.local.r0.train" / "result.json").read_text()
     assert '"pairs": ' in result and "round-trip" not in proc.stdout
+    if dataset == "imdb":  # real-valued rewards from the family's reward model, not a constant
+        assert len({r["avg_reward"] for r in rows}) > 3
 
 
 def test_eta_zero_guided_row_is_the_reference_row_under_the_guided_rule(local_family):

@@ -95,13 +95,12 @@ def preference_pairs(responses: Sequence[Sequence[int]], rewards: Sequence[float
 def collect(ctx: StageContext) -> dict:
     import torch
 
-    from pita.datasets import build_task
     from pita.models.generation import generate
     from pita.runtime.batching import generation_batch_size
 
     # The task (its tokenizer and verifier) and the policy that samples this round.
     ref_dir = ctx.reference_model()
-    task = build_task(ctx.cfg.dataset, tokenizer=ref_dir)
+    task = ctx.build_task()
     tok = task.tokenizer
     policy_dir = str(ctx.input("guide") / "model") if ctx.has_input("guide") else ref_dir
     policy = ctx.load_model(policy_dir)

@@ -158,9 +158,8 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
 
 def train(ctx: StageContext) -> dict:
     from pita.algos.dpo import training_prompts
-    from pita.datasets import build_task
 
-    task = build_task(ctx.cfg.dataset, tokenizer=ctx.reference_model())
+    task = ctx.build_task()
     examples = training_prompts(ctx, task)
     return run_grpo(ctx, task, examples, TaskReward(task, examples))
 
@@ -168,9 +167,8 @@ def train(ctx: StageContext) -> dict:
 def train_hf(ctx: StageContext) -> dict:
     from pita.algos.dpo import training_prompts
     from pita.algos.reward_model import load_reward_scorer
-    from pita.datasets import build_task
 
-    task = build_task(ctx.cfg.dataset, tokenizer=ctx.reference_model())
+    task = ctx.build_task()
     examples = training_prompts(ctx, task)
     scorer = load_reward_scorer(ctx, ctx.input("reward_model"))
     result = run_grpo(ctx, task, examples, ProxyReward(scorer, examples, task))

@@ -97,6 +97,27 @@ class StageContext:
             str(name_or_path), family=self.task.family, family_cfg=self.cfg.model, device=self.device,
             attn_impl=self.cfg.system.attn_impl, logger=self.logger))
 
+    def build_task(self) -> Any:
+        """The chain's task (`cfg.dataset`) in π_ref's tokenizer. A task scored by a reward
+        model (IMDB, TL;DR) gets the family's `model.reward` as its scorer (in the LRU)."""
+        from pita.datasets import build_task
+
+        task = build_task(self.cfg.dataset, tokenizer=self.reference_model())
+        if getattr(task, "kind", None) != "rm":
+            return task
+        from pita.models.catalog import resolve_family
+        from pita.models.reward_scorer import load_text_scorer
+
+        family = resolve_family(self.task.family, self.cfg.model)
+        if not family.reward:
+            raise ValueError(f"dataset {task.name} is scored by a reward model: set model.reward=<a "
+                             f"sequence-classification checkpoint> (family {self.task.family} has none)")
+        batch = self.cfg.data_collection.reward_batch_size
+        task.scorer = self.models.get(f"rm-text:{family.reward}", lambda: load_text_scorer(
+            family.reward, device=self.device, dtype=self.cfg.model.get("dtype", "auto"),
+            batch_size=batch if isinstance(batch, int) else 32, trust_remote_code=family.trust_remote_code))
+        return task
+
     def has_input(self, name: str) -> bool:
         return bool(self.task.inputs.get(name))
 

@@ -114,13 +114,12 @@ def eval_policies(ctx: StageContext, ref) -> list[EvalPolicy]:
 def evaluate_shard(ctx: StageContext) -> dict:
     import torch
 
-    from pita.datasets import build_task
     from pita.models.generation import generate, sequence_logprobs
     from pita.models.placement import placement_lines
 
     ref_dir = ctx.reference_model()
     ref = ctx.load_model(ref_dir)
-    task = build_task(ctx.cfg.dataset, tokenizer=ref_dir)
+    task = ctx.build_task()
     tok = task.tokenizer
     all_examples = test_examples(ctx, task)
     part = ctx.shard_slice(len(all_examples))
