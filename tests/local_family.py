@@ -11,7 +11,7 @@
   the tokenizer; `reward/`: a one-output `LlamaForSequenceClassification` (the family's
   reward model, the scorer of the IMDB-format task).
 
-Use it as `model.name=local model.reference=<reference> model.guide=<guide>
+Use it as `model=local model.reference=<reference> model.guide=<guide>
 model.reward=<reward> dataset=gsm8k dataset.path=<data/gsm8k>` (`LocalFamily.overrides`).
 Sizes are tiny so that a CPU end-to-end run of every algorithm takes about a minute.
 """
