@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pita.core.paths import Artifact
 from pita.runtime.context import StageContext
 
 
@@ -148,7 +149,7 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
                     start_dir, kl_ref)
 
     performance = train_with_report(ctx, trainer)
-    save_model(trainer.accelerator.unwrap_model(trainer.model), tok, ctx.out_dir / "model")
+    save_model(trainer.accelerator.unwrap_model(trainer.model), tok, ctx.out_dir / Artifact.MODEL)
     stats = last_logged(trainer, "train_loss", "reward", "reward_std", "kl", "entropy", "frac_reward_zero_std",
                         "true_reward")
     first = next((r for r in trainer.state.log_history if "reward" in r), {})
@@ -157,6 +158,12 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
 
 
 def train(ctx: StageContext) -> dict:
+    """Train the policy with TRL's GRPOTrainer against the task's own verifier / reward.
+
+    Reads: the task's training prompts, the start policy (round r-1's `model/` or π_ref),
+    `algos.GRPO.*`, `training.*`. Writes: `model/`, training_metrics.png, performance_summary.txt
+    (reward and KL are in result.json). Assumes the task has a reward for any response.
+    """
     from pita.algos.dpo import training_prompts
 
     task = ctx.build_task()
@@ -165,6 +172,10 @@ def train(ctx: StageContext) -> dict:
 
 
 def train_hf(ctx: StageContext) -> dict:
+    """GRPO against the proxy reward model of this round (GRPO-HF): as `train`, but the
+    reward is `reward_model/` of the `reward_model` input; the task's true reward is only
+    logged (`true_reward`), never optimised. Writes what `train` writes.
+    """
     from pita.algos.dpo import training_prompts
     from pita.algos.reward_model import load_reward_scorer
 

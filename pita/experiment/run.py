@@ -22,7 +22,7 @@ from pita.core.gpu_manager import GPUManager
 from pita.core.journal import Journal, replay
 from pita.core.parallel_executor import DagRunner, DeviceState, Scheduler, simulate
 from pita.core.parallel_generation import ParallelDataGenerator
-from pita.core.paths import RunPaths, TaskPaths, atomic_write_json
+from pita.core.paths import Artifact, RunPaths, TaskPaths, atomic_write_json
 from pita.experiment.config import validate
 from pita.experiment.plan import plan_experiment
 
@@ -174,7 +174,7 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
                   len(summary.skipped))
         for tid, why in summary.failed.items():
             log.error("  %s: %s", tid, why)
-            tail = TaskPaths(run_dir, tid).failed(runner.attempts.get(tid, 1)) / "log.txt"
+            tail = TaskPaths(run_dir, tid).failed(runner.attempts.get(tid, 1)) / Artifact.LOG
             if tail.is_file():
                 lines = tail.read_text(errors="replace").splitlines()
                 log.error("    log: %s (last line: %s)", tail, lines[-1] if lines else "")

@@ -22,6 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from pita.core.paths import Artifact
 from pita.core.tasks import TaskSpec
 
 
@@ -81,10 +82,21 @@ class StageContext:
         """π_ref: `<pretrain>/model` for families built in the run (tiny), else the hub id
         or path of the family's reference model (pita/models/catalog.py)."""
         if self.has_input("reference"):
-            return str(self.input("reference") / "model")
+            return str(self.input("reference") / Artifact.MODEL)
         from pita.models.catalog import resolve_family
 
         return resolve_family(self.task.family, self.cfg.model).reference
+
+    def load_value_model(self, guide_dir: Path | str) -> Any:
+        """The value model of a train folder (`<guide_dir>/value_model`) on this task's
+        device, through the worker's LRU so shards and η values of one stage load it once."""
+        from pita.models.value_model import ValueModel
+
+        folder = Path(guide_dir)
+        if (folder / Artifact.VALUE_MODEL).is_dir():
+            folder = folder / Artifact.VALUE_MODEL
+        return self.models.get(f"value:{folder}", lambda: ValueModel.load(
+            folder, device=self.device, attn_impl=self.cfg.system.attn_impl))
 
     def load_model(self, name_or_path: Path | str) -> Any:
         """A causal LM (a save_pretrained folder or a hub id) on this task's device, through

@@ -102,14 +102,14 @@ def execute_task(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, dev
     and error.json, is kept as `tasks/<id>.attempt<N>.failed/` and resume ignores it.
     """
 
-    from pita.core.paths import TaskPaths, atomic_write_json
+    from pita.core.paths import Artifact, TaskPaths, atomic_write_json
     from pita.runtime.context import StageContext, resolve_function
 
     paths = TaskPaths(run_dir, task.id)
     tmp = paths.tmp(os.getpid())
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    logger = _task_logger(task.id, tmp / "log.txt")
+    logger = _task_logger(task.id, tmp / Artifact.LOG)
     t0 = time.time()
     try:
         logger.info("task %s (attempt %d) on %s, CUDA_VISIBLE_DEVICES=%r, pid %d", task.id, attempt, device,
@@ -120,7 +120,7 @@ def execute_task(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, dev
         result = fn(ctx) or {}
         wall = round(time.time() - t0, 3)
         result = {"task_id": task.id, "wall_s": wall, "attempt": attempt, **result}
-        atomic_write_json(tmp / "result.json", result)
+        atomic_write_json(tmp / Artifact.RESULT, result)
         logger.info("done in %.2fs", wall)
         _close(logger)
         paths.commit(tmp)
@@ -129,7 +129,7 @@ def execute_task(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, dev
         failure = "interrupted" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else classify_exception(exc)
         logger.error("failed (%s): %s\n%s", failure, exc, traceback.format_exc())
         _close(logger)
-        (tmp / "error.json").write_text(json.dumps(
+        (tmp / Artifact.ERROR).write_text(json.dumps(
             {"failure": failure, "message": str(exc), "type": type(exc).__name__}))
         failed_dir = paths.failed(attempt)
         shutil.rmtree(failed_dir, ignore_errors=True)

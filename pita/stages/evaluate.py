@@ -3,7 +3,7 @@
 `evaluate_shard` generates `evaluation.num_samples` samples for its slice of the test
 prompts and writes one record per sample (token ids, reward, answer, log-probs) to
 `samples.jsonl`; `evaluate_merge` reads every shard and computes the metrics of
-ALGORITHMS.md per (η, sampling rule) into `metrics.json`, which the report turns into the
+docs/ALGORITHMS.md per (η, sampling rule) into `metrics.json`, which the report turns into the
 results table.
 
 Sampling rules and KL. Every row names its sampling rule in the `sampling` column
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pita.algos.registry import GUIDED
+from pita.core.paths import Artifact, atomic_write_json
 from pita.runtime.batching import generation_batch_size
 from pita.runtime.context import StageContext
 
@@ -108,10 +109,16 @@ def eval_policies(ctx: StageContext, ref) -> list[EvalPolicy]:
                            hook_factory=guided_hook_factory(ctx, guide_dir, float(eta)) if eta > 0 else None,
                            is_reference=not eta > 0)
                 for eta in ctx.cfg.evaluation.etas]
-    return [EvalPolicy(None, ctx.load_model(ctx.input("policy") / "model"), generation_rule(ctx))]
+    return [EvalPolicy(None, ctx.load_model(ctx.input("policy") / Artifact.MODEL), generation_rule(ctx))]
 
 
 def evaluate_shard(ctx: StageContext) -> dict:
+    """Sample this shard's test prompts with the round's policy at every η and score them.
+
+    Reads: π_ref, the `policy` input (`value_model/` for guided chains, `model/` for DPO /
+    GRPO), `evaluation.*`, `generation.*`. Writes: `samples.jsonl` (one record per
+    sample: η, sampling rule, token ids, reward, answer, KL against π_ref under that rule).
+    """
     import torch
 
     from pita.models.generation import generate, sequence_logprobs
@@ -134,7 +141,7 @@ def evaluate_shard(ctx: StageContext) -> dict:
                                max_new_tokens=max_new)
     n_records = 0
     policies = eval_policies(ctx, ref)
-    with open(ctx.out_dir / "samples.jsonl", "w") as f:
+    with open(ctx.out_dir / Artifact.SAMPLES, "w") as f:
         for policy in policies:
             generator = torch.Generator(device="cpu").manual_seed(ctx.seed)
             out = generate(policy.model, prompts, max_new_tokens=max_new, batch_size=bs,
@@ -161,6 +168,12 @@ def evaluate_shard(ctx: StageContext) -> dict:
 
 
 def evaluate_merge(ctx: StageContext) -> dict:
+    """Compute the metrics of every η from the shards' samples.
+
+    Reads: `samples.jsonl` and `result.json` of the `shards` inputs. Writes:
+    `metrics.json`, the rows of results/summary.csv for this chain and round (pass@1,
+    maj@k, avg_reward, KL, task-specific columns).
+    """
     from pita.datasets import build_task
     from pita.eval.metrics import maj_at_k, mean, pass_at_1
 
@@ -169,8 +182,8 @@ def evaluate_merge(ctx: StageContext) -> dict:
     by_row: dict[Any, list[dict]] = {}
     wall = 0.0
     for shard in ctx.input("shards"):
-        wall += json.loads((shard / "result.json").read_text()).get("wall_s", 0.0)
-        for line in (shard / "samples.jsonl").read_text().splitlines():
+        wall += json.loads((shard / Artifact.RESULT).read_text()).get("wall_s", 0.0)
+        for line in (shard / Artifact.SAMPLES).read_text().splitlines():
             rec = json.loads(line)
             by_row.setdefault((rec["eta"], rec.get("sampling")), []).append(rec)
     rows = []
@@ -194,9 +207,8 @@ def evaluate_merge(ctx: StageContext) -> dict:
             row["optimum_pass@1"] = oracle
         rows.append(row)
         ctx.logger.info("%s", row)
-    from pita.core.paths import atomic_write_json
 
-    atomic_write_json(ctx.out_dir / "metrics.json", rows)
+    atomic_write_json(ctx.out_dir / Artifact.METRICS, rows)
     return {"rows": rows}
 
 

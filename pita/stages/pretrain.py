@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 
+from pita.core.paths import Artifact
 from pita.runtime.context import StageContext
 
 
@@ -46,6 +47,13 @@ def teacher_forcing_batch(pairs: list[tuple[list[int], list[int]]], pad_id: int)
 
 
 def pretrain(ctx: StageContext) -> dict:
+    """Train the reference policy π_ref of a family built in the run (the tiny Llama).
+
+    Reads: the task's pretraining batches (teacher-forced correct responses),
+    `model.reference_arch`, `pretrain.*`, `training.*`. Writes: `model/` (save_pretrained
+    + the task's tokenizer), training_metrics.png, performance_summary.txt. Runs DDP over
+    the task's gang with `training.parallel_strategy=data_parallel`.
+    """
     from pita.training.ddp import run_stage
 
     return run_stage(ctx, _pretrain)  # one process, or one per GPU of the gang (data_parallel)
@@ -61,9 +69,9 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     from pita.training.ddp import wrap_model
     from pita.training.loop import (
         TrainStep,
-        accumulation_plan,
         compile_model,
         enable_gradient_checkpointing,
+        micro_batch_plan,
         split_batch,
         token_weights,
     )
@@ -75,7 +83,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     # pretrain.batch_size is the effective batch over all ranks; each rank cuts its share
     # into micro-batches whose gradients add up to those of the whole share.
     per_rank = -(-pcfg.batch_size // world)
-    micro, n_micro = accumulation_plan(per_rank, per_rank, tr.accumulation_steps, ctx.task.batch_scale)
+    micro, n_micro = micro_batch_plan(per_rank, tr, ctx.task.batch_scale, whole_batch=True)
 
     task = build_task(ctx.cfg.dataset)
     tok = task.tokenizer
@@ -120,8 +128,8 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     if dist is not None and not dist.is_main:
         return {}  # rank 0 writes the model and the report
     model.eval()
-    model.save_pretrained(ctx.out_dir / "model")
-    task.save_tokenizer(str(ctx.out_dir / "model"))
+    model.save_pretrained(ctx.out_dir / Artifact.MODEL)
+    task.save_tokenizer(str(ctx.out_dir / Artifact.MODEL))
     perf = write_training_report(ctx.out_dir, step, micro_batch=micro, accumulation_steps=n_micro, world_size=world,
                                  gradient_checkpointing=checkpointing, title=ctx.task.id)
     losses = step.metrics.series("loss")[1][-20:]
