@@ -78,6 +78,10 @@ class RunPaths:
         return self.root / "run.log"
 
     @property
+    def workers(self) -> Path:
+        return self.root / "workers"
+
+    @property
     def gpu_monitor(self) -> Path:
         return self.root / "gpu_monitor.jsonl"
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from pita.core.errors import ConfigError
+from pita.core.paths import RunPaths
 from pita.experiment.config import register_configs, resume_path_errors, validate
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -119,7 +120,7 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
     if not run_dir.exists():
         run_dir = PROJECT_ROOT / resume_dir
     try:
-        saved = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+        saved = OmegaConf.load(RunPaths(run_dir).saved_config)
     except Exception as exc:
         raise ConfigError(f"resume_from={resume_dir!r}: saved config unreadable ({_first_line(exc)})") from None
     from pita.experiment.config import PitaConfig
@@ -201,7 +202,7 @@ def _setup_resume_logging(run_dir: Path) -> None:
     root.setLevel(logging.INFO)
     console = logging.StreamHandler(sys.stdout)
     console.setFormatter(logging.Formatter("%(message)s"))
-    file = logging.FileHandler(run_dir / "run.log", mode="a")
+    file = logging.FileHandler(RunPaths(run_dir).run_log, mode="a")
     file.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
     root.handlers[:] = [console, file]
 

@@ -25,6 +25,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from pita.algos.registry import ALGO_NAMES, ANY
 from pita.core.errors import ConfigError
 from pita.core.gpu_manager import parse_device_memory, validate_devices_spec  # noqa: F401 (re-used by validate)
+from pita.core.paths import RunPaths
 
 BatchSize = Any  # an int > 0, or "auto" / "auto_batch_size"
 
@@ -403,8 +404,8 @@ def resume_path_errors(path: str, project_root: Path | None = None) -> list[str]
         return [f"resume_from={path!r}: no such run folder"]
     if not p.is_dir():
         return [f"resume_from={path!r}: not a folder; pass outputs/<name>/<timestamp>"]
-    if not (p / ".hydra" / "config.yaml").is_file():
+    if not RunPaths(p).saved_config.is_file():
         return [f"resume_from={path!r}: no saved config (.hydra/config.yaml); not a pita run folder"]
-    if not (p / "plan.json").is_file():
+    if not RunPaths(p).plan.is_file():
         return [f"resume_from={path!r}: no plan.json; the run never started, start it afresh"]
     return []

@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pita.core.paths import Artifact
+from pita.core.paths import Artifact, RunPaths
 from pita.core.tasks import TaskSpec
 
 
@@ -75,8 +75,8 @@ class StageContext:
     def input(self, name: str) -> Path | list[Path]:
         """The committed folder(s) of the task(s) this task consumes under `name`."""
         ref = self.task.inputs[name]
-        tasks = self.run_dir / "tasks"
-        return [tasks / r for r in ref] if isinstance(ref, list) else tasks / ref
+        run = RunPaths(self.run_dir)
+        return [run.task(r).final for r in ref] if isinstance(ref, list) else run.task(ref).final
 
     def reference_model(self) -> str:
         """π_ref: `<pretrain>/model` for families built in the run (tiny), else the hub id
