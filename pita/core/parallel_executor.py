@@ -209,6 +209,9 @@ class DagRunner:
                 finished, _ = wait(list(self.running), timeout=0.5, return_when=FIRST_COMPLETED)
                 for fut in finished:
                     self._handle(fut, pending)
+                check = getattr(self.executor, "check", None)
+                if check is not None:
+                    check()  # a dead pool thread would leave every future pending forever
         except KeyboardInterrupt:
             self.summary.interrupted = True
             self._journal("run_interrupted", running=[t.id for t in self.running.values()])
