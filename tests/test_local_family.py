@@ -124,7 +124,8 @@ def local_run_args(family, *extra: str, dataset: str = "gsm8k") -> list[str]:
         per_algo += [f"algos.{algo}.steps=4", f"algos.{algo}.batch_size=16"]
     for algo in ("GRPO", "GRPO-HF"):
         per_algo += [f"algos.{algo}.steps=2", f"algos.{algo}.batch_size=8", f"algos.{algo}.num_generations=4"]
-    per_algo += ["algos.DPO.epochs=1", "algos.DPO.batch_size=8", "algos.QSharp-HF.reward_epochs=1",
+    per_algo += ["algos.DPO.epochs=1", "algos.DPO.batch_size=8", "algos.RPO.epochs=1", "algos.RPO.batch_size=8",
+                 "algos.QSharp-HF.reward_epochs=1",
                  "algos.GRPO-HF.reward_epochs=1"]
     return [*family.overrides(dataset), *sizes, *per_algo, *extra]
 
@@ -132,7 +133,7 @@ def local_run_args(family, *extra: str, dataset: str = "gsm8k") -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("dataset", ["gsm8k", "imdb"])
 def test_every_algorithm_runs_on_the_local_family(local_family, tmp_path, dataset):
-    """All seven algorithms through run_parallel.py on CPU with a BPE tokenizer and
+    """All eight algorithms (DPO and RPO are two rows) through run_parallel.py on CPU with a BPE tokenizer and
     save_pretrained checkpoints, on GSM8K-format data (verifier reward) and IMDB-format data
     (scored by the family's sequence-classification reward model): every expected row
     exists, every number is finite, and the rows are comparable (the η = 0 guided rows are
@@ -145,7 +146,7 @@ def test_every_algorithm_runs_on_the_local_family(local_family, tmp_path, datase
     guided = "top-2, T=1"
     expected = {("reference", "0.0", "full, T=1"), ("reference", "0.0", guided)}
     expected |= {(a, eta, guided) for a in ("PITA", "QSharp", "QSharp-HF") for eta in ("0.0", "5.0")}
-    expected |= {(a, "", "full, T=1") for a in ("DPO", "GRPO", "GRPO-HF")}
+    expected |= {(a, "", "full, T=1") for a in ("DPO", "RPO", "GRPO", "GRPO-HF")}
     assert got == expected, got
     assert len(rows) == len(expected)
     for r in rows:
