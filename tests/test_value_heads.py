@@ -214,7 +214,7 @@ def test_training_and_guided_decoding_end_to_end(tmp_path, head):
     name = f"vhead_{head}"
     args = ["experiment=smoke", f"experiment.name={name}", "executor.progress=false", *only("reference", "QSharp"),
             "pretrain.steps=200", "dataset.test_size=100", "evaluation.max_prompts=100", "evaluation.etas=[0,10]",
-            f"algos.QSharp.value_head={head}", "algos.QSharp.steps=150", "algos.QSharp.samples_per_example=64",
+            f"algos.QSharp.value_head={head}", "algos.QSharp.steps=400", "algos.QSharp.samples_per_example=64",
             "algos.QSharp.holdout_fraction=0.1", "algos.QSharp.probe_steps=30", "algos.QSharp.lr_schedule=official",
             "algos.QSharp.weight_decay=0.1"]
     proc = run_cli(args, tmp_path, timeout=600)

@@ -314,15 +314,17 @@ class StarGraphTask:
     def extra_metrics(
         self, examples: Sequence[Example], responses: Sequence[Sequence[int]]
     ) -> dict[str, float]:
-        """first_step_acc (≈ 1/d for a trapped model) and acc_after_first_step (≈ 1 for it)."""
+        """first_step_acc (≈ 1/d for a trapped model) and acc_after_first_step (≈ 1 for it).
+        A metric with no sample to average (no responses; no right first step) is left out,
+        not NaN: a stage's result must be finite, and the table shows it blank."""
         check_pairs(examples, responses)
         if not responses:
-            return {"first_step_acc": float("nan"), "acc_after_first_step": float("nan")}
+            return {}
         first = sum(self.first_step_correct(e, r) for e, r in zip(examples, responses))
-        return {
-            "first_step_acc": first / len(responses),
-            "acc_after_first_step": self.accuracy_after_first_step(examples, responses),
-        }
+        out = {"first_step_acc": first / len(responses)}
+        if first:
+            out["acc_after_first_step"] = self.accuracy_after_first_step(examples, responses)
+        return out
 
     def save_tokenizer(self, path: str) -> None:
         self.tokenizer.save_pretrained(path)
