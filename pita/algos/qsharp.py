@@ -148,6 +148,7 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
     from pita.algos import losses
     from pita.models.value_model import ValueModel, build_value_model, head_atoms
     from pita.stages.evaluate import load_model
+    from pita.training.checkpoint import Checkpointer
     from pita.training.loop import TrainStep, accumulation_plan, enable_gradient_checkpointing
     from pita.training.precision import training_device
     from pita.training.report import write_training_report
@@ -220,7 +221,12 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
     log_every = max(1, steps // 10)
     ctx.logger.info("training %s: %d steps, batch %d = micro %d x %d, lr %g, %s, init %s", loss_type, steps, batch,
                     micro, n_micro, algo.lr, trainer.precision.name, init)
-    for step in range(steps):
+    ckpt = Checkpointer.from_context(ctx)  # training.checkpoint_every: a retry continues from here
+    start, extra = ckpt.restore(model=model, optimizer=optim, scheduler=sched, step=trainer)
+    if extra:
+        order, cursor = extra["order"], extra["cursor"]
+        gen.set_state(extra["gen"])
+    for step in range(start, steps):
         if cursor + batch > n:  # the next epoch, freshly shuffled
             order, cursor = torch.randperm(n, generator=gen), 0
         idx = order[cursor: cursor + batch]
@@ -236,6 +242,11 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
             ctx.logger.info("step %d/%d (epoch %.1f) loss %.4f acc %.3f lr %.2e", step + 1, steps,
                             (step + 1) * batch / n, mean_loss, mean_acc, trainer.lr())
             ctx.heartbeat(f"step {step + 1}/{steps} loss {result.loss:.4f}")
+        ckpt.maybe_save(step + 1, lambda: {"model": model, "optimizer": optim, "scheduler": sched}, step=trainer,
+                        extra=lambda o=order, c=cursor: {"order": o, "cursor": c, "gen": gen.get_state()})
+    recent = trainer.metrics.rows[-log_every:]  # the rows survive a resume (they are in the checkpoint)
+    mean_loss = sum(r["loss"] for r in recent) / len(recent)
+    mean_acc = sum(r.get("accuracy", 0.0) for r in recent) / len(recent)
     model.eval().save(ctx.out_dir / "value_model")
     perf = write_training_report(ctx.out_dir, trainer, micro_batch=micro, accumulation_steps=n_micro,
                                  gradient_checkpointing=checkpointing, title=ctx.task.id)

@@ -89,6 +89,21 @@ class TrainingConfig:
     pin_memory: bool = _help("Pin host memory in DataLoaders (GPU only).", False)
     max_grad_norm: float = _help("Gradient clipping norm (0 = off).", 1.0)
     weight_decay: float = _help("AdamW weight decay.", 0.0)
+    checkpoint_every: int = _help(
+        "Checkpoint a training task every N optimizer steps into tasks/<id>.checkpoints/ (0 = off); "
+        "a retried or resumed task continues from its newest checkpoint.", 0)
+    checkpoint_every_minutes: float = _help(
+        "Also checkpoint when this many minutes passed since the last one (0 = off).", 10.0)
+
+
+@dataclass
+class LoggerConfig:
+    """Experiment tracking (conf/logger/*.yaml; pita/training/tracking.py)."""
+
+    backend: str = _help("none | tensorboard | wandb | mlflow | csv (logs under <run>/logs/<backend>/)", "none")
+    project: str = _help("W&B project name.", "pita")
+    mode: str = _help("W&B mode: offline (sync later with `wandb sync`) | online | disabled.", "offline")
+    tracking_uri: Optional[str] = _help("MLflow tracking URI (None = a file store in <run>/logs/mlruns).", None)
 
 
 @dataclass
@@ -224,6 +239,7 @@ class PitaConfig:
     system: SystemConfig = field(default_factory=SystemConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     data_collection: DataCollectionConfig = field(default_factory=DataCollectionConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
@@ -361,6 +377,10 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
     _check(e, tr.parallel_strategy in ("none", "data_parallel"), "training.parallel_strategy",
            tr.parallel_strategy, "allowed: none | data_parallel")
     _check(e, tr.num_workers >= -1, "training.num_workers", tr.num_workers, "must be >= -1 (-1 = auto)")
+    _check(e, tr.checkpoint_every >= 0, "training.checkpoint_every", tr.checkpoint_every, "must be >= 0 (0 = off)")
+    _check(e, tr.checkpoint_every_minutes >= 0, "training.checkpoint_every_minutes", tr.checkpoint_every_minutes,
+           "must be >= 0 (0 = off)")
+    e.extend(logger_errors(cfg))
 
     _check(e, _is_batch(cfg.generation.batch_size), "generation.batch_size", cfg.generation.batch_size,
            "a positive integer or auto / auto_batch_size")
@@ -435,6 +455,23 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
         e.append(str(exc))
     if errors:
         raise ConfigError(errors)
+
+
+def logger_errors(cfg: DictConfig) -> list[str]:
+    """logger.*: a known backend whose package is installed."""
+    from pita.training.tracking import BACKENDS, missing_package
+
+    lg = cfg.get("logger")
+    if lg is None:
+        return []
+    if lg.backend not in BACKENDS:
+        return [f"logger.backend={lg.backend!r}: allowed: {' | '.join(BACKENDS)} (or logger=<name>)"]
+    need = missing_package(str(lg.backend))
+    if need:
+        return [f"logger={lg.backend}: the {lg.backend} package is not installed; {need}"]
+    if lg.backend == "wandb" and lg.mode not in ("offline", "online", "disabled"):
+        return [f"logger.mode={lg.mode!r}: allowed: offline | online | disabled"]
+    return []
 
 
 def resume_path_errors(path: str, project_root: Path | None = None) -> list[str]:

@@ -88,6 +88,13 @@ class TaskPaths:
         return self.run_dir / "tasks" / f"{self.task_id}.attempt{attempt}.failed"
 
     @property
+    def checkpoints(self) -> Path:
+        """In-task training checkpoints: beside the attempts' folders, so a retry of the
+        task (whose dead attempt became `<id>.attemptN.failed/`) finds them; removed once
+        the task is committed."""
+        return self.run_dir / "tasks" / f"{self.task_id}.checkpoints"
+
+    @property
     def log(self) -> Path:
         return self.final / "log.txt"
 

@@ -123,6 +123,7 @@ def execute_task(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, dev
         logger.info("done in %.2fs", wall)
         _close(logger)
         paths.commit(tmp)
+        shutil.rmtree(paths.checkpoints, ignore_errors=True)  # in-task checkpoints: no longer needed
         return True, None, "", result
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, classified
         failure = "interrupted" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else classify_exception(exc)

@@ -13,7 +13,8 @@ Training mechanics come from `pita.training`: precision (`training.mixed_precisi
 with `training.parallel_strategy=data_parallel`. The tiny policy trains on its whole batch
 at once (`training.micro_batch_size` is sized for hub models and would only slow it down);
 it is cut into micro-batches when `training.accumulation_steps` is set or an OOM retry
-halves the task's `batch_scale`.
+halves the task's `batch_scale`. With `training.checkpoint_every` the loop checkpoints
+(model, optimizer, schedule, RNG streams) and a retried task continues from there.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
 
     from pita.datasets import build_task
     from pita.models.tiny import build_tiny_llama
+    from pita.training.checkpoint import Checkpointer
     from pita.training.ddp import wrap_model
     from pita.training.loop import (
         TrainStep,
@@ -98,7 +100,13 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     ctx.logger.info("pretrain: effective batch %d = micro %d x %d accumulation x %d rank(s), %s",
                     per_rank * world, micro, n_micro, world, step.precision.name)
 
-    for i in range(pcfg.steps):
+    # In-task checkpoints (training.checkpoint_every): a retry continues where the dead attempt stopped.
+    ckpt = Checkpointer.from_context(ctx, writer=dist is None or dist.is_main)
+    start, extra = ckpt.restore(model=model, optimizer=optim, scheduler=sched, step=step)
+    if "rng" in extra:
+        rng.setstate(extra["rng"])
+
+    for i in range(start, pcfg.steps):
         pairs = task.pretrain_batch(rng, pcfg.batch_size)
         n_tokens = sum(len(p) + len(t) for p, t in pairs)  # throughput counts the whole batch
         n_targets = sum(len(t) for _, t in pairs)  # the loss positions of the whole batch
@@ -116,6 +124,8 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
         if i % 50 == 0 or i == pcfg.steps - 1:
             ctx.logger.info("step %d/%d loss %.4f lr %.2e", i + 1, pcfg.steps, result.loss, step.lr())
             ctx.heartbeat(f"step {i + 1}/{pcfg.steps}")
+        ckpt.maybe_save(i + 1, lambda: {"model": model, "optimizer": optim, "scheduler": sched}, step=step,
+                        extra=lambda: {"rng": rng.getstate()})
 
     if dist is not None and not dist.is_main:
         return {}  # rank 0 writes the model and the report

@@ -235,14 +235,18 @@ def clear_cache(device: str | torch.device) -> None:
 # --- metrics ---------------------------------------------------------------------------------
 
 
+_PERF_KEYS = ("step_time_s", "samples", "tokens")
+
+
 class TrainingMetrics:
     """Per optimizer step: loss, extras (accuracy...), time, samples, tokens, lr, grad norm;
     plus the task's peak memory (CUDA allocator peak, or the largest sampled process RSS)."""
 
-    def __init__(self, device: str | torch.device = "cpu"):
+    def __init__(self, device: str | torch.device = "cpu", tracker: Any = None):
         self.device = torch.device(device)
         self.rows: list[dict[str, float]] = []
         self._peak_rss = 0
+        self.tracker = tracker  # pita.training.tracking.Tracker: every row goes to logger.backend too
         self.start()
 
     @property
@@ -266,6 +270,15 @@ class TrainingMetrics:
         self.rows.append({k: float(v) for k, v in row.items() if v is not None})
         if not self.cuda:
             self._sample_rss()
+        if self.tracker is not None and "step" in self.rows[-1]:
+            last = self.rows[-1]
+            self.tracker.log({(f"perf/{k}" if k in _PERF_KEYS else f"train/{k}"): v for k, v in last.items()
+                              if k != "step"}, int(last["step"]))
+
+    def close_tracker(self) -> None:
+        """Flush and close the tracker (the training report calls it once training ends)."""
+        if self.tracker is not None:
+            self.tracker.close()
 
     def series(self, key: str) -> tuple[list[float], list[float]]:
         """(steps, values) of one recorded quantity."""
@@ -318,13 +331,14 @@ class TrainStep:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, *,
                  scheduler: Any = None, max_grad_norm: float = 0.0, clear_cache_interval: int = 0,
                  device: str | torch.device = "cpu", compile_status: CompileStatus | None = None,
-                 metrics: TrainingMetrics | None = None, logger: logging.Logger | None = None):
+                 metrics: TrainingMetrics | None = None, logger: logging.Logger | None = None,
+                 tracker: Any = None):
         self.model, self.optimizer, self.precision, self.scheduler = model, optimizer, precision, scheduler
         self.max_grad_norm = float(max_grad_norm)
         self.clear_cache_interval = int(clear_cache_interval)
         self.device = torch.device(device)
         self.compile_status = compile_status
-        self.metrics = metrics or TrainingMetrics(device)
+        self.metrics = metrics or TrainingMetrics(device, tracker=tracker)
         self.logger = logger or log
         self.scaler = precision.grad_scaler()
         self.step = 0
@@ -333,14 +347,18 @@ class TrainStep:
     def from_context(cls, ctx: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                      scheduler: Any = None, precision: Precision | None = None, device: Any = None,
                      compile_status: CompileStatus | None = None) -> TrainStep:
-        """A TrainStep configured from `training.*` / `system.*` of a StageContext."""
+        """A TrainStep configured from `training.*` / `system.*` of a StageContext; its
+        metrics go to the task's `logger.backend` too (rank 0 of a gang only)."""
+        from pita.training.tracking import Tracker, for_task
+
         device = device or ctx.device
         if precision is None:
             precision = choose_precision(str(ctx.cfg.training.precision_type), bool(ctx.cfg.training.mixed_precision),
                                          device, logger=ctx.logger)
         return cls(model, optimizer, precision, scheduler=scheduler, max_grad_norm=ctx.cfg.training.max_grad_norm,
                    clear_cache_interval=ctx.cfg.system.clear_cache_interval, device=device,
-                   compile_status=compile_status, logger=ctx.logger)
+                   compile_status=compile_status, logger=ctx.logger,
+                   tracker=for_task(ctx) if _is_main_rank() else Tracker())
 
     # -- the pieces, for loops that need them one by one --------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -428,6 +446,12 @@ class TrainStep:
             for k, v in stats.items():
                 extras[k] = extras.get(k, 0.0) + float(v) * w
         return total, extras
+
+
+def _is_main_rank() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _mean_over_ranks(loss: torch.Tensor, extras: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:

@@ -1,7 +1,7 @@
 """The two files every training task leaves in its folder.
 
-- `training_metrics.png`: loss, accuracy (when the stage recorded one) and step time
-  against the optimizer step.
+- `training_metrics.png`: loss, reward and KL (GRPO), reward margin (DPO), accuracy (when
+  the stage recorded one) and step time against the optimizer step.
 - `performance_summary.txt`: precision, compile status, gradient checkpointing, the batch
   arithmetic (micro-batch × accumulation × ranks = effective batch), throughput in
   samples/s and tokens/s, peak memory (CUDA allocator peak, or process RSS on the CPU).
@@ -52,6 +52,7 @@ def write_training_report(out_dir: str | Path, source: TrainStep | TrainingMetri
         **metrics.summary(),
         **(extra or {}),
     }
+    metrics.close_tracker()
     _plot(out / PLOT_NAME, metrics, title)
     reason = precision.reason if precision is not None else ""
     (out / SUMMARY_NAME).write_text(_summary_text(summary, metrics.device, reason, title))
@@ -80,7 +81,8 @@ def trainer_metrics_callback(metrics: TrainingMetrics, samples_per_step: int):
                 return
             row = metrics.rows[-1]
             for key, name in (("loss", "loss"), ("accuracy", "accuracy"), ("rewards/accuracies", "accuracy"),
-                              ("learning_rate", "lr"), ("grad_norm", "grad_norm")):
+                              ("learning_rate", "lr"), ("grad_norm", "grad_norm"), ("reward", "reward"),
+                              ("kl", "kl"), ("rewards/margins", "reward_margin")):
                 if isinstance(logs.get(key), (int, float)):
                     row[name] = float(logs[key])
             if isinstance(logs.get("num_tokens"), (int, float)):  # cumulative in TRL's logs
@@ -119,7 +121,8 @@ def _summary_text(s: dict[str, Any], device: Any, reason: str, title: str) -> st
 def _plot(path: Path, metrics: TrainingMetrics, title: str) -> None:
     from matplotlib.figure import Figure
 
-    panels = [("loss", "loss"), ("accuracy", "accuracy"), ("step_time_s", "step time (s)")]
+    panels = [("loss", "loss"), ("reward", "reward"), ("kl", "KL(π‖π_ref)"), ("reward_margin", "reward margin"),
+              ("accuracy", "accuracy"), ("step_time_s", "step time (s)")]
     panels = [(k, label) for k, label in panels if metrics.series(k)[0]] or [("loss", "loss")]
     fig = Figure(figsize=(4.2 * len(panels), 3.4), layout="constrained")
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
