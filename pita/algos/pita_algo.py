@@ -22,14 +22,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pita.algos.collector import collect_shard, read_jsonl, write_jsonl
 from pita.algos.qsharp import train_value
-from pita.core.parallel_generation import collect_shard, read_jsonl, write_jsonl
-from pita.core.stage import StageContext
+from pita.core.paths import Artifact
+from pita.runtime.context import StageContext
 
 
 def collect(ctx: StageContext) -> dict:
     records, stats = collect_shard(ctx, pairs=True)
-    write_jsonl(ctx.out_dir / "records.jsonl", records)
+    write_jsonl(ctx.out_dir / Artifact.RECORDS, records)
     return stats
 
 
@@ -46,5 +47,5 @@ def preference_items(records: Sequence[dict], loss_type: str) -> list[tuple]:
 
 
 def train(ctx: StageContext) -> dict:
-    records = read_jsonl(ctx.input("data"), "records.jsonl")
+    records = read_jsonl(ctx.input("data"), Artifact.RECORDS)
     return train_value(ctx, preference_items(records, str(ctx.algo_cfg.loss_type)))

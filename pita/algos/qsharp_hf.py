@@ -19,9 +19,10 @@ Where this departs from the paper / reference code:
 
 from __future__ import annotations
 
+from pita.algos.collector import collect_shard, preference_pairs, read_jsonl, write_jsonl
 from pita.algos.qsharp import reward_targets, train_value, training_items
-from pita.core.parallel_generation import collect_shard, preference_pairs, read_jsonl, write_jsonl
-from pita.core.stage import StageContext
+from pita.core.paths import Artifact
+from pita.runtime.context import StageContext
 
 
 def collect(ctx: StageContext) -> dict:
@@ -32,8 +33,8 @@ def collect(ctx: StageContext) -> dict:
         per_example[pair["example"]] = per_example.get(pair["example"], 0) + 1
         if per_example[pair["example"]] <= cap:
             pairs.append(pair)
-    write_jsonl(ctx.out_dir / "records.jsonl", records)
-    write_jsonl(ctx.out_dir / "pairs.jsonl", pairs)
+    write_jsonl(ctx.out_dir / Artifact.RECORDS, records)
+    write_jsonl(ctx.out_dir / Artifact.PAIRS, pairs)
     return {**stats, "pairs": len(pairs)}
 
 
@@ -55,7 +56,7 @@ def train(ctx: StageContext) -> dict:
     algo = ctx.algo_cfg
     if algo.loss_type not in ("mle", "bce", "mse"):
         raise ValueError(f"algos.QSharp-HF.loss_type={algo.loss_type!r}: Q#-HF trains mle (or bce | mse)")
-    records = read_jsonl(ctx.input("data"), "records.jsonl")
+    records = read_jsonl(ctx.input("data"), Artifact.RECORDS)
     scorer = load_reward_scorer(ctx, ctx.input("reward_model"))
     scores = scorer.score([r["prompt"] for r in records], [r["prefix"] + r["rollout"] for r in records])
     proxy = to_value_range(scores, float(algo.V_min), float(algo.V_max))

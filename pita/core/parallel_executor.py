@@ -21,12 +21,12 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from pita.core.planner import Plan
+from pita.core.dag import Plan
+from pita.core.errors import RETRYABLE
 from pita.core.tasks import TaskSpec
 
 log = logging.getLogger(__name__)
 
-RETRYABLE = ("oom", "killed", "cuda_fault", "timeout")
 
 
 def estimate_job_priority(job: TaskSpec, cfg: Any = None) -> float:

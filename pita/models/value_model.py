@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pita.core.paths import Artifact
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
@@ -218,7 +220,7 @@ def load_value_model(ctx: Any, guide_dir: str | Path) -> ValueModel:
     """The value model of a train folder (`<guide_dir>/value_model`), through the worker's
     model LRU so shards and η values of one stage load it once."""
     folder = Path(guide_dir)
-    if (folder / "value_model").is_dir():
-        folder = folder / "value_model"
+    if (folder / Artifact.VALUE_MODEL).is_dir():
+        folder = folder / Artifact.VALUE_MODEL
     return ctx.models.get(f"value:{folder}", lambda: ValueModel.load(folder, device=ctx.device,
                                                                     attn_impl=ctx.cfg.system.attn_impl))

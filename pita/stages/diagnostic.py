@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 
-from pita.core.stage import StageContext
+from pita.runtime.context import StageContext
 
 
 def device_check(ctx: StageContext) -> dict:

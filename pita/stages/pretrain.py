@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import random
 
-from pita.core.stage import StageContext
+from pita.core.paths import Artifact
+from pita.runtime.context import StageContext
 
 
 def pad_right(rows: list[list[int]], labels: list[list[int]], pad_id: int):
@@ -63,9 +64,9 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     from pita.training.ddp import wrap_model
     from pita.training.loop import (
         TrainStep,
-        accumulation_plan,
         compile_model,
         enable_gradient_checkpointing,
+        micro_batch_plan,
         split_batch,
         token_weights,
     )
@@ -77,11 +78,11 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     # pretrain.batch_size is the effective batch over all ranks; each rank cuts its share
     # into micro-batches whose gradients add up to those of the whole share.
     per_rank = -(-pcfg.batch_size // world)
-    micro, n_micro = accumulation_plan(per_rank, per_rank, tr.accumulation_steps, ctx.task.batch_scale)
+    micro, n_micro = micro_batch_plan(per_rank, tr, ctx.task.batch_scale, whole_batch=True)
 
-    task = build_task(ctx.task.dataset_cfg)
+    task = build_task(ctx.cfg.dataset)
     tok = task.tokenizer
-    arch = ctx.task.family_cfg["reference_arch"]
+    arch = ctx.cfg.model["reference_arch"]
     torch.manual_seed(ctx.seed)
     rng = random.Random(ctx.seed)  # the same stream on every rank: same batches, then sharded
     sample = task.pretrain_batch(random.Random(0), 1)[0]
@@ -130,8 +131,8 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     if dist is not None and not dist.is_main:
         return {}  # rank 0 writes the model and the report
     model.eval()
-    model.save_pretrained(ctx.out_dir / "model")
-    task.save_tokenizer(str(ctx.out_dir / "model"))
+    model.save_pretrained(ctx.out_dir / Artifact.MODEL)
+    task.save_tokenizer(str(ctx.out_dir / Artifact.MODEL))
     perf = write_training_report(ctx.out_dir, step, micro_batch=micro, accumulation_steps=n_micro, world_size=world,
                                  gradient_checkpointing=checkpointing, title=ctx.task.id)
     losses = step.metrics.series("loss")[1][-20:]

@@ -100,10 +100,6 @@ def wrap_model(model: torch.nn.Module, dist: DistContext | None) -> torch.nn.Mod
     return DistributedDataParallel(model, device_ids=device_ids)
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return getattr(model, "module", model)
-
-
 # --- launching -------------------------------------------------------------------------------
 
 
@@ -242,8 +238,8 @@ def _stage_rank(dist: DistContext, body: Callable[..., Any], snapshot: dict[str,
 
     from omegaconf import OmegaConf
 
-    from pita.core.stage import ModelCache, StageContext
     from pita.core.tasks import TaskSpec
+    from pita.runtime.context import ModelCache, StageContext
 
     logger = logging.getLogger(f"pita.task.{snapshot['task']['id']}.rank{dist.rank}")
     logger.handlers.clear()

@@ -67,6 +67,20 @@ def accumulation_plan(batch_size: int, micro_batch_size: int, accumulation_steps
     return micro, batch_size // micro
 
 
+def micro_batch_plan(batch_size: int, training: Any, batch_scale: float = 1.0, *,
+                     whole_batch: bool) -> tuple[int, int]:
+    """THE micro-batch rule of every training stage (pretrain, value training, TRL stages).
+
+    `training.accumulation_steps > 0` fixes the number of steps. Otherwise a stage whose
+    model is built in the run (`whole_batch`: the tiny models, where a small micro-batch
+    only slows a CPU down — a GRPO step 7x at micro 4) takes the whole batch at once and a
+    hub model takes `training.micro_batch_size`; either is scaled by `batch_scale`, which
+    each OOM retry halves. The effective batch never changes (`accumulation_plan`).
+    """
+    requested = batch_size if whole_batch else int(training.micro_batch_size)
+    return accumulation_plan(batch_size, requested, int(training.accumulation_steps), batch_scale)
+
+
 def split_batch(batch: Any, micro: int) -> list[Any]:
     """Cut a batch (a tensor, a dict / tuple of tensors, or a list) into micro-batches."""
     if isinstance(batch, torch.Tensor):

@@ -1,9 +1,13 @@
 """What a stage function receives: `def stage(ctx: StageContext) -> dict | None`.
 
-A stage is a plain function looked up by (algorithm, stage) in `pita/stages/registry.py`.
-It reads its inputs through `ctx.input(...)`, writes artifacts under `ctx.out_dir` (a
-temporary folder committed atomically when the function returns) and returns a small
-JSON-able dict that becomes `result.json`.
+A stage is a plain function looked up by (algorithm, stage) in `pita/algos/registry.py`.
+It reads its config from `ctx.cfg` only — the worker has already put the chain's own
+dataset and model family into `ctx.cfg.dataset` / `ctx.cfg.model`, so a stage of a
+multi-dataset experiment never sees another chain's groups — its inputs through
+`ctx.input(...)`, loads models through `ctx.load_model(...)` (the worker's LRU, so shards
+of one stage do not reload weights), writes artifacts under `ctx.out_dir` (a temporary
+folder committed atomically when the function returns) and returns a small JSON-able
+dict that becomes `result.json`.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from pita.core.paths import Artifact
 from pita.core.tasks import TaskSpec
 
 
@@ -56,14 +61,12 @@ class StageContext:
     device: str = "cpu"  # "cuda" (the worker's pinned devices) or "cpu"
     models: ModelCache = field(default_factory=ModelCache)
     heartbeat: Callable[[str], None] = lambda msg: None
+    chain_merged: bool = False  # cfg already carries the task's dataset/family (the worker caches it)
 
-    @property
-    def dataset_cfg(self) -> DictConfig:
-        return OmegaConf.create(self.task.dataset_cfg)
-
-    @property
-    def family_cfg(self) -> DictConfig:
-        return OmegaConf.create(self.task.family_cfg)
+    def __post_init__(self) -> None:
+        if not self.chain_merged:
+            self.cfg = chain_config(self.cfg, self.task)
+            self.chain_merged = True
 
     @property
     def algo_cfg(self) -> DictConfig:
@@ -79,10 +82,20 @@ class StageContext:
         """π_ref: `<pretrain>/model` for families built in the run (tiny), else the hub id
         or path of the family's reference model (pita/models/catalog.py)."""
         if self.has_input("reference"):
-            return str(self.input("reference") / "model")
+            return str(self.input("reference") / Artifact.MODEL)
         from pita.models.catalog import resolve_family
 
-        return resolve_family(self.task.family, self.task.family_cfg).reference
+        return resolve_family(self.task.family, self.cfg.model).reference
+
+    def load_model(self, name_or_path: Path | str) -> Any:
+        """A causal LM (a save_pretrained folder or a hub id) on this task's device, through
+        the worker's model LRU."""
+        from pita.models.loading import load_causal_lm
+
+        family = self.cfg.model
+        return self.models.get(f"lm:{name_or_path}", lambda: load_causal_lm(
+            str(name_or_path), device=self.device, attn_impl=self.cfg.system.attn_impl,
+            dtype=family.get("dtype", "auto"), device_map=family.get("device_map")))
 
     def has_input(self, name: str) -> bool:
         return bool(self.task.inputs.get(name))
@@ -98,6 +111,21 @@ class StageContext:
         import zlib
 
         return (int(self.cfg.experiment.seed) * 1_000_003 + zlib.crc32(self.task.id.encode())) % (2**31)
+
+
+def chain_config(cfg: DictConfig | dict, task: TaskSpec) -> DictConfig:
+    """The config a stage sees: the run's config with `dataset` and `model` replaced by the
+    task's own chain groups. One channel: in a multi-dataset experiment the selected
+    groups (`cfg.dataset` of the command line) belong to another chain. Read-only, since a
+    worker shares it between the tasks of a chain."""
+    merged = dict(cfg) if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
+    if task.dataset_cfg:
+        merged["dataset"] = task.dataset_cfg
+    if task.family_cfg:
+        merged["model"] = task.family_cfg
+    out = OmegaConf.create(merged)
+    OmegaConf.set_readonly(out, True)
+    return out
 
 
 def resolve_function(dotted: str) -> Callable[[StageContext], Any]:

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
+from pita.algos.registry import ALGO_NAMES, ANY
 from pita.core.errors import ConfigError
+from pita.core.gpu_manager import parse_device_memory, validate_devices_spec  # noqa: F401 (re-used by validate)
 
-# The algorithms pita knows, by the name used in config (`algos.<NAME>`) and results.
-ALGO_NAMES = ("reference", "PITA", "QSharp", "QSharp-HF", "DPO", "GRPO", "GRPO-HF")
 BatchSize = Any  # an int > 0, or "auto" / "auto_batch_size"
 
 
@@ -269,7 +269,6 @@ def register_configs() -> None:
 # ---------------------------------------------------------------------------------------
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-_DEVICE_MEM_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GB|GiB|MB|MiB)?\s*$", re.IGNORECASE)
 
 
 def _check(errors: list[str], ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -281,48 +280,6 @@ def _is_batch(value: Any) -> bool:
     if isinstance(value, str):
         return value in ("auto", "auto_batch_size")
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def parse_device_memory(text: str) -> int:
-    """'80GB' -> MiB. Raises ValueError on anything else."""
-    m = _DEVICE_MEM_RE.match(str(text))
-    if not m:
-        raise ValueError(text)
-    value, unit = float(m.group(1)), (m.group(2) or "GB").lower()
-    return int(value * 1024) if unit in ("gb", "gib") else int(value)
-
-
-def validate_devices_spec(spec: Any) -> None:
-    """Syntax of system.devices; existence of GPUs is checked by GPUManager."""
-    key = "system.devices"
-    allowed = "allowed: auto | cpu | [0,2] (GPU indices) | fake:N | fake:[80GB,40GB,...]"
-    if isinstance(spec, (list, tuple, ListConfig)):
-        items = list(spec)
-        if not items or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
-            raise ConfigError(f"{key}={items!r}: GPU indices must be non-negative integers; {allowed}")
-        if len(set(items)) != len(items):
-            raise ConfigError(f"{key}={items!r}: duplicate GPU index; {allowed}")
-        return
-    if not isinstance(spec, str):
-        raise ConfigError(f"{key}={spec!r}: {allowed}")
-    if spec in ("auto", "cpu"):
-        return
-    if spec.startswith("fake:"):
-        body = spec[5:].strip()
-        if body.isdigit() and 1 <= int(body) <= 64:
-            return
-        if body.startswith("[") and body.endswith("]"):
-            parts = [p for p in body[1:-1].split(",") if p.strip()]
-            try:
-                sizes = [parse_device_memory(p) for p in parts]
-            except ValueError as exc:
-                raise ConfigError(f"{key}={spec!r}: bad memory size {exc}; {allowed}") from None
-            if sizes and all(s > 0 for s in sizes):
-                return
-        raise ConfigError(f"{key}={spec!r}: fake devices need a count 1..64 or sizes; {allowed}")
-    if spec.startswith("[") or spec.replace(",", "").strip().isdigit():
-        raise ConfigError(f"{key}={spec!r}: write indices as a list, e.g. system.devices=[0,2]")
-    raise ConfigError(f"{key}={spec!r}: {allowed}")
 
 
 def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
@@ -360,7 +317,7 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
     _check(e, ex.heartbeat_timeout_s > ex.heartbeat_s, "executor.heartbeat_timeout_s",
            ex.heartbeat_timeout_s, f"must exceed executor.heartbeat_s ({ex.heartbeat_s})")
     for algo_key, stages in (ex.stage_overrides or {}).items():
-        _check(e, algo_key in ALGO_NAMES or algo_key == "any", f"executor.stage_overrides.{algo_key}", algo_key,
+        _check(e, algo_key in ALGO_NAMES or algo_key == ANY, f"executor.stage_overrides.{algo_key}", algo_key,
                f"an algorithm name ({', '.join(ALGO_NAMES)}) or 'any'")
         for stage_key, target in stages.items():
             _check(e, ":" in str(target), f"executor.stage_overrides.{algo_key}.{stage_key}", target,
