@@ -202,7 +202,7 @@ def aggregate(paths: Iterable[Path | str], out_dir: Path | str | None = None) ->
     paths = [Path(p) for p in paths]
     run_dirs = find_run_dirs(paths)
     if not run_dirs:
-        log.warning("aggregate: no results/summary.csv at or below %s", ", ".join(map(str, paths)))
+        log.info("aggregate: no results/summary.csv at or below %s", ", ".join(map(str, paths)))
         return []
     out = Path(out_dir) if out_dir is not None else paths[0]
     rows = aggregate_rows([r for d in run_dirs for r in read_rows(d)])
@@ -222,11 +222,23 @@ except ImportError:  # pragma: no cover
     _HydraCallback = object
 
 
+LAST_SWEEP: dict[str, Any] = {}  # the launching process's view of its last sweep
+
+
 class AggregateCallback(_HydraCallback):
-    """Hydra callback: aggregate the sweep folder once every job of a multirun finished."""
+    """Hydra callback: aggregate the sweep folder once every job of a multirun finished.
+    Jobs that ran elsewhere (SLURM, submitit) left their exit code in `<job>/exit_code`;
+    the worst one becomes the sweep's exit code (pita/experiment/cli.py)."""
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
+        codes = []
+        for f in sweep_dir.glob("*/exit_code"):
+            try:
+                codes.append(int(f.read_text().strip()))
+            except (OSError, ValueError):
+                codes.append(1)
+        LAST_SWEEP.update(sweep_dir=str(sweep_dir), worst_exit_code=max(codes, default=0))
         try:
             rows = aggregate([sweep_dir])
             if rows:
