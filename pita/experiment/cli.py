@@ -23,7 +23,9 @@ checks values only: devices and placement are checked in the job, on its node.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -207,7 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     args = get_args_parser().parse_args(argv)  # Hydra's own parser: -cn NAME, -sc install=bash, ...
     if args.help:
         try:
-            print(help_text(Path(sys.argv[0]).name if sys.argv and sys.argv[0].endswith(".py") else "-m pita"))
+            name = Path(sys.argv[0]).name if sys.argv else "pita"
+            print(help_text("-m pita" if name == "__main__.py" else name))
         except BrokenPipeError:  # `--help | head`
             pass
         sys.exit(0)
@@ -254,6 +257,7 @@ def main(argv: list[str] | None = None) -> None:
         except ConfigError as exc:
             _print_config_error(exc)
             sys.exit(2)
+    os.environ["PITA_COMMAND"] = json.dumps([sys.argv[0], *argv])  # as typed, for run_info.json (jobs too)
     given = set(args.overrides)
     sys.argv = [sys.argv[0], *[a for a in argv if a not in given], *overrides]  # Hydra parses sys.argv
     _hydra_main()

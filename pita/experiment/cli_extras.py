@@ -70,14 +70,15 @@ def _fields(node: Any, prefix: str) -> list[tuple[str, str, str]]:
 def help_text(prog: str = "run_parallel.py") -> str:
     from pita.experiment.config import AlgoConfig, PitaConfig
 
+    cmd = prog if prog == "pita" else f"python {prog}"
     conf = conf_dir()
     groups = {p.name: sorted(q.stem for q in p.glob("*.yaml")) for p in sorted(conf.iterdir())
               if p.is_dir() and p.name != "hydra" and any(p.glob("*.yaml"))}
     lines = [
         "pita: LLM post-training experiments (PITA, Q#, Q#-HF, DPO, GRPO, GRPO-HF) on every device of a machine.",
         "",
-        f"usage: python {prog} [key=value ...] [-m] [-cn NAME] [--config-dir DIR] [--cfg job]",
-        f"       python {prog} -sc install=bash      # tab completion (bash/zsh/fish)",
+        f"usage: {cmd} [key=value ...] [-m] [-cn NAME] [--config-dir DIR] [--cfg job]",
+        f"       {cmd} -sc install=bash      # tab completion (bash/zsh/fish)",
         "       python -m pita.experiment.aggregate <sweep dir>   # mean ± std over a sweep's runs",
         "",
         "Exit codes: 0 all tasks done, 1 some failed, 2 bad config (nothing started), 130 interrupted.",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -20,8 +19,9 @@ from pita.algos.registry import ALGORITHMS, ANY, is_importable, lookup
 from pita.core.dag import Plan, critical_path_priorities
 from pita.core.errors import ConfigError
 from pita.core.tasks import SHARDABLE, TaskSpec, task_id
+from pita.experiment.cli_extras import conf_dir
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = conf_dir()  # conf/ of a checkout, pita/conf/ of an installed wheel
 
 # Relative duration of each stage (critical-path priority and dry-run placement only).
 STAGE_WORK = {"pretrain": 3.0, "collect": 4.0, "reward_model": 2.0, "train": 6.0, "evaluate": 2.0}

@@ -119,6 +119,9 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
         if not paths.saved_config.exists():  # Hydra writes it; direct callers (tests) get it here
             paths.saved_config.parent.mkdir(parents=True, exist_ok=True)
             paths.saved_config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    from pita.experiment import run_info
+
+    run_info.write(run_dir, gpu, resumed=resumed)  # git commit, packages, devices, command
     done = completed_tasks(plan, run_dir) if resumed else set()
     journal = Journal(paths.journal)
     journal.append("run_resumed" if resumed else "run_started", tasks=len(plan.tasks), already_done=len(done))
