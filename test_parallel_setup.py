@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Setup diagnostic: run this first on a new machine (the seed guide's "Test 1").
+"""Setup diagnostic: run this first on a new machine (the seed guide's "Test 1",
+docs/guides/gpu_execution.txt).
 
     python test_parallel_setup.py                     # system.devices=auto: GPUs, else CPU slots
     python test_parallel_setup.py --devices fake:4    # simulated GPUs (also: cpu, [0,1], fake:[80GB,40GB])

@@ -99,3 +99,19 @@ def test_algorithm_table_matches_conf():
 
     text = (ROOT / "conf" / "config.yaml").read_text()
     assert tuple(re.findall(r"algo@algos\.([\w-]+):", text)) == ALGO_NAMES
+
+
+def test_every_stage_entry_point_says_what_it_reads_and_writes():
+    import importlib
+
+    from pita.algos.registry import ALGORITHMS, EXTRA_FUNCTIONS, SHARED_FUNCTIONS
+
+    dotted = {*SHARED_FUNCTIONS.values(), *EXTRA_FUNCTIONS.values(),
+              *(f for a in ALGORITHMS.values() for f in a.functions.values())}
+    missing = []
+    for d in sorted(dotted):
+        module, _, name = d.partition(":")
+        doc = getattr(importlib.import_module(module), name).__doc__ or ""
+        if "Reads:" not in doc and "Writes" not in doc and "as `" not in doc:
+            missing.append(d)
+    assert not missing, f"stage entry points without a docstring saying what they read and write: {missing}"

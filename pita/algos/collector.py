@@ -1,7 +1,7 @@
 """Batched roll-in / cut / roll-out: the data collection of Q#, PITA and Q#-HF.
 
 The split of the training prompts across GPUs is `ParallelDataGenerator`
-(pita/core/parallel_generation.py, the seed guide's name): each `collect` shard gets
+(pita/core/parallel_generation.py, named after the seed guide, docs/guides/gpu_execution.txt): each `collect` shard gets
 `ctx.shard_slice` of the prompts and runs on its own device; `RolloutCollector` is
 what one shard runs. Everything is batched: one `generate` call for every roll-in of the
 shard, one for every roll-out, rewards in chunks of `data_collection.reward_batch_size`.

@@ -92,6 +92,15 @@ def preference_pairs(responses: Sequence[Sequence[int]], rewards: Sequence[float
 
 
 def collect(ctx: StageContext) -> dict:
+    """Sample k responses per training prompt and keep preference pairs, in token space.
+
+    Reads: π_ref (`ctx.reference_model()`), or round r-1's policy (`guide` input) in later
+    rounds; this shard's slice of the task's training prompts; `algos.<NAME>.samples_per_example`
+    and `pairs_per_example`, `generation.*`, `data_collection.reward_batch_size`.
+    Writes: `pairs.jsonl` (prompt, chosen and rejected response ids; the higher-reward
+    response is chosen, ties give no pair). Shared by DPO and GRPO-HF (whose reward model
+    learns from the same pairs). Assumes the task's rewards tell responses apart.
+    """
     import torch
 
     from pita.datasets import build_task
@@ -189,6 +198,14 @@ def check_round_trip(records: Sequence[dict], dataset, eos_id: int) -> None:
 
 
 def train(ctx: StageContext) -> dict:
+    """Train the policy with TRL's DPOTrainer on every round's pairs so far.
+
+    Reads: `pairs.jsonl` of the `data` inputs, the start policy (round r-1's `model/` or
+    π_ref), `algos.DPO.*` (beta, lr, epochs, sft_weight), `training.*`.
+    Writes: `model/` (save_pretrained policy + tokenizer), training_metrics.png,
+    performance_summary.txt, `train_log.jsonl`. Assumes the pairs' token ids are what
+    the policy sampled (TRL gets them as ids).
+    """
     import torch
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer

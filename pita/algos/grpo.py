@@ -137,6 +137,12 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
 
 
 def train(ctx: StageContext) -> dict:
+    """Train the policy with TRL's GRPOTrainer against the task's own verifier / reward.
+
+    Reads: the task's training prompts, the start policy (round r-1's `model/` or π_ref),
+    `algos.GRPO.*`, `training.*`. Writes: `model/`, training_metrics.png, performance_summary.txt
+    (reward and KL are in result.json). Assumes the task has a reward for any response.
+    """
     from pita.algos.dpo import training_prompts
     from pita.datasets import build_task
 
@@ -146,6 +152,10 @@ def train(ctx: StageContext) -> dict:
 
 
 def train_hf(ctx: StageContext) -> dict:
+    """GRPO against the proxy reward model of this round (GRPO-HF): as `train`, but the
+    reward is `reward_model/` of the `reward_model` input; the task's true reward is only
+    logged (`true_reward`), never optimised. Writes what `train` writes.
+    """
     from pita.algos.dpo import training_prompts
     from pita.algos.reward_model import load_reward_scorer
     from pita.datasets import build_task

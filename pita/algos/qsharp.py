@@ -1,6 +1,6 @@
 """Q#: value-guided decoding with a (distributional) value model of π_ref.
 
-Implements ALGORITHMS.md "Q#": round k rolls in with π^k (π_ref in round 0, else π_ref
+Implements docs/ALGORITHMS.md "Q#": round k rolls in with π^k (π_ref in round 0, else π_ref
 guided by round k−1's value model), cuts at h ~ U{1..|y|−1}, rolls out with π_ref, and
 trains the value model on the roll-out tokens against the sequence reward (`bce` for
 binary rewards, `mse`, or `mle` over `num_atoms` atoms on [V_min, V_max]); the records
@@ -34,6 +34,12 @@ from pita.runtime.context import StageContext
 
 
 def collect(ctx: StageContext) -> dict:
+    """Q#'s roll-in / cut / roll-out (pita/algos/collector.py): records with rewards.
+
+    Reads: π_ref, round r-1's value model (`guide` input) for the roll-in, this shard's
+    training prompts, `data_collection.*`, `algos.QSharp.*`. Writes: `records.jsonl`
+    (prompt, prefix and roll-out token ids, reward, roll-in origin).
+    """
     records, stats = collect_shard(ctx, pairs=False)
     write_jsonl(ctx.out_dir / Artifact.RECORDS, records)
     return stats
@@ -127,6 +133,12 @@ def build_targets(items: Sequence[tuple], pad_id: int) -> dict:
 
 
 def train(ctx: StageContext) -> dict:
+    """Fit Q#'s distributional value model on every round's records so far.
+
+    Reads: `records.jsonl` of the `data` inputs, round r-1's `value_model/` (`previous`,
+    warm start), `algos.QSharp.*`, `training.*`. Writes: `value_model/`,
+    training_metrics.png, performance_summary.txt. Assumes rewards in [V_min, V_max].
+    """
     records = read_jsonl(ctx.input("data"), Artifact.RECORDS)
     targets = reward_targets([r["reward"] for r in records], ctx.algo_cfg, ctx.task.algo)
     return train_value(ctx, training_items(records, targets))

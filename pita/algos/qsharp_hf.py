@@ -1,6 +1,6 @@
 """Q#-HF: Q# on rewards from a proxy reward model fitted to preferences ("human feedback").
 
-Implements ALGORITHMS.md "Q#-HF": the collect stage runs PITA's procedure (roll-in with
+Implements docs/ALGORITHMS.md "Q#-HF": the collect stage runs PITA's procedure (roll-in with
 π^k, cut, roll-out with π_ref, Bradley–Terry preference between y_<h + y' and y) and
 writes both the Q# records (`records.jsonl`) and the preference pairs (`pairs.jsonl`:
 `{"example", "prompt", "chosen", "rejected"}`, full response ids with EOS; at most
@@ -26,6 +26,11 @@ from pita.runtime.context import StageContext
 
 
 def collect(ctx: StageContext) -> dict:
+    """Q#-HF collects like PITA (pairs with labels) and keeps at most
+    `pairs_per_example` preference pairs per prompt for the proxy reward model.
+
+    Reads: as `pita_algo.collect`. Writes: `records.jsonl` and `pairs.jsonl` (token ids).
+    """
     records, stats = collect_shard(ctx, pairs=True)
     cap, per_example = int(ctx.algo_cfg.pairs_per_example), {}
     pairs = []  # at most `pairs_per_example` per training prompt (the labelling budget)
@@ -51,6 +56,12 @@ def to_value_range(scores: list[float], v_min: float, v_max: float) -> list[floa
 
 
 def train(ctx: StageContext) -> dict:
+    """Relabel every record with the proxy reward model, then fit Q#'s value model on it.
+
+    Reads: `records.jsonl` of the `data` inputs, `reward_model/` (`reward_model` input),
+    round r-1's `value_model/`, `algos.QSharp-HF.*`. Writes: `value_model/` and the
+    training report. The task's true reward is logged as a diagnostic, never trained on.
+    """
     from pita.algos.reward_model import load_reward_scorer
 
     algo = ctx.algo_cfg

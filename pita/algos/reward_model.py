@@ -77,6 +77,13 @@ def load_reward_scorer(ctx: StageContext, folder: Path | str):
 
 
 def train_reward_model(ctx: StageContext) -> dict:
+    """Train a Bradley–Terry proxy reward model with TRL's RewardTrainer (the -HF chains).
+
+    Reads: `pairs.jsonl` of the `data` inputs, π_ref (the backbone, with a fresh scalar
+    head) and its tokenizer, `algos.<NAME>.*`. Writes: `reward_model/`
+    (sequence-classification model + tokenizer), training_metrics.png, and the held-out
+    pairwise accuracy in result.json. Holds out 10 % of prompts to measure it.
+    """
     import torch
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification

@@ -160,7 +160,8 @@ def training_args(ctx: StageContext, config_cls: type, *, batch_size: int, lr: f
     tr = ctx.cfg.training
     on_cuda = torch.device(ctx.device).type == "cuda" and torch.cuda.is_available()
     micro, accum = micro_batches(ctx, batch_size)
-    workers = int(ctx.algo_cfg.num_workers)
+    # algos.<NAME>.num_workers (the seed guide's key) wins; 0 there defers to training.num_workers
+    workers = int(ctx.algo_cfg.num_workers) or int(tr.num_workers)
     if workers < 0:  # -1 = auto
         workers = 2 if on_cuda else 0
     # transformers 5 renamed gradient_checkpointing (a deprecated alias that warns) to activation_checkpointing

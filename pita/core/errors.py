@@ -3,7 +3,7 @@
 `ConfigError` is raised for anything a user can fix in the config or the command line;
 the entry point prints its one-line messages and exits 2. A task that fails is not an
 exception in the orchestrator: its worker answers with one of `FAILURE_CLASSES`, and the
-DAG runner retries by class (DESIGN §3):
+DAG runner retries by class (docs/DESIGN.md §3):
 
 - ``oom``: out of memory — the same task again at half the micro-batch;
 - ``cuda_fault``: a sticky CUDA error — recycle the worker, retry;

@@ -6,7 +6,7 @@ critical path by default), admission by free memory minus the reservations of ru
 tasks, k-device gangs chosen by free memory, several tasks per device when
 `executor.max_tasks_per_gpu > 1`, and a reservation so a waiting gang is not starved by
 small tasks. `DagRunner` drives a `WorkerPool` (or the in-process executor) with it,
-journals every state change and applies the retry policy of DESIGN §3:
+journals every state change and applies the retry policy of docs/DESIGN.md §3:
   oom -> retry at half the micro-batch (effective batch kept by accumulation);
   killed / cuda_fault / timeout -> recycle the worker, retry up to executor.max_retries;
   error -> fail the task and skip its dependants; the other chains keep running.
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 def estimate_job_priority(job: TaskSpec, cfg: Any = None) -> float:
     """Higher runs first. Default: critical path (work from this task to the DAG's end).
 
-    Customise here (the seed guide's hook), e.g. `return -job.round` for breadth-first.
+    Customise here (the seed guide's hook, docs/guides/gpu_execution.txt), e.g. `return -job.round` for breadth-first.
     """
     return job.priority
 

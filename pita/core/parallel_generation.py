@@ -1,4 +1,5 @@
-"""`ParallelDataGenerator`: splits a stage's examples across the devices (the seed guide's name).
+"""`ParallelDataGenerator`: splits a stage's examples across the devices (the seed guide's name;
+docs/guides/gpu_execution.txt).
 
 Data generation (`collect`) and evaluation are sharded: the planner gives each shard a
 contiguous fraction of the stage's prompts, weighted by device capacity, and prefers to

@@ -1,4 +1,4 @@
-"""The one place that builds paths inside a run folder (DESIGN §4), and atomic writes."""
+"""The one place that builds paths inside a run folder (docs/DESIGN.md §4), and atomic writes."""
 
 from __future__ import annotations
 
@@ -76,6 +76,28 @@ class RunPaths:
     @property
     def run_log(self) -> Path:
         return self.root / "run.log"
+
+    @property
+    def saved_overrides(self) -> Path:
+        return self.root / ".hydra" / "overrides.yaml"
+
+    @property
+    def run_info(self) -> Path:
+        """Git commit, package versions, devices, command (pita/experiment/run_info.py)."""
+        return self.root / "run_info.json"
+
+    @property
+    def logs(self) -> Path:
+        """Experiment-tracking output, one folder per `logger.backend` (pita/training/tracking.py)."""
+        return self.root / "logs"
+
+    @property
+    def summary_csv(self) -> Path:
+        return self.root / "results" / "summary.csv"
+
+    @property
+    def workers(self) -> Path:
+        return self.root / "workers"
 
     @property
     def gpu_monitor(self) -> Path:

@@ -31,6 +31,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from pita.core.paths import RunPaths
+
 log = logging.getLogger("pita.aggregate")
 
 KEYS = ("config", "algo", "dataset", "family", "round", "eta")
@@ -52,17 +54,17 @@ def find_run_dirs(paths: Iterable[Path | str]) -> list[Path]:
     """Run folders (those with results/summary.csv) at or directly below each path."""
     found: list[Path] = []
     for p in map(Path, paths):
-        if (p / "results" / "summary.csv").is_file():
+        if RunPaths(p).summary_csv.is_file():
             found.append(p)
             continue
-        found += sorted((c for c in p.iterdir() if (c / "results" / "summary.csv").is_file()),
+        found += sorted((c for c in p.iterdir() if RunPaths(c).summary_csv.is_file()),
                         key=lambda c: (len(c.name), c.name)) if p.is_dir() else []
     return found
 
 
 def config_label(run_dir: Path) -> str:
     """What this job's command line set besides seeds (Hydra's .hydra/overrides.yaml)."""
-    path = run_dir / ".hydra" / "overrides.yaml"
+    path = RunPaths(run_dir).saved_overrides
     if not path.is_file():
         return ""
     from omegaconf import OmegaConf
@@ -77,7 +79,7 @@ def config_label(run_dir: Path) -> str:
 
 
 def read_rows(run_dir: Path) -> list[dict[str, Any]]:
-    with open(run_dir / "results" / "summary.csv", newline="") as f:
+    with open(RunPaths(run_dir).summary_csv, newline="") as f:
         rows = [{k: _number(v) for k, v in r.items()} for r in csv.DictReader(f)]
     label = config_label(run_dir)
     for r in rows:

@@ -33,6 +33,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from pita.core.errors import ConfigError
+from pita.core.paths import RunPaths
 from pita.experiment.cli_extras import (
     PROJECT_ROOT,
     conf_dir,
@@ -155,7 +156,7 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
     if not run_dir.exists():
         run_dir = PROJECT_ROOT / resume_dir
     try:
-        saved = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+        saved = OmegaConf.load(RunPaths(run_dir).saved_config)
     except Exception as exc:
         raise ConfigError(f"resume_from={resume_dir!r}: saved config unreadable ({_first_line(exc)})") from None
     from pita.experiment.config import PitaConfig
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
         implicit = resume is not None
     run_dir_override = next((o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")), None)
     if resume in (None, "", "null") and run_dir_override and not args.multirun and not info_only \
-            and (Path(run_dir_override) / "plan.json").is_file():
+            and RunPaths(run_dir_override).plan.is_file():
         resume, implicit = run_dir_override, True  # rerunning into an existing run folder finishes that run
         overrides = [o for o in overrides if not o.startswith("hydra.run.dir=")]
     if resume not in (None, "", "null") and not info_only:
@@ -267,7 +268,7 @@ def _same_run_overrides(run_dir: str, overrides: list[str], args) -> list[str]:
     """The run-safe part of `overrides`, after checking that the whole command line composes
     to the config `run_dir` was started with (else a ConfigError naming the differences)."""
     composed = compose_config(overrides, args.config_name, args.config_dir)
-    saved = OmegaConf.load(Path(run_dir) / ".hydra" / "config.yaml")
+    saved = OmegaConf.load(RunPaths(run_dir).saved_config)
     diff = config_differences(saved, composed, RESUME_SAFE_PREFIXES + ("system.use_parallel_execution",))
     if diff:
         raise ConfigError(f"resume of {run_dir}: this command line describes another run ("
@@ -307,7 +308,7 @@ def _setup_resume_logging(run_dir: Path) -> None:
     root.setLevel(logging.INFO)
     console = logging.StreamHandler(sys.stdout)
     console.setFormatter(logging.Formatter("%(message)s"))
-    file = logging.FileHandler(run_dir / "run.log", mode="a")
+    file = logging.FileHandler(RunPaths(run_dir).run_log, mode="a")
     file.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
     root.handlers[:] = [console, file]
 

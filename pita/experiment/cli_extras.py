@@ -105,7 +105,9 @@ def help_text(prog: str = "run_parallel.py") -> str:
 
 def run_finished(run_dir: Path) -> bool:
     """True when the run's journal ends with a clean `run_finished` (no failed task)."""
-    journal = run_dir / "journal.jsonl"
+    from pita.core.paths import RunPaths
+
+    journal = RunPaths(run_dir).journal
     if not journal.is_file():
         return False
     last = None
@@ -125,8 +127,10 @@ def find_resumable(outputs: Path, experiment: str) -> Path | None:
     folder = outputs / experiment
     if not folder.is_dir():
         return None
-    candidates = sorted((p for p in folder.iterdir() if p.is_dir() and (p / "plan.json").is_file()
-                         and (p / ".hydra" / "config.yaml").is_file()), key=lambda p: p.name, reverse=True)
+    from pita.core.paths import RunPaths
+
+    candidates = sorted((p for p in folder.iterdir() if p.is_dir() and RunPaths(p).plan.is_file()
+                         and RunPaths(p).saved_config.is_file()), key=lambda p: p.name, reverse=True)
     return candidates[0] if candidates and not run_finished(candidates[0]) else None
 
 

@@ -6,7 +6,7 @@ of the wrong type fails at compose time. `validate(cfg)` then checks what types 
 express (ranges, choices, paths) and raises one `ConfigError` with a line per problem,
 each naming the key and what is allowed. Both happen before any worker starts.
 
-Keys documented by the seed guide keep their names and meaning (experiment.name,
+Keys documented by the seed guide (docs/guides/gpu_execution.txt) keep their names and meaning (experiment.name,
 system.attn_impl, system.clear_cache_interval, system.use_parallel_execution,
 training.micro_batch_size, training.gradient_checkpointing,
 data_collection.reward_batch_size, generation.batch_size,
@@ -25,6 +25,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from pita.algos.registry import ALGO_NAMES, ANY
 from pita.core.errors import ConfigError
 from pita.core.gpu_manager import parse_device_memory, validate_devices_spec  # noqa: F401 (re-used by validate)
+from pita.core.paths import RunPaths
 
 BatchSize = Any  # an int > 0, or "auto" / "auto_batch_size"
 
@@ -85,7 +86,7 @@ class TrainingConfig:
     compile: bool = _help("torch.compile the model.", False)
     compile_mode: str = _help("default | reduce-overhead | max-autotune", "default")
     parallel_strategy: str = _help("none | data_parallel (DDP over the task's gang)", "none")
-    num_workers: int = _help("DataLoader workers (-1 = auto).", 0)
+    num_workers: int = _help("DataLoader workers of TRL stages whose algos.<NAME>.num_workers is 0 (-1 = auto).", 0)
     pin_memory: bool = _help("Pin host memory in DataLoaders (GPU only).", False)
     max_grad_norm: float = _help("Gradient clipping norm (0 = off).", 1.0)
     weight_decay: float = _help("AdamW weight decay.", 0.0)
@@ -212,7 +213,7 @@ class AlgoConfig:
 
     enabled: bool = _help("Run this algorithm's chains.", False)
     batch_size: BatchSize = _help("Training batch size (effective), or auto.", 256)
-    num_workers: int = _help("DataLoader workers for this algorithm's training.", 0)
+    num_workers: int = _help("DataLoader workers for this algorithm's training (0 = training.num_workers).", 0)
     lr: float = _help("Learning rate.", 1e-3)
     epochs: int = _help("Passes over the collected data.", 1)
     steps: int = _help("Optimizer steps (0 = from epochs).", 0)
@@ -440,8 +441,8 @@ def resume_path_errors(path: str, project_root: Path | None = None) -> list[str]
         return [f"resume_from={path!r}: no such run folder"]
     if not p.is_dir():
         return [f"resume_from={path!r}: not a folder; pass outputs/<name>/<timestamp>"]
-    if not (p / ".hydra" / "config.yaml").is_file():
+    if not RunPaths(p).saved_config.is_file():
         return [f"resume_from={path!r}: no saved config (.hydra/config.yaml); not a pita run folder"]
-    if not (p / "plan.json").is_file():
+    if not RunPaths(p).plan.is_file():
         return [f"resume_from={path!r}: no plan.json; the run never started, start it afresh"]
     return []

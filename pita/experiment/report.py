@@ -2,7 +2,7 @@
 
 Runs in the orchestrator after the DAG finished (matplotlib, no torch). One row per
 (algo, dataset, family, round, eta) from every evaluate merge's `metrics.json`; the
-columns of DESIGN §6 first, then task-specific ones (e.g. `acc_after_first_step` on the
+columns of docs/DESIGN.md §6 first, then task-specific ones (e.g. `acc_after_first_step` on the
 star graph, `valid_walk` and the analytic `optimum_pass@1` on goal-walk). `wall_s` is the
 chain's cumulative task time (shared pretrain excluded) up to and including that round.
 """

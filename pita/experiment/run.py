@@ -62,7 +62,7 @@ def make_executor(cfg: DictConfig, gpu: GPUManager, run_dir: Path) -> Executor:
         return InProcessExecutor(runner, on_shutdown=runner.models.clear)
     from pita.core.worker_pool import WorkerPool
 
-    return WorkerPool.from_config(gpu, cfg.executor, log_dir=run_dir / "workers")
+    return WorkerPool.from_config(gpu, cfg.executor, log_dir=RunPaths(run_dir).workers)
 
 
 def make_scheduler(cfg: DictConfig, gpu: GPUManager) -> Scheduler:

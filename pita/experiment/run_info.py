@@ -19,9 +19,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pita.core.paths import atomic_write_json
+from pita.core.paths import RunPaths, atomic_write_json
 
-FILE = "run_info.json"
 PACKAGES = ("pita", "torch", "transformers", "trl", "accelerate", "datasets", "tokenizers", "safetensors",
             "hydra-core", "omegaconf", "nvidia-ml-py", "ray", "tensorboard", "wandb", "mlflow", "math-verify",
             "hydra-submitit-launcher", "numpy")
@@ -87,7 +86,7 @@ def collect(gpu: Any = None, argv: list[str] | None = None) -> dict[str, Any]:
 
 def write(run_dir: Path | str, gpu: Any = None, *, resumed: bool = False) -> Path:
     """Record this start (or resume) of the run in `<run_dir>/run_info.json`."""
-    path = Path(run_dir) / FILE
+    path = RunPaths(run_dir).run_info
     info = collect(gpu)
     if resumed and path.is_file():
         try:

@@ -29,7 +29,7 @@ candidate's keys/values and drop the others: still one forward per step.
 Warm start (`warm_start`, tiny family): the reference's token embeddings, its first
 block(s) and final norm are copied into the guide backbone when the widths match; the
 prototype only learned the goal-walk value function within the CPU budget that way
-(ALGORITHMS.md).
+(docs/ALGORITHMS.md).
 
 Checkpoints: `value_model/model.safetensors` (state dict) + `value_model/config.json`
 (backbone config + head settings); no pickle anywhere.
@@ -44,8 +44,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-from pita.core.paths import Artifact
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -214,13 +212,3 @@ def warm_start_from(vm: ValueModel, reference: nn.Module) -> list[str]:
         copy(bb.layers[i], ref_base.layers[i], f"layers.{i}")
     copy(bb.norm, ref_base.norm, "norm")
     return copied
-
-
-def load_value_model(ctx: Any, guide_dir: str | Path) -> ValueModel:
-    """The value model of a train folder (`<guide_dir>/value_model`), through the worker's
-    model LRU so shards and η values of one stage load it once."""
-    folder = Path(guide_dir)
-    if (folder / Artifact.VALUE_MODEL).is_dir():
-        folder = folder / Artifact.VALUE_MODEL
-    return ctx.models.get(f"value:{folder}", lambda: ValueModel.load(folder, device=ctx.device,
-                                                                    attn_impl=ctx.cfg.system.attn_impl))

@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pita.core.paths import Artifact
+from pita.core.paths import Artifact, RunPaths
 from pita.core.tasks import TaskSpec
 
 
@@ -75,8 +75,8 @@ class StageContext:
     def input(self, name: str) -> Path | list[Path]:
         """The committed folder(s) of the task(s) this task consumes under `name`."""
         ref = self.task.inputs[name]
-        tasks = self.run_dir / "tasks"
-        return [tasks / r for r in ref] if isinstance(ref, list) else tasks / ref
+        run = RunPaths(self.run_dir)
+        return [run.task(r).final for r in ref] if isinstance(ref, list) else run.task(ref).final
 
     def reference_model(self) -> str:
         """π_ref: `<pretrain>/model` for families built in the run (tiny), else the hub id
@@ -86,6 +86,17 @@ class StageContext:
         from pita.models.catalog import resolve_family
 
         return resolve_family(self.task.family, self.cfg.model).reference
+
+    def load_value_model(self, guide_dir: Path | str) -> Any:
+        """The value model of a train folder (`<guide_dir>/value_model`) on this task's
+        device, through the worker's LRU so shards and η values of one stage load it once."""
+        from pita.models.value_model import ValueModel
+
+        folder = Path(guide_dir)
+        if (folder / Artifact.VALUE_MODEL).is_dir():
+            folder = folder / Artifact.VALUE_MODEL
+        return self.models.get(f"value:{folder}", lambda: ValueModel.load(
+            folder, device=self.device, attn_impl=self.cfg.system.attn_impl))
 
     def load_model(self, name_or_path: Path | str) -> Any:
         """A causal LM (a save_pretrained folder or a hub id) on this task's device, through

@@ -1,6 +1,6 @@
 """Classify a worker's failure (out of memory, CUDA fault, ordinary error) and shrink a batch.
 
-The executor retries by class (DESIGN.md §3): ``oom`` → the same task with a smaller micro
+The executor retries by class (docs/DESIGN.md §3): ``oom`` → the same task with a smaller micro
 batch, the effective batch kept through gradient accumulation; ``cuda_fault`` → recycle the
 worker (the CUDA context may be poisoned) and retry; ``error`` → fail that task fast.
 

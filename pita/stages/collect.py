@@ -14,6 +14,12 @@ from pita.runtime.context import StageContext
 
 
 def collect_merge(ctx: StageContext) -> dict:
+    """Merge the shards of a collect stage.
+
+    Reads: every `*.jsonl` file and `result.json` of the `shards` inputs. Writes: each
+    jsonl concatenated shard by shard in order, and `stats.json` with the shards'
+    numbers summed. Assumes shards write the same file names.
+    """
     counts: dict[str, int] = {}
     totals: dict[str, float] = {}
     handles = {}

@@ -3,7 +3,7 @@
 `evaluate_shard` generates `evaluation.num_samples` samples for its slice of the test
 prompts and writes one record per sample (token ids, reward, answer, log-probs) to
 `samples.jsonl`; `evaluate_merge` reads every shard and computes the metrics of
-ALGORITHMS.md per η into `metrics.json`, which the report turns into the results table.
+docs/ALGORITHMS.md per η into `metrics.json`, which the report turns into the results table.
 
 The policy depends on the chain:
 - reference: π_ref itself (η = 0);
@@ -53,6 +53,12 @@ def _policies(ctx: StageContext, task, ref) -> list[tuple[float | None, Any, Cal
 
 
 def evaluate_shard(ctx: StageContext) -> dict:
+    """Sample this shard's test prompts with the round's policy at every η and score them.
+
+    Reads: π_ref, the `policy` input (`value_model/` for guided chains, `model/` for DPO /
+    GRPO), `evaluation.*`, `generation.*`. Writes: `samples.jsonl` (one record per
+    sample: η, token ids, reward, answer, log π and log π_ref of the sampled tokens).
+    """
     import torch
 
     from pita.datasets import build_task
@@ -97,6 +103,12 @@ def evaluate_shard(ctx: StageContext) -> dict:
 
 
 def evaluate_merge(ctx: StageContext) -> dict:
+    """Compute the metrics of every η from the shards' samples.
+
+    Reads: `samples.jsonl` and `result.json` of the `shards` inputs. Writes:
+    `metrics.json`, the rows of results/summary.csv for this chain and round (pass@1,
+    maj@k, avg_reward, KL, task-specific columns).
+    """
     from pita.datasets import build_task
     from pita.eval.metrics import maj_at_k, mean, pass_at_1
 

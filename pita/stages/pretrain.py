@@ -48,6 +48,13 @@ def teacher_forcing_batch(pairs: list[tuple[list[int], list[int]]], pad_id: int)
 
 
 def pretrain(ctx: StageContext) -> dict:
+    """Train the reference policy π_ref of a family built in the run (the tiny Llama).
+
+    Reads: the task's pretraining batches (teacher-forced correct responses),
+    `model.reference_arch`, `pretrain.*`, `training.*`. Writes: `model/` (save_pretrained
+    + the task's tokenizer), training_metrics.png, performance_summary.txt. Runs DDP over
+    the task's gang with `training.parallel_strategy=data_parallel`.
+    """
     from pita.training.ddp import run_stage
 
     return run_stage(ctx, _pretrain)  # one process, or one per GPU of the gang (data_parallel)

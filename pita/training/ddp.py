@@ -32,11 +32,14 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist_mod
 import torch.multiprocessing as mp
+
+if TYPE_CHECKING:  # the worker-side context; imported only for type hints
+    from pita.runtime.context import StageContext
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +203,7 @@ def run_data_parallel(train_fn: Callable[..., Any], world_size: int, args: Seque
 # --- stages ----------------------------------------------------------------------------------
 
 
-def data_parallel_world_size(ctx: Any) -> int:
+def data_parallel_world_size(ctx: StageContext) -> int:
     """Ranks for this task: 1 unless `training.parallel_strategy=data_parallel` on a gang.
 
     On CUDA: the GPUs pinned to the task (as `system.gpu_mode` allows). Off CUDA (a `fake:`
@@ -253,7 +256,7 @@ def _stage_rank(dist: DistContext, body: Callable[..., Any], snapshot: dict[str,
     return body(ctx, dist)
 
 
-def run_stage(ctx: Any, body: Callable[..., Any], world_size: int | None = None) -> Any:
+def run_stage(ctx: StageContext, body: Callable[..., Any], world_size: int | None = None) -> Any:
     """`body(ctx, dist)` on this process (dist=None), or on every rank of the task's gang
     when `training.parallel_strategy=data_parallel`; returns rank 0's result.
 

@@ -34,11 +34,14 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pita.training.precision import Precision, choose_precision
+
+if TYPE_CHECKING:  # the worker-side context; imported only for type hints
+    from pita.runtime.context import StageContext
 
 log = logging.getLogger(__name__)
 
@@ -358,7 +361,7 @@ class TrainStep:
         self.step = 0
 
     @classmethod
-    def from_context(cls, ctx: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+    def from_context(cls, ctx: StageContext, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                      scheduler: Any = None, precision: Precision | None = None, device: Any = None,
                      compile_status: CompileStatus | None = None) -> TrainStep:
         """A TrainStep configured from `training.*` / `system.*` of a StageContext; its

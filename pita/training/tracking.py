@@ -57,7 +57,9 @@ def logger_cfg(cfg: Any) -> Mapping:
 
 
 def log_dir(run_dir: str | Path, backend: str) -> Path:
-    return Path(run_dir) / "logs" / backend
+    from pita.core.paths import RunPaths
+
+    return RunPaths(run_dir).logs / backend
 
 
 class Tracker:

@@ -7,7 +7,7 @@ A stage's batch size key (``generation.batch_size``, ``data_collection.reward_ba
 
 ``batch_size_safety_margin`` is the fraction of free memory to *target* (default 0.9). A
 LOWER margin is SAFER: 0.8 leaves 20% of the free memory as headroom, 0.95 only 5%. (The
-batch-size guide this replaces says the opposite in places; it is wrong there.) After an OOM
+batch-size guide (docs/guides/auto_batch_size.txt) this replaces says the opposite in places; it is wrong there.) After an OOM
 with ``auto``, lower the margin.
 
 How the probe works, and where it departs from the guide (which binary-searched 1..2048,

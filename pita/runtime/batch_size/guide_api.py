@@ -1,4 +1,4 @@
-"""The batch-size guide's API (`find_optimal_batch_size_for_llm`, `measure_memory_usage`,
+"""The batch-size guide's API (docs/guides/auto_batch_size.txt: `find_optimal_batch_size_for_llm`, `measure_memory_usage`,
 `BatchSizeFinder`) on top of the search and the probes.
 
 Part of pita.runtime.batch_size (see its docstring for how the probe works).
