@@ -33,10 +33,12 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 def make_gpu_manager(cfg: DictConfig) -> GPUManager:
     if cfg.executor.backend == "ray":  # slots = the Ray cluster's GPUs (or CPUs); Ray pins them
-        from pita.core.ray_executor import RayExecutor
+        from pita.core.ray_executor import RayExecutor, ray_devices_spec
 
-        kind, n = RayExecutor(cfg.executor).slots()
-        return GPUManager(f"fake:{max(1, n)}" if kind == "gpu" else "cpu", cpu_workers=max(1, n))
+        ray_exec = RayExecutor(cfg.executor)
+        kind, n = ray_exec.slots()
+        sizes = ray_exec.gpu_memory_mb() if kind == "gpu" else []  # NVML on each node: real memory
+        return GPUManager(ray_devices_spec(kind, n, sizes), cpu_workers=max(1, n))
     spec = cfg.system.devices
     if cfg.system.gpu_mode == "cpu":
         spec = "cpu"
