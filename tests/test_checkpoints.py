@@ -114,3 +114,38 @@ def test_checkpointer_keeps_only_the_newest_and_restores_rng_and_step(tmp_path):
     train(model2, step2, rng, start, 7)
     for k, v in model2.state_dict().items():
         assert torch.equal(v, reference[k])
+
+
+GRPO_TRAIN = "GRPO.goal_walk.tiny.r0.train"
+
+
+@pytest.mark.slow
+def test_sigkilled_grpo_retry_resumes_from_the_last_committed_trainer_checkpoint(tmp_path):
+    """TRL stages: Trainer checkpoints count once pita_complete.json is written after them;
+    the retry passes the newest to resume_from_checkpoint and trains only the rest."""
+    args = ["experiment=smoke", "algos=[GRPO]", "algos.GRPO.steps=30", "training.checkpoint_every=5",
+            "executor.progress=false"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run_parallel.py"), *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed_at, deadline = None, time.time() + 240
+    while killed_at is None and proc.poll() is None and time.time() < deadline:
+        for marker in tmp_path.glob(f"outputs/smoke/*/tasks/{GRPO_TRAIN}.checkpoints/checkpoint-*/pita_complete.json"):
+            step = int(marker.parent.name.split("-")[1])
+            if step >= 10:
+                tmp = next(marker.parents[2].glob(f".tmp-{GRPO_TRAIN}-*"))
+                os.kill(int(tmp.name.rsplit("-", 1)[1]), signal.SIGKILL)
+                killed_at = step
+                break
+        time.sleep(0.01)
+    out, _ = proc.communicate(timeout=300)
+    assert killed_at is not None, out[-2000:]
+    assert proc.returncode == 0, out[-3000:]
+    task = run_dirs(tmp_path, "smoke")[0] / "tasks" / GRPO_TRAIN
+    m = re.search(r"resumed from checkpoint \S+checkpoint-(\d+) \(step \d+\)", (task / "log.txt").read_text())
+    assert m and int(m.group(1)) >= killed_at  # the newest committed one (a later half-written one is dropped)
+    result = json.loads((task / "result.json").read_text())
+    assert result["attempt"] == 2 and result["steps"] == 30
+    logged = [json.loads(line)["step"] for line in (task / "train_log.jsonl").read_text().splitlines()]
+    assert min(logged) > int(m.group(1)) and max(logged) == 30  # the retry trained only the remaining steps
+    assert not (task.parent / f"{GRPO_TRAIN}.checkpoints").exists()

@@ -117,7 +117,11 @@ def precision_flags(ctx: StageContext) -> dict[str, bool]:
 def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
     """trainer.train(), then the task's training_metrics.png and performance_summary.txt
     (the same report as the hand-written training loops); returns the summary."""
-    from pita.training.checkpoint import last_trl_checkpoint, time_checkpoint_callback
+    from pita.training.checkpoint import (
+        checkpoint_commit_callback,
+        last_trl_checkpoint,
+        time_checkpoint_callback,
+    )
     from pita.training.loop import TrainingMetrics
     from pita.training.precision import precision_for
     from pita.training.report import trainer_metrics_callback, write_training_report
@@ -137,6 +141,8 @@ def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
     minutes = float(ctx.cfg.training.get("checkpoint_every_minutes", 0.0) or 0.0)
     if args.save_strategy != "no" and minutes > 0:
         trainer.add_callback(time_checkpoint_callback(minutes))
+    if args.save_strategy != "no":
+        trainer.add_callback(checkpoint_commit_callback())
     resume = last_trl_checkpoint(ctx) if args.save_strategy != "no" else None
     if resume:
         ctx.logger.info("resumed from checkpoint %s (step %s)", resume, resume.rsplit("-", 1)[-1])
@@ -233,7 +239,8 @@ def stage_log_callback(ctx: StageContext):
                 f.write(json.dumps(record) + "\n")
             shown = ", ".join(f"{k}={v:.4g}" for k, v in logs.items() if _worth_showing(k))
             ctx.logger.info("step %d/%d %s", state.global_step, state.max_steps, shown)
-            ctx.heartbeat(f"step {state.global_step}/{state.max_steps}")
+            live = " ".join(f"{k}={logs[k]:.3g}" for k in ("loss", "reward", "kl") if k in logs)
+            ctx.heartbeat(f"step {state.global_step}/{state.max_steps} {live}".strip())
 
     return StageLogCallback()
 

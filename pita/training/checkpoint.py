@@ -18,8 +18,10 @@ TrainStep's counter and metric rows, torch's RNG state, and the loop's own state
 kill mid-write leaves the previous checkpoint intact. Only the newest is kept. With the
 RNG streams restored the continued run computes what the uninterrupted one would have.
 
-TRL stages use the Trainer's own checkpoints in the same folder
-(`trl_checkpoint_kwargs`, `last_trl_checkpoint`, `TimeCheckpointCallback`).
+TRL stages use the Trainer's own checkpoints (`resume_from_checkpoint`) in the same folder
+(`trl_checkpoint_kwargs`, `last_trl_checkpoint`, `checkpoint_commit_callback`,
+`time_checkpoint_callback`). The Trainer writes a checkpoint's files one by one, so a
+checkpoint counts only once `pita_complete.json` was written after it (atomically).
 """
 
 from __future__ import annotations
@@ -150,14 +152,20 @@ class Checkpointer:
 # --- TRL / transformers Trainer -------------------------------------------------------------
 
 
+COMPLETE = "pita_complete.json"  # written atomically after a Trainer checkpoint is complete
+
+
 def trl_checkpoint_kwargs(ctx: Any) -> dict[str, Any]:
     """TrainingArguments fields for checkpoints every `training.checkpoint_every` steps into
-    the task's checkpoint folder (only the newest kept); none when checkpointing is off."""
+    the task's checkpoint folder; none when checkpointing is off. The Trainer keeps every
+    checkpoint (`save_total_limit=None`): `checkpoint_commit_callback` marks a finished one
+    and only then deletes the older ones, so a kill mid-save leaves a usable checkpoint."""
     every = int(ctx.cfg.training.get("checkpoint_every", 0) or 0)
     minutes = float(ctx.cfg.training.get("checkpoint_every_minutes", 0.0) or 0.0)
     if every <= 0 and minutes <= 0:
         return {"save_strategy": "no"}
-    kwargs: dict[str, Any] = {"output_dir": str(checkpoint_dir(ctx)), "save_total_limit": 1, "save_only_model": False}
+    kwargs: dict[str, Any] = {"output_dir": str(checkpoint_dir(ctx)), "save_total_limit": None,
+                              "save_only_model": False}
     if every > 0:
         kwargs.update(save_strategy="steps", save_steps=every)
     else:  # time only: TimeCheckpointCallback asks for the saves
@@ -165,17 +173,47 @@ def trl_checkpoint_kwargs(ctx: Any) -> dict[str, Any]:
     return kwargs
 
 
-def last_trl_checkpoint(ctx: Any) -> str | None:
-    """The newest complete `checkpoint-N/` of the task (trainer_state.json is written last)."""
-    folder = checkpoint_dir(ctx)
+def _trl_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     if not folder.is_dir():
-        return None
-    found = []
-    for p in folder.iterdir():
-        m = re.match(r"^checkpoint-(\d+)$", p.name)
-        if m and (p / "trainer_state.json").is_file():
-            found.append((int(m.group(1)), p))
-    return str(max(found)[1]) if found else None
+        return []
+    return sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := re.match(r"^checkpoint-(\d+)$", p.name)))
+
+
+def last_trl_checkpoint(ctx: Any) -> str | None:
+    """The newest committed `checkpoint-N/` of the task (one with the marker); folders a
+    kill left half-written are removed."""
+    import shutil
+
+    found = _trl_checkpoints(checkpoint_dir(ctx))
+    good = [(n, p) for n, p in found if (p / COMPLETE).is_file()]
+    newest = max(good)[0] if good else -1
+    for n, p in found:
+        if n > newest:  # half-written by a dead attempt: the Trainer would trip over it
+            shutil.rmtree(p, ignore_errors=True)
+    return str(max(good)[1]) if good else None
+
+
+def checkpoint_commit_callback():
+    """A TrainerCallback: after the Trainer finished writing checkpoint-N, write the marker
+    atomically, then delete every older checkpoint (only the newest complete one is kept)."""
+    import shutil
+
+    from transformers import TrainerCallback
+
+    from pita.core.paths import atomic_write_json
+
+    class CheckpointCommit(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            folder = Path(args.output_dir)
+            current = folder / f"checkpoint-{state.global_step}"
+            if not current.is_dir():
+                return
+            atomic_write_json(current / COMPLETE, {"step": state.global_step})
+            for n, p in _trl_checkpoints(folder):
+                if n < state.global_step:
+                    shutil.rmtree(p, ignore_errors=True)
+
+    return CheckpointCommit()
 
 
 def time_checkpoint_callback(minutes: float):
