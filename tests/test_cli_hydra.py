@@ -114,3 +114,16 @@ def test_submitit_local_launcher_checks_devices_in_the_job(tmp_path):
     assert "error: system.devices=[3]" in err  # the job, on its node, found no such GPU
     ok = run_cli([*args, "system.devices=cpu"], cwd=tmp_path, timeout=300)
     assert ok.returncode == 0, ok.stderr[-2000:]
+
+
+def test_launcher_kind_comes_from_the_composed_config(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    from pita.experiment import cli
+
+    cli.compose_config(["hydra/launcher=slurm_1gpu"])
+    assert cli.remote_launcher().endswith("SlurmLauncher")
+    cli.compose_config([])
+    assert cli.remote_launcher() is None
+    bad = run_cli(["-m", "hydra/launcher=slrum"], cwd=tmp_path)
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("error: hydra/launcher=slrum: no such launcher; available: basic, slurm, slurm_1gpu")

@@ -45,7 +45,8 @@ from pita.experiment.cli_extras import (
 from pita.experiment.config import register_configs, resume_path_errors, validate
 
 CONF_DIR = conf_dir()
-LOCAL_LAUNCHERS = ("basic",)
+LOCAL_LAUNCHERS = ("BasicLauncher",)  # Hydra's launcher classes that run jobs in this process
+LAST_COMPOSE: dict[str, str] = {}
 EXIT_CODE_FILE = "exit_code"  # a remote job's exit code, read by the sweep's end (aggregate.py)
 # Keys a resumed run may change: where and how it runs, never what it computes.
 RESUME_SAFE_PREFIXES = ("system.devices", "system.threads_per_worker", "system.use_parallel_execution",
@@ -63,6 +64,11 @@ def format_compose_error(exc: BaseException, overrides: list[str]) -> str:
     m = re.search(r"Could not override '([^']+)'", text)
     if m:
         return f"{m.group(1)}: unknown key (not in pita's config schema, see conf/ and pita/experiment/config.py)"
+    m = re.search(r"Could not find '(hydra/launcher)/([^']+)'", text)
+    if m:
+        have = sorted(p.stem for p in (CONF_DIR / "hydra" / "launcher").glob("*.yaml"))
+        return (f"hydra/launcher={m.group(2)}: no such launcher; available: basic, {', '.join(have)}, "
+                "submitit_local, submitit_slurm (the submitit ones need: pip install hydra-submitit-launcher)")
     m = re.search(r"Could not find '([^/']+)/([^']+)'", text)
     if m:
         group, name = m.group(1), m.group(2)
@@ -135,6 +141,7 @@ def compose_config(overrides: list[str], config_name: str | None = None,
         hydra = Hydra.create_main_hydra2(task_name="pita", config_search_path=search_path)
         cfg = hydra.compose_config(config_name or "config", overrides, run_mode=RunMode.RUN,
                                    with_log_configuration=False)
+        LAST_COMPOSE["launcher"] = str(OmegaConf.select(cfg, "hydra.launcher._target_", default="") or "")
         if "hydra" in cfg:  # as hydra.compose(return_hydra_config=False)
             from omegaconf import open_dict, read_write
 
@@ -189,13 +196,11 @@ def preflight(cfg: DictConfig, *, devices: bool = True) -> None:
         build_plan(cfg, make_gpu_manager(cfg))
 
 
-def remote_launcher(overrides: list[str]) -> str | None:
-    """The launcher of `hydra/launcher=X` when X runs the jobs elsewhere (not `basic`)."""
-    for o in overrides:
-        key, _, value = o.partition("=")
-        if key.lstrip("+") == "hydra/launcher" and value not in LOCAL_LAUNCHERS:
-            return value
-    return None
+def remote_launcher() -> str | None:
+    """The launcher of the last composed config when it runs the jobs elsewhere (SLURM,
+    submitit; set by `hydra/launcher=X` or by an experiment's defaults), else None."""
+    target = LAST_COMPOSE.get("launcher", "")
+    return None if not target or target.endswith(LOCAL_LAUNCHERS) else target
 
 
 def _print_config_error(exc: ConfigError) -> None:
@@ -254,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     if not info_only:
         try:
             cfg = compose_config(overrides, args.config_name, args.config_dir)
-            preflight(cfg, devices=remote_launcher(overrides) is None)
+            preflight(cfg, devices=remote_launcher() is None)
         except ConfigError as exc:
             _print_config_error(exc)
             sys.exit(2)
