@@ -189,6 +189,9 @@ def plan_experiment(cfg: DictConfig, n_devices: int, *, device_mb: list[int] | N
                         collected.append(produced["collect"])
                     prev_train = produced.get("train", prev_train)
 
+    from pita.experiment.estimates import fill_estimates
+
+    fill_estimates(plan, cfg, device_mb)  # measured peak > checkpoint size > model.memory_gb
     if device_mb and cfg.model.device_map == "auto":
         size_gangs(plan, device_mb)
     check_resources(plan, n_devices, device_mb)

@@ -214,11 +214,17 @@ def enable_gradient_checkpointing(model: torch.nn.Module, enabled: bool,
 
 
 def dataloader_kwargs(num_workers: int, pin_memory: bool, device: str | torch.device) -> dict[str, Any]:
-    """DataLoader kwargs: `num_workers=-1` = auto = min(4, cores - 1); pinned memory only
-    when the batches go to a CUDA device (pinning for the CPU only costs)."""
+    """DataLoader kwargs: `num_workers=-1` = auto = min(4, this worker's share of the cores - 1)
+    (`PITA_DATALOADER_WORKERS`, set by the pool when workers share a GPU host; else the
+    host's cores); pinned memory only when the batches go to a CUDA device (pinning for
+    the CPU only costs)."""
     if num_workers < 0:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        num_workers = max(0, min(4, cores - 1))
+        budget = os.environ.get("PITA_DATALOADER_WORKERS", "")
+        if budget.isdigit():
+            num_workers = min(4, int(budget))
+        else:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            num_workers = max(0, min(4, cores - 1))
     cuda = torch.device(device).type == "cuda"
     kwargs: dict[str, Any] = {"num_workers": num_workers, "pin_memory": bool(pin_memory and cuda)}
     if num_workers > 0:
