@@ -1,6 +1,6 @@
 """Scheduler benchmark: DAG makespan against its lower bound and a round barrier; dispatch overhead.
 
-    python bench/scheduler.py                  # fake:4, about a minute on 2 cores
+    python bench/scheduler.py                  # fake:8, about two minutes on 2 cores
     python bench/scheduler.py --quick          # fewer rounds and submits (CI smoke)
     python bench/scheduler.py --devices fake:8
 
@@ -11,9 +11,13 @@ task per device, `executor.max_tasks_per_gpu=1`, so the lower bound below holds)
 task sleeps for a duration drawn for it (bench/workload.py). The default workload is the
 default experiment's seven algorithms on goal-walk and star graph, with the unevenness of
 real runs: star graph stages take 3x goal-walk's, GRPO / GRPO-HF training 6x DPO's (it
-generates and scores its own roll-outs), the value algorithms' training 1.5x; training grows
-with the round (the data of every previous round is reused), and each task has +-40% noise
-that the planner's estimate (`task.work`, the critical-path priority) does not know.
+generates and scores its own roll-outs), the value algorithms' training 1.5x; chains that
+aggregate data (DAgger: every round's records are reused, so Q#, PITA, Q#-HF and DPO)
+train (1 + r)x longer in round r while GRPO does not; a guided collect (rounds > 0 of the
+value algorithms) takes 2x (bench/generation.py: guided decoding runs at ~0.5x the
+unguided tokens/s); each task has +-40% noise that the planner's estimate (`task.work`,
+the critical-path priority) does not know. On 8 devices the DAG is bound by its critical
+path, which is where a round barrier costs: each round waits for its slowest chain.
 
 - `dag_makespan_ratio`: makespan / max(critical path, total work / devices), both computed from
   the durations the workers measured for this run (`wall_s` of each task); makespan runs from
@@ -63,7 +67,8 @@ STAGE_S = {"pretrain": 0.8, "collect": 0.3, "collect_merge": 0.1, "reward_model"
            "evaluate": 0.25, "evaluate_merge": 0.1}  # goal-walk seconds, before the algorithm's factor
 DATASET_SCALE = {"star_graph": 3.0, "goal_walk": 1.0}  # star graph >> goal-walk
 TRAIN_SCALE = {"GRPO": 6.0, "GRPO-HF": 6.0, "DPO": 1.0, "QSharp": 1.5, "PITA": 1.5, "QSharp-HF": 1.5}  # GRPO >> DPO
-TRAIN_GROWTH = 0.3  # train of round r takes (1 + 0.3 r) longer: it reuses every round's data
+DAGGER = ("QSharp", "PITA", "QSharp-HF", "DPO")  # round r trains on rounds 0..r: (1 + r)x
+GUIDED_COLLECT = 2.0  # guided decoding ~0.5x the unguided tokens/s (bench/generation.py)
 NOISE = 0.4  # actual = estimate x U(0.6, 1.4)
 MIN_S, MAX_S = 0.1, 10.0
 
@@ -83,7 +88,9 @@ def workload(args) -> tuple[object, object, Plan, dict[str, float]]:
     for t in plan.tasks.values():
         estimate = STAGE_S[t.stage] * DATASET_SCALE.get(t.dataset, 1.0)
         if t.stage == "train":
-            estimate *= TRAIN_SCALE.get(t.algo, 1.0) * (1 + TRAIN_GROWTH * t.round)
+            estimate *= TRAIN_SCALE.get(t.algo, 1.0) * ((1 + t.round) if t.algo in DAGGER else 1)
+        if t.stage == "collect" and t.round > 0 and t.algo in ("QSharp", "PITA", "QSharp-HF"):
+            estimate *= GUIDED_COLLECT
         t.work = round(estimate, 3)
         actual[t.id] = round(min(MAX_S, max(MIN_S, estimate * rng.uniform(1 - NOISE, 1 + NOISE))), 3)
     critical_path_priorities(plan)
@@ -183,7 +190,7 @@ def dispatch_overhead(pool, cfg, run_dir: Path, n: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="DAG scheduler benchmark (prints one JSON object)")
-    parser.add_argument("--devices", default="fake:4", help="simulated GPUs, e.g. fake:4")
+    parser.add_argument("--devices", default="fake:8", help="simulated GPUs, e.g. fake:4")
     parser.add_argument("--quick", action="store_true", help="2 rounds and 20 no-op submits")
     parser.add_argument("--rounds", type=int, default=0, help="rounds of training (default 3, 2 with --quick)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the task-duration noise")
