@@ -9,7 +9,7 @@
 Exit codes: 0 all tasks succeeded, 1 some failed, 2 bad config, 130 interrupted.
 """
 
-from pita.core.cli import main
+from pita.experiment.cli import main
 
 if __name__ == "__main__":
     main()

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Setup diagnostic: run this first on a new machine (the seed guide's "Test 1").
+"""Setup diagnostic: run this first on a new machine (the seed guide's "Test 1",
+docs/guides/gpu_execution.txt).
 
     python test_parallel_setup.py                     # system.devices=auto: GPUs, else CPU slots
     python test_parallel_setup.py --devices fake:4    # simulated GPUs (also: cpu, [0,1], fake:[80GB,40GB])
@@ -39,8 +40,9 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from pita.core.config import validate, validate_devices_spec  # noqa: E402
 from pita.core.errors import ConfigError  # noqa: E402
+from pita.core.gpu_manager import validate_devices_spec  # noqa: E402
+from pita.experiment.config import validate  # noqa: E402
 
 MATMUL_TOLERANCE = 0.05  # max abs error of a fp32 matmul (1024x1024 on GPU) against the CPU
 console = Console(width=None if sys.stdout.isatty() else 140)
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - any import failure is a failed check
             checks.append((f"import {module}", False, f"{type(exc).__name__}: {exc}"))
 
-    from pita.core.cli import compose_config
+    from pita.experiment.cli import compose_config
 
     try:
         cfg = compose_config(overrides)
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         return usage_error(exc.messages[0])
     except Exception as exc:  # noqa: BLE001 - a broken project, not a bad command line: go on
-        from pita.core.config import PitaConfig
+        from pita.experiment.config import PitaConfig
 
         checks.append(("config composes, validates, serialises", False, f"{type(exc).__name__}: {exc}"))
         cfg = OmegaConf.structured(PitaConfig)
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg.system.devices = spec
         cfg_dict = OmegaConf.to_container(cfg, resolve=True)
 
-    from pita.core.runner import make_gpu_manager
+    from pita.experiment.run import make_gpu_manager
 
     try:
         gpu = make_gpu_manager(cfg)  # e.g. [0,1] on a machine without those GPUs

@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pita.core.batch_size import (
+from pita.runtime.batch_size import (
     MemoryEstimate,
     power_binary_search,
     search_batch_size,
@@ -200,7 +200,7 @@ def gpu_bench(steps: int, backoff_budget_s: float) -> dict:
         return {"skipped": "no CUDA device"}
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from pita.core import batch_size as bs
+    from pita.runtime import batch_size as bs
 
     log = logging.getLogger("bench")
     config = LlamaConfig(

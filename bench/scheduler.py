@@ -51,15 +51,15 @@ sys.path.insert(0, str(ROOT))  # bench.workload and tests.fault_stages, here and
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from pita.core.cli import compose_config  # noqa: E402
-from pita.core.config import validate  # noqa: E402
+from pita.core.dag import Plan, critical_path_priorities  # noqa: E402
 from pita.core.errors import ConfigError  # noqa: E402
 from pita.core.journal import Journal  # noqa: E402
 from pita.core.parallel_executor import DagRunner  # noqa: E402
-from pita.core.planner import Plan, critical_path_priorities  # noqa: E402
-from pita.core.runner import build_plan, make_gpu_manager, make_scheduler  # noqa: E402
 from pita.core.tasks import TaskSpec  # noqa: E402
 from pita.core.worker_pool import WorkerPool  # noqa: E402
+from pita.experiment.cli import compose_config  # noqa: E402
+from pita.experiment.config import validate  # noqa: E402
+from pita.experiment.run import build_plan, make_gpu_manager, make_scheduler  # noqa: E402
 
 WORKLOAD = "bench.workload:timed_stage"
 STAGES = ("pretrain", "collect", "collect_merge", "reward_model", "train", "evaluate", "evaluate_merge")

@@ -32,12 +32,12 @@ def run(size: str = "cpu", steps: int = 60, device: str = "auto", n_items: int =
     from omegaconf import OmegaConf
 
     from pita.algos.qsharp import train_value
-    from pita.core.cli import compose_config
-    from pita.core.planner import _group_cfg
-    from pita.core.stage import ModelCache, StageContext
     from pita.core.tasks import TaskSpec
     from pita.datasets import build_task
+    from pita.experiment.cli import compose_config
+    from pita.experiment.plan import _group_cfg
     from pita.models.tiny import build_tiny_llama
+    from pita.runtime.context import ModelCache, StageContext
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -12,7 +12,7 @@ import json
 import time
 from functools import lru_cache
 
-from pita.core.stage import StageContext
+from pita.runtime.context import StageContext
 
 TABLE = "bench_durations.json"
 

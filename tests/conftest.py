@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from pita.algos.registry import ALGO_NAMES
+
 ROOT = Path(__file__).resolve().parents[1]
-ALGOS = ("reference", "PITA", "QSharp", "QSharp-HF", "DPO", "GRPO", "GRPO-HF")
+ALGOS = ALGO_NAMES  # the registry table
 STAGES = ("pretrain", "collect", "collect_merge", "reward_model", "train", "evaluate", "evaluate_merge")
 
 

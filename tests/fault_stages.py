@@ -11,7 +11,7 @@ import json
 import os
 import time
 
-from pita.core.stage import StageContext
+from pita.runtime.context import StageContext
 
 
 def _marker(ctx: StageContext, what: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from pita.core.stage import StageContext
+from pita.runtime.context import StageContext
 
 
 def threads_stage(ctx: StageContext) -> dict:

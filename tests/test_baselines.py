@@ -132,9 +132,9 @@ def _run_folder(tmp_path: Path, steps: int = 60) -> Path:
 
 
 def _ctx(run_dir: Path, algo: str, stage: str, inputs: dict, overrides: list[str], name: str):
-    from pita.core.cli import compose_config
-    from pita.core.stage import StageContext
     from pita.core.tasks import TaskSpec
+    from pita.experiment.cli import compose_config
+    from pita.runtime.context import StageContext
 
     cfg = compose_config([f"algos.{algo}.enabled=true", *overrides])
     task = TaskSpec(id=name, algo=algo, dataset="goal_walk", family="tiny", round=0, stage=stage, fn="-",

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pita.core import batch_size as bs
-from pita.core.batch_size import (
+from pita.runtime import batch_size as bs
+from pita.runtime.batch_size import (
     BatchSizeCache,
     BatchSizeFinder,
     MemoryEstimate,
@@ -26,6 +26,8 @@ from pita.core.batch_size import (
     resolve_batch_size,
     search_batch_size,
 )
+from pita.runtime.batch_size import cache as bs_cache
+from pita.runtime.batch_size import resolve as bs_resolve
 
 GiB = float(1 << 30)
 FREE = 80 * GiB
@@ -366,7 +368,7 @@ def test_cache_hit_and_miss_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert probed(dtype="torch.float32")
     assert probed(margin=0.8)  # a lower (safer) margin than the entry was found with
     assert not probed(margin=0.95)
-    monkeypatch.setattr(bs, "library_versions", lambda: {"torch": "9.9", "transformers": "9"})
+    monkeypatch.setattr(bs_resolve, "library_versions", lambda: {"torch": "9.9", "transformers": "9"})
     assert probed()
     assert not any(p.name.startswith(".batch_size.json.") for p in path.parent.iterdir())
 
@@ -377,13 +379,13 @@ def test_cache_atomic_write_and_corrupt_file(
     path = tmp_path / "batch_size.json"
     path.write_text("{not json")
     replaced: list[tuple[str, str]] = []
-    real_replace = bs.os.replace
+    real_replace = bs_cache.os.replace
 
     def spy(src: str, dst: str) -> None:
         replaced.append((str(src), str(dst)))
         real_replace(src, dst)
 
-    monkeypatch.setattr(bs.os, "replace", spy)
+    monkeypatch.setattr(bs_cache.os, "replace", spy)
     gpu = SimulatedGPU(SMOOTH["linear"][0])
     got = resolve(gpu, path)
     assert replaced and replaced[-1][1] == str(path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pita.core import cli
+from pita.experiment import cli
 from tests.conftest import only, run_cli
 
 BAD = [

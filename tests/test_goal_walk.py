@@ -122,14 +122,14 @@ def test_analytic_reference(task):
     p = task.reference_pass_at_1()
     inverse_reach = sum(1 / len(task.reachable(s)) for s in range(16)) / 16
     assert p == pytest.approx(inverse_reach), "E_s E_g p(s,g) equals E_s 1/|reach(s)|"
-    assert p == pytest.approx(0.1532, abs=5e-4)  # ALGORITHMS.md: ≈ 0.15
+    assert p == pytest.approx(0.1532, abs=5e-4)  # docs/ALGORITHMS.md: ≈ 0.15
     assert task.optimal_pass_at_1(0.0) == pytest.approx(p)
     values = [task.optimal_pass_at_1(eta) for eta in (0, 1, 2, 5, 10, 50, 800)]
     assert all(a < b for a, b in itertools.pairwise(values[:-1])), "increasing in η"
     assert values[-2] <= values[-1] <= 1.0, "no overflow at large η"
     assert values[2] == pytest.approx(0.557, abs=0.01)  # η = 2, cf. measured 0.52–0.55
     assert task.optimal_kl(0.0) == pytest.approx(0.0)
-    assert 1.8 < task.optimal_kl(10.0) < 2.0  # ALGORITHMS.md: optimum ≈ 1.9–1.96
+    assert 1.8 < task.optimal_kl(10.0) < 2.0  # docs/ALGORITHMS.md: optimum ≈ 1.9–1.96
     test = task.test_examples()
     assert task.reference_pass_at_1(test) == pytest.approx(p, abs=0.02)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pita.core.oom import classify_exception, classify_text, smaller_micro_batch
+from pita.runtime.oom import classify_exception, classify_text, smaller_micro_batch
 
 KERNEL_NOTE = (
     "\nCUDA kernel errors might be asynchronously reported at some other API call, so the "
@@ -157,5 +157,5 @@ def test_no_torch_import_at_module_level() -> None:
     import subprocess
     import sys
 
-    code = "import sys, pita.core.oom, pita.core.batch_size; assert 'torch' not in sys.modules"
+    code = "import sys, pita.runtime.oom, pita.runtime.batch_size; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -10,11 +10,11 @@ from concurrent.futures import Future
 import pytest
 from omegaconf import OmegaConf
 
+from pita.core.dag import Plan
+from pita.core.executor import TaskOutcome
 from pita.core.parallel_executor import DagRunner, DeviceState, Scheduler
-from pita.core.planner import Plan
 from pita.core.resources import host_cores, max_tasks_per_device, thread_budget, thread_env
 from pita.core.tasks import TaskSpec
-from pita.core.worker_pool import TaskOutcome
 from pita.experiment import estimates
 from tests.conftest import journal, only, run_cli, run_dirs
 
@@ -52,7 +52,7 @@ def test_thread_budget_is_cores_over_concurrent_workers():
 
 
 def test_default_and_bad_max_tasks_per_gpu(tmp_path):
-    from pita.core.config import ExecutorConfig
+    from pita.experiment.config import ExecutorConfig
 
     assert ExecutorConfig().max_tasks_per_gpu == "auto"
     r = run_cli(["executor.max_tasks_per_gpu=lots", "dry_run=true"], tmp_path)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pita.core.cli import compose_config
 from pita.core.errors import ConfigError
-from pita.core.planner import plan_experiment
+from pita.experiment.cli import compose_config
+from pita.experiment.plan import plan_experiment
 from tests.conftest import only, sleep_overrides
 
 

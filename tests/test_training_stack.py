@@ -325,9 +325,9 @@ def test_trainer_callback_feeds_the_same_report(tmp_path):
 
 
 def pretrain_context(tmp_path, gpus=1, **training):
-    from pita.core.config import PitaConfig
-    from pita.core.stage import StageContext
     from pita.core.tasks import TaskSpec
+    from pita.experiment.config import PitaConfig
+    from pita.runtime.context import StageContext
 
     cfg = OmegaConf.structured(PitaConfig)
     cfg.pretrain.steps, cfg.pretrain.batch_size, cfg.pretrain.warmup_steps = 4, 16, 1

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from pita.core.parallel_generation import ParallelDataGenerator, preference_label, preference_pairs
+from pita.algos.collector import RolloutCollector, preference_label, preference_pairs
 from pita.datasets.goal_walk import GoalWalkTask
 from pita.models.tiny import build_tiny_llama
 from tests.conftest import only, run_cli, run_dirs
@@ -37,7 +37,7 @@ def _collect(task, *, pairs: bool, samples: int = 8, seed: int = 0, hook=None):
     ref = build_tiny_llama(len(tok), n_layer=1, d_model=32, n_head=4, pad_token_id=tok.pad_token_id,
                            eos_token_id=tok.eos_token_id, seed=seed)
     torch.nn.init.normal_(ref.lm_head.weight, std=0.3)  # varied lengths: EOS sometimes early
-    gen = ParallelDataGenerator(ref, task, batch_size=16, max_new_tokens=task.max_new_tokens,
+    gen = RolloutCollector(ref, task, batch_size=16, max_new_tokens=task.max_new_tokens,
                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                                 roll_in_hook_factory=hook, reward_batch_size=7, seed=seed)
     examples = task.train_examples()[:6]

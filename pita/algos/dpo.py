@@ -35,7 +35,8 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-from pita.core.stage import StageContext
+from pita.core.paths import Artifact
+from pita.runtime.context import StageContext
 
 
 def training_prompts(ctx: StageContext, task) -> list:
@@ -91,19 +92,27 @@ def preference_pairs(responses: Sequence[Sequence[int]], rewards: Sequence[float
 
 
 def collect(ctx: StageContext) -> dict:
+    """Sample k responses per training prompt and keep preference pairs, in token space.
+
+    Reads: π_ref (`ctx.reference_model()`), or round r-1's policy (`guide` input) in later
+    rounds; this shard's slice of the task's training prompts; `algos.<NAME>.samples_per_example`
+    and `pairs_per_example`, `generation.*`, `data_collection.reward_batch_size`.
+    Writes: `pairs.jsonl` (prompt, chosen and rejected response ids; the higher-reward
+    response is chosen, ties give no pair). Shared by DPO and GRPO-HF (whose reward model
+    learns from the same pairs). Assumes the task's rewards tell responses apart.
+    """
     import torch
 
     from pita.datasets import build_task
     from pita.models.generation import generate
-    from pita.stages.batching import generation_batch_size
-    from pita.stages.evaluate import load_model
+    from pita.runtime.batching import generation_batch_size
 
     # The task (its tokenizer and verifier) and the policy that samples this round.
     ref_dir = ctx.reference_model()
-    task = build_task(ctx.task.dataset_cfg, tokenizer=ref_dir)
+    task = build_task(ctx.cfg.dataset, tokenizer=ref_dir)
     tok = task.tokenizer
-    policy_dir = str(ctx.input("guide") / "model") if ctx.has_input("guide") else ref_dir
-    policy = load_model(ctx, policy_dir)
+    policy_dir = str(ctx.input("guide") / Artifact.MODEL) if ctx.has_input("guide") else ref_dir
+    policy = ctx.load_model(policy_dir)
     ctx.logger.info("sampling with %s", policy_dir)
 
     # This shard's prompts, each repeated k times, sampled in batches.
@@ -130,7 +139,7 @@ def collect(ctx: StageContext) -> dict:
     # Pairs per prompt, in token space.
     max_pairs = int(ctx.algo_cfg.pairs_per_example)
     n_pairs = n_with_pairs = 0
-    with open(ctx.out_dir / "pairs.jsonl", "w") as f:
+    with open(ctx.out_dir / Artifact.PAIRS, "w") as f:
         for j, i in enumerate(indices):
             ex = all_examples[i]
             target = None
@@ -154,7 +163,7 @@ def read_pairs(folders: Sequence[Path]) -> list[dict]:
     """Every record of `pairs.jsonl` in the given collect folders, in order."""
     records = []
     for folder in folders:
-        path = Path(folder) / "pairs.jsonl"
+        path = Path(folder) / Artifact.PAIRS
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no pairs.jsonl; the collect stage wrote no preference pairs")
         with open(path) as f:
@@ -189,6 +198,14 @@ def check_round_trip(records: Sequence[dict], dataset, eos_id: int) -> None:
 
 
 def train(ctx: StageContext) -> dict:
+    """Train the policy with TRL's DPOTrainer on every round's pairs so far.
+
+    Reads: `pairs.jsonl` of the `data` inputs, the start policy (round r-1's `model/` or
+    π_ref), `algos.DPO.*` (beta, lr, epochs, sft_weight), `training.*`.
+    Writes: `model/` (save_pretrained policy + tokenizer), training_metrics.png,
+    performance_summary.txt, `train_log.jsonl`. Assumes the pairs' token ids are what
+    the policy sampled (TRL gets them as ids).
+    """
     import torch
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
@@ -234,7 +251,7 @@ def train(ctx: StageContext) -> dict:
                     len(ctx.input("data")), start_dir, ref_dir)
 
     performance = train_with_report(ctx, trainer)
-    save_model(trainer.accelerator.unwrap_model(trainer.model), tok, ctx.out_dir / "model")
+    save_model(trainer.accelerator.unwrap_model(trainer.model), tok, ctx.out_dir / Artifact.MODEL)
     stats = last_logged(trainer, "train_loss", "rewards/accuracies", "rewards/margins", "rewards/chosen",
                         "rewards/rejected", "logps/chosen", "logps/rejected")
     return {"pairs": len(records), "steps": trainer.state.global_step, "start": start_dir, **stats,

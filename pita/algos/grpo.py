@@ -27,7 +27,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pita.core.stage import StageContext
+from pita.core.paths import Artifact
+from pita.runtime.context import StageContext
 
 
 class TaskReward:
@@ -127,7 +128,7 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
                     start_dir, kl_ref)
 
     performance = train_with_report(ctx, trainer)
-    save_model(trainer.accelerator.unwrap_model(trainer.model), tok, ctx.out_dir / "model")
+    save_model(trainer.accelerator.unwrap_model(trainer.model), tok, ctx.out_dir / Artifact.MODEL)
     stats = last_logged(trainer, "train_loss", "reward", "reward_std", "kl", "entropy", "frac_reward_zero_std",
                         "true_reward")
     first = next((r for r in trainer.state.log_history if "reward" in r), {})
@@ -136,20 +137,30 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
 
 
 def train(ctx: StageContext) -> dict:
+    """Train the policy with TRL's GRPOTrainer against the task's own verifier / reward.
+
+    Reads: the task's training prompts, the start policy (round r-1's `model/` or π_ref),
+    `algos.GRPO.*`, `training.*`. Writes: `model/`, training_metrics.png, performance_summary.txt
+    (reward and KL are in result.json). Assumes the task has a reward for any response.
+    """
     from pita.algos.dpo import training_prompts
     from pita.datasets import build_task
 
-    task = build_task(ctx.task.dataset_cfg, tokenizer=ctx.reference_model())
+    task = build_task(ctx.cfg.dataset, tokenizer=ctx.reference_model())
     examples = training_prompts(ctx, task)
     return run_grpo(ctx, task, examples, TaskReward(task, examples))
 
 
 def train_hf(ctx: StageContext) -> dict:
+    """GRPO against the proxy reward model of this round (GRPO-HF): as `train`, but the
+    reward is `reward_model/` of the `reward_model` input; the task's true reward is only
+    logged (`true_reward`), never optimised. Writes what `train` writes.
+    """
     from pita.algos.dpo import training_prompts
     from pita.algos.reward_model import load_reward_scorer
     from pita.datasets import build_task
 
-    task = build_task(ctx.task.dataset_cfg, tokenizer=ctx.reference_model())
+    task = build_task(ctx.cfg.dataset, tokenizer=ctx.reference_model())
     examples = training_prompts(ctx, task)
     scorer = load_reward_scorer(ctx, ctx.input("reward_model"))
     result = run_grpo(ctx, task, examples, ProxyReward(scorer, examples, task))

@@ -2,7 +2,7 @@
 
 At every step the generation engine (pita/models/generation.py) takes π_ref's raw logits,
 keeps its top-k tokens, adds the offsets this hook returns, applies temperature and
-samples (ALGORITHMS.md, "Guided decoding"). The offset of candidate a in state s:
+samples (docs/ALGORITHMS.md, "Guided decoding"). The offset of candidate a in state s:
 
 | mode          | value model output            | offset                              |
 |---------------|-------------------------------|-------------------------------------|
@@ -119,7 +119,6 @@ def guided_hook_factory(ctx: Any, guide_dir: str | Path, eta: float) -> Callable
     """The offset-hook factory of a chain's guide (a train folder with `value_model/`) at
     strength η, with the mode of `algos.<NAME>.guidance.mode`; the value model comes
     through the worker's model LRU (`ctx.models`)."""
-    from pita.models.value_model import load_value_model
 
-    model = load_value_model(ctx, guide_dir)
+    model = ctx.load_value_model(guide_dir)
     return hook_factory(model, float(eta), str(ctx.algo_cfg.guidance.mode))

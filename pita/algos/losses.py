@@ -19,8 +19,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-LOSS_TYPES = ("bce", "mse", "mle", "bradley_terry")
-
 
 def _weighted_mean(per_item: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     if weights is None:

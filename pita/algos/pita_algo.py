@@ -1,6 +1,6 @@
 """PITA: preference-guided decoding with a learned preference model over π_ref's tokens.
 
-Implements ALGORITHMS.md "PITA": round k samples a full response y from π^k (π_ref in
+Implements docs/ALGORITHMS.md "PITA": round k samples a full response y from π^k (π_ref in
 round 0, whose value head is zero-initialised anyway), cuts it at h ~ U{1..|y|−1}, rolls
 out y' from y_<h with π_ref and labels 1[y_<h + y' ≻ y] (the decided winner when exactly
 one of the two is correct, else a Bradley–Terry draw with β_BT =
@@ -22,14 +22,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pita.algos.collector import collect_shard, read_jsonl, write_jsonl
 from pita.algos.qsharp import train_value
-from pita.core.parallel_generation import collect_shard, read_jsonl, write_jsonl
-from pita.core.stage import StageContext
+from pita.core.paths import Artifact
+from pita.runtime.context import StageContext
 
 
 def collect(ctx: StageContext) -> dict:
+    """PITA's roll-in / cut / roll-out with preference labels (pita/algos/collector.py).
+
+    Reads: π_ref, round r-1's value model (`guide` input) for the roll-in, this shard's
+    training prompts, `data_collection.*`, `algos.PITA.guidance`. Writes: `records.jsonl`
+    (token ids, rewards of both continuations, label, P(new ≻ old)).
+    """
     records, stats = collect_shard(ctx, pairs=True)
-    write_jsonl(ctx.out_dir / "records.jsonl", records)
+    write_jsonl(ctx.out_dir / Artifact.RECORDS, records)
     return stats
 
 
@@ -46,5 +53,11 @@ def preference_items(records: Sequence[dict], loss_type: str) -> list[tuple]:
 
 
 def train(ctx: StageContext) -> dict:
-    records = read_jsonl(ctx.input("data"), "records.jsonl")
+    """Fit PITA's preference-based value model on every round's records so far.
+
+    Reads: `records.jsonl` of the `data` inputs, round r-1's `value_model/` (`previous`,
+    warm start), `algos.PITA.*`. Writes: `value_model/`, training_metrics.png,
+    performance_summary.txt (see `pita.algos.qsharp.train_value`).
+    """
+    records = read_jsonl(ctx.input("data"), Artifact.RECORDS)
     return train_value(ctx, preference_items(records, str(ctx.algo_cfg.loss_type)))

@@ -1,6 +1,6 @@
 """Q#: value-guided decoding with a (distributional) value model of π_ref.
 
-Implements ALGORITHMS.md "Q#": round k rolls in with π^k (π_ref in round 0, else π_ref
+Implements docs/ALGORITHMS.md "Q#": round k rolls in with π^k (π_ref in round 0, else π_ref
 guided by round k−1's value model), cuts at h ~ U{1..|y|−1}, rolls out with π_ref, and
 trains the value model on the roll-out tokens against the sequence reward (`bce` for
 binary rewards, `mse`, or `mle` over `num_atoms` atoms on [V_min, V_max]); the records
@@ -27,14 +27,21 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pita.core.parallel_generation import collect_shard, read_jsonl, write_jsonl
-from pita.core.stage import StageContext
-from pita.stages.batching import training_micro_batch
+from pita.algos.collector import collect_shard, read_jsonl, write_jsonl
+from pita.core.paths import Artifact
+from pita.runtime.batching import training_micro_batch
+from pita.runtime.context import StageContext
 
 
 def collect(ctx: StageContext) -> dict:
+    """Q#'s roll-in / cut / roll-out (pita/algos/collector.py): records with rewards.
+
+    Reads: π_ref, round r-1's value model (`guide` input) for the roll-in, this shard's
+    training prompts, `data_collection.*`, `algos.QSharp.*`. Writes: `records.jsonl`
+    (prompt, prefix and roll-out token ids, reward, roll-in origin).
+    """
     records, stats = collect_shard(ctx, pairs=False)
-    write_jsonl(ctx.out_dir / "records.jsonl", records)
+    write_jsonl(ctx.out_dir / Artifact.RECORDS, records)
     return stats
 
 
@@ -145,7 +152,13 @@ def _fused_adamw(device) -> dict:
 
 
 def train(ctx: StageContext) -> dict:
-    records = read_jsonl(ctx.input("data"), "records.jsonl")
+    """Fit Q#'s distributional value model on every round's records so far.
+
+    Reads: `records.jsonl` of the `data` inputs, round r-1's `value_model/` (`previous`,
+    warm start), `algos.QSharp.*`, `training.*`. Writes: `value_model/`,
+    training_metrics.png, performance_summary.txt. Assumes rewards in [V_min, V_max].
+    """
+    records = read_jsonl(ctx.input("data"), Artifact.RECORDS)
     targets = reward_targets([r["reward"] for r in records], ctx.algo_cfg, ctx.task.algo)
     return train_value(ctx, training_items(records, targets))
 
@@ -157,8 +170,7 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
     round k loads round k−1's checkpoint (input "previous"). Steps of
     `algos.<NAME>.batch_size` unique sequences (or `epochs` passes when `steps` is 0),
     AdamW with warmup + cosine decay; `pita.training.TrainStep` does the accumulation over
-    micro-batches (one micro-batch = the whole batch, unless an OOM retry lowered
-    `batch_scale`: then `training.micro_batch_size` if smaller), clipping and the
+    micro-batches (`micro_batch_plan`: the whole batch, halved by each OOM retry), clipping and the
     precision (bf16/fp16 autocast on CUDA only, fp32 on CPU).
     """
     import torch
@@ -166,8 +178,12 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
 
     from pita.algos import losses
     from pita.models.value_model import ValueModel, build_value_model, head_atoms
-    from pita.stages.evaluate import load_model
-    from pita.training.loop import TrainStep, accumulation_plan, enable_gradient_checkpointing
+    from pita.training.loop import (
+        TrainStep,
+        accumulation_plan,
+        enable_gradient_checkpointing,
+        micro_batch_plan,
+    )
     from pita.training.precision import training_device
     from pita.training.report import write_training_report
 
@@ -177,7 +193,7 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
         raise ValueError(f"{ctx.task.id}: no training records in {ctx.input('data')}")
     torch.manual_seed(ctx.seed)
     device = torch.device(training_device(ctx.cfg.system.gpu_mode, ctx.device).device)
-    reference = load_model(ctx, ctx.reference_model())
+    reference = ctx.load_model(ctx.reference_model())
     pad_id = int(reference.config.pad_token_id if reference.config.pad_token_id is not None else 0)
     data = build_targets(items, pad_id)
     ctx.logger.info("training data: %d records -> %d unique sequences, %d (state, action) targets",
@@ -185,12 +201,12 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
 
     # The model: round k−1's checkpoint, else a fresh guide (warm-started from π_ref).
     if ctx.has_input("previous"):
-        prev = ctx.input("previous") / "value_model"
+        prev = ctx.input("previous") / Artifact.VALUE_MODEL
         model = ValueModel.load(prev, device="cpu", attn_impl=ctx.cfg.system.attn_impl)
         ctx.logger.info("warm start from the previous round's checkpoint %s", prev)
         init = f"previous:{ctx.input('previous').name}"
     else:
-        model = build_value_model(reference, ctx.task.family_cfg, algo, vocab_size=reference.config.vocab_size,
+        model = build_value_model(reference, ctx.cfg.model, algo, vocab_size=reference.config.vocab_size,
                                   seed=ctx.seed, attn_impl=ctx.cfg.system.attn_impl, logger=ctx.logger)
         init = "reference" if algo.warm_start else "scratch"
     if model.num_outputs != head_atoms(algo.loss_type, algo.num_atoms):
@@ -204,7 +220,7 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
     auto = not isinstance(algo.batch_size, int)  # auto: the probe picks the micro-batch
     batch = min(n, 256 if auto else int(algo.batch_size))
     scale = ctx.task.batch_scale
-    micro = batch if scale >= 1 else max(1, min(tr.micro_batch_size, int(batch * scale)))
+    micro, _ = micro_batch_plan(batch, tr, scale, whole_batch=True)
     loss_type = str(algo.loss_type)
     # The whole training set lives on the device (pre-tensorised, copied once): a step only
     # indexes it, so there is no per-step collation and no host<->device copy in the loop.
@@ -264,7 +280,7 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
             ctx.logger.info("step %d/%d (epoch %.1f) loss %.4f acc %.3f lr %.2e", step + 1, steps,
                             (step + 1) * batch / n, mean_loss, mean_acc, trainer.lr())
             ctx.heartbeat(f"step {step + 1}/{steps} loss {recent[-1]['loss']:.4f}")
-    model.eval().save(ctx.out_dir / "value_model")
+    model.eval().save(ctx.out_dir / Artifact.VALUE_MODEL)
     perf = write_training_report(ctx.out_dir, trainer, micro_batch=micro, accumulation_steps=n_micro,
                                  gradient_checkpointing=checkpointing, title=ctx.task.id)
     return {"steps": steps, "batch_size": batch, "micro_batch_size": micro, "records": data["records"],

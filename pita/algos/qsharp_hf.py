@@ -1,6 +1,6 @@
 """Q#-HF: Q# on rewards from a proxy reward model fitted to preferences ("human feedback").
 
-Implements ALGORITHMS.md "Q#-HF": the collect stage runs PITA's procedure (roll-in with
+Implements docs/ALGORITHMS.md "Q#-HF": the collect stage runs PITA's procedure (roll-in with
 π^k, cut, roll-out with π_ref, Bradley–Terry preference between y_<h + y' and y) and
 writes both the Q# records (`records.jsonl`) and the preference pairs (`pairs.jsonl`:
 `{"example", "prompt", "chosen", "rejected"}`, full response ids with EOS; at most
@@ -19,12 +19,18 @@ Where this departs from the paper / reference code:
 
 from __future__ import annotations
 
+from pita.algos.collector import collect_shard, preference_pairs, read_jsonl, write_jsonl
 from pita.algos.qsharp import reward_targets, train_value, training_items
-from pita.core.parallel_generation import collect_shard, preference_pairs, read_jsonl, write_jsonl
-from pita.core.stage import StageContext
+from pita.core.paths import Artifact
+from pita.runtime.context import StageContext
 
 
 def collect(ctx: StageContext) -> dict:
+    """Q#-HF collects like PITA (pairs with labels) and keeps at most
+    `pairs_per_example` preference pairs per prompt for the proxy reward model.
+
+    Reads: as `pita_algo.collect`. Writes: `records.jsonl` and `pairs.jsonl` (token ids).
+    """
     records, stats = collect_shard(ctx, pairs=True)
     cap, per_example = int(ctx.algo_cfg.pairs_per_example), {}
     pairs = []  # at most `pairs_per_example` per training prompt (the labelling budget)
@@ -32,8 +38,8 @@ def collect(ctx: StageContext) -> dict:
         per_example[pair["example"]] = per_example.get(pair["example"], 0) + 1
         if per_example[pair["example"]] <= cap:
             pairs.append(pair)
-    write_jsonl(ctx.out_dir / "records.jsonl", records)
-    write_jsonl(ctx.out_dir / "pairs.jsonl", pairs)
+    write_jsonl(ctx.out_dir / Artifact.RECORDS, records)
+    write_jsonl(ctx.out_dir / Artifact.PAIRS, pairs)
     return {**stats, "pairs": len(pairs)}
 
 
@@ -50,12 +56,18 @@ def to_value_range(scores: list[float], v_min: float, v_max: float) -> list[floa
 
 
 def train(ctx: StageContext) -> dict:
+    """Relabel every record with the proxy reward model, then fit Q#'s value model on it.
+
+    Reads: `records.jsonl` of the `data` inputs, `reward_model/` (`reward_model` input),
+    round r-1's `value_model/`, `algos.QSharp-HF.*`. Writes: `value_model/` and the
+    training report. The task's true reward is logged as a diagnostic, never trained on.
+    """
     from pita.algos.reward_model import load_reward_scorer
 
     algo = ctx.algo_cfg
     if algo.loss_type not in ("mle", "bce", "mse"):
         raise ValueError(f"algos.QSharp-HF.loss_type={algo.loss_type!r}: Q#-HF trains mle (or bce | mse)")
-    records = read_jsonl(ctx.input("data"), "records.jsonl")
+    records = read_jsonl(ctx.input("data"), Artifact.RECORDS)
     scorer = load_reward_scorer(ctx, ctx.input("reward_model"))
     scores = scorer.score([r["prompt"] for r in records], [r["prefix"] + r["rollout"] for r in records])
     proxy = to_value_range(scores, float(algo.V_min), float(algo.V_max))

@@ -26,7 +26,8 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-from pita.core.stage import StageContext
+from pita.core.paths import Artifact
+from pita.runtime.context import StageContext
 
 HELDOUT_FRACTION = 0.1
 
@@ -54,7 +55,7 @@ def pairwise_accuracy(scorer, records: Sequence[dict]) -> float:
 
 
 def _scorer_batch(ctx: StageContext) -> int:
-    from pita.stages.batching import generation_batch_size
+    from pita.runtime.batching import generation_batch_size
 
     return generation_batch_size(ctx, ctx.cfg.data_collection.reward_batch_size, fallback=32)
 
@@ -65,8 +66,8 @@ def load_reward_scorer(ctx: StageContext, folder: Path | str):
     from pita.models.reward_scorer import RewardScorer
 
     folder = Path(folder)
-    if (folder / "reward_model").is_dir():
-        folder = folder / "reward_model"
+    if (folder / Artifact.REWARD_MODEL).is_dir():
+        folder = folder / Artifact.REWARD_MODEL
 
     def load():
         model = load_reward_model(str(folder), device=ctx.device, attn_impl=ctx.cfg.system.attn_impl)
@@ -76,6 +77,13 @@ def load_reward_scorer(ctx: StageContext, folder: Path | str):
 
 
 def train_reward_model(ctx: StageContext) -> dict:
+    """Train a Bradley–Terry proxy reward model with TRL's RewardTrainer (the -HF chains).
+
+    Reads: `pairs.jsonl` of the `data` inputs, π_ref (the backbone, with a fresh scalar
+    head) and its tokenizer, `algos.<NAME>.*`. Writes: `reward_model/`
+    (sequence-classification model + tokenizer), training_metrics.png, and the held-out
+    pairwise accuracy in result.json. Holds out 10 % of prompts to measure it.
+    """
     import torch
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification
@@ -121,7 +129,7 @@ def train_reward_model(ctx: StageContext) -> dict:
     performance = train_with_report(ctx, trainer)
 
     model = trainer.accelerator.unwrap_model(trainer.model).eval()
-    save_model(model, tok, ctx.out_dir / "reward_model")
+    save_model(model, tok, ctx.out_dir / Artifact.REWARD_MODEL)
     scorer = RewardScorer(model, tok, _scorer_batch(ctx), padding_side="right")
     result = {"pairs": len(train_pairs), "heldout_pairs": len(heldout),
               "train_accuracy": pairwise_accuracy(scorer, train_pairs[:2000]),

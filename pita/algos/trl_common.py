@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pita.core.stage import StageContext
+from pita.core.paths import Artifact
+from pita.runtime.context import StageContext
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "HF_HUB_DISABLE_TELEMETRY": "1"}
@@ -59,7 +60,7 @@ def offline() -> None:
 def policy_start_dir(ctx: StageContext) -> str:
     """The policy a train stage starts from: round k−1's trained policy, else π_ref."""
     if ctx.has_input("previous"):
-        return str(ctx.input("previous") / "model")
+        return str(ctx.input("previous") / Artifact.MODEL)
     return ctx.reference_model()
 
 
@@ -69,7 +70,7 @@ def load_trainable_lm(ctx: StageContext, path: str):
     from pita.models.loading import load_causal_lm
 
     return load_causal_lm(path, dtype="float32", device=ctx.device, attn_impl=ctx.cfg.system.attn_impl,
-                          trust_remote_code=bool(ctx.task.family_cfg.get("trust_remote_code", False)))
+                          trust_remote_code=bool(ctx.cfg.model.get("trust_remote_code", False)))
 
 
 def save_model(model: Any, tokenizer: Any, folder: Path) -> None:
@@ -78,7 +79,7 @@ def save_model(model: Any, tokenizer: Any, folder: Path) -> None:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     with contextlib.suppress(OSError):  # rmdir refuses a folder that is not empty
-        (Path(folder).parent / "trainer").rmdir()
+        (Path(folder).parent / Artifact.TRAINER_SCRATCH).rmdir()
 
 
 # --- batch sizes and precision ------------------------------------------------------------
@@ -95,25 +96,11 @@ def effective_batch(ctx: StageContext, fallback: int = 64) -> int:
 
 
 def micro_batches(ctx: StageContext, batch: int) -> tuple[int, int]:
-    """(micro-batch, accumulation steps) with micro × steps == batch.
+    """(micro-batch, accumulation steps) of a TRL stage: `micro_batch_plan`, with the whole
+    batch at once for the tiny models built in the run (they have a `reference` input)."""
+    from pita.training.loop import micro_batch_plan
 
-    `training.accumulation_steps` > 0 fixes the steps. Otherwise hub models use
-    `training.micro_batch_size` × `batch_scale`; the tiny models built in the run (they have
-    a `reference` input) take the whole batch at once, as pretrain and the value stages do
-    (on a CPU a micro-batch of 4 makes a GRPO step 7x slower), until an OOM retry halves
-    `batch_scale`.
-    """
-    tr, scale = ctx.cfg.training, ctx.task.batch_scale
-    if tr.accumulation_steps > 0:
-        micro = -(-batch // int(tr.accumulation_steps))
-    elif ctx.has_input("reference"):
-        micro = batch if scale >= 1 else min(int(tr.micro_batch_size), int(batch * scale))
-    else:
-        micro = int(tr.micro_batch_size * scale)
-    micro = max(1, min(micro, batch))
-    while batch % micro:  # the largest micro-batch that divides the effective batch
-        micro -= 1
-    return micro, batch // micro
+    return micro_batch_plan(batch, ctx.cfg.training, ctx.task.batch_scale, whole_batch=ctx.has_input("reference"))
 
 
 def precision_flags(ctx: StageContext) -> dict[str, bool]:
@@ -155,7 +142,8 @@ def training_args(ctx: StageContext, config_cls: type, *, batch_size: int, lr: f
     tr = ctx.cfg.training
     on_cuda = torch.device(ctx.device).type == "cuda" and torch.cuda.is_available()
     micro, accum = micro_batches(ctx, batch_size)
-    workers = int(ctx.algo_cfg.num_workers)
+    # algos.<NAME>.num_workers (the seed guide's key) wins; 0 there defers to training.num_workers
+    workers = int(ctx.algo_cfg.num_workers) or int(tr.num_workers)
     if workers < 0:  # -1 = auto
         workers = 2 if on_cuda else 0
     # transformers 5 renamed gradient_checkpointing (a deprecated alias that warns) to activation_checkpointing
@@ -163,7 +151,7 @@ def training_args(ctx: StageContext, config_cls: type, *, batch_size: int, lr: f
     checkpointing = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
     extra = {checkpointing: bool(tr.gradient_checkpointing), **extra}
     args = config_cls(
-        output_dir=str(ctx.out_dir / "trainer"),  # nothing is written there: save_strategy="no"
+        output_dir=str(ctx.out_dir / Artifact.TRAINER_SCRATCH),  # nothing is written there: save_strategy="no"
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=accum,
         learning_rate=lr,
@@ -210,7 +198,7 @@ def stage_log_callback(ctx: StageContext):
     """A TrainerCallback writing TRL's logs to the task log, train_log.jsonl and the heartbeat."""
     from transformers import TrainerCallback
 
-    path = ctx.out_dir / "train_log.jsonl"
+    path = ctx.out_dir / Artifact.TRAIN_LOG
     t0 = time.time()
 
     class StageLogCallback(TrainerCallback):

@@ -1,12 +1,29 @@
-"""Error hierarchy of pita (modelled on submitit's three classes).
+"""Errors pita raises on purpose, and the one list of task failure classes.
 
-`PitaError` is the root. `ConfigError` is raised for anything a user can fix in the
-config or the command line; the entry point prints its one-line message and exits 2.
-`TaskFailed` carries the tail of a task's log; `WorkerLost` means a worker process died
-or stopped answering.
+`ConfigError` is raised for anything a user can fix in the config or the command line;
+the entry point prints its one-line messages and exits 2. A task that fails is not an
+exception in the orchestrator: its worker answers with one of `FAILURE_CLASSES`, and the
+DAG runner retries by class (docs/DESIGN.md §3):
+
+- ``oom``: out of memory — the same task again at half the micro-batch;
+- ``cuda_fault``: a sticky CUDA error — recycle the worker, retry;
+- ``killed``: the worker died, stopped answering or could not be reached — retry on a
+  fresh worker;
+- ``timeout``: the task overran ``executor.task_timeout_s`` — retry on a fresh worker;
+- ``error``: a Python exception in a stage — fail the task and its dependants;
+- ``interrupted``: Ctrl-C / SIGTERM reached the task — the run stops (resumable).
 """
 
 from __future__ import annotations
+
+from typing import Literal, get_args
+
+FailureClass = Literal["oom", "cuda_fault", "killed", "timeout", "error", "interrupted"]
+FAILURE_CLASSES: tuple[str, ...] = get_args(FailureClass)
+# Classes worth another attempt (up to executor.max_retries); the rest fail the task.
+RETRYABLE: tuple[str, ...] = ("oom", "cuda_fault", "killed", "timeout")
+# Classes after which a worker process is replaced rather than reused.
+RECYCLE_WORKER: tuple[str, ...] = ("oom", "cuda_fault", "interrupted")
 
 
 class PitaError(Exception):
@@ -22,15 +39,3 @@ class ConfigError(PitaError):
     def __init__(self, messages: str | list[str]):
         self.messages = [messages] if isinstance(messages, str) else list(messages)
         super().__init__("\n".join(self.messages))
-
-
-class TaskFailed(PitaError):
-    """A task ended in a classified failure; `log_tail` quotes the end of its log."""
-
-    def __init__(self, task_id: str, failure: str, message: str, log_tail: str = ""):
-        self.task_id, self.failure, self.message, self.log_tail = task_id, failure, message, log_tail
-        super().__init__(f"{task_id} failed ({failure}): {message}")
-
-
-class WorkerLost(PitaError):
-    """A worker process exited, was killed or stopped sending heartbeats."""

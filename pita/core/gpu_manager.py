@@ -18,11 +18,57 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pita.core.config import parse_device_memory, validate_devices_spec
+from omegaconf import ListConfig
+
 from pita.core.errors import ConfigError
+
+_DEVICE_MEM_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GB|GiB|MB|MiB)?\s*$", re.IGNORECASE)
+
+
+def parse_device_memory(text: str) -> int:
+    """'80GB' -> MiB. Raises ValueError on anything else."""
+    m = _DEVICE_MEM_RE.match(str(text))
+    if not m:
+        raise ValueError(text)
+    value, unit = float(m.group(1)), (m.group(2) or "GB").lower()
+    return int(value * 1024) if unit in ("gb", "gib") else int(value)
+
+
+def validate_devices_spec(spec: Any) -> None:
+    """Syntax of system.devices; existence of GPUs is checked by GPUManager."""
+    key = "system.devices"
+    allowed = "allowed: auto | cpu | [0,2] (GPU indices) | fake:N | fake:[80GB,40GB,...]"
+    if isinstance(spec, (list, tuple, ListConfig)):
+        items = list(spec)
+        if not items or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
+            raise ConfigError(f"{key}={items!r}: GPU indices must be non-negative integers; {allowed}")
+        if len(set(items)) != len(items):
+            raise ConfigError(f"{key}={items!r}: duplicate GPU index; {allowed}")
+        return
+    if not isinstance(spec, str):
+        raise ConfigError(f"{key}={spec!r}: {allowed}")
+    if spec in ("auto", "cpu"):
+        return
+    if spec.startswith("fake:"):
+        body = spec[5:].strip()
+        if body.isdigit() and 1 <= int(body) <= 64:
+            return
+        if body.startswith("[") and body.endswith("]"):
+            parts = [p for p in body[1:-1].split(",") if p.strip()]
+            try:
+                sizes = [parse_device_memory(p) for p in parts]
+            except ValueError as exc:
+                raise ConfigError(f"{key}={spec!r}: bad memory size {exc}; {allowed}") from None
+            if sizes and all(s > 0 for s in sizes):
+                return
+        raise ConfigError(f"{key}={spec!r}: fake devices need a count 1..64 or sizes; {allowed}")
+    if spec.startswith("[") or spec.replace(",", "").strip().isdigit():
+        raise ConfigError(f"{key}={spec!r}: write indices as a list, e.g. system.devices=[0,2]")
+    raise ConfigError(f"{key}={spec!r}: {allowed}")
 
 log = logging.getLogger(__name__)
 

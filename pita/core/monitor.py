@@ -1,4 +1,5 @@
-"""Periodic device samples (`gpu_monitor.jsonl`) and the seed guide's summaries in run.log.
+"""Periodic device samples (`gpu_monitor.jsonl`) and the seed guide's summaries in run.log
+(docs/guides/gpu_execution.txt).
 
 Every `executor.monitor_interval_s` the orchestrator writes one JSON line per device
 (NVML memory and utilisation for real GPUs, the workers' own torch allocator figures from

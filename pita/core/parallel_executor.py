@@ -14,7 +14,7 @@ task that does not fit *holds* devices (nothing new starts there until it fits):
     started (aging) holds one device too.
 `DagRunner` drives a `WorkerPool` (or the in-process executor) with it, journals every
 state change, refines the memory estimates of waiting tasks when a finished task reports
-its measured peak, and applies the retry policy of DESIGN §3:
+its measured peak, and applies the retry policy of docs/DESIGN.md §3:
   oom -> retry at half the micro-batch (effective batch kept by accumulation);
   killed / cuda_fault / timeout -> recycle the worker, retry up to executor.max_retries;
   error -> fail the task and skip its dependants; the other chains keep running.
@@ -29,18 +29,18 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from pita.core.planner import Plan
+from pita.core.dag import Plan
+from pita.core.errors import RETRYABLE
 from pita.core.tasks import TaskSpec
 
 log = logging.getLogger(__name__)
 
-RETRYABLE = ("oom", "killed", "cuda_fault", "timeout")
 
 
 def estimate_job_priority(job: TaskSpec, cfg: Any = None) -> float:
     """Higher runs first. Default: critical path (work from this task to the DAG's end).
 
-    Customise here (the seed guide's hook), e.g. `return -job.round` for breadth-first.
+    Customise here (the seed guide's hook, docs/guides/gpu_execution.txt), e.g. `return -job.round` for breadth-first.
     """
     return job.priority
 

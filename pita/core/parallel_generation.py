@@ -1,216 +1,35 @@
-"""Batched roll-in / cut / roll-out: the data collection of Q#, PITA and Q#-HF.
+"""`ParallelDataGenerator`: splits a stage's examples across the devices (the seed guide's name;
+docs/guides/gpu_execution.txt).
 
-`ParallelDataGenerator` is the seed guide's name for the part that "splits examples
-across GPUs"; in pita the split is done by the planner (each `collect` shard gets
-`ctx.shard_slice` of the training prompts and runs on its own device) and this class is
-what one shard runs. Everything is batched: one `generate` call for every roll-in of the
-shard, one for every roll-out, rewards in chunks of `data_collection.reward_batch_size`.
+Data generation (`collect`) and evaluation are sharded: the planner gives each shard a
+contiguous fraction of the stage's prompts, weighted by device capacity, and prefers to
+run shard i on device i. Each shard task then runs in its own worker, pinned to its GPU
+with `CUDA_VISIBLE_DEVICES`, which rebuilds the config, loads the model on its GPU and
+processes its part (`ctx.shard_slice(n)` in the stage); a `*_merge` task joins them.
 
-For each training prompt x and each of `samples_per_example` samples:
-
-1. roll-in: a full response y ~ π^k(·|x) (round 0: π_ref; later rounds: π_ref guided by
-   the previous round's value model, top-k + offsets as in evaluation);
-2. cut: h ~ U{1..|y|−1}, the 1-based step at which π_ref takes over; the kept prefix is
-   y_<h (c = h − 1 tokens, so the first decision can be a roll-out step too);
-3. roll-out: y' ~ π_ref(·|x, y_<h), with the remaining budget max_new_tokens − c. All
-   roll-outs share one generate call of the full budget, each row then cut to its own
-   budget: sampling is autoregressive, so the first B tokens of a longer sample *are* a
-   sample with budget B (no row is truncated to the batch's shortest budget);
-4. reward r(x, y_<h + y'), scored on exactly the ids that are stored and trained on;
-5. with `pairs` (PITA, Q#-HF): also r(x, y) of the roll-in's own continuation, and the
-   preference label 1[y_<h + y' ≻ y]: if exactly one of the two rewards is 1 (the other 0)
-   it wins, otherwise a Bradley–Terry draw P = σ(β_BT·(r' − r)).
-
-Records are token ids (never decoded text), one JSON object per line:
-`{"example", "prompt", "prefix", "rollout", "reward", "roll_in"}` (+ `"original"`,
-`"reward_original"`, `"label"`, `"pref_prob"` with pairs). `roll_in` is "reference" when
-the whole response was sampled from π_ref (round 0), else "guided".
-
-This module is torch-only at call time; it is imported in workers, never by the
-orchestrator.
+What one shard runs — the batched roll-in / cut / roll-out of Q#, PITA and Q#-HF — is
+algorithm code and lives in pita/algos/collector.py. This module is parent-side and
+torch-free.
 """
 
 from __future__ import annotations
 
-import math
-import random
-from collections.abc import Callable, Sequence
-from typing import Any
+from pita.core.gpu_manager import GPUManager
 
-
-def score_in_batches(task: Any, examples: Sequence, responses: Sequence[Sequence[int]],
-                     batch_size: int) -> list[float]:
-    """task.rewards over chunks of `batch_size` (one reward-model call per chunk)."""
-    out: list[float] = []
-    for start in range(0, len(responses), batch_size):
-        out += task.rewards(examples[start: start + batch_size], responses[start: start + batch_size])
-    return [float(r) for r in out]
-
-
-def preference_label(r_new: float, r_old: float, beta: float, rng: random.Random) -> tuple[float, float]:
-    """(label, P(new ≻ old)): a decided pair when exactly one reward is 1 and the other 0,
-    otherwise a Bradley–Terry draw with P = σ(β·(r_new − r_old))."""
-    if {r_new, r_old} == {0.0, 1.0}:
-        won = float(r_new > r_old)
-        return won, won
-    z = beta * (r_new - r_old)
-    prob = 1.0 / (1.0 + math.exp(-z)) if z > -700 else 0.0
-    return float(rng.random() < prob), prob
+_RESOLUTION = 10_000  # fractions are exact to 1e-4 of the examples
 
 
 class ParallelDataGenerator:
-    """One collect shard's batched roll-in / cut / roll-out (see the module docstring)."""
+    """Splits examples over the devices of a `GPUManager`, in proportion to their capacity."""
 
-    def __init__(self, reference: Any, task: Any, *, batch_size: int, max_new_tokens: int,
-                 pad_token_id: int, eos_token_id: int | Sequence[int], temperature: float = 1.0,
-                 top_p: float = 1.0, rollout_top_k: int = 0, roll_in_hook_factory: Callable | None = None,
-                 roll_in_top_k: int | None = None, reward_batch_size: int = 32, seed: int = 0,
-                 heartbeat: Callable[[str], None] | None = None):
-        self.reference, self.task = reference, task
-        self.batch_size, self.max_new_tokens = batch_size, max_new_tokens
-        self.pad, self.eos = pad_token_id, eos_token_id
-        self.temperature, self.top_p, self.rollout_top_k = temperature, top_p, rollout_top_k
-        self.hook_factory = roll_in_hook_factory
-        self.roll_in_top_k = rollout_top_k if roll_in_top_k is None else roll_in_top_k
-        self.reward_batch_size, self.seed = reward_batch_size, seed
-        self.heartbeat = heartbeat or (lambda msg: None)
+    def __init__(self, gpu_manager: GPUManager):
+        self.gpu = gpu_manager
 
-    def _generate(self, prompts: list[list[int]], *, top_k: int, hook_factory: Callable | None, generator):
-        from pita.models.generation import generate
+    def split(self, n_examples: int, n_parts: int | None = None) -> list[tuple[int, int]]:
+        """Contiguous [start, end) ranges covering every example once; part i is for device i."""
+        return self.gpu.distribute_work(n_examples, n_parts)
 
-        return generate(self.reference, prompts, max_new_tokens=self.max_new_tokens, batch_size=self.batch_size,
-                        pad_token_id=self.pad, eos_token_id=self.eos, do_sample=True,
-                        temperature=self.temperature, top_k=top_k, top_p=self.top_p, generator=generator,
-                        offset_hook_factory=hook_factory)
-
-    def collect(self, indices: Sequence[int], examples: Sequence, samples_per_example: int, *,
-                pairs: bool = False, bradley_terry_beta: float = 10.0) -> list[dict]:
-        """Records for `examples` (their ids in the task's training list are `indices`)."""
-        import torch
-
-        rng = random.Random(self.seed)
-        generator = torch.Generator(device="cpu").manual_seed(self.seed)
-        rows = [(i, ex) for i, ex in zip(indices, examples) for _ in range(samples_per_example)]
-        if not rows:
-            return []
-        prompts = [list(ex.prompt_ids) for _, ex in rows]
-        row_examples = [ex for _, ex in rows]
-
-        # 1. roll-in: whole responses from the current policy π^k
-        roll_in = self._generate(prompts, top_k=self.roll_in_top_k, hook_factory=self.hook_factory,
-                                 generator=generator).responses
-        self.heartbeat(f"roll-in: {len(rows)} responses")
-        # 2. cut: keep c = h − 1 tokens, h ~ U{1..|y|−1} (c = 0 when |y| < 2)
-        cuts = [rng.randint(0, max(0, len(y) - 2)) for y in roll_in]
-        prefixes = [y[:c] for y, c in zip(roll_in, cuts)]
-        # 3. roll-out with π_ref from x + y_<h, each row cut to its own remaining budget
-        cont = self._generate([p + pre for p, pre in zip(prompts, prefixes)], top_k=self.rollout_top_k,
-                              hook_factory=None, generator=generator).responses
-        rollouts = [r[: self.max_new_tokens - c] for r, c in zip(cont, cuts)]
-        self.heartbeat(f"roll-out: {len(rows)} continuations")
-        # 4. rewards of exactly the stored ids
-        responses = [pre + ro for pre, ro in zip(prefixes, rollouts)]
-        rewards = score_in_batches(self.task, row_examples, responses, self.reward_batch_size)
-        origin = "guided" if self.hook_factory is not None else "reference"
-        records = [{"example": i, "prompt": p, "prefix": pre, "rollout": ro, "reward": r, "roll_in": origin}
-                   for (i, _), p, pre, ro, r in zip(rows, prompts, prefixes, rollouts, rewards)]
-        if pairs:  # 5. the roll-in's own continuation, and the preference label
-            originals = score_in_batches(self.task, row_examples, roll_in, self.reward_batch_size)
-            for rec, y, c, r_old in zip(records, roll_in, cuts, originals):
-                label, prob = preference_label(rec["reward"], r_old, bradley_terry_beta, rng)
-                rec.update(original=y[c:], reward_original=r_old, label=label, pref_prob=prob)
-        return records
-
-
-def preference_pairs(records: Sequence[dict]) -> list[dict]:
-    """PITA-style pairs for a proxy reward model: {"example", "prompt", "chosen",
-    "rejected"} with full response ids (EOS included); pairs whose two responses are the
-    same ids are dropped (they carry no preference)."""
-    out = []
-    for rec in records:
-        new, old = rec["prefix"] + rec["rollout"], rec["prefix"] + rec["original"]
-        if new == old:
-            continue
-        chosen, rejected = (new, old) if rec["label"] >= 0.5 else (old, new)
-        out.append({"example": rec["example"], "prompt": rec["prompt"], "chosen": chosen, "rejected": rejected})
-    return out
-
-
-def collect_shard(ctx: Any, *, pairs: bool) -> tuple[list[dict], dict]:
-    """Run one collect shard of a value-guided chain: load π_ref (and the previous round's
-    guide), build the generator from the config, collect this shard's prompts.
-    Returns (records, stats)."""
-    import time
-
-    from pita.datasets import build_task
-    from pita.stages.batching import generation_batch_size
-    from pita.stages.evaluate import load_model
-
-    t0 = time.perf_counter()
-
-    ref_dir = ctx.reference_model()
-    reference = load_model(ctx, ref_dir)
-    task = build_task(ctx.task.dataset_cfg, tokenizer=ref_dir)
-    tok = task.tokenizer
-    examples = task.train_examples()
-    dc, gen, algo = ctx.cfg.data_collection, ctx.cfg.generation, ctx.algo_cfg
-    if dc.max_examples:
-        examples = examples[: dc.max_examples]
-    part = ctx.shard_slice(len(examples))
-    indices = list(range(len(examples)))[part]
-    hook, roll_in_top_k = None, int(gen.top_k)
-    if ctx.has_input("guide") and float(algo.guidance.eta) != 0:  # round k > 0: π^k = guided π_ref
-        from pita.algos.guidance import guided_hook_factory
-
-        hook = guided_hook_factory(ctx, ctx.input("guide"), float(algo.guidance.eta))
-        roll_in_top_k = int(algo.guidance.top_k)
-    max_new = int(gen.max_new_tokens or task.max_new_tokens)
-    # The probe measures on the task's device with the models collect really holds: π_ref
-    # on the shard's longest prompt and full max_new_tokens, plus the guide when guided.
-    # (Without the model it had nothing to measure and logged "no CUDA device" on GPUs.)
-    guide = [hook.model] if getattr(hook, "model", None) is not None else []
-    batch = generation_batch_size(ctx, gen.batch_size, model=reference,
-                                  prompts=[examples[i].prompt_ids for i in indices], max_new_tokens=max_new,
-                                  extra_models=guide, fallback=256)
-    generator = ParallelDataGenerator(
-        reference, task, batch_size=batch,
-        max_new_tokens=max_new, pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id, temperature=float(gen.temperature), top_p=float(gen.top_p),
-        rollout_top_k=int(gen.top_k), roll_in_hook_factory=hook, roll_in_top_k=roll_in_top_k,
-        reward_batch_size=generation_batch_size(ctx, dc.reward_batch_size, fallback=32), seed=ctx.seed,
-        heartbeat=ctx.heartbeat)
-    samples = int(algo.get("samples_per_example", 0) or dc.samples_per_example)  # per-algo override, if any
-    records = generator.collect(indices, [examples[i] for i in indices], samples,
-                                pairs=pairs, bradley_terry_beta=float(dc.bradley_terry_beta))
-    # sums, not means: collect_merge adds up every number of the shards' results
-    stats = {"prompts": len(indices), "records": len(records), "guided": hook is not None,
-             "reward_sum": sum(r["reward"] for r in records), "collect_s": round(time.perf_counter() - t0, 2)}
-    if pairs:
-        stats["reward_roll_in_sum"] = sum(r["reward_original"] for r in records)
-        stats["label_sum"] = sum(r["label"] for r in records)
-    if hook is not None:
-        stats["value_forwards"], stats["decode_steps"] = hook.stats.forwards, hook.stats.steps  # 1 per step
-    ctx.logger.info("collected %s", stats)
-    return records, stats
-
-
-def write_jsonl(path: Any, rows: Sequence[dict]) -> None:
-    import json
-
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row, separators=(",", ":")) + "\n")
-
-
-def read_jsonl(folders: Sequence[Any], name: str) -> list[dict]:
-    """Every `name` record of every folder, in order (DAgger: rounds 0..k)."""
-    import json
-    from pathlib import Path
-
-    out = []
-    for folder in folders:
-        path = Path(folder) / name
-        if path.is_file():
-            with open(path) as f:
-                out += [json.loads(line) for line in f if line.strip()]
-    return out
+    def shard_fractions(self, n_parts: int) -> list[tuple[float, float]]:
+        """The same split as fractions of the examples (a plan is made before the stage
+        knows how many examples it has)."""
+        return [(a / _RESOLUTION, b / _RESOLUTION) for a, b in self.split(_RESOLUTION, n_parts)]

@@ -1,4 +1,4 @@
-"""The one place that builds paths inside a run folder (DESIGN §4), and atomic writes."""
+"""The one place that builds paths inside a run folder (docs/DESIGN.md §4), and atomic writes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,31 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-MANIFEST = "manifest.json"
+
+class Artifact:
+    """The names of the files and folders inside a task folder, in one place.
+
+    Stages write them under `ctx.out_dir` and read their inputs' (`ctx.input(name) /
+    Artifact.MODEL`); the report and resume read them here too.
+    """
+
+    MANIFEST = "manifest.json"  # written last by TaskPaths.commit: the folder is complete
+    LOG = "log.txt"  # the task's own log
+    RESULT = "result.json"  # what the stage function returned, + task_id, wall_s, attempt
+    ERROR = "error.json"  # a failed attempt's class and message
+    MODEL = "model"  # a save_pretrained causal LM + tokenizer (pretrain, DPO, GRPO)
+    VALUE_MODEL = "value_model"  # a value model (PITA, Q#, Q#-HF train)
+    REWARD_MODEL = "reward_model"  # a sequence-classification proxy reward (-HF chains)
+    RECORDS = "records.jsonl"  # roll-outs of a value-guided collect, token ids
+    PAIRS = "pairs.jsonl"  # preference pairs (DPO, -HF collect), token ids
+    SAMPLES = "samples.jsonl"  # one evaluate shard's samples
+    METRICS = "metrics.json"  # evaluate_merge: the results rows of one chain and round
+    STATS = "stats.json"  # collect_merge: summed shard statistics
+    TRAIN_LOG = "train_log.jsonl"  # a TRL trainer's logged metrics
+    TRAINER_SCRATCH = "trainer"  # TRL's output_dir (nothing is saved there)
+
+
+MANIFEST = Artifact.MANIFEST
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -54,6 +78,10 @@ class RunPaths:
         return self.root / "run.log"
 
     @property
+    def workers(self) -> Path:
+        return self.root / "workers"
+
+    @property
     def gpu_monitor(self) -> Path:
         return self.root / "gpu_monitor.jsonl"
 
@@ -89,11 +117,11 @@ class TaskPaths:
 
     @property
     def log(self) -> Path:
-        return self.final / "log.txt"
+        return self.final / Artifact.LOG
 
     @property
     def result(self) -> Path:
-        return self.final / "result.json"
+        return self.final / Artifact.RESULT
 
     @property
     def manifest(self) -> Path:
@@ -129,10 +157,3 @@ class TaskPaths:
                 return False
         return True
 
-    def log_tail(self, n_lines: int = 15) -> str:
-        for candidate in (self.log,):
-            try:
-                return "\n".join(candidate.read_text(errors="replace").splitlines()[-n_lines:])
-            except OSError:
-                pass
-        return ""

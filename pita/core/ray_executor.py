@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pita.core.errors import ConfigError
+from pita.core.executor import RunTask, TaskOutcome
 from pita.core.tasks import TaskSpec
 
 
@@ -31,33 +32,19 @@ def _ray():
     return ray
 
 
-def _run_remote(task_dict: dict, cfg_dict: dict, run_dir: str, attempt: int):
-    """Body of the Ray task: the same code path as a local worker."""
-    import os
-
-    from pita.core.stage import ModelCache
-    from pita.core.tasks import TaskSpec as _TaskSpec
-    from pita.core.worker import execute_task
-    from pita.core.worker_pool import TaskOutcome
-
-    task = _TaskSpec.from_dict(task_dict)
-    device = "cuda" if os.environ.get("CUDA_VISIBLE_DEVICES") else "cpu"
-    ok, failure, message, result = execute_task(task, cfg_dict, run_dir, attempt, device=device,
-                                                models=ModelCache(1))
-    return TaskOutcome(task.id, ok, failure, message, result, result.get("wall_s", 0.0), os.getpid())
-
-
 class RayExecutor:
-    """The WorkerPool interface on top of `ray.remote`."""
+    """The `Executor` interface on top of `ray.remote`. `run_task` is the body of each Ray
+    task (pita.runtime.worker.run_task_here: the same code path as a local worker); Ray
+    pickles it by reference, so the node imports the worker runtime, not this process."""
 
-    def __init__(self, executor_cfg):
+    def __init__(self, executor_cfg, run_task: RunTask | None = None):
         ray = _ray()
         if not ray.is_initialized():
             address = executor_cfg.ray_address
             ray.init(address=None if address in (None, "local") else address, ignore_reinit_error=True,
                      log_to_driver=False)
         self.ray = ray
-        self._remote = ray.remote(max_retries=0)(_run_remote)
+        self._remote = ray.remote(max_retries=0)(run_task) if run_task is not None else None
 
     def slots(self) -> tuple[str, int]:
         res = self.ray.cluster_resources()
@@ -71,8 +58,6 @@ class RayExecutor:
         future: Future = Future()
 
         def _done(inner: Future) -> None:
-            from pita.core.worker_pool import TaskOutcome
-
             try:
                 future.set_result(inner.result())
             except Exception as exc:  # the Ray worker died: same class as a killed local worker

@@ -10,8 +10,8 @@ worker that exits or is killed mid-task, stops sending heartbeats, or overruns t
 timeout completes its future with a classified failure (`killed`, `timeout`); the parent
 never waits forever. A healthy worker is reused for the next task on the same devices
 (keeping its model LRU) and recycled after `max_tasks_per_worker` tasks or any OOM /
-CUDA fault. `InProcessExecutor` runs stages in this process with the same interface
-(debugging: pdb works).
+CUDA fault. It implements the `Executor` protocol (pita/core/executor.py), like the
+in-process and Ray executors.
 """
 
 from __future__ import annotations
@@ -25,29 +25,16 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Listener, wait
 from pathlib import Path
 from typing import Any
 
+from pita.core.errors import RECYCLE_WORKER
+from pita.core.executor import TaskOutcome
 from pita.core.tasks import TaskSpec
 
 log = logging.getLogger(__name__)
-
-FAILURE_CLASSES = ("oom", "cuda_fault", "killed", "error", "timeout")
-
-
-@dataclass
-class TaskOutcome:
-    task_id: str
-    ok: bool
-    failure: str | None = None  # one of FAILURE_CLASSES when not ok
-    message: str = ""
-    result: dict[str, Any] = field(default_factory=dict)
-    wall_s: float = 0.0
-    worker_pid: int | None = None
-    devices: tuple[int, ...] = ()
-
 
 @dataclass
 class _Job:
@@ -219,7 +206,7 @@ class WorkerPool:
         worker_id = self._next_id
         self._next_id += 1
         host, port = self._listener.address
-        cmd = [sys.executable, "-m", "pita.core.worker", "--address", f"{host}:{port}",
+        cmd = [sys.executable, "-m", "pita.runtime.worker", "--address", f"{host}:{port}",
                "--worker-id", str(worker_id), "--heartbeat-s", str(self.heartbeat_s),
                "--cache-size", str(self.model_cache_size)]
         if self.preimport:
@@ -369,7 +356,7 @@ class WorkerPool:
             w.stats = stats
             w.tasks_run += 1
             # the worker exits by itself after an OOM / CUDA fault: never reuse it
-            w.state = "stopping" if failure in ("oom", "cuda_fault", "interrupted") else "idle"
+            w.state = "stopping" if failure in RECYCLE_WORKER else "idle"
             self._finish(w, TaskOutcome(task_id, False, failure, message))
 
     def _check_liveness(self) -> None:
@@ -402,36 +389,3 @@ class WorkerPool:
                 self._signal_group(w, signal.SIGKILL)
                 self._finish(w, TaskOutcome(w.job.task.id, False, "killed",
                                             f"no heartbeat for {self.heartbeat_timeout_s:g}s; worker killed"))
-
-
-class InProcessExecutor:
-    """Runs stages in this process with the WorkerPool interface (debugging, pdb works)."""
-
-    def __init__(self, gpu_manager=None, model_cache_size: int = 2):
-        from pita.core.stage import ModelCache
-
-        self.gpu = gpu_manager
-        self.models = ModelCache(model_cache_size)
-
-    def submit(self, task: TaskSpec, devices, cfg_dict: dict, run_dir: str | Path, attempt: int = 1) -> Future:
-        from pita.core import worker
-
-        future: Future = Future()
-        t0 = time.time()
-        ok, failure, message, result = worker.execute_task(task, cfg_dict, run_dir, attempt, device="cpu",
-                                                           models=self.models, reraise_interrupt=True)
-        future.set_result(TaskOutcome(task.id, ok, failure, message, result, round(time.time() - t0, 3),
-                                      os.getpid(), tuple(devices)))
-        return future
-
-    def warm_up(self, device_sets) -> None:
-        pass
-
-    def workers(self) -> list[dict[str, Any]]:
-        return []
-
-    def worker_pids(self) -> list[int]:
-        return []
-
-    def shutdown(self, kill: bool = False, grace_s: float = 5.0) -> None:
-        self.models.clear()

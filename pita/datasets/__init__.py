@@ -27,7 +27,6 @@ REGISTRY: dict[str, str] = {
     "imdb": "hub",
     "tldr": "hub",
 }
-OFFLINE_TASKS = ("goal_walk", "star_graph")  # built in code, need no tokenizer or network
 
 __all__ = ["REGISTRY", "Example", "Task", "build_task", "task_names", "validate_dataset_cfg"]
 

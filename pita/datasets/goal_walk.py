@@ -281,7 +281,7 @@ class GoalWalkTask:
         """Expected pass@1 of the ideal reference: E_s E_{g ~ U(reach(s))} p(s, g).
 
         Every L-step walk from s ends inside reach(s), so Σ_{g ∈ reach(s)} p(s, g) = 1 and the
-        inner mean is exactly 1/|reach(s)|: this equals E_s[1/|reach(s)|] (ALGORITHMS.md),
+        inner mean is exactly 1/|reach(s)|: this equals E_s[1/|reach(s)|] (docs/ALGORITHMS.md),
         even though p(s, g) itself is not uniform over g. With `examples`, the mean of
         p(s, g) over those prompts instead (e.g. the actual test set).
         """

@@ -1,4 +1,4 @@
-"""Metrics of ALGORITHMS.md, computed from per-sample records (pure Python).
+"""Metrics of docs/ALGORITHMS.md, computed from per-sample records (pure Python).
 
 - pass@1: mean correctness over all samples of all prompts;
 - maj@k: per prompt, the majority answer among its k samples (ties broken at random with

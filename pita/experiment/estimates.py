@@ -11,7 +11,7 @@ mean something. Each task's `mem_mb` comes from the first of these that is known
 2. **checkpoint size**: parameters × dtype bytes read from `config.json` and the
    safetensors headers of a local folder or the local hub cache (json + struct: no torch,
    no download), plus KV cache / activations for the configured batch and lengths, plus
-   gradients and AdamW state for training stages (`pita.core.batch_size.estimate_from_config`,
+   gradients and AdamW state for training stages (`pita.runtime.batch_size.search.estimate_from_config`,
    the same formula the batch-size probe starts from). The tiny family's models are built
    in the run: their size comes from `model.reference_arch` / `guide_arch`;
    An explicit `model.memory_gb` (one that differs from conf/model/<family>.yaml: set on
@@ -268,7 +268,7 @@ def _roles(algo: str, stage: str, round_idx: int) -> list[tuple[str, str]]:
 
 def analytic_mb(task: Any, cfg: Any, sizes: ModelSizes) -> tuple[int, str] | None:
     """Weights + KV cache / activations + optimizer state of the task's models, in MB."""
-    from pita.core.batch_size import estimate_from_config
+    from pita.runtime.batch_size.search import estimate_from_config
 
     roles = _roles(task.algo, task.stage, task.round)
     if not roles:

@@ -14,7 +14,7 @@ How a batch is decoded:
 - position ids are computed from the attention mask (``cumsum - 1``), so a left-padded row
   sees exactly the positions it would see alone; the KV cache is the model's own
   (``use_cache=True``) and only the newest token is fed after the first step;
-- each step turns the raw next-token logits ℓ into a token in this order (ALGORITHMS.md,
+- each step turns the raw next-token logits ℓ into a token in this order (docs/ALGORITHMS.md,
   "Guided decoding"):
 
   1. candidates: the ``top_k`` largest raw logits (all tokens when ``top_k == 0``);

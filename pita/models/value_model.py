@@ -29,7 +29,7 @@ candidate's keys/values and drop the others: still one forward per step.
 Warm start (`warm_start`, tiny family): the reference's token embeddings, its first
 block(s) and final norm are copied into the guide backbone when the widths match; the
 prototype only learned the goal-walk value function within the CPU budget that way
-(ALGORITHMS.md).
+(docs/ALGORITHMS.md).
 
 Checkpoints: `value_model/model.safetensors` (state dict) + `value_model/config.json`
 (backbone config + head settings); no pickle anywhere.
@@ -221,13 +221,3 @@ def warm_start_from(vm: ValueModel, reference: nn.Module) -> list[str]:
         copy(bb.layers[i], ref_base.layers[i], f"layers.{i}")
     copy(bb.norm, ref_base.norm, "norm")
     return copied
-
-
-def load_value_model(ctx: Any, guide_dir: str | Path) -> ValueModel:
-    """The value model of a train folder (`<guide_dir>/value_model`), through the worker's
-    model LRU so shards and η values of one stage load it once."""
-    folder = Path(guide_dir)
-    if (folder / "value_model").is_dir():
-        folder = folder / "value_model"
-    return ctx.models.get(f"value:{folder}", lambda: ValueModel.load(folder, device=ctx.device,
-                                                                    attn_impl=ctx.cfg.system.attn_impl))

@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import json
 
-from pita.core.stage import StageContext
+from pita.core.paths import Artifact
+from pita.runtime.context import StageContext
 
 
 def collect_merge(ctx: StageContext) -> dict:
+    """Merge the shards of a collect stage.
+
+    Reads: every `*.jsonl` file and `result.json` of the `shards` inputs. Writes: each
+    jsonl concatenated shard by shard in order, and `stats.json` with the shards'
+    numbers summed. Assumes shards write the same file names.
+    """
     counts: dict[str, int] = {}
     totals: dict[str, float] = {}
     handles = {}
@@ -25,13 +32,13 @@ def collect_merge(ctx: StageContext) -> dict:
                     for line in f:
                         handles[src.name].write(line)
                         counts[src.name] = counts.get(src.name, 0) + 1
-            result = json.loads((shard / "result.json").read_text())
+            result = json.loads((shard / Artifact.RESULT).read_text())
             for key, value in result.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "attempt":
                     totals[key] = totals.get(key, 0) + value
     finally:
         for h in handles.values():
             h.close()
-    (ctx.out_dir / "stats.json").write_text(json.dumps({"records": counts, **totals}, indent=2))
+    (ctx.out_dir / Artifact.STATS).write_text(json.dumps({"records": counts, **totals}, indent=2))
     ctx.logger.info("merged %d shards: %s", len(ctx.input("shards")), counts)
     return {"records": counts}

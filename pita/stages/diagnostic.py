@@ -10,10 +10,15 @@ from __future__ import annotations
 import os
 import time
 
-from pita.core.stage import StageContext
+from pita.runtime.context import StageContext
 
 
 def device_check(ctx: StageContext) -> dict:
+    """test_parallel_setup.py's per-device check: a matrix product on the worker's device.
+
+    Reads: nothing but the device. Writes: only result.json (device, CUDA_VISIBLE_DEVICES,
+    max error against the CPU, time).
+    """
     import torch
 
     n_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -3,7 +3,7 @@
 `evaluate_shard` generates `evaluation.num_samples` samples for its slice of the test
 prompts and writes one record per sample (token ids, reward, answer, log-probs) to
 `samples.jsonl`; `evaluate_merge` reads every shard and computes the metrics of
-ALGORITHMS.md per η into `metrics.json`, which the report turns into the results table.
+docs/ALGORITHMS.md per η into `metrics.json`, which the report turns into the results table.
 
 The policy depends on the chain:
 - reference: π_ref itself (η = 0);
@@ -18,22 +18,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from pita.core.stage import StageContext
-from pita.stages.batching import generation_batch_size
-
-GUIDED = ("PITA", "QSharp", "QSharp-HF")
-
-
-def load_model(ctx: StageContext, name_or_path: Path | str):
-    """A causal LM (a save_pretrained folder or a hub id), through the worker's model LRU."""
-    from pita.models.loading import load_causal_lm
-
-    return ctx.models.get(f"lm:{name_or_path}", lambda: load_causal_lm(
-        str(name_or_path), device=ctx.device, attn_impl=ctx.cfg.system.attn_impl,
-        dtype=ctx.task.family_cfg.get("dtype", "auto"), device_map=ctx.task.family_cfg.get("device_map")))
+from pita.algos.registry import GUIDED
+from pita.core.paths import Artifact, atomic_write_json
+from pita.runtime.batching import generation_batch_size
+from pita.runtime.context import StageContext
 
 
 def test_examples(ctx: StageContext, task) -> list:
@@ -59,18 +49,24 @@ def _policies(ctx: StageContext, task, ref) -> list[tuple[float | None, Any, Cal
             factory = guided_hook_factory(ctx, guide_dir, float(eta)) if eta > 0 else None
             out.append((float(eta), ref, factory, int(guidance.top_k), False))
         return out
-    return [(None, load_model(ctx, ctx.input("policy") / "model"), None, top_k, True)]
+    return [(None, ctx.load_model(ctx.input("policy") / Artifact.MODEL), None, top_k, True)]
 
 
 def evaluate_shard(ctx: StageContext) -> dict:
+    """Sample this shard's test prompts with the round's policy at every η and score them.
+
+    Reads: π_ref, the `policy` input (`value_model/` for guided chains, `model/` for DPO /
+    GRPO), `evaluation.*`, `generation.*`. Writes: `samples.jsonl` (one record per
+    sample: η, token ids, reward, answer, log π and log π_ref of the sampled tokens).
+    """
     import torch
 
     from pita.datasets import build_task
     from pita.models.generation import generate, sequence_logprobs
 
     ref_dir = ctx.reference_model()
-    ref = load_model(ctx, ref_dir)
-    task = build_task(ctx.task.dataset_cfg, tokenizer=ref_dir)
+    ref = ctx.load_model(ref_dir)
+    task = build_task(ctx.cfg.dataset, tokenizer=ref_dir)
     tok = task.tokenizer
     all_examples = test_examples(ctx, task)
     part = ctx.shard_slice(len(all_examples))
@@ -84,7 +80,7 @@ def evaluate_shard(ctx: StageContext) -> dict:
     bs = generation_batch_size(ctx, ctx.cfg.evaluation.batch_size, model=ref, prompts=prompts,
                                max_new_tokens=max_new)
     n_records = 0
-    with open(ctx.out_dir / "samples.jsonl", "w") as f:
+    with open(ctx.out_dir / Artifact.SAMPLES, "w") as f:
         for eta, model, hook_factory, top_k, needs_ref in _policies(ctx, task, ref):
             generator = torch.Generator(device="cpu").manual_seed(ctx.seed)
             out = generate(model, prompts, max_new_tokens=max_new, batch_size=bs, pad_token_id=tok.pad_token_id,
@@ -107,16 +103,22 @@ def evaluate_shard(ctx: StageContext) -> dict:
 
 
 def evaluate_merge(ctx: StageContext) -> dict:
+    """Compute the metrics of every η from the shards' samples.
+
+    Reads: `samples.jsonl` and `result.json` of the `shards` inputs. Writes:
+    `metrics.json`, the rows of results/summary.csv for this chain and round (pass@1,
+    maj@k, avg_reward, KL, task-specific columns).
+    """
     from pita.datasets import build_task
     from pita.eval.metrics import maj_at_k, mean, pass_at_1
 
-    task = build_task(ctx.task.dataset_cfg, tokenizer=ctx.reference_model())
+    task = build_task(ctx.cfg.dataset, tokenizer=ctx.reference_model())
     examples = test_examples(ctx, task)
     by_eta: dict[Any, list[dict]] = {}
     wall = 0.0
     for shard in ctx.input("shards"):
-        wall += json.loads((shard / "result.json").read_text()).get("wall_s", 0.0)
-        for line in (shard / "samples.jsonl").read_text().splitlines():
+        wall += json.loads((shard / Artifact.RESULT).read_text()).get("wall_s", 0.0)
+        for line in (shard / Artifact.SAMPLES).read_text().splitlines():
             rec = json.loads(line)
             by_eta.setdefault(rec["eta"], []).append(rec)
     rows = []
@@ -139,9 +141,8 @@ def evaluate_merge(ctx: StageContext) -> dict:
             row["optimum_pass@1"] = oracle
         rows.append(row)
         ctx.logger.info("%s", row)
-    from pita.core.paths import atomic_write_json
 
-    atomic_write_json(ctx.out_dir / "metrics.json", rows)
+    atomic_write_json(ctx.out_dir / Artifact.METRICS, rows)
     return {"rows": rows}
 
 

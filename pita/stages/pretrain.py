@@ -21,7 +21,8 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
-from pita.core.stage import StageContext
+from pita.core.paths import Artifact
+from pita.runtime.context import StageContext
 
 
 def pad_right(rows: list[list[int]], labels: list[list[int]], pad_id: int):
@@ -68,6 +69,13 @@ def prefetch(batches: Iterator, depth: int = 2) -> Iterator:
 
 
 def pretrain(ctx: StageContext) -> dict:
+    """Train the reference policy π_ref of a family built in the run (the tiny Llama).
+
+    Reads: the task's pretraining batches (teacher-forced correct responses),
+    `model.reference_arch`, `pretrain.*`, `training.*`. Writes: `model/` (save_pretrained
+    + the task's tokenizer), training_metrics.png, performance_summary.txt. Runs DDP over
+    the task's gang with `training.parallel_strategy=data_parallel`.
+    """
     from pita.training.ddp import run_stage
 
     return run_stage(ctx, _pretrain)  # one process, or one per GPU of the gang (data_parallel)
@@ -83,9 +91,9 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     from pita.training.ddp import wrap_model
     from pita.training.loop import (
         TrainStep,
-        accumulation_plan,
         compile_model,
         enable_gradient_checkpointing,
+        micro_batch_plan,
         split_batch,
         token_weights,
     )
@@ -97,11 +105,11 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     # pretrain.batch_size is the effective batch over all ranks; each rank cuts its share
     # into micro-batches whose gradients add up to those of the whole share.
     per_rank = -(-pcfg.batch_size // world)
-    micro, n_micro = accumulation_plan(per_rank, per_rank, tr.accumulation_steps, ctx.task.batch_scale)
+    micro, n_micro = micro_batch_plan(per_rank, tr, ctx.task.batch_scale, whole_batch=True)
 
-    task = build_task(ctx.task.dataset_cfg)
+    task = build_task(ctx.cfg.dataset)
     tok = task.tokenizer
-    arch = ctx.task.family_cfg["reference_arch"]
+    arch = ctx.cfg.model["reference_arch"]
     torch.manual_seed(ctx.seed)
     rng = random.Random(ctx.seed)  # the same stream on every rank: same batches, then sharded
     sample = task.pretrain_batch(random.Random(0), 1)[0]
@@ -156,8 +164,8 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     if dist is not None and not dist.is_main:
         return {}  # rank 0 writes the model and the report
     model.eval()
-    model.save_pretrained(ctx.out_dir / "model")
-    task.save_tokenizer(str(ctx.out_dir / "model"))
+    model.save_pretrained(ctx.out_dir / Artifact.MODEL)
+    task.save_tokenizer(str(ctx.out_dir / Artifact.MODEL))
     perf = write_training_report(ctx.out_dir, step, micro_batch=micro, accumulation_steps=n_micro, world_size=world,
                                  gradient_checkpointing=checkpointing, title=ctx.task.id)
     step.flush()

@@ -10,46 +10,6 @@
 - `ddp`: `training.parallel_strategy=data_parallel`, DDP over the task's gang
   (`run_data_parallel`, `run_stage`).
 
-Importing this package imports no torch (the orchestrator may import it); the modules do.
+Import the modules themselves (`from pita.training.loop import TrainStep`); this package
+imports nothing, so importing it costs no torch.
 """
-
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
-_LAZY = {
-    "Precision": "precision",
-    "choose_precision": "precision",
-    "precision_for": "precision",
-    "trl_precision_kwargs": "precision",
-    "training_device": "precision",
-    "accumulation_plan": "loop",
-    "split_batch": "loop",
-    "token_weights": "loop",
-    "TrainStep": "loop",
-    "StepResult": "loop",
-    "TrainingMetrics": "loop",
-    "CompileStatus": "loop",
-    "compile_model": "loop",
-    "enable_gradient_checkpointing": "loop",
-    "dataloader_kwargs": "loop",
-    "clear_cache": "loop",
-    "write_training_report": "report",
-    "trainer_metrics_callback": "report",
-    "DistContext": "ddp",
-    "run_data_parallel": "ddp",
-    "run_stage": "ddp",
-    "data_parallel_world_size": "ddp",
-    "shard_indices": "ddp",
-    "wrap_model": "ddp",
-}
-
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        module = importlib.import_module(f"pita.training.{_LAZY[name]}")
-        return getattr(module, name)
-    raise AttributeError(f"module 'pita.training' has no attribute {name!r}")

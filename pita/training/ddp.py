@@ -32,11 +32,14 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist_mod
 import torch.multiprocessing as mp
+
+if TYPE_CHECKING:  # the worker-side context; imported only for type hints
+    from pita.runtime.context import StageContext
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +101,6 @@ def wrap_model(model: torch.nn.Module, dist: DistContext | None) -> torch.nn.Mod
 
     device_ids = [torch.device(dist.device).index] if dist.device.startswith("cuda") else None
     return DistributedDataParallel(model, device_ids=device_ids)
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return getattr(model, "module", model)
 
 
 # --- launching -------------------------------------------------------------------------------
@@ -204,7 +203,7 @@ def run_data_parallel(train_fn: Callable[..., Any], world_size: int, args: Seque
 # --- stages ----------------------------------------------------------------------------------
 
 
-def data_parallel_world_size(ctx: Any) -> int:
+def data_parallel_world_size(ctx: StageContext) -> int:
     """Ranks for this task: 1 unless `training.parallel_strategy=data_parallel` on a gang.
 
     On CUDA: the GPUs pinned to the task (as `system.gpu_mode` allows). Off CUDA (a `fake:`
@@ -242,8 +241,8 @@ def _stage_rank(dist: DistContext, body: Callable[..., Any], snapshot: dict[str,
 
     from omegaconf import OmegaConf
 
-    from pita.core.stage import ModelCache, StageContext
     from pita.core.tasks import TaskSpec
+    from pita.runtime.context import ModelCache, StageContext
 
     logger = logging.getLogger(f"pita.task.{snapshot['task']['id']}.rank{dist.rank}")
     logger.handlers.clear()
@@ -257,7 +256,7 @@ def _stage_rank(dist: DistContext, body: Callable[..., Any], snapshot: dict[str,
     return body(ctx, dist)
 
 
-def run_stage(ctx: Any, body: Callable[..., Any], world_size: int | None = None) -> Any:
+def run_stage(ctx: StageContext, body: Callable[..., Any], world_size: int | None = None) -> Any:
     """`body(ctx, dist)` on this process (dist=None), or on every rank of the task's gang
     when `training.parallel_strategy=data_parallel`; returns rank 0's result.
 

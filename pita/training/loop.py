@@ -40,11 +40,14 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pita.training.precision import Precision, choose_precision
+
+if TYPE_CHECKING:  # the worker-side context; imported only for type hints
+    from pita.runtime.context import StageContext
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,20 @@ def accumulation_plan(batch_size: int, micro_batch_size: int, accumulation_steps
     while batch_size % micro:  # the largest micro-batch that divides the effective batch
         micro -= 1
     return micro, batch_size // micro
+
+
+def micro_batch_plan(batch_size: int, training: Any, batch_scale: float = 1.0, *,
+                     whole_batch: bool) -> tuple[int, int]:
+    """THE micro-batch rule of every training stage (pretrain, value training, TRL stages).
+
+    `training.accumulation_steps > 0` fixes the number of steps. Otherwise a stage whose
+    model is built in the run (`whole_batch`: the tiny models, where a small micro-batch
+    only slows a CPU down — a GRPO step 7x at micro 4) takes the whole batch at once and a
+    hub model takes `training.micro_batch_size`; either is scaled by `batch_scale`, which
+    each OOM retry halves. The effective batch never changes (`accumulation_plan`).
+    """
+    requested = batch_size if whole_batch else int(training.micro_batch_size)
+    return accumulation_plan(batch_size, requested, int(training.accumulation_steps), batch_scale)
 
 
 def split_batch(batch: Any, micro: int) -> list[Any]:
@@ -346,7 +363,7 @@ class TrainStep:
         self.step = 0
 
     @classmethod
-    def from_context(cls, ctx: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+    def from_context(cls, ctx: StageContext, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                      scheduler: Any = None, precision: Precision | None = None, device: Any = None,
                      compile_status: CompileStatus | None = None, sync_every: int = 1) -> TrainStep:
         """A TrainStep configured from `training.*` / `system.*` of a StageContext."""

@@ -20,9 +20,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:  # the worker-side context; imported only for type hints
+    from pita.runtime.context import StageContext
 
 PRECISION_TYPES = ("auto", "fp16", "bf16", "fp32")
 GPU_MODES = ("auto", "cpu", "single_gpu", "multi_gpu")
@@ -120,7 +123,7 @@ def choose_precision(
     return p
 
 
-def precision_for(ctx: Any, device: str | None = None, compute_capability: Any = None) -> Precision:
+def precision_for(ctx: StageContext, device: str | None = None, compute_capability: Any = None) -> Precision:
     """`choose_precision` from a StageContext's `training.*` keys, logged to its task log."""
     tr = ctx.cfg.training
     return choose_precision(str(tr.precision_type), bool(tr.mixed_precision), device or ctx.device,

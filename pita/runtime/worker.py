@@ -1,4 +1,4 @@
-"""The worker process: `python -m pita.core.worker --address HOST:PORT --worker-id N`.
+"""The worker process: `python -m pita.runtime.worker --address HOST:PORT --worker-id N`.
 
 Started by `WorkerPool` with an explicit environment (its devices are pinned with
 `CUDA_VISIBLE_DEVICES` before Python starts) and the channel's authkey on stdin. It
@@ -31,7 +31,8 @@ from multiprocessing.connection import Client
 from pathlib import Path
 from typing import Any
 
-from pita.core.oom import classify_exception
+from pita.core.errors import RECYCLE_WORKER
+from pita.runtime.oom import classify_exception
 
 
 def _die_with_parent() -> None:
@@ -124,29 +125,29 @@ def execute_task(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, dev
     and error.json, is kept as `tasks/<id>.attempt<N>.failed/` and resume ignores it.
     """
 
-    from pita.core.paths import TaskPaths, atomic_write_json
-    from pita.core.stage import StageContext, resolve_function
+    from pita.core.paths import Artifact, TaskPaths, atomic_write_json
+    from pita.runtime.context import StageContext, resolve_function
 
     paths = TaskPaths(run_dir, task.id)
     tmp = paths.tmp(os.getpid())
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    logger = _task_logger(task.id, tmp / "log.txt")
+    logger = _task_logger(task.id, tmp / Artifact.LOG)
     t0 = time.time()
     try:
         logger.info("task %s (attempt %d) on %s, CUDA_VISIBLE_DEVICES=%r, pid %d", task.id, attempt, device,
                     os.environ.get("CUDA_VISIBLE_DEVICES"), os.getpid())
         fn = resolve_function(task.fn)
         reset_peak_memory()
-        ctx = StageContext(task=task, cfg=_rebuild_config(cfg_dict), run_dir=Path(run_dir), out_dir=tmp,
-                           logger=logger, device=device, models=models, heartbeat=heartbeat)
+        ctx = StageContext(task=task, cfg=_stage_config(cfg_dict, task), run_dir=Path(run_dir), out_dir=tmp,
+                           logger=logger, device=device, models=models, heartbeat=heartbeat, chain_merged=True)
         result = fn(ctx) or {}
         wall = round(time.time() - t0, 3)
         result = {"task_id": task.id, "wall_s": wall, "attempt": attempt, **result}
         peak = peak_memory_mb()
         if peak:
             result["peak_gpu_mb"] = peak
-        atomic_write_json(tmp / "result.json", result)
+        atomic_write_json(tmp / Artifact.RESULT, result)
         logger.info("done in %.2fs", wall)
         _close(logger)
         paths.commit(tmp)
@@ -155,7 +156,7 @@ def execute_task(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, dev
         failure = "interrupted" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else classify_exception(exc)
         logger.error("failed (%s): %s\n%s", failure, exc, traceback.format_exc())
         _close(logger)
-        (tmp / "error.json").write_text(json.dumps(
+        (tmp / Artifact.ERROR).write_text(json.dumps(
             {"failure": failure, "message": str(exc), "type": type(exc).__name__}))
         failed_dir = paths.failed(attempt)
         shutil.rmtree(failed_dir, ignore_errors=True)
@@ -166,19 +167,53 @@ def execute_task(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, dev
         return False, failure, (message[0][:500] if message else ""), {}
 
 
-_CONFIG_CACHE: list = [None, None]  # (last plain dict, its DictConfig)
+_CONFIG_CACHE: dict = {"source": None, "by_chain": {}}  # last plain dict; its DictConfig per (dataset, family)
 
 
-def _rebuild_config(cfg_dict: dict):
-    """OmegaConf.create on the full config costs ~10 ms; every task of a run sends the
-    same one, so a worker rebuilds it only when it changes."""
-    from omegaconf import OmegaConf
+def _stage_config(cfg_dict: dict, task) -> Any:
+    """The config a stage sees: the run's config with `dataset` and `model` replaced by the
+    task's own chain groups (one channel; in a multi-dataset experiment the selected
+    groups would be another chain's). OmegaConf.create on the full config costs ~10 ms and
+    every task of a run sends the same dict, so a worker builds it once per chain."""
+    from pita.runtime.context import chain_config
 
-    if _CONFIG_CACHE[0] != cfg_dict:
-        cfg = OmegaConf.create(cfg_dict)
-        OmegaConf.set_readonly(cfg, True)  # shared by the worker's tasks: nobody may edit it
-        _CONFIG_CACHE[:] = [cfg_dict, cfg]
-    return _CONFIG_CACHE[1]
+    if _CONFIG_CACHE["source"] != cfg_dict:
+        _CONFIG_CACHE.update(source=cfg_dict, by_chain={})
+    key = (task.dataset, task.family)
+    if key not in _CONFIG_CACHE["by_chain"]:
+        _CONFIG_CACHE["by_chain"][key] = chain_config(cfg_dict, task)
+    return _CONFIG_CACHE["by_chain"][key]
+
+
+def run_task_here(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, models=None,
+                  reraise_interrupt: bool = False):
+    """Run `task` in this process and return a `TaskOutcome` (the `RunTask` the in-process
+    and Ray executors are given). The device follows CUDA_VISIBLE_DEVICES."""
+    from pita.core.executor import TaskOutcome
+    from pita.core.tasks import TaskSpec
+    from pita.runtime.context import ModelCache
+
+    if isinstance(task, dict):  # a Ray task receives plain data
+        task = TaskSpec.from_dict(task)
+    device = "cuda" if os.environ.get("CUDA_VISIBLE_DEVICES") else "cpu"
+    t0 = time.time()
+    ok, failure, message, result = execute_task(task, cfg_dict, run_dir, attempt, device=device,
+                                                models=models if models is not None else ModelCache(1),
+                                                reraise_interrupt=reraise_interrupt)
+    return TaskOutcome(task.id, ok, failure, message, result, round(time.time() - t0, 3), os.getpid())
+
+
+class InProcessRunner:
+    """The `RunTask` of the in-process executor: tasks share one model LRU and Ctrl-C in a
+    stage stops the run (pdb works)."""
+
+    def __init__(self, model_cache_size: int = 2):
+        from pita.runtime.context import ModelCache
+
+        self.models = ModelCache(model_cache_size)
+
+    def __call__(self, task, cfg_dict: dict, run_dir: str, attempt: int):
+        return run_task_here(task, cfg_dict, run_dir, attempt, models=self.models, reraise_interrupt=True)
 
 
 def _close(logger: logging.Logger) -> None:
@@ -189,7 +224,7 @@ def _close(logger: logging.Logger) -> None:
 
 class Worker:
     def __init__(self, channel: Channel, worker_id: int, heartbeat_s: float, cache_size: int):
-        from pita.core.stage import ModelCache
+        from pita.runtime.context import ModelCache
 
         self.channel = channel
         self.worker_id = worker_id
@@ -255,7 +290,7 @@ class Worker:
             self.channel.send(("done", task.id, result, memory_stats()))
             return
         self.channel.send(("failed", task.id, failure, message, memory_stats()))
-        if failure in ("oom", "cuda_fault", "interrupted"):
+        if failure in RECYCLE_WORKER:
             raise SystemExit(4)  # a broken CUDA context is not reused: the pool recycles us
 
     def serve(self) -> None:

@@ -2,7 +2,7 @@
 
 An int is scaled by the task's `batch_scale` (halved after each OOM retry, the effective
 batch being kept by the caller through accumulation). `auto` / `auto_batch_size` runs
-`pita.core.batch_size` in the worker on the stage's worst case (longest prompt, full
+`pita.runtime.batch_size` in the worker on the stage's worst case (longest prompt, full
 `max_new_tokens`) with results cached across runs; on CPU it logs that there is nothing
 to measure and uses the fallback.
 """
@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pita.core.stage import StageContext
+from pita.runtime.context import StageContext
 
 
 def cache_path() -> Path:
@@ -26,7 +26,7 @@ def generation_batch_size(ctx: StageContext, value: Any, *, model=None, prompts:
     models the stage holds on the same device (a guide), counted as resident."""
     if isinstance(value, int):
         return max(1, int(value * ctx.task.batch_scale))
-    from pita.core.batch_size import generation_probe, resolve_batch_size
+    from pita.runtime.batch_size import generation_probe, resolve_batch_size
 
     factory = None
     if model is not None and prompts:
@@ -49,7 +49,7 @@ def training_micro_batch(ctx: StageContext, *, model, batch: int, seq_tokens: in
     micro-batches on the worst-case sequence length. Call it before the real optimizer
     exists. On CPU: the fallback, logged.
     """
-    from pita.core.batch_size import resolve_batch_size, training_probe
+    from pita.runtime.batch_size import resolve_batch_size, training_probe
 
     factory = training_probe(model, make_batch=make_batch, seq_tokens=seq_tokens, loss_fn=loss_fn,
                              logger=ctx.logger)

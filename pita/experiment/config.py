@@ -6,7 +6,7 @@ of the wrong type fails at compose time. `validate(cfg)` then checks what types 
 express (ranges, choices, paths) and raises one `ConfigError` with a line per problem,
 each naming the key and what is allowed. Both happen before any worker starts.
 
-Keys documented by the seed guide keep their names and meaning (experiment.name,
+Keys documented by the seed guide (docs/guides/gpu_execution.txt) keep their names and meaning (experiment.name,
 system.attn_impl, system.clear_cache_interval, system.use_parallel_execution,
 training.micro_batch_size, training.gradient_checkpointing,
 data_collection.reward_batch_size, generation.batch_size,
@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
+from pita.algos.registry import ALGO_NAMES, ANY
 from pita.core.errors import ConfigError
+from pita.core.gpu_manager import parse_device_memory, validate_devices_spec  # noqa: F401 (re-used by validate)
+from pita.core.paths import RunPaths
 
-# The algorithms pita knows, by the name used in config (`algos.<NAME>`) and results.
-ALGO_NAMES = ("reference", "PITA", "QSharp", "QSharp-HF", "DPO", "GRPO", "GRPO-HF")
 BatchSize = Any  # an int > 0, or "auto" / "auto_batch_size"
 
 
@@ -87,7 +88,7 @@ class TrainingConfig:
     compile: bool = _help("torch.compile the model.", False)
     compile_mode: str = _help("default | reduce-overhead | max-autotune", "default")
     parallel_strategy: str = _help("none | data_parallel (DDP over the task's gang)", "none")
-    num_workers: int = _help("DataLoader workers (-1 = auto).", 0)
+    num_workers: int = _help("DataLoader workers of TRL stages whose algos.<NAME>.num_workers is 0 (-1 = auto).", 0)
     pin_memory: bool = _help("Pin host memory in DataLoaders (GPU only).", False)
     max_grad_norm: float = _help("Gradient clipping norm (0 = off).", 1.0)
     weight_decay: float = _help("AdamW weight decay.", 0.0)
@@ -199,7 +200,7 @@ class AlgoConfig:
 
     enabled: bool = _help("Run this algorithm's chains.", False)
     batch_size: BatchSize = _help("Training batch size (effective), or auto.", 256)
-    num_workers: int = _help("DataLoader workers for this algorithm's training.", 0)
+    num_workers: int = _help("DataLoader workers for this algorithm's training (0 = training.num_workers).", 0)
     lr: float = _help("Learning rate.", 1e-3)
     epochs: int = _help("Passes over the collected data.", 1)
     steps: int = _help("Optimizer steps (0 = from epochs).", 0)
@@ -255,7 +256,6 @@ def register_configs() -> None:
 # ---------------------------------------------------------------------------------------
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-_DEVICE_MEM_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GB|GiB|MB|MiB)?\s*$", re.IGNORECASE)
 
 
 def _check(errors: list[str], ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -267,48 +267,6 @@ def _is_batch(value: Any) -> bool:
     if isinstance(value, str):
         return value in ("auto", "auto_batch_size")
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def parse_device_memory(text: str) -> int:
-    """'80GB' -> MiB. Raises ValueError on anything else."""
-    m = _DEVICE_MEM_RE.match(str(text))
-    if not m:
-        raise ValueError(text)
-    value, unit = float(m.group(1)), (m.group(2) or "GB").lower()
-    return int(value * 1024) if unit in ("gb", "gib") else int(value)
-
-
-def validate_devices_spec(spec: Any) -> None:
-    """Syntax of system.devices; existence of GPUs is checked by GPUManager."""
-    key = "system.devices"
-    allowed = "allowed: auto | cpu | [0,2] (GPU indices) | fake:N | fake:[80GB,40GB,...]"
-    if isinstance(spec, (list, tuple, ListConfig)):
-        items = list(spec)
-        if not items or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
-            raise ConfigError(f"{key}={items!r}: GPU indices must be non-negative integers; {allowed}")
-        if len(set(items)) != len(items):
-            raise ConfigError(f"{key}={items!r}: duplicate GPU index; {allowed}")
-        return
-    if not isinstance(spec, str):
-        raise ConfigError(f"{key}={spec!r}: {allowed}")
-    if spec in ("auto", "cpu"):
-        return
-    if spec.startswith("fake:"):
-        body = spec[5:].strip()
-        if body.isdigit() and 1 <= int(body) <= 64:
-            return
-        if body.startswith("[") and body.endswith("]"):
-            parts = [p for p in body[1:-1].split(",") if p.strip()]
-            try:
-                sizes = [parse_device_memory(p) for p in parts]
-            except ValueError as exc:
-                raise ConfigError(f"{key}={spec!r}: bad memory size {exc}; {allowed}") from None
-            if sizes and all(s > 0 for s in sizes):
-                return
-        raise ConfigError(f"{key}={spec!r}: fake devices need a count 1..64 or sizes; {allowed}")
-    if spec.startswith("[") or spec.replace(",", "").strip().isdigit():
-        raise ConfigError(f"{key}={spec!r}: write indices as a list, e.g. system.devices=[0,2]")
-    raise ConfigError(f"{key}={spec!r}: {allowed}")
 
 
 def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
@@ -350,7 +308,7 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
     _check(e, ex.heartbeat_timeout_s > ex.heartbeat_s, "executor.heartbeat_timeout_s",
            ex.heartbeat_timeout_s, f"must exceed executor.heartbeat_s ({ex.heartbeat_s})")
     for algo_key, stages in (ex.stage_overrides or {}).items():
-        _check(e, algo_key in ALGO_NAMES or algo_key == "any", f"executor.stage_overrides.{algo_key}", algo_key,
+        _check(e, algo_key in ALGO_NAMES or algo_key == ANY, f"executor.stage_overrides.{algo_key}", algo_key,
                f"an algorithm name ({', '.join(ALGO_NAMES)}) or 'any'")
         for stage_key, target in stages.items():
             _check(e, ":" in str(target), f"executor.stage_overrides.{algo_key}.{stage_key}", target,
@@ -452,8 +410,8 @@ def resume_path_errors(path: str, project_root: Path | None = None) -> list[str]
         return [f"resume_from={path!r}: no such run folder"]
     if not p.is_dir():
         return [f"resume_from={path!r}: not a folder; pass outputs/<name>/<timestamp>"]
-    if not (p / ".hydra" / "config.yaml").is_file():
+    if not RunPaths(p).saved_config.is_file():
         return [f"resume_from={path!r}: no saved config (.hydra/config.yaml); not a pita run folder"]
-    if not (p / "plan.json").is_file():
+    if not RunPaths(p).plan.is_file():
         return [f"resume_from={path!r}: no plan.json; the run never started, start it afresh"]
     return []

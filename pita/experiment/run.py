@@ -16,12 +16,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from pita.core.config import validate
+from pita.core.dag import Plan
+from pita.core.executor import Executor
 from pita.core.gpu_manager import GPUManager
 from pita.core.journal import Journal, replay
 from pita.core.parallel_executor import DagRunner, DeviceState, Scheduler, simulate
-from pita.core.paths import RunPaths, TaskPaths, atomic_write_json
-from pita.core.planner import Plan, plan_experiment
+from pita.core.parallel_generation import ParallelDataGenerator
+from pita.core.paths import Artifact, RunPaths, TaskPaths, atomic_write_json
+from pita.experiment.config import validate
+from pita.experiment.plan import plan_experiment
 
 log = logging.getLogger("pita")
 
@@ -43,6 +46,25 @@ def make_gpu_manager(cfg: DictConfig) -> GPUManager:
     return gpu
 
 
+def make_executor(cfg: DictConfig, gpu: GPUManager, run_dir: Path) -> Executor:
+    """The executor of `executor.backend`: worker processes (local), this process
+    (inprocess, or system.use_parallel_execution=false), or Ray tasks."""
+    if cfg.executor.backend == "ray":
+        from pita.core.ray_executor import RayExecutor
+        from pita.runtime.worker import run_task_here
+
+        return RayExecutor(cfg.executor, run_task=run_task_here)
+    if cfg.executor.backend == "inprocess" or not cfg.system.use_parallel_execution:
+        from pita.core.inprocess import InProcessExecutor
+        from pita.runtime.worker import InProcessRunner
+
+        runner = InProcessRunner(cfg.executor.model_cache_size)
+        return InProcessExecutor(runner, on_shutdown=runner.models.clear)
+    from pita.core.worker_pool import WorkerPool
+
+    return WorkerPool.from_config(gpu, cfg.executor, log_dir=RunPaths(run_dir).workers)
+
+
 def make_scheduler(cfg: DictConfig, gpu: GPUManager) -> Scheduler:
     from pita.core.resources import max_tasks_per_device
 
@@ -53,7 +75,7 @@ def make_scheduler(cfg: DictConfig, gpu: GPUManager) -> Scheduler:
 
 def build_plan(cfg: DictConfig, gpu: GPUManager) -> Plan:
     return plan_experiment(cfg, len(gpu.devices), device_mb=[d.total_mb for d in gpu.devices],
-                           distribute=lambda n: [(a / 10000, b / 10000) for a, b in gpu.distribute_work(10000, n)])
+                           distribute=ParallelDataGenerator(gpu).shard_fractions)
 
 
 def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
@@ -112,19 +134,10 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
 
     from pita.core.monitor import Monitor
     from pita.core.progress import Progress
-    from pita.core.worker_pool import InProcessExecutor, WorkerPool
 
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    in_process = cfg.executor.backend == "inprocess" or not cfg.system.use_parallel_execution
-    if cfg.executor.backend == "ray":
-        from pita.core.ray_executor import RayExecutor
-
-        executor = RayExecutor(cfg.executor)
-    elif in_process:
-        executor = InProcessExecutor(gpu, cfg.executor.model_cache_size)
-    else:
-        executor = WorkerPool.from_config(gpu, cfg.executor, log_dir=run_dir / "workers")
-        executor.warm_up([(d.index,) for d in gpu.devices][: len(plan.tasks) - len(done)])
+    executor = make_executor(cfg, gpu, run_dir)
+    executor.warm_up([(d.index,) for d in gpu.devices][: len(plan.tasks) - len(done)])
     scheduler = make_scheduler(cfg, gpu)
     monitor = Monitor(gpu, executor, paths.gpu_monitor, cfg.executor.monitor_interval_s,
                       reservations=lambda: [sum(d.running.values()) for d in scheduler.devices]).start()
@@ -171,7 +184,7 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
                   len(summary.skipped))
         for tid, why in summary.failed.items():
             log.error("  %s: %s", tid, why)
-            tail = TaskPaths(run_dir, tid).failed(runner.attempts.get(tid, 1)) / "log.txt"
+            tail = TaskPaths(run_dir, tid).failed(runner.attempts.get(tid, 1)) / Artifact.LOG
             if tail.is_file():
                 lines = tail.read_text(errors="replace").splitlines()
                 log.error("    log: %s (last line: %s)", tail, lines[-1] if lines else "")
@@ -192,8 +205,8 @@ def _raise_interrupt(signum, frame):  # SIGTERM behaves like Ctrl-C: stop, flush
 
 
 def _report(cfg: DictConfig, plan: Plan, run_dir: Path) -> None:
-    """Results table and plots from the evaluate tasks (pita/stages/report.py)."""
-    from pita.stages.report import write_report
+    """Results table and plots from the evaluate tasks (pita/experiment/report.py)."""
+    from pita.experiment.report import write_report
 
     try:
         write_report(cfg, plan, run_dir)

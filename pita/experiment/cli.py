@@ -20,8 +20,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from pita.core.config import register_configs, resume_path_errors, validate
 from pita.core.errors import ConfigError
+from pita.core.paths import RunPaths
+from pita.experiment.config import register_configs, resume_path_errors, validate
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = PROJECT_ROOT / "conf"
@@ -40,7 +41,7 @@ def format_compose_error(exc: BaseException, overrides: list[str]) -> str:
     text = str(exc)
     m = re.search(r"Could not override '([^']+)'", text)
     if m:
-        return f"{m.group(1)}: unknown key (not in pita's config schema, see conf/ and pita/core/config.py)"
+        return f"{m.group(1)}: unknown key (not in pita's config schema, see conf/ and pita/experiment/config.py)"
     m = re.search(r"Could not find '([^/']+)/([^']+)'", text)
     if m:
         group, name = m.group(1), m.group(2)
@@ -119,10 +120,10 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
     if not run_dir.exists():
         run_dir = PROJECT_ROOT / resume_dir
     try:
-        saved = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+        saved = OmegaConf.load(RunPaths(run_dir).saved_config)
     except Exception as exc:
         raise ConfigError(f"resume_from={resume_dir!r}: saved config unreadable ({_first_line(exc)})") from None
-    from pita.core.config import PitaConfig
+    from pita.experiment.config import PitaConfig
 
     cfg = OmegaConf.merge(OmegaConf.structured(PitaConfig), saved)
     for o in overrides:
@@ -144,7 +145,7 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
 def preflight(cfg: DictConfig) -> None:
     """Everything that can be checked before a folder or a process exists: values, the
     devices (NVML only, no CUDA context) and the plan (e.g. a task no device can hold)."""
-    from pita.core.runner import build_plan, make_gpu_manager
+    from pita.experiment.run import build_plan, make_gpu_manager
 
     validate(cfg, project_root=PROJECT_ROOT)
     build_plan(cfg, make_gpu_manager(cfg))
@@ -166,14 +167,14 @@ def main(argv: list[str] | None = None) -> None:
         try:
             cfg, run_dir = load_resume_config(resume, [o for o in overrides if not o.startswith("resume_from=")])
             validate(cfg, project_root=PROJECT_ROOT)
-            from pita.core.runner import make_gpu_manager
+            from pita.experiment.run import make_gpu_manager
 
             make_gpu_manager(cfg)
         except ConfigError as exc:
             _print_config_error(exc)
             sys.exit(2)
         _setup_resume_logging(run_dir)
-        from pita.core.runner import run
+        from pita.experiment.run import run
 
         sys.exit(_run_checked(lambda: run(cfg, run_dir, resumed=True)))
 
@@ -201,7 +202,7 @@ def _setup_resume_logging(run_dir: Path) -> None:
     root.setLevel(logging.INFO)
     console = logging.StreamHandler(sys.stdout)
     console.setFormatter(logging.Formatter("%(message)s"))
-    file = logging.FileHandler(run_dir / "run.log", mode="a")
+    file = logging.FileHandler(RunPaths(run_dir).run_log, mode="a")
     file.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
     root.handlers[:] = [console, file]
 
@@ -216,7 +217,7 @@ def _hydra_main() -> None:
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
     def _main(cfg: DictConfig) -> int:
-        from pita.core.runner import run
+        from pita.experiment.run import run
 
         hc = HydraConfig.get()
         code = _run_checked(lambda: run(cfg, Path(hc.runtime.output_dir)))

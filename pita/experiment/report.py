@@ -2,7 +2,7 @@
 
 Runs in the orchestrator after the DAG finished (matplotlib, no torch). One row per
 (algo, dataset, family, round, eta) from every evaluate merge's `metrics.json`; the
-columns of DESIGN §6 first, then task-specific ones (e.g. `acc_after_first_step` on the
+columns of docs/DESIGN.md §6 first, then task-specific ones (e.g. `acc_after_first_step` on the
 star graph, `valid_walk` and the analytic `optimum_pass@1` on goal-walk). `wall_s` is the
 chain's cumulative task time (shared pretrain excluded) up to and including that round.
 """
@@ -16,14 +16,15 @@ import logging
 import math
 from pathlib import Path
 
-from pita.core.paths import RunPaths, atomic_write_text
-from pita.core.planner import Plan
+from pita.algos.registry import ALGO_NAMES
+from pita.core.dag import Plan
+from pita.core.paths import Artifact, RunPaths, atomic_write_text
 
 log = logging.getLogger("pita.report")
 
 COLUMNS = ["algo", "dataset", "family", "round", "eta", "n_prompts", "samples", "pass@1", "maj@k", "avg_reward",
            "kl", "wall_s"]
-ALGO_ORDER = ["reference", "PITA", "QSharp", "QSharp-HF", "DPO", "GRPO", "GRPO-HF"]
+ALGO_ORDER = list(ALGO_NAMES)  # the registry table's order
 
 
 def collect_rows(plan: Plan, run_dir: Path) -> list[dict]:
@@ -37,7 +38,7 @@ def collect_rows(plan: Plan, run_dir: Path) -> list[dict]:
     for t in plan.tasks.values():
         if t.stage != "evaluate_merge":
             continue
-        metrics = paths.task(t.id).final / "metrics.json"
+        metrics = paths.task(t.id).final / Artifact.METRICS
         if not metrics.is_file():
             continue
         chain_wall = sum(w for tid, w in walls.items()

@@ -1,6 +1,6 @@
 """Classify a worker's failure (out of memory, CUDA fault, ordinary error) and shrink a batch.
 
-The executor retries by class (DESIGN.md §3): ``oom`` → the same task with a smaller micro
+The executor retries by class (docs/DESIGN.md §3): ``oom`` → the same task with a smaller micro
 batch, the effective batch kept through gradient accumulation; ``cuda_fault`` → recycle the
 worker (the CUDA context may be poisoned) and retry; ``error`` → fail that task fast.
 
@@ -18,9 +18,10 @@ import re
 import sys
 from typing import Literal
 
-FailureClass = Literal["oom", "cuda_fault", "error"]
+# What an exception raised by a stage can be: a subset of pita.core.errors.FailureClass.
+StageFailure = Literal["oom", "cuda_fault", "error"]
 
-__all__ = ["FailureClass", "classify_exception", "classify_text", "smaller_micro_batch"]
+__all__ = ["StageFailure", "classify_exception", "classify_text", "smaller_micro_batch"]
 
 # Sticky or hardware faults: after one of these the CUDA context is unusable (or suspect), so
 # the worker process must be replaced. Checked first: "CUDA kernel errors might be
@@ -90,7 +91,7 @@ def _inspect_text(exc: BaseException) -> bool:
     return module.split(".")[0] in {"torch", "triton", "bitsandbytes", "cupy", "pynvml"}
 
 
-def _classify_one(exc: BaseException) -> FailureClass:
+def _classify_one(exc: BaseException) -> StageFailure:
     text = _BOILERPLATE.sub("", str(exc))
     inspect_text = _inspect_text(exc)
     if inspect_text and _FAULT.search(text):
@@ -108,7 +109,7 @@ def _classify_one(exc: BaseException) -> FailureClass:
     return "error"
 
 
-def classify_exception(exc: BaseException) -> FailureClass:
+def classify_exception(exc: BaseException) -> StageFailure:
     """``"oom"``, ``"cuda_fault"`` or ``"error"`` for an exception raised by a stage.
 
     Looks through the explicit and implicit chain (``__cause__``, ``__context__``), so an
@@ -127,7 +128,7 @@ def classify_exception(exc: BaseException) -> FailureClass:
     return "oom" if "oom" in found else "error"
 
 
-def classify_text(text: str) -> FailureClass:
+def classify_text(text: str) -> StageFailure:
     """Classify a failure known only as text (a traceback tail or ``"Type: message"``), as
     the parent sees it when a worker reports a failure it could not classify itself."""
     text = _BOILERPLATE.sub("", text)

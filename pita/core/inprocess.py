@@ -1,0 +1,45 @@
+"""`InProcessExecutor`: every task runs in the orchestrator's own process.
+
+For debugging (`system.use_parallel_execution=false` or `executor.backend=inprocess`):
+a breakpoint in a stage stops in the terminal and pdb works. It speaks the `Executor`
+interface; the function that runs a task is injected (`RunTask`), so this module never
+imports the worker runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from pita.core.executor import RunTask, TaskOutcome
+from pita.core.tasks import TaskSpec
+
+
+class InProcessExecutor:
+    """Runs each submitted task to completion before `submit` returns."""
+
+    def __init__(self, run_task: RunTask, on_shutdown: Callable[[], None] = lambda: None):
+        self.run_task = run_task
+        self.on_shutdown = on_shutdown
+
+    def submit(self, task: TaskSpec, devices: Sequence[int], cfg_dict: dict, run_dir: str | Path,
+               attempt: int = 1) -> Future[TaskOutcome]:
+        future: Future[TaskOutcome] = Future()
+        outcome = self.run_task(task, cfg_dict, str(run_dir), attempt)
+        outcome.devices = tuple(devices)
+        future.set_result(outcome)
+        return future
+
+    def warm_up(self, device_sets: Sequence[tuple[int, ...]]) -> None:
+        pass
+
+    def workers(self) -> list[dict[str, Any]]:
+        return []
+
+    def worker_pids(self) -> list[int]:
+        return []
+
+    def shutdown(self, kill: bool = False, grace_s: float = 5.0) -> None:
+        self.on_shutdown()
