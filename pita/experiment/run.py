@@ -69,7 +69,10 @@ def make_scheduler(cfg: DictConfig, gpu: GPUManager) -> Scheduler:
     from pita.core.resources import max_tasks_per_device
 
     states = [DeviceState(d.index, d.total_mb, d.free_mb) for d in gpu.devices]
-    cap = max_tasks_per_device(cfg.executor.max_tasks_per_gpu, gpu.kind, len(gpu.devices))
+    value = cfg.executor.max_tasks_per_gpu
+    if cfg.executor.backend == "ray" and value == "auto":
+        value = 1  # Ray places by whole GPUs (num_gpus=1): it would queue a second task on a slot
+    cap = max_tasks_per_device(value, gpu.kind, len(gpu.devices))
     return Scheduler(states, max_tasks_per_device=cap, simulated_memory=gpu.kind != "cuda")
 
 
