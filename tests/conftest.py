@@ -55,3 +55,12 @@ def _one_torch_thread():
     import torch
 
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def local_family(tmp_path_factory):
+    """A local model family (byte-level BPE tokenizer trained here, random-weight Llamas,
+    GSM8K- and IMDB-format jsonl), built once per session: see tests/local_family.py."""
+    from tests.local_family import build_local_family
+
+    return build_local_family(tmp_path_factory.mktemp("local_family"))

@@ -136,3 +136,61 @@ def test_a_quantized_alias_on_cpu_fails_with_one_clear_line(alias):
         message = str(err.value)
         assert "\n" not in message
         assert f"-{quant} needs CUDA + bitsandbytes" in message and f"drop the -{quant} suffix" in message
+
+
+def llama_70b_judge() -> LlamaConfig:
+    """A Llama-3.1-70B-sized reward model (sequence classification, one output)."""
+    return LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                       num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, num_labels=1,
+                       architectures=["LlamaForSequenceClassification"])
+
+
+def test_a_70b_judge_gets_a_gang_of_fake_gpus_and_a_device_map_over_it(local_family):
+    """From a model's size (meta device, accelerate's init_empty_weights) to the planner's
+    gang (model.device_map=auto over simulated 48 GB GPUs) to the device map load_on_gang
+    uses on that gang (per-GPU max_memory from free memory): every block on the gang's GPUs,
+    nothing offloaded, each GPU within its budget, and the run.log line."""
+    from pita.experiment.cli import compose_config
+    from pita.experiment.plan import plan_experiment
+    from pita.models.placement import gang_placement
+    from tests.conftest import only
+
+    weights = estimate_model_bytes(llama_70b_judge(), "bfloat16")
+    assert 128 * GiB < weights < 131 * GiB  # 69.5B parameters in bf16 (a score head, no LM head)
+    device = 48 * GiB
+    gang = gpus_needed(weights, device)  # 1.2 x weights for activations and the CUDA context
+    assert gang == 4
+
+    cfg = compose_config([*only("reference"), *local_family.overrides(), "model.device_map=auto",
+                          f"model.memory_gb={weights * 1.2 / 2**30:.1f}"])
+    plan = plan_experiment(cfg, 8, device_mb=[device // 2**20] * 8)
+    evaluate = [t for t in plan.tasks.values() if t.stage == "evaluate"]
+    assert evaluate and all(t.gpus == gang for t in evaluate)  # the planner sizes the same gang
+
+    placement = gang_placement(llama_70b_judge(), [device] * gang, dtype="bfloat16")
+    assert set(placement.layers) == {0, 1, 2, 3} and sum(placement.layers.values()) == 80
+    assert set(placement.device_map.values()) <= {0, 1, 2, 3}  # no cpu / disk
+    assert max(placement.layers.values()) - min(placement.layers.values()) <= 3  # balanced
+    assert all(b <= 0.9 * device for b in placement.bytes_per_device.values())  # 10 % kept back per GPU
+    assert placement.device_map["score"] in range(4)  # the judge's head is placed too
+    line = placement.log_line()
+    assert line.startswith("Layer distribution: GPU 0: ") and line.count("layers") == 4
+    with pytest.raises(ValueError, match="does not fit in max_memory"):
+        gang_placement(llama_70b_judge(), [device] * (gang - 1), dtype="bfloat16")
+    assert set(gang_placement(llama_70b_judge(), [device] * 2, dtype="4bit").layers) <= {0, 1}  # -4bit: fewer GPUs
+
+
+def test_stage_models_load_through_the_placement_code(local_family, caplog):
+    """evaluate / collect load π_ref with load_stage_lm: the family's dtype, device_map=auto
+    through load_on_gang (the CPU without CUDA), a -8bit alias refused off CUDA in one line."""
+    import torch
+
+    from pita.models.placement import load_stage_lm, placement_lines
+
+    fam = {"name": "local", "reference": str(local_family.reference), "guide": str(local_family.guide),
+           "dtype": "float32", "device_map": "auto"}
+    model = load_stage_lm(fam["reference"], family="local", family_cfg=fam, device="cpu")
+    assert next(model.parameters()).device.type == "cpu" and next(model.parameters()).dtype == torch.float32
+    assert placement_lines(model, "reference") == []  # nothing sharded on a CPU
+    with pytest.raises(RuntimeError, match=r"-8bit needs CUDA \+ bitsandbytes"):
+        load_stage_lm(fam["reference"], family="local-8bit", family_cfg={**fam, "device_map": None}, device="cpu")

@@ -142,14 +142,13 @@ def collect_shard(ctx: Any, *, pairs: bool) -> tuple[list[dict], dict]:
     Returns (records, stats)."""
     import time
 
-    from pita.datasets import build_task
     from pita.runtime.batching import generation_batch_size
 
     t0 = time.perf_counter()
 
     ref_dir = ctx.reference_model()
     reference = ctx.load_model(ref_dir)
-    task = build_task(ctx.cfg.dataset, tokenizer=ref_dir)
+    task = ctx.build_task()
     tok = task.tokenizer
     examples = task.train_examples()
     dc, gen, algo = ctx.cfg.data_collection, ctx.cfg.generation, ctx.algo_cfg
@@ -190,6 +189,9 @@ def collect_shard(ctx: Any, *, pairs: bool) -> tuple[list[dict], dict]:
     if hook is not None:
         stats["value_forwards"], stats["decode_steps"] = hook.stats.forwards, hook.stats.steps  # 1 per step
     ctx.logger.info("collected %s", stats)
+    from pita.models.placement import placement_lines
+
+    stats["run_log_lines"] = placement_lines(reference, "reference")  # a sharded π_ref's layers, for run.log
     return records, stats
 
 

@@ -18,11 +18,13 @@ Where it departs from the papers / TRL defaults:
   task a correct sample *is* the target, token for token). Real rewards: the i-th best
   sample against the i-th worst while the first scores strictly higher. Responses are
   de-duplicated per prompt and at most `algos.<NAME>.pairs_per_example` pairs are kept.
-- Token space through text. TRL 1.16's DPOTrainer always tokenizes `prompt` / `chosen` /
-  `rejected` itself (it has no pre-tokenized input path), so the pairs are decoded with the
-  task tokenizer (word-level, space separated) and the ids TRL produced are compared with
-  ours before training; a tokenizer that does not round-trip is refused. TRL appends EOS to
-  a response that lacks one (a sample cut by the token budget); that is the only change.
+- Token space. TRL 1.16's DPOTrainer has no pre-tokenized input path of its own (it
+  always tokenizes `prompt` / `chosen` / `rejected` text); `TokenDPOTrainer` overrides its
+  `_prepare_dataset` so that a dataset that already has `prompt_ids` / `chosen_ids` /
+  `rejected_ids` columns reaches the collator as is. The ids trained on are exactly the
+  ids that were sampled (no decode / re-encode: a byte-level BPE tokenizer does not give
+  back sampled ids after a text round trip). EOS is appended to a response that lacks one
+  (a sample cut by the token budget), as TRL's text path does; that is the only change.
 - The SFT term (RPO, Pang et al. 2024) is TRL's `loss_type=["sigmoid", "sft"]` with
   weights [1, `sft_weight`] (TRL 1.16 has no `rpo_alpha`): an NLL on the chosen responses.
 - Constant learning rate, no warmup (trl_common), so a learning-rate sweep means what it says.
@@ -103,13 +105,12 @@ def collect(ctx: StageContext) -> dict:
     """
     import torch
 
-    from pita.datasets import build_task
     from pita.models.generation import generate
     from pita.runtime.batching import generation_batch_size
 
     # The task (its tokenizer and verifier) and the policy that samples this round.
     ref_dir = ctx.reference_model()
-    task = build_task(ctx.cfg.dataset, tokenizer=ref_dir)
+    task = ctx.build_task()
     tok = task.tokenizer
     policy_dir = str(ctx.input("guide") / Artifact.MODEL) if ctx.has_input("guide") else ref_dir
     policy = ctx.load_model(policy_dir)
@@ -155,8 +156,10 @@ def collect(ctx: StageContext) -> dict:
     mean_reward = sum(rewards) / max(1, len(rewards))
     ctx.logger.info("%d prompts x %d samples: mean reward %.4f (%s), %d pairs from %d prompts", len(indices), k,
                     mean_reward, "binary" if binary else "real-valued", n_pairs, n_with_pairs)
+    from pita.models.placement import placement_lines
+
     return {"prompts": len(indices), "samples": len(examples), "pairs": n_pairs, "prompts_with_pairs": n_with_pairs,
-            "reward_sum": sum(rewards)}
+            "reward_sum": sum(rewards), "run_log_lines": placement_lines(policy, "policy")}
 
 
 def read_pairs(folders: Sequence[Path]) -> list[dict]:
@@ -171,30 +174,50 @@ def read_pairs(folders: Sequence[Path]) -> list[dict]:
     return records
 
 
-def pairs_as_text(records: Sequence[dict], tokenizer) -> list[dict]:
-    """TRL's text format: prompt, " " + chosen, " " + rejected (the word-level tokenizers
-    split on spaces, so prompt + chosen tokenizes as the concatenated ids)."""
-
-    def text(ids):
-        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-    return [{"prompt": text(r["prompt"]), "chosen": " " + text(r["chosen"]), "rejected": " " + text(r["rejected"])}
-            for r in records]
-
-
-def check_round_trip(records: Sequence[dict], dataset, eos_id: int) -> None:
-    """Raise unless TRL's tokenization of the text pairs gives back our token ids."""
+def pairs_as_ids(records: Sequence[dict], eos_id: int) -> dict[str, list[list[int]]]:
+    """TRL's tokenized preference columns from our records: `prompt_ids`, and the responses
+    with EOS appended where the sampler ran out of tokens before emitting it."""
 
     def with_eos(ids):
         return list(ids) if ids and ids[-1] == eos_id else [*ids, eos_id]
 
-    for r, row in zip(records, dataset):
-        got = (row["prompt_ids"], row["chosen_ids"], row["rejected_ids"])
-        want = (list(r["prompt"]), with_eos(r["chosen"]), with_eos(r["rejected"]))
-        if tuple(map(list, got)) != want:
-            raise RuntimeError(
-                f"the tokenizer does not round-trip the preference pairs (example {r['example']}: ids {want} became "
-                f"{got} after decode + TRL's tokenization); DPO needs a tokenizer whose decode/encode is lossless")
+    return {"prompt_ids": [list(r["prompt"]) for r in records],
+            "chosen_ids": [with_eos(r["chosen"]) for r in records],
+            "rejected_ids": [with_eos(r["rejected"]) for r in records]}
+
+
+TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+
+def token_dpo_trainer():
+    """`DPOTrainer` that takes a dataset already in token space (TOKEN_COLUMNS) as is.
+
+    TRL's `_prepare_dataset` would extract / EOS-terminate / tokenize text columns; with
+    the id columns present there is nothing left for it to do but the `max_length` filter
+    of prompts that fill the whole budget, kept here. Any other dataset goes through TRL.
+    """
+    from trl import DPOTrainer
+
+    class TokenDPOTrainer(DPOTrainer):
+        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+            if not set(TOKEN_COLUMNS) <= set(dataset.column_names or ()):
+                return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+            if args.max_length is not None and args.truncation_mode == "keep_start":
+                dataset = dataset.filter(lambda ex: len(ex["prompt_ids"]) < args.max_length)
+            return dataset
+
+    return TokenDPOTrainer
+
+
+def check_token_dataset(dataset, ids: dict[str, list[list[int]]]) -> None:
+    """Raise unless the trainer's dataset holds exactly our ids (guards against a TRL
+    version that re-tokenizes behind `TokenDPOTrainer`'s back)."""
+    for column, want in ids.items():
+        got = [list(x) for x in dataset[column]]
+        if got != want:
+            bad = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b) if len(got) == len(want) else len(got)
+            raise RuntimeError(f"DPO: the trainer's {column} differ from the collected token ids (row {bad}); "
+                               "TRL no longer takes pre-tokenized pairs as is")
 
 
 def train(ctx: StageContext) -> dict:
@@ -208,7 +231,7 @@ def train(ctx: StageContext) -> dict:
     """
     import torch
     from datasets import Dataset
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOConfig
 
     from pita.algos.trl_common import (
         effective_batch,
@@ -243,10 +266,11 @@ def train(ctx: StageContext) -> dict:
     loss = {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, sft]} if sft > 0 else {"loss_type": ["sigmoid"]}
     args = training_args(ctx, DPOConfig, batch_size=effective_batch(ctx), lr=float(algo.lr), epochs=int(algo.epochs),
                          steps=int(algo.steps), beta=float(algo.beta), max_length=None, **loss)
-    trainer = quiet(DPOTrainer(model=policy, ref_model=ref_model, args=args,
-                         train_dataset=Dataset.from_list(pairs_as_text(records, tok)), processing_class=tok,
-                         callbacks=[stage_log_callback(ctx)]))
-    check_round_trip(records, trainer.train_dataset, tok.eos_token_id)
+    ids = pairs_as_ids(records, tok.eos_token_id)
+    trainer = quiet(token_dpo_trainer()(model=policy, ref_model=ref_model, args=args,
+                                        train_dataset=Dataset.from_dict(ids), processing_class=tok,
+                                        callbacks=[stage_log_callback(ctx)]))
+    check_token_dataset(trainer.train_dataset, ids)
     ctx.logger.info("DPO on %d pairs from %d round(s); policy from %s, reference %s", len(records),
                     len(ctx.input("data")), start_dir, ref_dir)
 

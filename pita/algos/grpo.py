@@ -17,8 +17,11 @@ Where it departs from the paper / TRL defaults:
 - TRL's default loss (`dapo`: token-level normalisation over the batch) and group reward
   scaling; one policy update per generation batch (`num_iterations=1`), so the clipping
   never binds; KL by TRL's k3 estimator on the sampled tokens.
-- Prompts travel to TRL as text and are re-tokenized by it; the round trip to our ids is
-  checked before training (the word-level task tokenizers are lossless).
+- Token space. TRL generates from `tokenizer(prompt text)`; `TokenGRPOTrainer` instead
+  hands generation each prompt's own ids (`_tokenize_prompts`, looked up through the
+  `example` column), so prompts are never re-tokenized and completions are ids from the
+  start. The `prompt` text column is only what TRL passes to reward functions (ours read
+  `example` and `completion_ids`) and its logs.
 - Sampling uses `generation.temperature / top_k / top_p`, as evaluation does.
 """
 
@@ -70,23 +73,40 @@ class ProxyReward:
 
 
 def prompt_dataset(examples: Sequence, tokenizer):
-    """A `datasets.Dataset` of {"prompt": text, "example": index}; raises unless the text
-    tokenizes back to the prompt ids (TRL re-tokenizes it)."""
+    """A `datasets.Dataset` of {"prompt": text, "example": index}. The text is for TRL's
+    bookkeeping only; generation starts from the example's prompt ids (`token_grpo_trainer`)."""
     from datasets import Dataset
 
     texts = [tokenizer.decode(e.prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
              for e in examples]
-    encoded = tokenizer(texts, add_special_tokens=True)["input_ids"]
-    for i, (e, ids) in enumerate(zip(examples, encoded)):
-        if list(ids) != list(e.prompt_ids):
-            raise RuntimeError(f"the tokenizer does not round-trip prompt {i} ({list(e.prompt_ids)} -> {texts[i]!r} "
-                               f"-> {list(ids)}); GRPO needs a tokenizer whose decode/encode is lossless")
     return Dataset.from_dict({"prompt": texts, "example": list(range(len(examples)))})
+
+
+def token_grpo_trainer(prompt_ids: Sequence[Sequence[int]]):
+    """A `GRPOTrainer` class whose generation starts from `prompt_ids[example]` for each
+    row of a batch (the dataset's `example` column), not from re-tokenized prompt text."""
+    from trl import GRPOTrainer
+
+    table = [list(ids) for ids in prompt_ids]
+
+    class TokenGRPOTrainer(GRPOTrainer):
+        _batch_examples: list[int] = []
+
+        def _generate_and_score_completions(self, inputs):
+            self._batch_examples = [int(x["example"]) for x in inputs]
+            return super()._generate_and_score_completions(inputs)
+
+        def _tokenize_prompts(self, prompts: list):
+            if len(prompts) != len(self._batch_examples):
+                raise RuntimeError(f"GRPO: {len(prompts)} prompts for a batch of {len(self._batch_examples)} rows")
+            return [list(table[i]) for i in self._batch_examples], None, {}
+
+    return TokenGRPOTrainer
 
 
 def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
     """GRPO from the round's starting policy against π_ref; saves the policy to out_dir/model."""
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
 
     from pita.algos.trl_common import (
         effective_batch,
@@ -119,8 +139,9 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
                          max_completion_length=int(algo.max_completion_length or task.max_new_tokens),
                          temperature=float(gen.temperature), top_k=int(gen.top_k), top_p=float(gen.top_p),
                          disable_dropout=True, log_completions=False)
-    trainer = quiet(GRPOTrainer(model=policy, reward_funcs=reward_fn, args=args, train_dataset=dataset,
-                          processing_class=tok, callbacks=[stage_log_callback(ctx)]))
+    trainer_cls = token_grpo_trainer([e.prompt_ids for e in examples])
+    trainer = quiet(trainer_cls(model=policy, reward_funcs=reward_fn, args=args, train_dataset=dataset,
+                                processing_class=tok, callbacks=[stage_log_callback(ctx)]))
     ref_model = getattr(trainer, "ref_model", None)
     assert (ref_model is None) == (float(algo.beta) == 0.0), "TRL loads a KL reference exactly when beta > 0"
     kl_ref = "none (beta=0)" if ref_model is None else trainer.accelerator.unwrap_model(ref_model).config._name_or_path
@@ -144,9 +165,8 @@ def train(ctx: StageContext) -> dict:
     (reward and KL are in result.json). Assumes the task has a reward for any response.
     """
     from pita.algos.dpo import training_prompts
-    from pita.datasets import build_task
 
-    task = build_task(ctx.cfg.dataset, tokenizer=ctx.reference_model())
+    task = ctx.build_task()
     examples = training_prompts(ctx, task)
     return run_grpo(ctx, task, examples, TaskReward(task, examples))
 
@@ -158,9 +178,8 @@ def train_hf(ctx: StageContext) -> dict:
     """
     from pita.algos.dpo import training_prompts
     from pita.algos.reward_model import load_reward_scorer
-    from pita.datasets import build_task
 
-    task = build_task(ctx.cfg.dataset, tokenizer=ctx.reference_model())
+    task = ctx.build_task()
     examples = training_prompts(ctx, task)
     scorer = load_reward_scorer(ctx, ctx.input("reward_model"))
     result = run_grpo(ctx, task, examples, ProxyReward(scorer, examples, task))

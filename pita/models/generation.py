@@ -145,6 +145,23 @@ def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
     return tok.clamp_(max=probs.shape[-1] - 1)
 
 
+def rule_scores(logits: torch.Tensor, offsets: torch.Tensor | None = None, *, temperature: float = 1.0,
+                top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Raw logits [..., V] -> the scores the sampling rule draws from (steps 1-4 of the
+    module docstring: top-k candidates, offsets, temperature, nucleus); -inf off the support."""
+    scores = logits
+    if 0 < top_k < logits.shape[-1]:
+        cand = logits.topk(top_k, dim=-1).indices
+        scores = torch.full_like(logits, float("-inf")).scatter(-1, cand, logits.gather(-1, cand))
+    if offsets is not None:
+        scores = scores + offsets.to(device=scores.device, dtype=scores.dtype)
+    if temperature != 1.0:
+        scores = scores / temperature
+    if top_p < 1.0:
+        scores = scores.masked_fill(_top_p_mask(scores, top_p), float("-inf"))
+    return scores
+
+
 def select_tokens(
     logits: torch.Tensor,
     offsets: torch.Tensor | None,
@@ -158,16 +175,7 @@ def select_tokens(
     """(token, log-prob under the processed distribution, log-prob under raw logits), each
     [B], from raw fp32 logits [B, V]; see the module docstring for the order of steps."""
     base_logp = logits.log_softmax(dim=-1)
-    scores = logits
-    if 0 < top_k < logits.shape[-1]:
-        cand = logits.topk(top_k, dim=-1).indices
-        scores = torch.full_like(logits, float("-inf")).scatter(-1, cand, logits.gather(-1, cand))
-    if offsets is not None:
-        scores = scores + offsets.to(device=scores.device, dtype=scores.dtype)
-    if temperature != 1.0:
-        scores = scores / temperature
-    if top_p < 1.0:
-        scores = scores.masked_fill(_top_p_mask(scores, top_p), float("-inf"))
+    scores = rule_scores(logits, offsets, temperature=temperature, top_k=top_k, top_p=top_p)
     logp = scores.log_softmax(dim=-1)
     tok = _sample(logp.exp(), generator) if do_sample else scores.argmax(dim=-1)
     idx = tok.unsqueeze(-1)
@@ -344,12 +352,18 @@ def sequence_logprobs(
     *,
     batch_size: int,
     pad_token_id: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> list[list[float]]:
     """Teacher-forced log π(response_t | prompt, response_<t) for every response token.
 
     One forward per batch of ``batch_size`` pairs. Each row is laid out as
     ``[pad…][prompt][response][pad…]`` with the prompts' ends aligned, exactly as
     :func:`generate` feeds them, so both give the same numbers up to float rounding.
+    ``temperature`` / ``top_k`` / ``top_p``: the log-probs of the model *under that sampling
+    rule* (what :func:`generate` reports as ``logprobs`` for the same rule without offsets);
+    a token outside the rule's support gets -inf. The defaults give the model's own log-probs.
     """
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
@@ -390,7 +404,8 @@ def sequence_logprobs(
                 ).logits[:, -(r_max + 1) : -1]
                 for b, i in enumerate(idx):  # fp32 log-softmax one row at a time: bounded memory
                     length = len(responses[i])
-                    row = logits[b, :length].float().log_softmax(dim=-1)
+                    row = rule_scores(logits[b, :length].float(), temperature=temperature, top_k=top_k,
+                                      top_p=top_p).log_softmax(dim=-1)
                     result[i] = row.gather(-1, resp_ids[b, :length, None]).squeeze(-1).tolist()
                 del logits
     finally:

@@ -13,8 +13,14 @@
   device's free memory is sharded over the gang (`"auto"`).
 - `gpus_needed(model_bytes, device_bytes)`: how many GPUs a model needs (the planner's
   `model.gpus_per_task`), e.g. a 70B bf16 reward model on 40 GB GPUs -> 4.
+- `gang_placement(model, free_bytes, ...)`: the placement `load_on_gang` uses for a gang
+  with that free memory (pure: testable with simulated GPUs and a meta-device model).
 - `load_on_gang`: load a checkpoint sharded over the worker's pinned GPUs (quantized
   aliases -8bit / -4bit through `pita.models.loading`: CUDA only, one clear error elsewhere).
+- `load_stage_lm`: THE loader of a stage's causal LMs (evaluate, collect): the family's
+  dtype and quantization, and with `model.device_map=auto` `load_on_gang`; the layer
+  distribution travels with the model (`placement_lines`) into the stage's `run_log_lines`,
+  which the orchestrator writes to run.log.
 
 The arithmetic is plain Python (the planner may import this module: no torch at import).
 """
@@ -352,14 +358,23 @@ def free_bytes_on_gang() -> list[int]:
     return [int(torch.cuda.mem_get_info(i)[0]) for i in range(torch.cuda.device_count())]
 
 
+def gang_placement(name_or_config: Any, free_bytes: Sequence[int], *, dtype: Any = "bfloat16",
+                   quantization: str | None = None, reserve_fraction: float = 0.1,
+                   trust_remote_code: bool = False) -> DevicePlacement:
+    """Where `load_on_gang` puts a model on a gang whose GPUs have `free_bytes` free:
+    `max_memory_for_gang` per device, then a balanced map (no CPU / disk offload)."""
+    max_memory = max_memory_for_gang(free_bytes, reserve_fraction)
+    return infer_placement(name_or_config, max_memory, quantization or dtype, trust_remote_code=trust_remote_code)
+
+
 def load_on_gang(name_or_path: str, *, dtype: str = "auto", quantization: str | None = None,
                  reserve_fraction: float = 0.1, logger: logging.Logger | None = None, **load_kwargs: Any) -> Any:
     """A causal LM sharded over every GPU pinned to this worker (one GPU: just that GPU).
 
-    The map comes from `infer_placement` over `max_memory_for_gang(free memory)` and the
-    layer distribution is logged. Quantized loads (-8bit / -4bit aliases) go through
-    `pita.models.loading`, which raises one clear line without CUDA + bitsandbytes; without
-    CUDA a full-precision model loads on the CPU.
+    The map comes from `gang_placement` (the GPUs' free memory) and the layer distribution
+    is logged and kept on the model (`placement_lines`). Quantized loads (-8bit / -4bit
+    aliases) go through `pita.models.loading`, which raises one clear line without CUDA +
+    bitsandbytes; without CUDA a full-precision model loads on the CPU.
     """
     from pita.models.loading import load_causal_lm, resolve_dtype
 
@@ -367,12 +382,34 @@ def load_on_gang(name_or_path: str, *, dtype: str = "auto", quantization: str | 
     free = free_bytes_on_gang()
     if not free:
         return load_causal_lm(name_or_path, dtype=dtype, device="cpu", quantization=quantization, **load_kwargs)
-    max_memory = max_memory_for_gang(free, reserve_fraction)
-    map_dtype = quantization or resolve_dtype(dtype, "cuda")
-    placement = infer_placement(name_or_path, max_memory, map_dtype,
-                                trust_remote_code=bool(load_kwargs.get("trust_remote_code", False)))
-    logger.info("%s: %s", name_or_path, placement.log_line())
-    for line in placement.log_lines():
-        logger.info("  %s", line)
-    return load_causal_lm(name_or_path, dtype=dtype, device="cuda", device_map=placement.device_map,
-                          quantization=quantization, **load_kwargs)
+    placement = gang_placement(name_or_path, free, dtype=resolve_dtype(dtype, "cuda"), quantization=quantization,
+                               reserve_fraction=reserve_fraction,
+                               trust_remote_code=bool(load_kwargs.get("trust_remote_code", False)))
+    lines = [placement.log_line(), *placement.log_lines()]
+    for line in lines:
+        logger.info("%s: %s", name_or_path, line)
+    model = load_causal_lm(name_or_path, dtype=dtype, device="cuda", device_map=placement.device_map,
+                           quantization=quantization, **load_kwargs)
+    model.pita_placement_lines = lines
+    return model
+
+
+def placement_lines(model: Any, name: str) -> list[str]:
+    """The run.log lines of a model loaded by `load_on_gang` ("<name>: Layer distribution: ...")."""
+    return [f"{name}: {line}" for line in getattr(model, "pita_placement_lines", [])]
+
+
+def load_stage_lm(name_or_path: str, *, family: str, family_cfg: Mapping[str, Any], device: str,
+                  attn_impl: str = "eager", logger: logging.Logger | None = None) -> Any:
+    """A stage's causal LM (π_ref, a trained policy) as the family says: its dtype, the
+    quantization of a -8bit / -4bit alias, and with `model.device_map=auto` sharded over the
+    worker's gang through `load_on_gang` (per-GPU `max_memory`, layer distribution logged)."""
+    from pita.models.catalog import resolve_family
+    from pita.models.loading import load_causal_lm
+
+    spec = resolve_family(family, family_cfg)
+    kwargs = dict(dtype=family_cfg.get("dtype") or spec.dtype, quantization=spec.quantization,
+                  attn_impl=attn_impl, trust_remote_code=spec.trust_remote_code)
+    if family_cfg.get("device_map") == "auto":
+        return load_on_gang(str(name_or_path), logger=logger, **kwargs)
+    return load_causal_lm(str(name_or_path), device=device, **kwargs)

@@ -126,3 +126,27 @@ def _label_index(config: Any, label_index: int | None) -> int:
         f"the reward head has {num_labels} outputs and none is labelled POSITIVE; "
         "pass label_index to pick the reward column"
     )
+
+
+def text_scorer(scorer: RewardScorer, tokenizer: Any):
+    """The `fn(prompts, responses) -> scores` a reward-scored hub task (IMDB, TL;DR) calls,
+    from a reward model and *its own* tokenizer: each prompt + response text is tokenized
+    as one text with that tokenizer's special tokens (a reward model need not share the
+    policy's vocabulary: DistilBERT-IMDB scores gpt2 samples), then scored in batches."""
+
+    def score(prompts: list[str], responses: list[str]) -> list[float]:
+        ids = tokenizer([p + r for p, r in zip(prompts, responses)])["input_ids"]
+        return scorer.score(ids, [[] for _ in ids])
+
+    return score
+
+
+def load_text_scorer(path: str, *, device: str = "cpu", dtype: str = "auto", batch_size: int = 32,
+                     trust_remote_code: bool = False):
+    """`text_scorer` of a sequence-classification checkpoint (a family's `model.reward`)."""
+    from pita.models.loading import load_reward_model, load_tokenizer
+
+    model = load_reward_model(path, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    tok = load_tokenizer(path, trust_remote_code=trust_remote_code, padding_side="right")
+    return text_scorer(RewardScorer(model, tok, batch_size, padding_side="right"), tok)
+

@@ -100,13 +100,35 @@ class StageContext:
 
     def load_model(self, name_or_path: Path | str) -> Any:
         """A causal LM (a save_pretrained folder or a hub id) on this task's device, through
-        the worker's model LRU."""
-        from pita.models.loading import load_causal_lm
+        the worker's model LRU, loaded as the family says (`placement.load_stage_lm`: dtype,
+        -8bit / -4bit, `model.device_map=auto` sharded over the gang with its layer
+        distribution kept for run.log, see `placement.placement_lines`)."""
+        from pita.models.placement import load_stage_lm
 
-        family = self.cfg.model
-        return self.models.get(f"lm:{name_or_path}", lambda: load_causal_lm(
-            str(name_or_path), device=self.device, attn_impl=self.cfg.system.attn_impl,
-            dtype=family.get("dtype", "auto"), device_map=family.get("device_map")))
+        return self.models.get(f"lm:{name_or_path}", lambda: load_stage_lm(
+            str(name_or_path), family=self.task.family, family_cfg=self.cfg.model, device=self.device,
+            attn_impl=self.cfg.system.attn_impl, logger=self.logger))
+
+    def build_task(self) -> Any:
+        """The chain's task (`cfg.dataset`) in π_ref's tokenizer. A task scored by a reward
+        model (IMDB, TL;DR) gets the family's `model.reward` as its scorer (in the LRU)."""
+        from pita.datasets import build_task
+
+        task = build_task(self.cfg.dataset, tokenizer=self.reference_model())
+        if getattr(task, "kind", None) != "rm":
+            return task
+        from pita.models.catalog import resolve_family
+        from pita.models.reward_scorer import load_text_scorer
+
+        family = resolve_family(self.task.family, self.cfg.model)
+        if not family.reward:
+            raise ValueError(f"dataset {task.name} is scored by a reward model: set model.reward=<a "
+                             f"sequence-classification checkpoint> (family {self.task.family} has none)")
+        batch = self.cfg.data_collection.reward_batch_size
+        task.scorer = self.models.get(f"rm-text:{family.reward}", lambda: load_text_scorer(
+            family.reward, device=self.device, dtype=self.cfg.model.get("dtype", "auto"),
+            batch_size=batch if isinstance(batch, int) else 32, trust_remote_code=family.trust_remote_code))
+        return task
 
     def has_input(self, name: str) -> bool:
         return bool(self.task.inputs.get(name))

@@ -3,21 +3,34 @@
 `evaluate_shard` generates `evaluation.num_samples` samples for its slice of the test
 prompts and writes one record per sample (token ids, reward, answer, log-probs) to
 `samples.jsonl`; `evaluate_merge` reads every shard and computes the metrics of
-docs/ALGORITHMS.md per η into `metrics.json`, which the report turns into the results table.
+docs/ALGORITHMS.md per (η, sampling rule) into `metrics.json`, which the report turns into the
+results table.
 
-The policy depends on the chain:
-- reference: π_ref itself (η = 0);
-- PITA / QSharp / QSharp-HF: π_ref guided by the round's value model at every η of
-  `evaluation.etas` (η = 0 is π_ref); KL is exact per sampled token because the guided
-  distribution is built from π_ref's own logits;
-- DPO / GRPO / GRPO-HF: the round's trained policy; log π_ref of its samples comes from
-  one teacher-forced forward of π_ref per batch.
+Sampling rules and KL. Every row names its sampling rule in the `sampling` column
+(`top-k` candidates, temperature, top-p) and its `kl` is the Monte-Carlo
+KL(π ‖ π_ref^rule): π_ref under *that same rule* (top-k of π_ref's logits, renormalised,
+at the same temperature). So two rows with the same `sampling` compare like with like, and
+a policy that is π_ref under its rule has KL exactly 0:
+- reference: π_ref under the generation rule (`generation.top_k`, full distribution by
+  default), plus one row per guided rule in use (`algos.<guided>.guidance.top_k`): the row
+  the guided chains' η = 0 rows are (the same distribution; KL 0 both);
+- PITA / QSharp / QSharp-HF: π_ref's top `guidance.top_k` tokens guided by the round's
+  value model at every η of `evaluation.etas`; η = 0 *is* π_ref^rule; for η > 0, log
+  π_ref^rule of the samples comes from one teacher-forced forward of π_ref per batch;
+- DPO / GRPO / GRPO-HF: the round's trained policy under the generation rule, KL against
+  π_ref under the generation rule (teacher-forced). With `generation.top_k` > 0 a token
+  outside π_ref's top-k makes that KL infinite, as it is.
+
+Models are loaded through `pita.models.placement.load_stage_lm` (dtype, -8bit / -4bit,
+`model.device_map=auto` sharding over the gang); a sharded model's layer distribution is
+returned in `run_log_lines`, which the orchestrator writes to run.log.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pita.algos.registry import GUIDED
@@ -33,23 +46,70 @@ def test_examples(ctx: StageContext, task) -> list:
     return examples
 
 
-def _policies(ctx: StageContext, task, ref) -> list[tuple[float | None, Any, Callable | None, int, bool]]:
-    """(η, model to sample, offset-hook factory, top_k, needs a π_ref forward for KL)."""
+@dataclass(frozen=True)
+class SamplingRule:
+    """How tokens are drawn from a policy's logits (and what π_ref^rule, the KL reference, is)."""
+
+    top_k: int
+    temperature: float
+    top_p: float
+
+    @property
+    def label(self) -> str:
+        """`top-2, T=1` / `full, T=0.7, top_p=0.9`: the results table's `sampling` column."""
+        parts = [f"top-{self.top_k}" if self.top_k > 0 else "full", f"T={self.temperature:g}"]
+        if self.top_p < 1.0:
+            parts.append(f"top_p={self.top_p:g}")
+        return ", ".join(parts)
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"top_k": self.top_k, "temperature": self.temperature, "top_p": self.top_p}
+
+
+@dataclass
+class EvalPolicy:
+    """One row's policy: sample `model` under `rule` (+ offsets from `hook_factory`)."""
+
+    eta: float | None
+    model: Any
+    rule: SamplingRule
+    hook_factory: Callable | None = None
+    is_reference: bool = False  # the sampled distribution is π_ref^rule itself (KL 0, no extra forward)
+
+
+def generation_rule(ctx: StageContext) -> SamplingRule:
+    gen = ctx.cfg.generation
+    return SamplingRule(int(gen.top_k), float(gen.temperature), float(gen.top_p))
+
+
+def guided_rule(ctx: StageContext, algo: str) -> SamplingRule:
+    gen = ctx.cfg.generation
+    return SamplingRule(int(ctx.cfg.algos[algo].guidance.top_k), float(gen.temperature), float(gen.top_p))
+
+
+def reference_rules(ctx: StageContext) -> list[SamplingRule]:
+    """The generation rule, then each distinct rule of an enabled guided algorithm."""
+    rules = [generation_rule(ctx)]
+    for algo in GUIDED:
+        if algo in ctx.cfg.algos and ctx.cfg.algos[algo].enabled and guided_rule(ctx, algo) not in rules:
+            rules.append(guided_rule(ctx, algo))
+    return rules
+
+
+def eval_policies(ctx: StageContext, ref) -> list[EvalPolicy]:
+    """The rows this chain's evaluation samples (see the module docstring)."""
     algo = ctx.task.algo
-    top_k = int(ctx.cfg.generation.top_k)
     if algo == "reference":
-        return [(0.0, ref, None, top_k, False)]
+        return [EvalPolicy(0.0, ref, rule, is_reference=True) for rule in reference_rules(ctx)]
     if algo in GUIDED:
         from pita.algos.guidance import guided_hook_factory
 
-        guide_dir = ctx.input("policy")
-        guidance = ctx.algo_cfg.guidance
-        out = []
-        for eta in ctx.cfg.evaluation.etas:
-            factory = guided_hook_factory(ctx, guide_dir, float(eta)) if eta > 0 else None
-            out.append((float(eta), ref, factory, int(guidance.top_k), False))
-        return out
-    return [(None, ctx.load_model(ctx.input("policy") / Artifact.MODEL), None, top_k, True)]
+        guide_dir, rule = ctx.input("policy"), guided_rule(ctx, algo)
+        return [EvalPolicy(float(eta), ref, rule,
+                           hook_factory=guided_hook_factory(ctx, guide_dir, float(eta)) if eta > 0 else None,
+                           is_reference=not eta > 0)
+                for eta in ctx.cfg.evaluation.etas]
+    return [EvalPolicy(None, ctx.load_model(ctx.input("policy") / Artifact.MODEL), generation_rule(ctx))]
 
 
 def evaluate_shard(ctx: StageContext) -> dict:
@@ -57,16 +117,16 @@ def evaluate_shard(ctx: StageContext) -> dict:
 
     Reads: π_ref, the `policy` input (`value_model/` for guided chains, `model/` for DPO /
     GRPO), `evaluation.*`, `generation.*`. Writes: `samples.jsonl` (one record per
-    sample: η, token ids, reward, answer, log π and log π_ref of the sampled tokens).
+    sample: η, sampling rule, token ids, reward, answer, KL against π_ref under that rule).
     """
     import torch
 
-    from pita.datasets import build_task
     from pita.models.generation import generate, sequence_logprobs
+    from pita.models.placement import placement_lines
 
     ref_dir = ctx.reference_model()
     ref = ctx.load_model(ref_dir)
-    task = build_task(ctx.cfg.dataset, tokenizer=ref_dir)
+    task = ctx.build_task()
     tok = task.tokenizer
     all_examples = test_examples(ctx, task)
     part = ctx.shard_slice(len(all_examples))
@@ -80,26 +140,31 @@ def evaluate_shard(ctx: StageContext) -> dict:
     bs = generation_batch_size(ctx, ctx.cfg.evaluation.batch_size, model=ref, prompts=prompts,
                                max_new_tokens=max_new)
     n_records = 0
+    policies = eval_policies(ctx, ref)
     with open(ctx.out_dir / Artifact.SAMPLES, "w") as f:
-        for eta, model, hook_factory, top_k, needs_ref in _policies(ctx, task, ref):
+        for policy in policies:
             generator = torch.Generator(device="cpu").manual_seed(ctx.seed)
-            out = generate(model, prompts, max_new_tokens=max_new, batch_size=bs, pad_token_id=tok.pad_token_id,
-                           eos_token_id=tok.eos_token_id, do_sample=True, temperature=gen.temperature,
-                           top_k=top_k, top_p=gen.top_p, generator=generator, offset_hook_factory=hook_factory)
-            if needs_ref:
-                ref_lp = sequence_logprobs(ref, prompts, out.responses, batch_size=bs, pad_token_id=tok.pad_token_id)
-            else:  # sampled from π_ref's own logits (+ offsets): base_logprobs is log π_ref
-                ref_lp = out.base_logprobs
+            out = generate(policy.model, prompts, max_new_tokens=max_new, batch_size=bs,
+                           pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, do_sample=True,
+                           generator=generator, offset_hook_factory=policy.hook_factory, **policy.rule.kwargs())
+            if policy.is_reference:  # sampled from π_ref^rule itself
+                ref_lp = out.logprobs
+            else:  # log π_ref^rule of the samples: one teacher-forced forward per batch
+                ref_lp = sequence_logprobs(ref, prompts, out.responses, batch_size=bs, pad_token_id=tok.pad_token_id,
+                                           **policy.rule.kwargs())
             rewards = task.rewards(examples, out.responses)
             answers = task.answers(examples, out.responses)
             for j in range(len(prompts)):
-                f.write(json.dumps({"eta": eta, "example": prompt_index[j], "response": out.responses[j],
-                                    "reward": rewards[j], "answer": answers[j],
+                f.write(json.dumps({"eta": policy.eta, "sampling": policy.rule.label, "example": prompt_index[j],
+                                    "response": out.responses[j], "reward": rewards[j], "answer": answers[j],
                                     "kl": sum(out.logprobs[j]) - sum(ref_lp[j])}) + "\n")
             n_records += len(prompts)
-            ctx.logger.info("eta=%s: %d samples, mean reward %.4f", eta, len(prompts), sum(rewards) / len(rewards))
-            ctx.heartbeat(f"eta={eta} done")
-    return {"prompts": len(indices), "records": n_records}
+            ctx.logger.info("eta=%s (%s): %d samples, mean reward %.4f", policy.eta, policy.rule.label, len(prompts),
+                            sum(rewards) / len(rewards))
+            ctx.heartbeat(f"eta={policy.eta} done")
+    lines = placement_lines(ref, "reference") + [line for p in policies if p.model is not ref
+                                                 for line in placement_lines(p.model, "policy")]
+    return {"prompts": len(indices), "records": n_records, "run_log_lines": lines}
 
 
 def evaluate_merge(ctx: StageContext) -> dict:
@@ -114,15 +179,15 @@ def evaluate_merge(ctx: StageContext) -> dict:
 
     task = build_task(ctx.cfg.dataset, tokenizer=ctx.reference_model())
     examples = test_examples(ctx, task)
-    by_eta: dict[Any, list[dict]] = {}
+    by_row: dict[Any, list[dict]] = {}
     wall = 0.0
     for shard in ctx.input("shards"):
         wall += json.loads((shard / Artifact.RESULT).read_text()).get("wall_s", 0.0)
         for line in (shard / Artifact.SAMPLES).read_text().splitlines():
             rec = json.loads(line)
-            by_eta.setdefault(rec["eta"], []).append(rec)
+            by_row.setdefault((rec["eta"], rec.get("sampling")), []).append(rec)
     rows = []
-    for eta, recs in by_eta.items():
+    for (eta, sampling), recs in by_row.items():
         recs.sort(key=lambda r: r["example"])
         rewards = [r["reward"] for r in recs]
         row = {
@@ -131,7 +196,8 @@ def evaluate_merge(ctx: StageContext) -> dict:
             "pass@1": pass_at_1(rewards),
             "maj@k": maj_at_k([r["example"] for r in recs], [r["answer"] for r in recs], rewards,
                               seed=int(ctx.cfg.experiment.seed)),
-            "avg_reward": mean(rewards), "kl": mean([r["kl"] for r in recs]), "eval_wall_s": round(wall, 2),
+            "avg_reward": mean(rewards), "kl": mean([r["kl"] for r in recs]), "sampling": sampling,
+            "eval_wall_s": round(wall, 2),
         }
         extra = getattr(task, "extra_metrics", None)
         if extra is not None:
