@@ -61,7 +61,9 @@ class SystemConfig:
 class ExecutorConfig:
     backend: str = _help("local (worker processes on this machine) | inprocess | ray", "local")
     cpu_workers: Any = _help("CPU worker count when no GPU is used: auto = cores / threads_per_worker.", "auto")
-    max_tasks_per_gpu: int = _help("Tasks that may share one device when memory allows.", 1)
+    max_tasks_per_gpu: Any = _help("Tasks that may share one GPU: auto = while their memory estimates fit "
+                                   "(at most 8, and one per core of the device's share); an integer caps it; "
+                                   "CPU slots run one task each under auto.", "auto")
     max_tasks_per_worker: int = _help("Recycle a worker after this many tasks.", 200)
     max_retries: int = _help("Retries of a task whose worker was killed, hit a CUDA fault or OOM.", 2)
     task_timeout_s: float = _help("Kill a task running longer than this (seconds).", 7200.0)
@@ -336,7 +338,11 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
            "allowed: local | inprocess | ray")
     _check(e, ex.cpu_workers == "auto" or (isinstance(ex.cpu_workers, int) and ex.cpu_workers >= 1),
            "executor.cpu_workers", ex.cpu_workers, "auto or an integer >= 1")
-    for key in ("max_tasks_per_gpu", "max_tasks_per_worker", "model_cache_size"):
+    _check(e, ex.max_tasks_per_gpu == "auto" or (isinstance(ex.max_tasks_per_gpu, int)
+                                                and not isinstance(ex.max_tasks_per_gpu, bool)
+                                                and ex.max_tasks_per_gpu >= 1),
+           "executor.max_tasks_per_gpu", ex.max_tasks_per_gpu, "auto or an integer >= 1")
+    for key in ("max_tasks_per_worker", "model_cache_size"):
         _check(e, ex[key] >= 1, f"executor.{key}", ex[key], "must be >= 1")
     _check(e, ex.max_retries >= 0, "executor.max_retries", ex.max_retries, "must be >= 0")
     _check(e, ex.max_shards >= 0, "executor.max_shards", ex.max_shards, "must be >= 0 (0 = one per device)")

@@ -197,6 +197,9 @@ def plan_experiment(cfg: DictConfig, n_devices: int, *, device_mb: list[int] | N
     plan = planner.plan
     for t in plan.tasks.values():  # what its committed folder must hold (resume checks it)
         t.outputs = list(STAGE_OUTPUTS.get(t.fn, ()))
+    from pita.experiment.estimates import fill_estimates
+
+    fill_estimates(plan, cfg, device_mb)  # measured peak > checkpoint size > model.memory_gb
     if device_mb:
         size_gangs(plan, device_mb)
     check_resources(plan, n_devices, device_mb)
