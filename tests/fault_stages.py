@@ -53,3 +53,13 @@ def hang_stage(ctx: StageContext) -> dict:
 
 def noop_stage(ctx: StageContext) -> dict:
     return {}
+
+
+def nan_stage(ctx: StageContext) -> dict:
+    """A stage whose metric came out NaN (e.g. a diverged loss): the task must fail."""
+    return {"rows": [{"eta": 0.0, "pass@1": float("nan")}]}
+
+
+def forgetful_stage(ctx: StageContext) -> dict:
+    """Writes nothing although its task declares an output."""
+    return {}

@@ -13,9 +13,10 @@ any entry from the config (`<ALGO>.<stage>` or `any.<stage>` -> "pkg.mod:functio
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from pita.core.paths import Artifact
 
 # The wildcard algorithm name: stage_overrides.any.<stage>, and shared tasks (pretrain).
 ANY = "any"
@@ -70,6 +71,28 @@ EXTRA_FUNCTIONS: dict[tuple[str, str], str] = {
     ("diagnostic", "device_check"): "pita.stages.diagnostic:device_check",
 }
 
+# What each stage function leaves in its task folder besides result.json and log.txt (a
+# name is a file, or a folder holding at least one file). The worker refuses to commit a
+# folder without them and resume redoes a folder whose manifest lacks one. A function
+# plugged in with executor.stage_overrides declares nothing.
+STAGE_OUTPUTS: dict[str, tuple[str, ...]] = {
+    "pita.stages.pretrain:pretrain": (Artifact.MODEL,),
+    "pita.stages.evaluate:evaluate_shard": (Artifact.SAMPLES,),
+    "pita.stages.evaluate:evaluate_merge": (Artifact.METRICS,),
+    "pita.stages.collect:collect_merge": (Artifact.STATS,),
+    "pita.algos.qsharp:collect": (Artifact.RECORDS,),
+    "pita.algos.qsharp:train": (Artifact.VALUE_MODEL,),
+    "pita.algos.pita_algo:collect": (Artifact.RECORDS,),
+    "pita.algos.pita_algo:train": (Artifact.VALUE_MODEL,),
+    "pita.algos.qsharp_hf:collect": (Artifact.RECORDS, Artifact.PAIRS),
+    "pita.algos.qsharp_hf:train": (Artifact.VALUE_MODEL,),
+    _REWARD_MODEL: (Artifact.REWARD_MODEL,),
+    "pita.algos.dpo:collect": (Artifact.PAIRS,),
+    "pita.algos.dpo:train": (Artifact.MODEL,),
+    "pita.algos.grpo:train": (Artifact.MODEL,),
+    "pita.algos.grpo:train_hf": (Artifact.MODEL,),
+}
+
 
 def lookup(algo: str, stage: str, overrides: Mapping[str, Mapping[str, str]] | None = None) -> str | None:
     """The dotted path for (algo, stage), or None if no implementation is registered.
@@ -87,9 +110,8 @@ def lookup(algo: str, stage: str, overrides: Mapping[str, Mapping[str, str]] | N
 
 
 def is_importable(dotted: str) -> bool:
-    """True when the module of 'module:function' can be found (without importing it)."""
-    module = dotted.partition(":")[0]
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
+    """True when the module of 'module:function' can be found, without running any of its
+    packages' code (find_spec on `pkg.mod` would import `pkg`: config is code)."""
+    from pita.core.tasks import module_exists
+
+    return module_exists(dotted.partition(":")[0])

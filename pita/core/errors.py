@@ -39,3 +39,8 @@ class ConfigError(PitaError):
     def __init__(self, messages: str | list[str]):
         self.messages = [messages] if isinstance(messages, str) else list(messages)
         super().__init__("\n".join(self.messages))
+
+
+class ExecutorBroken(PitaError):
+    """The executor can no longer complete futures (a worker-pool thread stopped): the run
+    fails now, exit 1 with the journal written, rather than waiting forever."""

@@ -1,11 +1,20 @@
-"""The one place that builds paths inside a run folder (docs/DESIGN.md §4), and atomic writes."""
+"""The one place that builds paths inside a run folder (docs/DESIGN.md §4), and atomic writes.
+
+A committed task folder proves its own completion: its manifest, written last, lists
+every file with its size and sha256, and `TaskPaths.verify` checks them all plus the
+files every task and its stage must have (`result.json`, `log.txt`, the stage's declared
+outputs). Files are created with the user's umask, so teammates can read or resume a run.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +43,33 @@ class Artifact:
 
 
 MANIFEST = Artifact.MANIFEST
+MANIFEST_VERSION = 2  # 1: sizes only (not trusted any more: such folders are redone)
+ALWAYS_REQUIRED = (Artifact.RESULT, Artifact.LOG)  # what every committed task folder holds
+
+
+def current_umask() -> int:
+    """The process umask, without the set-and-restore race of os.umask where possible."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temporary file in the same folder + os.replace: never half a file."""
+    """Write via a temporary file in the same folder + os.replace: never half a file.
+
+    mkstemp creates its file 0600; it gets the mode a plain open() would give (0666 minus
+    the umask) so a run is as readable as any other file the user creates.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -53,6 +82,30 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def non_finite_numbers(obj: Any, where: str = "result") -> list[str]:
+    """Paths like `result['rows'][0]['kl']` of every NaN / inf float in a JSON-like value."""
+    if isinstance(obj, float):
+        return [] if math.isfinite(obj) else [f"{where}={obj}"]
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() for p in non_finite_numbers(v, f"{where}[{k!r}]")]
+    if isinstance(obj, (list, tuple)):
+        return [p for i, v in enumerate(obj) for p in non_finite_numbers(v, f"{where}[{i}]")]
+    return []
+
+
+def _listed(files: Iterable[str], required: str) -> bool:
+    """A declared output is a file, or a folder with at least one file in it."""
+    return any(f == required or f.startswith(required.rstrip("/") + "/") for f in files)
 
 
 class RunPaths:
@@ -72,6 +125,10 @@ class RunPaths:
     @property
     def journal(self) -> Path:
         return self.root / "journal.jsonl"
+
+    @property
+    def lock(self) -> Path:
+        return self.root / ".lock"  # flock of the orchestrator running the folder (run_lock.py)
 
     @property
     def run_log(self) -> Path:
@@ -152,33 +209,57 @@ class TaskPaths:
     def manifest(self) -> Path:
         return self.final / MANIFEST
 
-    def commit(self, tmp_dir: Path) -> None:
+    def commit(self, tmp_dir: Path, required: Iterable[str] = ()) -> None:
         """Write the manifest into `tmp_dir`, then rename it to the final folder.
 
-        The manifest is written last, so a folder with a valid manifest is complete; a
-        leftover final folder (from an attempt that died after committing) is replaced.
+        Raises ValueError (the task fails, nothing is committed) when a required output is
+        missing. The manifest is written last, so a folder with a valid manifest is
+        complete; a leftover final folder (from an attempt that died after committing) is
+        replaced.
         """
         files = {
-            str(p.relative_to(tmp_dir)): p.stat().st_size
+            str(p.relative_to(tmp_dir)): {"size": p.stat().st_size, "sha256": file_sha256(p)}
             for p in sorted(tmp_dir.rglob("*"))
             if p.is_file() and p.name != MANIFEST
         }
-        atomic_write_json(tmp_dir / MANIFEST, {"task_id": self.task_id, "files": files})
+        missing = [r for r in (*ALWAYS_REQUIRED, *required) if not _listed(files, r)]
+        if missing:
+            raise ValueError(f"stage did not write its declared output(s): {', '.join(missing)}")
+        atomic_write_json(tmp_dir / MANIFEST, {"task_id": self.task_id, "version": MANIFEST_VERSION,
+                                               "files": files})
         if self.final.exists():
             shutil.rmtree(self.final)
         os.replace(tmp_dir, self.final)
 
-    def is_complete(self) -> bool:
-        """True iff the folder has a manifest and every listed file has its size."""
+    def verify(self, required: Iterable[str] = ()) -> str | None:
+        """Why the committed folder does not prove completion, or None when it does.
+
+        Every listed file must have its size and sha256 (a same-size edit or bit flip is
+        caught), and the manifest must list `result.json`, `log.txt` and the stage's
+        declared outputs (a manifest edited to drop a file, or `"files": {}`, is caught).
+        """
         try:
             manifest = json.loads(self.manifest.read_text())
         except (OSError, ValueError):
-            return False
-        if manifest.get("task_id") != self.task_id:
-            return False
-        for rel, size in manifest.get("files", {}).items():
+            return "no readable manifest"
+        if not isinstance(manifest, dict) or manifest.get("task_id") != self.task_id:
+            return "manifest names another task"
+        files = manifest.get("files")
+        if manifest.get("version") != MANIFEST_VERSION or not isinstance(files, dict):
+            return "manifest without checksums (older pita)"
+        missing = [r for r in (*ALWAYS_REQUIRED, *required) if not _listed(files, r)]
+        if missing:
+            return f"manifest lacks {', '.join(missing)}"
+        for rel, entry in files.items():  # sizes first: cheap, and most damage shows there
             p = self.final / rel
-            if not p.is_file() or p.stat().st_size != size:
-                return False
-        return True
+            if not isinstance(entry, dict) or not p.is_file() or p.stat().st_size != entry.get("size"):
+                return f"{rel} is missing or has the wrong size"
+        for rel, entry in files.items():
+            if file_sha256(self.final / rel) != entry.get("sha256"):
+                return f"{rel} does not match its sha256"
+        return None
+
+    def is_complete(self, required: Iterable[str] = ()) -> bool:
+        """True iff the folder's manifest verifies (see `verify`)."""
+        return self.verify(required) is None
 

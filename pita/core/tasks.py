@@ -7,6 +7,8 @@ resources the scheduler needs (devices and a memory estimate).
 
 from __future__ import annotations
 
+import importlib.machinery
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -40,12 +42,14 @@ class TaskSpec:
     shard_range: tuple[float, float] = (0.0, 1.0)  # fraction of the stage's items
     gpus: int = 1
     mem_mb: int = 0
+    mem_source: str = ""  # where mem_mb came from (pita/experiment/estimates.py); shown by dry_run
     preferred_device: int | None = None
     work: float = 1.0  # relative duration estimate, for critical-path priority
     priority: float = 0.0  # filled by the planner (critical path by default)
     batch_scale: float = 1.0  # halved on each OOM retry (effective batch kept via accumulation)
     dataset_cfg: dict[str, Any] = field(default_factory=dict)
     family_cfg: dict[str, Any] = field(default_factory=dict)
+    outputs: list[str] = field(default_factory=list)  # declared outputs its committed folder must hold
 
     @property
     def chain(self) -> str:
@@ -61,3 +65,27 @@ class TaskSpec:
         d = dict(d)
         d["shard_range"] = tuple(d.get("shard_range", (0.0, 1.0)))
         return cls(**d)
+
+
+def module_exists(name: str) -> bool:
+    """Whether `a.b.c` can be imported, found on sys.path without importing `a` or `a.b`
+    (importlib.util.find_spec imports every parent package, i.e. runs its code)."""
+    if name in sys.modules:
+        return True
+    parts = name.split(".")
+    path = None
+    for i in range(len(parts)):
+        qualified = ".".join(parts[: i + 1])
+        if qualified in sys.modules:
+            spec = getattr(sys.modules[qualified], "__spec__", None)
+        else:
+            try:
+                spec = importlib.machinery.PathFinder.find_spec(qualified, path)
+            except (ImportError, ValueError):
+                return False
+        if spec is None:
+            return False
+        path = spec.submodule_search_locations
+        if path is None and i < len(parts) - 1:
+            return False  # a plain module has no submodules
+    return True

@@ -3,13 +3,18 @@
 `WorkerPool.submit(task, devices, ...)` returns a `Future[TaskOutcome]`. Workers are
 fresh Python processes (`subprocess`, not `multiprocessing` spawn, which would re-import
 the main script) started with an explicit environment that pins their devices, in their
-own process group, talking over an authenticated `multiprocessing.connection` channel.
+own process group, talking over a `multiprocessing.connection` channel: a Unix socket in
+a private (0700) folder, so other local users cannot even connect, and an HMAC challenge
+per connection, run on its own thread with a timeout, so a same-user client with a wrong
+key or a silent socket is dropped without blocking the next worker's connection.
 
 A background dispatcher thread reads answers and heartbeats and watches liveness: a
-worker that exits or is killed mid-task, stops sending heartbeats, or overruns the task
-timeout completes its future with a classified failure (`killed`, `timeout`); the parent
-never waits forever. A healthy worker is reused for the next task on the same devices
-(keeping its model LRU) and recycled after `max_tasks_per_worker` tasks or any OOM /
+worker that exits or is killed mid-task, stops sending heartbeats, does not connect
+within `executor.start_timeout_s`, or overruns the task timeout completes its future with
+a classified failure (`killed`, `timeout`) and is never given another task; the parent
+never waits forever. The background threads catch and report every error; if one stops
+anyway, `broken` says why and the run fails loudly instead of waiting. A healthy worker
+is reused for the next task on the same devices (keeping its model LRU) and recycled after `max_tasks_per_worker` tasks or any OOM /
 CUDA fault. It implements the `Executor` protocol (pita/core/executor.py), like the
 in-process and Ray executors.
 """
@@ -19,22 +24,38 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from multiprocessing.connection import Listener, wait
+from multiprocessing.connection import (
+    Connection,
+    Listener,
+    answer_challenge,
+    deliver_challenge,
+    wait,
+)
 from pathlib import Path
 from typing import Any
 
-from pita.core.errors import RECYCLE_WORKER
+from pita.core.errors import RECYCLE_WORKER, ExecutorBroken
 from pita.core.executor import TaskOutcome
 from pita.core.tasks import TaskSpec
 
 log = logging.getLogger(__name__)
+
+AUTH_TIMEOUT_S = 10.0  # a connecting client must authenticate and say hello within this
+STOP_GRACE_S = 30.0  # a worker told to stop (or killed) that is still alive after this is SIGKILLed
+MAX_LOOP_ERRORS = 20  # consecutive errors after which a background thread gives up (run fails)
+
+
 
 @dataclass
 class _Job:
@@ -54,7 +75,8 @@ class WorkerHandle:
         self.proc = proc
         self.pid = proc.pid
         self.conn = None
-        self.state = "starting"  # starting | idle | busy | stopping | dead
+        self.state = "starting"  # starting | idle | busy | stopping | dead (never reused once stopping)
+        self.stopping_since = 0.0
         self.job: _Job | None = None
         self.tasks_run = 0
         self.started_at = time.time()
@@ -72,8 +94,9 @@ class WorkerHandle:
 class WorkerPool:
     def __init__(self, gpu_manager, *, max_tasks_per_device: int = 1, max_tasks_per_worker: int = 200,
                  task_timeout_s: float = 7200.0, heartbeat_s: float = 2.0, heartbeat_timeout_s: float = 120.0,
-                 start_timeout_s: float = 300.0, model_cache_size: int = 2, preimport: bool = True,
-                 extra_env: dict[str, str] | None = None, log_dir: Path | None = None):
+                 start_timeout_s: float = 60.0, model_cache_size: int = 2, preimport: bool = True,
+                 extra_env: dict[str, str] | None = None, log_dir: Path | None = None,
+                 auth_timeout_s: float = AUTH_TIMEOUT_S):
         self.gpu = gpu_manager
         self.log_dir = Path(log_dir) if log_dir else None
         self.max_tasks_per_device = max_tasks_per_device
@@ -85,26 +108,34 @@ class WorkerPool:
         self.model_cache_size = model_cache_size
         self.preimport = preimport
         self.extra_env = extra_env or {}
+        self.auth_timeout_s = auth_timeout_s
+        self.broken: str | None = None  # why a background thread stopped (the run must fail)
+        self.rejected_connections = 0
         self._authkey = secrets.token_bytes(32)
-        # backlog: 8 workers connecting at once overflow the default backlog of 1 and a
-        # dropped connection leaves a worker blocked in Client() until start_timeout_s.
-        self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey, backlog=64)
+        # A Unix socket in a folder only this user can enter (mkdtemp: 0700). No authkey on
+        # the Listener itself: its accept() runs the challenge inline, so one silent client
+        # would block every later worker; each connection is authenticated on its own thread.
+        # backlog: 8 workers connecting at once overflow the default backlog of 1.
+        self._sock_dir = tempfile.mkdtemp(prefix="pita-chan-")
+        self._listener = Listener(os.path.join(self._sock_dir, "c"), family="AF_UNIX", backlog=64)
         self._lock = threading.RLock()
         self._workers: dict[int, WorkerHandle] = {}
         self._next_id = 0
         self._closed = False
-        threading.Thread(target=self._accept_loop, name="pita-accept", daemon=True).start()
-        self._dispatcher = threading.Thread(target=self._dispatch_loop, name="pita-dispatch", daemon=True)
-        self._dispatcher.start()
+        self._threads = [self._start_thread("pita-accept", self._accept_loop),
+                         self._start_thread("pita-dispatch", self._dispatch_loop)]
 
     @classmethod
     def from_config(cls, gpu_manager, executor_cfg, extra_env: dict[str, str] | None = None,
                     log_dir: Path | None = None) -> WorkerPool:
+        from pita.core.resources import max_tasks_per_device
+
+        cap = max_tasks_per_device(executor_cfg.max_tasks_per_gpu, gpu_manager.kind, len(gpu_manager.devices))
         return cls(
-            gpu_manager, max_tasks_per_device=executor_cfg.max_tasks_per_gpu,
+            gpu_manager, max_tasks_per_device=cap,
             max_tasks_per_worker=executor_cfg.max_tasks_per_worker, task_timeout_s=executor_cfg.task_timeout_s,
             heartbeat_s=executor_cfg.heartbeat_s, heartbeat_timeout_s=executor_cfg.heartbeat_timeout_s,
-            model_cache_size=executor_cfg.model_cache_size, preimport=executor_cfg.preimport, extra_env=extra_env,
+            start_timeout_s=executor_cfg.get("start_timeout_s", 60.0), model_cache_size=executor_cfg.model_cache_size, preimport=executor_cfg.preimport, extra_env=extra_env,
             log_dir=log_dir,
         )
 
@@ -118,6 +149,8 @@ class WorkerPool:
         with self._lock:
             if self._closed:
                 raise RuntimeError("pool is shut down")
+            if self.broken:
+                raise RuntimeError(self.broken)
             worker = self._idle_worker(devices) or self._spawn(devices)
             worker.job = job
             if worker.state == "idle":
@@ -131,6 +164,11 @@ class WorkerPool:
             for devices in device_sets:
                 if not any(w.devices == tuple(devices) and w.state != "dead" for w in self._workers.values()):
                     self._spawn(tuple(devices))
+
+    def check(self) -> None:
+        """Raise `ExecutorBroken` when a pool thread has stopped: nothing would ever complete."""
+        if self.broken:
+            raise ExecutorBroken(self.broken)
 
     def workers(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -171,12 +209,11 @@ class WorkerPool:
                     w.conn.close()
                     w.conn = None
         self._wake_accept_loop()
+        shutil.rmtree(self._sock_dir, ignore_errors=True)
 
     def _wake_accept_loop(self) -> None:
         """Closing a listening socket does not wake a thread blocked in accept() on Linux:
         shut the socket down, which does, then close it (no port left in LISTEN)."""
-        import socket
-
         try:
             self._listener._listener._socket.shutdown(socket.SHUT_RDWR)
         except (AttributeError, OSError):
@@ -189,20 +226,21 @@ class WorkerPool:
     # ---- workers ---------------------------------------------------------------------------
     def _idle_worker(self, devices: tuple[int, ...]) -> WorkerHandle | None:
         for w in self._workers.values():
-            if w.devices == devices and w.job is None and w.state in ("idle", "starting"):
+            if (w.devices == devices and w.job is None and w.state in ("idle", "starting")
+                    and w.proc.poll() is None):
                 return w
         return None
 
     def _spawn(self, devices: tuple[int, ...]) -> WorkerHandle:
         self._evict_idle_overlapping(devices)
         env = self.gpu.worker_env(list(devices))
+        env.update(self._thread_env())
         env.update(self.extra_env)
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         worker_id = self._next_id
         self._next_id += 1
-        host, port = self._listener.address
-        cmd = [sys.executable, "-m", "pita.runtime.worker", "--address", f"{host}:{port}",
+        cmd = [sys.executable, "-m", "pita.runtime.worker", "--address", self._listener.address,
                "--worker-id", str(worker_id), "--heartbeat-s", str(self.heartbeat_s),
                "--cache-size", str(self.model_cache_size)]
         if self.preimport:
@@ -224,6 +262,15 @@ class WorkerPool:
                   devices, handle.env_devices)
         return handle
 
+    def _thread_env(self) -> dict[str, str]:
+        """CPU threads are a budget: packed workers on a GPU host share the cores (issue 11)."""
+        from pita.core.resources import thread_budget, thread_env
+
+        kind = getattr(self.gpu, "kind", "cpu")
+        n = thread_budget(kind, len(self.gpu.devices), self.max_tasks_per_device,
+                          getattr(self.gpu, "threads_per_worker", 1))
+        return thread_env(n) if kind != "cpu" else {}
+
     def _evict_idle_overlapping(self, devices: tuple[int, ...]) -> None:
         """Keep at most max_tasks_per_device live workers on each device."""
         for d in devices:
@@ -237,7 +284,7 @@ class WorkerPool:
                     excess -= 1
 
     def _retire(self, w: WorkerHandle) -> None:
-        w.state = "stopping"
+        w.state, w.stopping_since = "stopping", time.time()
         try:
             if w.conn is not None:
                 w.conn.send(("stop",))
@@ -245,6 +292,15 @@ class WorkerPool:
                 self._signal_group(w, signal.SIGTERM)
         except (OSError, EOFError):
             self._signal_group(w, signal.SIGTERM)
+
+    def _kill(self, w: WorkerHandle, outcome: TaskOutcome | None = None) -> None:
+        """SIGKILL a worker's group, fail its task, and never hand it another task."""
+        self._signal_group(w, signal.SIGKILL)
+        if outcome is not None and w.job is not None:
+            self._finish(w, outcome)
+        w.job = None
+        if w.state != "dead":
+            w.state, w.stopping_since = "stopping", time.time()
 
     @staticmethod
     def _signal_group(w: WorkerHandle, sig: int) -> None:
@@ -259,9 +315,7 @@ class WorkerPool:
             w.state = "busy"
             w.job.started = time.time()
         except (OSError, EOFError) as exc:
-            self._finish(w, TaskOutcome(w.job.task.id, False, "killed", f"could not reach worker: {exc}"))
-            self._signal_group(w, signal.SIGKILL)
-            w.state = "dead"
+            self._kill(w, TaskOutcome(w.job.task.id, False, "killed", f"could not reach worker: {exc}"))
 
     def _finish(self, w: WorkerHandle, outcome: TaskOutcome) -> None:
         job = w.job
@@ -275,44 +329,96 @@ class WorkerPool:
         job.future.set_result(outcome)
 
     # ---- background threads ----------------------------------------------------------------
+    def _start_thread(self, name: str, loop: Callable[[], None]) -> threading.Thread:
+        thread = threading.Thread(target=self._guarded, args=(name, loop), name=name, daemon=True)
+        thread.start()
+        return thread
+
+    def _guarded(self, name: str, loop: Callable[[], None]) -> None:
+        """Run a background loop; if it ends while the pool is open, say why in `broken`
+        (the DAG runner polls `check()` and fails the run) instead of dying silently."""
+        try:
+            loop()
+            why = "returned"
+        except BaseException as exc:  # noqa: BLE001 - reported, then the run fails loudly
+            log.exception("pool thread %s crashed", name)
+            why = f"crashed ({type(exc).__name__}: {exc})"
+        if not self._closed:
+            self.broken = f"worker pool thread {name} stopped: {why}"
+            log.error("%s; the run cannot continue", self.broken)
+
     def _accept_loop(self) -> None:
-        while True:
+        errors = 0
+        while not self._closed:
             try:
-                conn = self._listener.accept()
+                conn = self._listener._listener.accept()  # raw: authentication happens below
             except (OSError, EOFError):
                 if self._closed:
                     return
-                continue  # a bad authkey or a dropped connection: ignore that client
-            try:
-                if not conn.poll(30):
-                    conn.close()
-                    continue
-                kind, worker_id, pid = conn.recv()
-            except (OSError, EOFError, ValueError):
+                errors += 1
+                if errors > MAX_LOOP_ERRORS:
+                    raise
+                time.sleep(0.05)
                 continue
-            with self._lock:
-                w = self._workers.get(worker_id)
-                if kind != "hello" or w is None or w.pid != pid:
-                    conn.close()
-                    continue
-                w.conn = conn
-                w.last_seen = time.time()
-                if w.state == "starting":
-                    w.state = "idle"
-                    if w.job is not None:
-                        self._send_job(w)
+            errors = 0
+            threading.Thread(target=self._admit, args=(conn,), name="pita-auth", daemon=True).start()
+
+    def _admit(self, conn: Connection) -> None:
+        """Authenticate one connection and attach it to its worker, within auth_timeout_s.
+
+        A watchdog shuts the socket down at the deadline, which wakes the blocked read: a
+        silent client costs one short-lived thread, never the accept loop.
+        """
+        timer = threading.Timer(self.auth_timeout_s, _shutdown_socket, (conn,))
+        timer.daemon = True
+        timer.start()
+        try:
+            deliver_challenge(conn, self._authkey)
+            answer_challenge(conn, self._authkey)
+            if not conn.poll(self.auth_timeout_s):
+                raise TimeoutError("no hello")
+            msg = conn.recv()
+            if not (isinstance(msg, tuple) and len(msg) == 3 and msg[0] == "hello"):
+                raise ValueError(f"unexpected first message {str(msg)[:80]!r}")
+            _, worker_id, pid = msg
+        except Exception as exc:  # noqa: BLE001 - any bad client is dropped and reported
+            timer.cancel()
+            self.rejected_connections += 1
+            log.warning("worker channel: rejected a connection (%s: %s)", type(exc).__name__, exc)
+            conn.close()
+            return
+        timer.cancel()
+        with self._lock:
+            w = self._workers.get(worker_id)
+            if w is None or w.pid != pid or w.state != "starting" or self._closed:
+                conn.close()
+                return
+            w.conn = conn
+            w.last_seen = time.time()
+            w.state = "idle"
+            if w.job is not None:
+                self._send_job(w)
 
     def _dispatch_loop(self) -> None:
+        errors = 0
         while True:
             with self._lock:
                 if self._closed:
                     return
                 conns = {w.conn: w for w in self._workers.values() if w.conn is not None and w.state != "dead"}
-            ready = wait(list(conns), timeout=0.1) if conns else (time.sleep(0.05) or [])
-            with self._lock:
-                for conn in ready:
-                    self._drain(conns[conn])
-                self._check_liveness()
+            try:
+                ready = wait(list(conns), timeout=0.1) if conns else (time.sleep(0.05) or [])
+                with self._lock:
+                    for conn in ready:
+                        self._drain(conns[conn])
+                    self._check_liveness()
+                errors = 0
+            except Exception:  # noqa: BLE001 - reported; a persistent error stops the run
+                errors += 1
+                log.exception("worker pool dispatcher error (%d in a row)", errors)
+                if errors >= MAX_LOOP_ERRORS:
+                    raise
+                time.sleep(0.1)
 
     def _drain(self, w: WorkerHandle) -> None:
         try:
@@ -329,6 +435,8 @@ class WorkerPool:
         elif kind == "started":
             if w.job:
                 w.job.started = time.time()
+        elif w.state == "stopping":
+            return  # a late answer from a worker already killed or retired: its task was settled
         elif kind == "done":
             _, task_id, result, stats = msg
             w.stats = stats
@@ -343,7 +451,10 @@ class WorkerPool:
             w.stats = stats
             w.tasks_run += 1
             # the worker exits by itself after an OOM / CUDA fault: never reuse it
-            w.state = "stopping" if failure in RECYCLE_WORKER else "idle"
+            if failure in RECYCLE_WORKER:
+                w.state, w.stopping_since = "stopping", time.time()
+            else:
+                w.state = "idle"
             self._finish(w, TaskOutcome(task_id, False, failure, message))
 
     def _check_liveness(self) -> None:
@@ -362,17 +473,35 @@ class WorkerPool:
                 w.state = "dead"
                 if w.conn is not None:
                     w.conn.close()
+                    w.conn = None
                 continue
-            if w.job is not None and w.job.started and now - w.job.started > self.task_timeout_s:
-                self._signal_group(w, signal.SIGKILL)
-                self._finish(w, TaskOutcome(w.job.task.id, False, "timeout",
-                                            f"exceeded executor.task_timeout_s={self.task_timeout_s:g}s; killed"))
+            job = w.job
+            if w.state == "stopping":
+                if now - w.stopping_since > STOP_GRACE_S:
+                    self._signal_group(w, signal.SIGKILL)
+            elif job is not None and job.started and now - job.started > self.task_timeout_s:
+                self._kill(w, TaskOutcome(job.task.id, False, "timeout",
+                                          f"exceeded executor.task_timeout_s={self.task_timeout_s:g}s; killed"))
             elif w.state == "starting" and now - w.started_at > self.start_timeout_s:
-                self._signal_group(w, signal.SIGKILL)
-                if w.job is not None:
-                    self._finish(w, TaskOutcome(w.job.task.id, False, "killed",
-                                                f"worker did not start within {self.start_timeout_s:g}s"))
+                self._kill(w, TaskOutcome(job.task.id, False, "killed",
+                                          f"worker pid {w.pid} did not connect within "
+                                          f"executor.start_timeout_s={self.start_timeout_s:g}s; killed")
+                           if job is not None else None)
             elif w.state == "busy" and now - w.last_seen > self.heartbeat_timeout_s:
-                self._signal_group(w, signal.SIGKILL)
-                self._finish(w, TaskOutcome(w.job.task.id, False, "killed",
-                                            f"no heartbeat for {self.heartbeat_timeout_s:g}s; worker killed"))
+                self._kill(w, TaskOutcome(job.task.id, False, "killed",
+                                          f"no heartbeat for {self.heartbeat_timeout_s:g}s; worker pid {w.pid} "
+                                          f"killed") if job is not None else None)
+
+
+def _shutdown_socket(conn: Connection) -> None:
+    """Wake a thread blocked reading `conn` (closing the descriptor alone does not)."""
+    try:
+        s = socket.socket(fileno=os.dup(conn.fileno()))
+    except OSError:
+        return
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        s.close()

@@ -61,6 +61,20 @@ def _first_line(text: str) -> str:
 def format_compose_error(exc: BaseException, overrides: list[str]) -> str:
     """Hydra/OmegaConf composition errors -> one line naming the key and what is allowed."""
     text = str(exc)
+    yaml_error = _yaml_error(exc)
+    if yaml_error:
+        return yaml_error
+    m = re.search(r"In '([^']+)': \w+ raised while composing config", text)
+    cause = exc.__cause__ or exc.__context__
+    if m and getattr(cause, "full_key", None):  # a bad key or value inside a config file
+        return f"conf/{m.group(1)}.yaml: {cause.full_key}: {_first_line(cause)}"
+    odd = next((o for o in overrides if not o.isascii()), None)
+    if odd is not None and ("LexerNoViableAlt" in text or "token recognition error" in text):
+        key, _, value = odd.partition("=")
+        if not key.isascii():
+            return f"{key}: keys are ASCII names (see conf/ and pita/experiment/config.py)"
+        return (f"{odd}: not a valid override: a value with non-ASCII characters must be quoted, e.g. "
+                f"'{key}=\"{value}\"'")
     m = re.search(r"Could not override '([^']+)'", text)
     if m:
         return f"{m.group(1)}: unknown key (not in pita's config schema, see conf/ and pita/experiment/config.py)"
@@ -87,6 +101,29 @@ def format_compose_error(exc: BaseException, overrides: list[str]) -> str:
     if key:
         return f"{key}: {_first_line(cause)}"
     return _first_line(text) or type(exc).__name__
+
+
+def _yaml_error(exc: BaseException) -> str | None:
+    """`conf/experiment/x.yaml:3:9: expected ',' or ']', but got ':'` for a YAML syntax
+    error anywhere in the cause chain (Hydra's own message names neither file nor line)."""
+    import yaml
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, yaml.MarkedYAMLError):
+            mark = exc.problem_mark or exc.context_mark
+            where = "YAML"
+            if mark is not None:
+                name = Path(mark.name)
+                try:
+                    name = name.relative_to(CONF_DIR.parent)
+                except ValueError:
+                    pass
+                where = f"{name}:{mark.line + 1}:{mark.column + 1}"
+            return f"{where}: YAML syntax error: {exc.problem or exc.context}"
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _unparsable(overrides: list[str]) -> str:
@@ -185,15 +222,37 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
     return cfg, run_dir
 
 
-def preflight(cfg: DictConfig, *, devices: bool = True) -> None:
+def preflight(cfg: DictConfig, overrides: list[str] | None = None, *, run_dir: Path | None = None,
+              devices: bool = True) -> None:
     """Everything that can be checked before a folder or a process exists: values, the
-    devices (NVML only, no CUDA context) and the plan (e.g. a task no device can hold).
-    `devices=False` (a job that runs elsewhere, e.g. on a SLURM node): values only."""
-    from pita.experiment.run import build_plan, make_gpu_manager
+    devices (NVML only, no CUDA context), the plan (e.g. a task no device can hold) and the
+    world (pita/experiment/preflight.py: dataset files, families, hub cache, output folder).
+    `run_dir`: a resumed run's folder (its plan is reused, so none is built here).
+    `devices=False` (jobs that run elsewhere, e.g. on SLURM nodes): values only; each job
+    checks devices, placement and its node's files itself (`run` does)."""
+    from pita.experiment.preflight import absolutize_paths, environment_errors, planned_run_dir
+    from pita.experiment.run import build_plan, check_plan_fits, make_gpu_manager
 
+    absolutize_paths(cfg)
     validate(cfg, project_root=PROJECT_ROOT)
-    if devices:
-        build_plan(cfg, make_gpu_manager(cfg))
+    if not devices:
+        return
+    gpu = make_gpu_manager(cfg)
+    if run_dir is None:
+        build_plan(cfg, gpu)
+    else:
+        from pita.core.dag import Plan
+
+        try:
+            plan = Plan.load(RunPaths(run_dir).plan)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"resume_from={str(run_dir)!r}: plan.json is unreadable ({_first_line(exc)}); "
+                              f"start the run afresh") from None
+        check_plan_fits(plan, gpu, cfg)
+    errors = environment_errors(cfg, gpu.kind,
+                                output_dir=run_dir if run_dir is not None else planned_run_dir(cfg, overrides or []))
+    if errors:
+        raise ConfigError(errors)
 
 
 def remote_launcher() -> str | None:
@@ -244,10 +303,7 @@ def main(argv: list[str] | None = None) -> None:
             if implicit:  # the same command line again (a requeue): it must describe the same run
                 rest = _same_run_overrides(resume, rest, args)
             cfg, run_dir = load_resume_config(resume, rest)
-            validate(cfg, project_root=PROJECT_ROOT)
-            from pita.experiment.run import make_gpu_manager
-
-            make_gpu_manager(cfg)
+            preflight(cfg, run_dir=run_dir)
         except ConfigError as exc:
             _print_config_error(exc)
             sys.exit(2)
@@ -259,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     if not info_only:
         try:
             cfg = compose_config(overrides, args.config_name, args.config_dir)
-            preflight(cfg, devices=remote_launcher() is None)
+            preflight(cfg, overrides, devices=remote_launcher() is None)
         except ConfigError as exc:
             _print_config_error(exc)
             sys.exit(2)

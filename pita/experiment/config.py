@@ -15,12 +15,14 @@ algos.<NAME>.enabled|batch_size|num_workers, rounds_of_training, resume_from).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from pita.algos.registry import ALGO_NAMES, ANY
 from pita.core.errors import ConfigError
@@ -59,12 +61,16 @@ class SystemConfig:
 class ExecutorConfig:
     backend: str = _help("local (worker processes on this machine) | inprocess | ray", "local")
     cpu_workers: Any = _help("CPU worker count when no GPU is used: auto = cores / threads_per_worker.", "auto")
-    max_tasks_per_gpu: int = _help("Tasks that may share one device when memory allows.", 1)
+    max_tasks_per_gpu: Any = _help("Tasks that may share one GPU: auto = while their memory estimates fit "
+                                   "(at most 8, and one per core of the device's share); an integer caps it; "
+                                   "CPU slots run one task each under auto.", "auto")
     max_tasks_per_worker: int = _help("Recycle a worker after this many tasks.", 200)
     max_retries: int = _help("Retries of a task whose worker was killed, hit a CUDA fault or OOM.", 2)
     task_timeout_s: float = _help("Kill a task running longer than this (seconds).", 7200.0)
     heartbeat_s: float = _help("Seconds between worker heartbeats.", 2.0)
     heartbeat_timeout_s: float = _help("A worker silent this long is treated as lost.", 120.0)
+    start_timeout_s: float = _help("A worker that has not connected this long after its start is killed "
+                                   "and its task retried on a fresh one (seconds).", 60.0)
     model_cache_size: int = _help("Models a worker keeps loaded between tasks (LRU).", 2)
     max_shards: int = _help("Upper bound on shards per shardable stage (0 = one per device).", 0)
     monitor_interval_s: float = _help("Seconds between GPU/RSS samples and run.log summaries.", 30.0)
@@ -85,7 +91,7 @@ class TrainingConfig:
     accumulation_steps: int = _help("Gradient accumulation steps (0 = derived from batch_size).", 0)
     compile: bool = _help("torch.compile the model.", False)
     compile_mode: str = _help("default | reduce-overhead | max-autotune", "default")
-    parallel_strategy: str = _help("none | data_parallel (DDP over the task's gang)", "none")
+    parallel_strategy: str = _help("none | data_parallel (pretrain planned on a gang of every device, one DDP rank per device)", "none")
     num_workers: int = _help("DataLoader workers of TRL stages whose algos.<NAME>.num_workers is 0 (-1 = auto).", 0)
     pin_memory: bool = _help("Pin host memory in DataLoaders (GPU only).", False)
     max_grad_norm: float = _help("Gradient clipping norm (0 = off).", 1.0)
@@ -283,8 +289,47 @@ def _is_batch(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+def non_finite_errors(node: Any, key: str = "") -> list[str]:
+    """`key=[0.0, inf]: item 1 (inf) must be a finite number` for every NaN/inf float in a
+    resolved config (evaluation.etas, algos.*.beta, pretrain.lr, model.memory_gb, ...)."""
+    if isinstance(node, float) and not math.isfinite(node):
+        return [f"{key}={node}: must be a finite number"]
+    if isinstance(node, dict):
+        return [m for k, v in node.items() for m in non_finite_errors(v, f"{key}.{k}" if key else str(k))]
+    if isinstance(node, list):
+        bad = [i for i, v in enumerate(node) if isinstance(v, float) and not math.isfinite(v)]
+        if bad:
+            return [f"{key}={node}: item {bad[0]} ({node[bad[0]]}) must be a finite number"]
+        return [m for i, v in enumerate(node) for m in non_finite_errors(v, f"{key}[{i}]")]
+    return []
+
+
+def interpolation_error(cfg: DictConfig, exc: Exception, conf_dir: Path | None) -> str:
+    """`experiment.name='${oops}': cannot resolve (Interpolation key 'oops' not found); set
+    in conf/experiment/x.yaml` - one line with the key and, when found, the file."""
+    key = str(getattr(exc, "full_key", "") or "")
+    raw: Any = OmegaConf.to_container(cfg, resolve=False)
+    for part in key.split(".") if key else []:
+        raw = raw.get(part) if isinstance(raw, dict) else None
+    where = "on the command line"
+    if conf_dir is not None and isinstance(raw, str):
+        for f in sorted(Path(conf_dir).rglob("*.yaml")):
+            if raw in f.read_text(errors="replace"):
+                where = f"in {f.relative_to(Path(conf_dir).parent)}"
+                break
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"{key or 'config'}={raw!r}: interpolation cannot be resolved ({detail}); set {where}"
+
+
 def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
     """Raise ConfigError listing every problem of a composed config."""
+    try:
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as exc:  # ${oops}: one line, not a traceback
+        raise ConfigError(interpolation_error(cfg, exc, project_root / "conf" if project_root else None)) from None
+    non_finite = non_finite_errors(resolved)
+    if non_finite:  # the range checks below would compare NaN and pass
+        raise ConfigError(non_finite)
     errors: list[str] = []
     e = errors
 
@@ -309,11 +354,15 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
            "allowed: local | inprocess | ray")
     _check(e, ex.cpu_workers == "auto" or (isinstance(ex.cpu_workers, int) and ex.cpu_workers >= 1),
            "executor.cpu_workers", ex.cpu_workers, "auto or an integer >= 1")
-    for key in ("max_tasks_per_gpu", "max_tasks_per_worker", "model_cache_size"):
+    _check(e, ex.max_tasks_per_gpu == "auto" or (isinstance(ex.max_tasks_per_gpu, int)
+                                                and not isinstance(ex.max_tasks_per_gpu, bool)
+                                                and ex.max_tasks_per_gpu >= 1),
+           "executor.max_tasks_per_gpu", ex.max_tasks_per_gpu, "auto or an integer >= 1")
+    for key in ("max_tasks_per_worker", "model_cache_size"):
         _check(e, ex[key] >= 1, f"executor.{key}", ex[key], "must be >= 1")
     _check(e, ex.max_retries >= 0, "executor.max_retries", ex.max_retries, "must be >= 0")
     _check(e, ex.max_shards >= 0, "executor.max_shards", ex.max_shards, "must be >= 0 (0 = one per device)")
-    for key in ("task_timeout_s", "heartbeat_s", "heartbeat_timeout_s", "monitor_interval_s"):
+    for key in ("task_timeout_s", "heartbeat_s", "heartbeat_timeout_s", "start_timeout_s", "monitor_interval_s"):
         _check(e, ex[key] > 0, f"executor.{key}", ex[key], "must be > 0 seconds")
     _check(e, ex.heartbeat_timeout_s > ex.heartbeat_s, "executor.heartbeat_timeout_s",
            ex.heartbeat_timeout_s, f"must exceed executor.heartbeat_s ({ex.heartbeat_s})")

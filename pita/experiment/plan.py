@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pita.algos.registry import ALGORITHMS, ANY, is_importable, lookup
+from pita.algos.registry import ALGORITHMS, ANY, STAGE_OUTPUTS, is_importable, lookup
 from pita.core.dag import Plan, critical_path_priorities
 from pita.core.errors import ConfigError
 from pita.core.tasks import SHARDABLE, TaskSpec, task_id
@@ -122,8 +122,18 @@ class Planner:
         """A family built in the run (model.name=tiny) is pretrained once per dataset."""
         tid = f"pretrain.{common['dataset']}.{common['family']}"
         self.plan.add(TaskSpec(id=tid, algo=ANY, round=0, stage="pretrain", fn=self.function(ANY, "pretrain"),
-                               gpus=1, mem_mb=mem_mb, work=STAGE_WORK["pretrain"], **common))
+                               gpus=self.data_parallel_gang(), mem_mb=mem_mb, work=STAGE_WORK["pretrain"],
+                               **common))
         return tid
+
+    def data_parallel_gang(self) -> int:
+        """training.parallel_strategy=data_parallel: pretrain, the stage that trains with DDP
+        (pita/training/ddp.py run_stage), gets a gang of every device of the run, one rank
+        per device; other stages keep one device (or model.gpus_per_task for sharding)."""
+        strategy = str(self.cfg.training.get("parallel_strategy", "none"))
+        if strategy != "data_parallel" or str(self.cfg.system.gpu_mode) in ("cpu", "single_gpu"):
+            return 1
+        return max(1, self.n_devices)
 
     def add_stage(self, stage: str, spec: dict[str, Any], deps: list[str]) -> str:
         """One stage task, or its shards plus their merge; returns the id consumers read."""
@@ -185,6 +195,11 @@ def plan_experiment(cfg: DictConfig, n_devices: int, *, device_mb: list[int] | N
             for algo in algos:
                 planner.add_chain(algo, common, base_inputs, mem_mb, int(fam_cfg.get("gpus_per_task", 1)))
     plan = planner.plan
+    for t in plan.tasks.values():  # what its committed folder must hold (resume checks it)
+        t.outputs = list(STAGE_OUTPUTS.get(t.fn, ()))
+    from pita.experiment.estimates import fill_estimates
+
+    fill_estimates(plan, cfg, device_mb)  # measured peak > checkpoint size > model.memory_gb
     if device_mb:
         size_gangs(plan, device_mb)
     check_resources(plan, n_devices, device_mb)

@@ -17,14 +17,17 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from pita.core.dag import Plan
+from pita.core.errors import ConfigError, ExecutorBroken
 from pita.core.executor import Executor
 from pita.core.gpu_manager import GPUManager
-from pita.core.journal import Journal, replay
+from pita.core.journal import Journal
 from pita.core.parallel_executor import DagRunner, DeviceState, Scheduler, simulate
 from pita.core.parallel_generation import ParallelDataGenerator
 from pita.core.paths import Artifact, RunPaths, TaskPaths, atomic_write_json
+from pita.core.resume import completed_tasks, remove_stale_tmp
+from pita.core.run_lock import RunLock
 from pita.experiment.config import validate
-from pita.experiment.plan import plan_experiment
+from pita.experiment.plan import check_resources, plan_experiment
 
 log = logging.getLogger("pita")
 
@@ -68,9 +71,14 @@ def make_executor(cfg: DictConfig, gpu: GPUManager, run_dir: Path) -> Executor:
 
 
 def make_scheduler(cfg: DictConfig, gpu: GPUManager) -> Scheduler:
+    from pita.core.resources import max_tasks_per_device
+
     states = [DeviceState(d.index, d.total_mb, d.free_mb) for d in gpu.devices]
-    return Scheduler(states, max_tasks_per_device=cfg.executor.max_tasks_per_gpu,
-                     simulated_memory=gpu.kind != "cuda")
+    value = cfg.executor.max_tasks_per_gpu
+    if cfg.executor.backend == "ray" and value == "auto":
+        value = 1  # Ray places by whole GPUs (num_gpus=1): it would queue a second task on a slot
+    cap = max_tasks_per_device(value, gpu.kind, len(gpu.devices))
+    return Scheduler(states, max_tasks_per_device=cap, simulated_memory=gpu.kind != "cuda")
 
 
 def build_plan(cfg: DictConfig, gpu: GPUManager) -> Plan:
@@ -79,46 +87,69 @@ def build_plan(cfg: DictConfig, gpu: GPUManager) -> Plan:
 
 
 def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
-    placement, makespan = simulate(plan, make_scheduler(cfg, gpu))
+    scheduler = make_scheduler(cfg, gpu)
+    placement, makespan = simulate(plan, scheduler)
     print(f"Plan: {len(plan.tasks)} tasks on {len(gpu.devices)} device(s) "
-          f"({gpu.kind}); dry run, nothing started.")
+          f"({gpu.kind}, up to {scheduler.max_tasks} task(s) per device while memory allows); "
+          f"dry run, nothing started.")
     for line in gpu.describe():
         print("  " + line)
-    print(f"{'task':58s} {'device':9s} {'mem GB':>7s} {'prio':>6s}  depends on")
+    print(f"{'task':58s} {'device':9s} {'mem GB':>7s} {'prio':>6s}  {'estimate from':40s} depends on")
     for t in plan.tasks.values():
         devs = "+".join(str(d) for d in placement.get(t.id, [])) or "-"
         deps = ", ".join(t.deps) if len(t.deps) <= 2 else f"{t.deps[0]} (+{len(t.deps) - 1})"
-        print(f"{t.id:58s} {devs:9s} {t.mem_mb / 1024:7.2f} {t.priority:6.1f}  {deps}")
+        print(f"{t.id:58s} {devs:9s} {t.mem_mb / 1024:7.2f} {t.priority:6.1f}  {t.mem_source[:40]:40s} {deps}")
     print(f"Estimated makespan: {makespan:.1f} work units (critical path first).")
 
 
-def completed_tasks(plan: Plan, run_dir: Path) -> set[str]:
-    """Tasks whose committed folder verifies against its manifest (resume's truth)."""
-    states = replay(RunPaths(run_dir).journal)
-    done = set()
-    for tid in plan.tasks:
-        if TaskPaths(run_dir, tid).is_complete():
-            done.add(tid)
-        elif states.get(tid, {}).get("event") == "task_done":
-            log.warning("journal says %s finished but its folder does not verify: running it again", tid)
-    return done
+def check_plan_fits(plan: Plan, gpu: GPUManager, cfg: DictConfig) -> None:
+    """A resumed run's saved plan onto (maybe other) devices: refuse a task none can hold."""
+    try:
+        check_resources(plan, len(gpu.devices), [d.total_mb for d in gpu.devices])
+    except ConfigError as exc:
+        raise ConfigError(f"system.devices={cfg.system.devices!r} on resume ({len(gpu.devices)} device(s)): "
+                          f"{exc.messages[0]}") from None
+
+
+def warn_stage_overrides(cfg: DictConfig) -> None:
+    """Config is code: each `executor.stage_overrides` entry names a function that the
+    workers import and run. Say so in run.log, one WARNING per entry (the orchestrator
+    itself only locates the module, without importing it or its packages)."""
+    for algo, stages in (cfg.executor.stage_overrides or {}).items():
+        for stage, target in stages.items():
+            log.warning("executor.stage_overrides.%s.%s=%s: config is code, workers will import and run "
+                        "this function instead of the registered stage", algo, stage, target)
 
 
 def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
     """Run the experiment `cfg` in `run_dir`; returns the process exit code."""
+    from pita.experiment.preflight import absolutize_paths
+
+    absolutized = absolutize_paths(cfg)  # workers run from the project root, not the user's folder
     validate(cfg)
     run_dir = Path(run_dir)
     paths = RunPaths(run_dir)
     gpu = make_gpu_manager(cfg)
     plan = Plan.load(paths.plan) if resumed else build_plan(cfg, gpu)
+    if resumed:
+        check_plan_fits(plan, gpu, cfg)
     if cfg.dry_run:
+        warn_stage_overrides(cfg)
         print_dry_run(plan, cfg, gpu)
         return EXIT_OK
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not resumed:
+    with RunLock(run_dir):  # one orchestrator per run folder (a second one exits 2)
+        return _run_locked(cfg, run_dir, paths, gpu, plan, resumed, absolutized)
+
+
+def _run_locked(cfg: DictConfig, run_dir: Path, paths: RunPaths, gpu: GPUManager, plan: Plan,
+                resumed: bool, absolutized: list[str]) -> int:
+    if resumed:
+        remove_stale_tmp(run_dir)
+    else:
         atomic_write_json(paths.plan, plan.to_json())
-        if not paths.saved_config.exists():  # Hydra writes it; direct callers (tests) get it here
+        if absolutized or not paths.saved_config.exists():  # Hydra writes it; tests get it here; resume
             paths.saved_config.parent.mkdir(parents=True, exist_ok=True)
             paths.saved_config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
     from pita.experiment import run_info
@@ -128,6 +159,7 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
     journal = Journal(paths.journal)
     journal.append("run_resumed" if resumed else "run_started", tasks=len(plan.tasks), already_done=len(done))
     log.info("Run folder: %s", run_dir)
+    warn_stage_overrides(cfg)
     log.info("Devices (%s): %d", gpu.kind, len(gpu.devices))
     for line in gpu.describe():
         log.info("  %s", line)
@@ -144,10 +176,17 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
                       reservations=lambda: [sum(d.running.values()) for d in scheduler.devices]).start()
     progress = Progress(len(plan.tasks), [d.label for d in gpu.devices], len(done),
                         live=None if cfg.executor.progress else False)
+    from pita.experiment.estimates import PeakEstimator, peaks_cache_path
+
+    estimator = PeakEstimator(cfg, peaks_cache_path() if gpu.kind == "cuda" else None)
+    estimator.learn_from_run(run_dir, plan.tasks, done)
     runner = DagRunner(plan, executor, scheduler, cfg_dict=cfg_dict, run_dir=str(run_dir), journal=journal,
                        max_retries=cfg.executor.max_retries, already_done=done, on_event=progress.event,
-                       refresh_memory=lambda: _measured_memory(gpu, executor))
+                       refresh_memory=lambda: _measured_memory(gpu, executor), estimator=estimator)
+    log.info("Packing: up to %d task(s) per device while their memory estimates fit (executor.max_tasks_per_gpu=%s)",
+             scheduler.max_tasks, cfg.executor.max_tasks_per_gpu)
     interrupted = False
+    lost: str | None = None
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
     t0 = time.time()
     try:
@@ -155,6 +194,9 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
             summary = runner.run()
     except KeyboardInterrupt:
         interrupted = True
+        summary = runner.summary
+    except ExecutorBroken as exc:  # a pool thread stopped: fail now, loudly, rather than wait forever
+        lost = str(exc)
         summary = runner.summary
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
@@ -164,7 +206,13 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
                 monitor.sample()  # a last summary while the workers still report
             except Exception:
                 pass
-        executor.shutdown(kill=interrupted)
+        executor.shutdown(kill=interrupted or lost is not None)
+    if lost is not None:
+        journal.append("run_failed", reason=lost, done=len(runner.done), wall_s=round(time.time() - t0, 2))
+        journal.close()
+        log.error("Run stopped: %s. Finished tasks are kept; resume with:\n"
+                  "  python run_parallel.py resume_from=%s", lost, run_dir)
+        return EXIT_FAILED
     journal.append("run_interrupted" if interrupted else "run_finished", done=len(runner.done),
                    failed=len(summary.failed), skipped=len(summary.skipped), wall_s=round(time.time() - t0, 2))
     journal.close()

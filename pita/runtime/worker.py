@@ -1,8 +1,9 @@
-"""The worker process: `python -m pita.runtime.worker --address HOST:PORT --worker-id N`.
+"""The worker process: `python -m pita.runtime.worker --address SOCKET --worker-id N`.
 
 Started by `WorkerPool` with an explicit environment (its devices are pinned with
 `CUDA_VISIBLE_DEVICES` before Python starts) and the channel's authkey on stdin. It
-connects back to the orchestrator, then loops: receive (task spec, resolved config as a
+connects back to the orchestrator over a Unix socket in a private folder (the key never
+appears on a command line), then loops: receive (task spec, resolved config as a
 plain dict) -> rebuild the DictConfig -> run the stage function -> commit the task folder
 atomically -> answer `done` or a classified `failed`. A heartbeat thread reports liveness
 and memory every `heartbeat_s`. The worker exits when the orchestrator goes away.
@@ -70,6 +71,29 @@ def memory_stats() -> dict[str, Any]:
     return stats
 
 
+def reset_peak_memory() -> None:
+    """Start a task's peak at what is resident now (cached models included); CUDA only."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                torch.cuda.reset_peak_memory_stats(i)
+    except Exception:  # noqa: BLE001 - a measurement must never fail a task
+        pass
+
+
+def peak_memory_mb() -> float:
+    """The largest `max_memory_reserved` over this worker's devices since the reset, in MB
+    (0 without CUDA): the scheduler's next estimate for tasks like this one learns from it."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            return round(max(torch.cuda.max_memory_reserved(i) for i in range(torch.cuda.device_count())) / 2**20, 1)
+    except Exception:  # noqa: BLE001
+        pass
+    return 0.0
+
+
 class Channel:
     """A connection whose sends are serialised (main thread + heartbeat thread)."""
 
@@ -102,7 +126,7 @@ def execute_task(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, dev
     and error.json, is kept as `tasks/<id>.attempt<N>.failed/` and resume ignores it.
     """
 
-    from pita.core.paths import Artifact, TaskPaths, atomic_write_json
+    from pita.core.paths import Artifact, TaskPaths, atomic_write_json, non_finite_numbers
     from pita.runtime.context import StageContext, resolve_function
 
     paths = TaskPaths(run_dir, task.id)
@@ -115,19 +139,28 @@ def execute_task(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, dev
         logger.info("task %s (attempt %d) on %s, CUDA_VISIBLE_DEVICES=%r, pid %d", task.id, attempt, device,
                     os.environ.get("CUDA_VISIBLE_DEVICES"), os.getpid())
         fn = resolve_function(task.fn)
+        reset_peak_memory()
         ctx = StageContext(task=task, cfg=_stage_config(cfg_dict, task), run_dir=Path(run_dir), out_dir=tmp,
                            logger=logger, device=device, models=models, heartbeat=heartbeat, chain_merged=True)
         result = fn(ctx) or {}
         wall = round(time.time() - t0, 3)
         result = {"task_id": task.id, "wall_s": wall, "attempt": attempt, **result}
+        bad = non_finite_numbers(result)
+        if bad:  # a NaN metric is a failed task, not a row of the results table
+            raise FloatingPointError(f"non-finite value(s) in the stage's result: {', '.join(bad[:5])}")
+        peak = peak_memory_mb()
+        if peak:
+            result["peak_gpu_mb"] = peak
         atomic_write_json(tmp / Artifact.RESULT, result)
         logger.info("done in %.2fs", wall)
         _close(logger)
-        paths.commit(tmp)
+        paths.commit(tmp, required=task.outputs)
         shutil.rmtree(paths.checkpoints, ignore_errors=True)  # in-task checkpoints: no longer needed
         return True, None, "", result
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, classified
         failure = "interrupted" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else classify_exception(exc)
+        if not logger.handlers:  # the commit itself failed (a declared output is missing)
+            logger = _task_logger(task.id, tmp / Artifact.LOG)
         logger.error("failed (%s): %s\n%s", failure, exc, traceback.format_exc())
         _close(logger)
         (tmp / Artifact.ERROR).write_text(json.dumps(
@@ -282,7 +315,7 @@ class Worker:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="pita worker (started by the orchestrator)")
-    parser.add_argument("--address", required=True)
+    parser.add_argument("--address", required=True, help="the orchestrator's Unix socket path")
     parser.add_argument("--worker-id", type=int, required=True)
     parser.add_argument("--heartbeat-s", type=float, default=2.0)
     parser.add_argument("--cache-size", type=int, default=2)
@@ -292,8 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
     parent_pid = os.getppid()
     authkey = bytes.fromhex(sys.stdin.readline().strip())
-    host, port = args.address.rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=authkey)
+    conn = Client(args.address, family="AF_UNIX", authkey=authkey)
     channel = Channel(conn)
     worker = Worker(channel, args.worker_id, args.heartbeat_s, args.cache_size)
     channel.send(("hello", args.worker_id, os.getpid()))

@@ -118,6 +118,8 @@ class Checkpointer:
     def save(self, n: int, objects: dict[str, Any], *, step: Any = None, extra: dict[str, Any] | None = None) -> Path:
         import torch
 
+        if step is not None and hasattr(step, "flush"):
+            step.flush()  # steps not read back yet (training.sync_every) belong in the checkpoint
         state: dict[str, Any] = {name: obj.state_dict() for name, obj in objects.items() if obj is not None}
         state["torch_rng"] = torch.get_rng_state()
         state["cuda_rng"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and \

@@ -37,6 +37,8 @@ def write_training_report(out_dir: str | Path, source: TrainStep | TrainingMetri
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if isinstance(source, TrainStep):
+        source.flush()  # steps a lazy TrainStep has not read back yet
     metrics = source.metrics if isinstance(source, TrainStep) else source
     if isinstance(source, TrainStep):
         precision = precision or source.precision
