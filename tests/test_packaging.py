@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -16,7 +17,10 @@ from tests.conftest import ROOT
 def test_wheel_installs_and_runs_python_m_pita_and_the_pita_command_outside_the_repo(tmp_path):
     wheels, site, cwd = tmp_path / "wheels", tmp_path / "site", tmp_path / "elsewhere"
     cwd.mkdir()
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q",
+    source = tmp_path / "source"  # setuptools builds in the tree: build from a copy, leave the checkout clean
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv", "outputs", "build", "*.egg-info",
+                                                                 "__pycache__", ".pytest_cache", ".ruff_cache"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(wheels)], check=True, capture_output=True, timeout=300)
     wheel = next(wheels.glob("pita-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
