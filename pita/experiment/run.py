@@ -174,7 +174,7 @@ def _run_locked(cfg: DictConfig, run_dir: Path, paths: RunPaths, gpu: GPUManager
     scheduler = make_scheduler(cfg, gpu)
     monitor = Monitor(gpu, executor, paths.gpu_monitor, cfg.executor.monitor_interval_s,
                       reservations=lambda: [sum(d.running.values()) for d in scheduler.devices]).start()
-    progress = Progress(len(plan.tasks), [d.label for d in gpu.devices], len(done),
+    progress = Progress(len(plan.tasks), [d.label for d in gpu.devices], len(done), worker_info=executor.workers,
                         live=None if cfg.executor.progress else False)
     from pita.experiment.estimates import PeakEstimator, peaks_cache_path
 
