@@ -7,6 +7,8 @@
     python run_parallel.py resume_from=outputs/<name>/<timestamp>
 
 Exit codes: 0 all tasks succeeded, 1 some failed, 2 bad config, 130 interrupted.
+A Hydra app (@hydra.main in pita/experiment/cli.py): -m, -cn, --config-dir, --cfg job,
+tab completion with `eval "$(python run_parallel.py -sc install=bash)"`, --help.
 """
 
 from pita.experiment.cli import main

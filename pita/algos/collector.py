@@ -215,9 +215,17 @@ def collect_shard(ctx: Any, *, pairs: bool) -> tuple[list[dict], dict]:
 
         hook = guided_hook_factory(ctx, ctx.input("guide"), float(algo.guidance.eta))
         roll_in_top_k = int(algo.guidance.top_k)
+    max_new = int(gen.max_new_tokens or task.max_new_tokens)
+    # The probe measures on the task's device with the models collect really holds: π_ref
+    # on the shard's longest prompt and full max_new_tokens, plus the guide when guided.
+    # (Without the model it had nothing to measure and logged "no CUDA device" on GPUs.)
+    guide = [hook.model] if getattr(hook, "model", None) is not None else []
+    batch = generation_batch_size(ctx, gen.batch_size, model=reference,
+                                  prompts=[examples[i].prompt_ids for i in indices], max_new_tokens=max_new,
+                                  extra_models=guide, fallback=256)
     generator = RolloutCollector(
-        reference, task, batch_size=generation_batch_size(ctx, gen.batch_size, fallback=256),
-        max_new_tokens=int(gen.max_new_tokens or task.max_new_tokens), pad_token_id=tok.pad_token_id,
+        reference, task, batch_size=batch,
+        max_new_tokens=max_new, pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id, temperature=float(gen.temperature), top_p=float(gen.top_p),
         rollout_top_k=int(gen.top_k), roll_in_hook_factory=hook, roll_in_top_k=roll_in_top_k,
         reward_batch_size=generation_batch_size(ctx, dc.reward_batch_size, fallback=32), seed=ctx.seed,

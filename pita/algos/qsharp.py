@@ -152,6 +152,25 @@ def build_targets(items: Sequence[tuple], pad_id: int) -> dict:
             "unique": len(seqs), "states": len(counts)}
 
 
+def _to_device(t, device):
+    """A CPU tensor on `device`: pinned and copied asynchronously when that is CUDA."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _hits(score, target, w):
+    """Weighted share of positions where σ(score) and the target fall on the same side of
+    1/2, as a device tensor (read back with the window's other figures)."""
+    hit = ((score > 0) == (target > 0.5)).float()
+    return (hit * w).sum() / w.sum().clamp_min(1e-12)
+
+
+def _fused_adamw(device) -> dict:
+    """AdamW's fused CUDA kernel (one launch per step instead of one per parameter)."""
+    return {"fused": True} if device.type == "cuda" else {}
+
+
 def train(ctx: StageContext) -> dict:
     """Fit Q#'s distributional value model on every round's records so far.
 
@@ -195,6 +214,7 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
 
     from pita.algos import losses, value_diagnostics
     from pita.models.value_model import ValueModel, build_value_model, head_atoms
+    from pita.training.checkpoint import Checkpointer
     from pita.training.loop import (
         TrainStep,
         accumulation_plan,
@@ -254,55 +274,68 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
     scale = ctx.task.batch_scale
     micro, _ = micro_batch_plan(batch, tr, scale, whole_batch=True)
     loss_type = str(algo.loss_type)
-    ids, alts, target, weight = data["ids"], data["alt"], data["target"], data["weight"]
+    # The whole training set lives on the device (pre-tensorised, copied once): a step only
+    # indexes it, so there is no per-step collation and no host<->device copy in the loop.
+    on_device = [_to_device(data[k], device) for k in ("ids", "alt", "target", "weight")]
+    ids, alts, target, weight = on_device
 
     def loss_fn(m: torch.Tensor):
-        """The weighted mean loss of micro-batch m (indices into the unique sequences)."""
-        x, w, y = ids[m].to(device), weight[m].to(device), target[m].to(device)
+        """The weighted mean loss of micro-batch m (indices into the unique sequences).
+        Untrained positions have weight 0 and drop out of the weighted means: no boolean
+        indexing (it would wait for the device to count the selected positions). The head
+        (Q- or V-type) is read through `action_values`: column t = the value of token t+1."""
+        x, w, y = ids[m], weight[m].reshape(-1), target[m]
         bt = loss_type == "bradley_terry"
-        out, alt = model.action_values(x, alt=alts[m].to(device) if bt else None)  # [b, T−1, M]: token t+1
-        sel = w > 0
-        out = out[sel].float()
-        y, w = y[sel], w[sel]
+        out, alt = model.action_values(x, alt=alts[m] if bt else None)  # [b, T-1, M]
+        out = out.float()
+        out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1, y.shape[-1])
         if bt:  # P(y' ≻ y) = σ(v(s, a') − v(s, a)), a the competing token
-            alt = alt[sel].float()
-            return (losses.bradley_terry_loss(out[:, 0], alt[:, 0], y[:, 0], w),
-                    {"accuracy": losses.scalar_accuracy(out[:, 0] - alt[:, 0], y[:, 0], w)})
+            alt = alt.float().reshape(-1, out.shape[-1])
+            diff = out[:, 0] - alt[:, 0]
+            return losses.bradley_terry_loss(out[:, 0], alt[:, 0], y[:, 0], w), {"accuracy": _hits(diff, y[:, 0], w)}
         if loss_type == "mle":
-            return losses.mle_loss(out, y, w), {"accuracy": losses.mle_accuracy(out, y, w)}
+            hit = (out.argmax(-1) == y.argmax(-1)).float()
+            return losses.mle_loss(out, y, w), {"accuracy": (hit * w).sum() / w.sum().clamp_min(1e-12)}
         fn = losses.bce_loss if loss_type == "bce" else losses.mse_loss
-        return fn(out[:, 0], y[:, 0], w), {"accuracy": losses.scalar_accuracy(out[:, 0], y[:, 0], w)}
+        return fn(out[:, 0], y[:, 0], w), {"accuracy": _hits(out[:, 0], y[:, 0], w)}
 
     if auto:  # worst case: the longest sequences, >= 2 optimizer steps, before the real optimizer
         micro = training_micro_batch(ctx, model=model, batch=batch, seq_tokens=int(ids.shape[1]),
-                                     make_batch=lambda b: {"m": torch.arange(b) % n},
+                                     make_batch=lambda b: {"m": torch.arange(b, device=device) % n},
                                      loss_fn=lambda _model, mb: loss_fn(mb["m"])[0], fallback=micro)
     micro, n_micro = accumulation_plan(batch, micro, tr.accumulation_steps)
     steps = int(algo.steps) or int(algo.epochs) * math.ceil(n / batch)
     wd = tr.weight_decay if algo.get("weight_decay") is None else float(algo.weight_decay)
-    optim = torch.optim.AdamW(model.parameters(), lr=float(algo.lr), weight_decay=wd)
+    optim = torch.optim.AdamW(model.parameters(), lr=float(algo.lr), weight_decay=wd, **_fused_adamw(device))
     if str(algo.get("lr_schedule", "cosine")) == "official":  # the Q# star-graph classifier's schedule
         sched = official_schedule(optim, steps)
     else:
         sched = get_cosine_schedule_with_warmup(optim, min(100, steps // 10), steps)
-    trainer = TrainStep.from_context(ctx, model, optim, scheduler=sched, device=device)
+    log_every = max(1, steps // 10)
+    # figures are read back once per logging window, not every step (no host sync per step)
+    trainer = TrainStep.from_context(ctx, model, optim, scheduler=sched, device=device,
+                                     sync_every=min(log_every, 50))
 
     gen = torch.Generator().manual_seed(ctx.seed)
-    order, cursor = torch.randperm(n, generator=gen), 0
-    log_every = max(1, steps // 10)
+    order, cursor = torch.randperm(n, generator=gen).to(device), 0
     ctx.logger.info("training %s: %d steps, batch %d = micro %d x %d, lr %g, %s, init %s", loss_type, steps, batch,
                     micro, n_micro, algo.lr, trainer.precision.name, init)
-    for step in range(steps):
+    ckpt = Checkpointer.from_context(ctx)  # training.checkpoint_every: a retry continues from here
+    start, extra = ckpt.restore(model=model, optimizer=optim, scheduler=sched, step=trainer)
+    if extra:
+        order, cursor = extra["order"].to(device), extra["cursor"]
+        gen.set_state(extra["gen"])
+    for step in range(start, steps):
         if cursor + batch > n:  # the next epoch, freshly shuffled
-            order, cursor = torch.randperm(n, generator=gen), 0
+            order, cursor = torch.randperm(n, generator=gen).to(device), 0
         idx = order[cursor: cursor + batch]
         cursor += batch
         parts = list(idx.split(micro))
-        # each micro-batch's weighted mean, weighted by its share of the batch's weight
-        shares = [float(weight[m].sum() / weight[idx].sum()) for m in parts]
-        result = trainer.run(parts, loss_fn, weights=shares, samples=len(idx))
+        # each micro-batch's weighted mean, weighted by its share of the batch's weight (device tensors)
+        shares = [1.0] if len(parts) == 1 else [weight[m].sum() / weight[idx].sum() for m in parts]
+        trainer.run(parts, loss_fn, weights=shares, samples=len(idx))
         if (step + 1) % log_every == 0 or step + 1 == steps:
-            recent = trainer.metrics.rows[-log_every:]
+            recent = trainer.metrics_rows()[-log_every:]
             mean_loss = sum(r["loss"] for r in recent) / len(recent)
             mean_acc = sum(r.get("accuracy", 0.0) for r in recent) / len(recent)
             ctx.logger.info("step %d/%d (epoch %.1f) loss %.4f acc %.3f lr %.2e", step + 1, steps,
@@ -310,10 +343,15 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
             if held is not None:  # where learning stops: held-out balanced accuracy by response position
                 acc = value_diagnostics.heldout_accuracy(model, held, device)
                 diagnostics["heldout_acc"] = acc
-                trainer.metrics.rows[-1].update({f"heldout_pos{j}": a for j, a in acc.items()})
+                recent[-1].update({f"heldout_pos{j}": a for j, a in acc.items()})
                 ctx.logger.info("held-out balanced accuracy by response position: %s",
                                 value_diagnostics.format_positions(acc))
-            ctx.heartbeat(f"step {step + 1}/{steps} loss {result.loss:.4f}")
+            ctx.heartbeat(f"step {step + 1}/{steps} loss {recent[-1]['loss']:.4f}")
+        ckpt.maybe_save(step + 1, lambda: {"model": model, "optimizer": optim, "scheduler": sched}, step=trainer,
+                        extra=lambda o=order, c=cursor: {"order": o.cpu(), "cursor": c, "gen": gen.get_state()})
+    recent = trainer.metrics_rows()[-log_every:]  # the rows survive a resume (they are in the checkpoint)
+    mean_loss = sum(r["loss"] for r in recent) / len(recent)
+    mean_acc = sum(r.get("accuracy", 0.0) for r in recent) / len(recent)
     model.eval().save(ctx.out_dir / Artifact.VALUE_MODEL)
     perf = write_training_report(ctx.out_dir, trainer, micro_batch=micro, accumulation_steps=n_micro,
                                  gradient_checkpointing=checkpointing, title=ctx.task.id)

@@ -5,8 +5,11 @@
   runs on. TRL's own defaults are tuned for GPUs (bf16 on, gradient checkpointing on); here
   bf16 / fp16 are used only on CUDA and only as `training.mixed_precision` /
   `training.precision_type` say, gradient checkpointing only when
-  `training.gradient_checkpointing` is on, `use_cpu` on CPU, no reporting integration,
-  no hub, no checkpoints (the stage itself saves the final model with `save_pretrained`),
+  `training.gradient_checkpointing` is on, `use_cpu` on CPU, `report_to` from
+  `logger.backend` (pita/training/tracking.py), no hub, Trainer checkpoints only every
+  `training.checkpoint_every` steps / `checkpoint_every_minutes` into the task's
+  `tasks/<id>.checkpoints/` (a retry resumes from the newest with
+  `resume_from_checkpoint`; the stage itself saves the final model with `save_pretrained`),
   and a constant learning rate without warmup (so a learning-rate sweep means what it says).
 - The effective batch `algos.<NAME>.batch_size` is kept; it is cut into micro-batches with
   gradient accumulation (`micro_batches`: `training.micro_batch_size` × the task's
@@ -114,16 +117,37 @@ def precision_flags(ctx: StageContext) -> dict[str, bool]:
 def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
     """trainer.train(), then the task's training_metrics.png and performance_summary.txt
     (the same report as the hand-written training loops); returns the summary."""
+    from pita.training.checkpoint import (
+        checkpoint_commit_callback,
+        last_trl_checkpoint,
+        time_checkpoint_callback,
+    )
     from pita.training.loop import TrainingMetrics
     from pita.training.precision import precision_for
     from pita.training.report import trainer_metrics_callback, write_training_report
+    from pita.training.tracking import for_task, logger_cfg, scoped_env, trl_callback, trl_report_to
 
     args = trainer.args
     world = max(1, int(getattr(args, "world_size", 1) or 1))
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
     metrics = TrainingMetrics(ctx.device)
     trainer.add_callback(trainer_metrics_callback(metrics, samples_per_step=per_step))
-    trainer.train()
+    _, env = trl_report_to(ctx)
+    for cb in trainer.callback_handler.callbacks:  # it read the variable when the Trainer was built
+        if type(cb).__name__ == "TensorBoardCallback" and "TENSORBOARD_LOGGING_DIR" in env:
+            cb.logging_dir = env["TENSORBOARD_LOGGING_DIR"]
+    if str(logger_cfg(ctx.cfg).get("backend")) == "csv":  # not a TRL integration: our tracker
+        trainer.add_callback(trl_callback(for_task(ctx)))
+    minutes = float(ctx.cfg.training.get("checkpoint_every_minutes", 0.0) or 0.0)
+    if args.save_strategy != "no" and minutes > 0:
+        trainer.add_callback(time_checkpoint_callback(minutes))
+    if args.save_strategy != "no":
+        trainer.add_callback(checkpoint_commit_callback())
+    resume = last_trl_checkpoint(ctx) if args.save_strategy != "no" else None
+    if resume:
+        ctx.logger.info("resumed from checkpoint %s (step %s)", resume, resume.rsplit("-", 1)[-1])
+    with scoped_env(env):
+        trainer.train(resume_from_checkpoint=resume)
     return write_training_report(ctx.out_dir, metrics, micro_batch=args.per_device_train_batch_size,
                                  accumulation_steps=args.gradient_accumulation_steps, world_size=world,
                                  gradient_checkpointing=bool(ctx.cfg.training.gradient_checkpointing),
@@ -150,8 +174,12 @@ def training_args(ctx: StageContext, config_cls: type, *, batch_size: int, lr: f
     names = {f.name for f in dataclasses.fields(config_cls)}
     checkpointing = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
     extra = {checkpointing: bool(tr.gradient_checkpointing), **extra}
+    from pita.training.checkpoint import trl_checkpoint_kwargs
+    from pita.training.tracking import trl_report_to
+
+    saving = {"output_dir": str(ctx.out_dir / Artifact.TRAINER_SCRATCH), **trl_checkpoint_kwargs(ctx)}
+    report_to, _ = trl_report_to(ctx)
     args = config_cls(
-        output_dir=str(ctx.out_dir / Artifact.TRAINER_SCRATCH),  # nothing is written there: save_strategy="no"
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=accum,
         learning_rate=lr,
@@ -168,8 +196,9 @@ def training_args(ctx: StageContext, config_cls: type, *, batch_size: int, lr: f
         seed=ctx.seed,
         data_seed=ctx.seed,
         logging_steps=0.05,  # about 20 log lines per run, whatever its length
-        save_strategy="no",
-        report_to="none",
+        report_to=report_to,  # logger.backend (tensorboard / wandb / mlflow; csv via a callback)
+        run_name=ctx.task.id,
+        **saving,  # checkpoints every training.checkpoint_every steps into tasks/<id>.checkpoints/
         push_to_hub=False,
         disable_tqdm=True,
         **precision_flags(ctx),
@@ -210,7 +239,8 @@ def stage_log_callback(ctx: StageContext):
                 f.write(json.dumps(record) + "\n")
             shown = ", ".join(f"{k}={v:.4g}" for k, v in logs.items() if _worth_showing(k))
             ctx.logger.info("step %d/%d %s", state.global_step, state.max_steps, shown)
-            ctx.heartbeat(f"step {state.global_step}/{state.max_steps}")
+            live = " ".join(f"{k}={logs[k]:.3g}" for k in ("loss", "reward", "kl") if k in logs)
+            ctx.heartbeat(f"step {state.global_step}/{state.max_steps} {live}".strip())
 
     return StageLogCallback()
 

@@ -3,10 +3,18 @@
 `Scheduler` is pure placement logic: given ready tasks, device memory and what is running,
 it picks (task, devices) pairs — highest priority first (`estimate_job_priority`,
 critical path by default), admission by free memory minus the reservations of running
-tasks, k-device gangs chosen by free memory, several tasks per device when
-`executor.max_tasks_per_gpu > 1`, and a reservation so a waiting gang is not starved by
-small tasks. `DagRunner` drives a `WorkerPool` (or the in-process executor) with it,
-journals every state change and applies the retry policy of docs/DESIGN.md §3:
+tasks, k-device gangs chosen by free memory, and up to `max_tasks_per_device` tasks per
+device (`executor.max_tasks_per_gpu`: auto packs GPUs while memory estimates fit, see
+pita/core/resources.py). Packing must not starve what needs a lot of one device, so a
+task that does not fit *holds* devices (nothing new starts there until it fits):
+  - a k-device gang holds its k best devices at once;
+  - a large single-device task (more than half a device) holds the device where it
+    would fit soonest;
+  - any other task that was passed over `hold_after` times while lower-priority tasks
+    started (aging) holds one device too.
+`DagRunner` drives a `WorkerPool` (or the in-process executor) with it, journals every
+state change, refines the memory estimates of waiting tasks when a finished task reports
+its measured peak, and applies the retry policy of docs/DESIGN.md §3:
   oom -> retry at half the micro-batch (effective batch kept by accumulation);
   killed / cuda_fault / timeout -> recycle the worker, retry up to executor.max_retries;
   error -> fail the task and skip its dependants; the other chains keep running.
@@ -48,12 +56,17 @@ class DeviceState:
 
 class Scheduler:
     def __init__(self, devices: list[DeviceState], max_tasks_per_device: int = 1,
-                 priority: Callable[[TaskSpec], float] = estimate_job_priority, simulated_memory: bool = True):
+                 priority: Callable[[TaskSpec], float] = estimate_job_priority, simulated_memory: bool = True,
+                 hold_after: int = 3, large_fraction: float = 0.5):
         self.devices = devices
         self.max_tasks = max_tasks_per_device
         self.priority = priority
         # Simulated devices (fake/cpu) have no NVML reading: free = total - reservations.
         self.simulated_memory = simulated_memory
+        self.hold_after = hold_after  # aging: passed over this often -> the task holds a device
+        self.large_fraction = large_fraction  # above this share of a device a task holds one at once
+        self.passed_over: dict[str, int] = {}
+        self.held: dict[int, str] = {}  # device -> the task it is held for (last place() call)
 
     def available_mb(self, d: DeviceState) -> int:
         """Free memory minus what running tasks reserved but have not allocated yet.
@@ -70,27 +83,53 @@ class Scheduler:
     def _eligible(self, d: DeviceState, mem_mb: int) -> bool:
         return len(d.running) < self.max_tasks and self.available_mb(d) >= mem_mb
 
+    def _capacity_mb(self, d: DeviceState) -> int:
+        """What the device could offer once its running tasks finish."""
+        return d.total_mb if self.simulated_memory else d.free_mb + d.allocated_by_ours_mb
+
+    def _hold_for(self, task: TaskSpec, per_device_mb: int, blocked: set[int]) -> list[int]:
+        """Devices a task that does not fit now should hold, or [] (it just waits)."""
+        free = [d for d in self.devices if d.index not in blocked]
+        if task.gpus > 1:  # a gang: its best devices, fewest tasks and most memory first
+            best = sorted(free, key=lambda d: (len(d.running), -self.available_mb(d)))
+            return [d.index for d in best[: task.gpus]]
+        could = [d for d in free if self._capacity_mb(d) >= per_device_mb]
+        if not could:
+            return []
+        large = per_device_mb > self.large_fraction * max(d.total_mb for d in could)
+        if not large and self.passed_over.get(task.id, 0) < self.hold_after:
+            return []
+        soonest = max(could, key=lambda d: (self.available_mb(d), -len(d.running), -d.index))
+        return [soonest.index]
+
     def place(self, ready: list[TaskSpec]) -> list[tuple[TaskSpec, list[int]]]:
         """Assign as many ready tasks as fit now; mutates device reservations."""
         placements = []
-        blocked: set[int] = set()  # devices held back for a waiting gang
+        blocked: set[int] = set()  # devices held back for a waiting gang or large task
+        waiting: list[str] = []  # tasks that did not fit, in priority order
+        self.held = {}
         for task in sorted(ready, key=self.priority, reverse=True):
             per_device_mb = -(-task.mem_mb // task.gpus)
             candidates = [d for d in self.devices if d.index not in blocked and self._eligible(d, per_device_mb)]
             if len(candidates) < task.gpus:
-                if task.gpus > 1:
-                    # Reserve the gang's best devices: nothing new starts there until it fits.
-                    best = sorted(self.devices, key=lambda d: (len(d.running), -self.available_mb(d)))
-                    blocked.update(d.index for d in best[: task.gpus])
+                for index in self._hold_for(task, per_device_mb, blocked):
+                    blocked.add(index)
+                    self.held[index] = task.id
+                waiting.append(task.id)
                 continue
             if task.gpus == 1 and task.preferred_device is not None:
                 pref = [d for d in candidates if d.index == task.preferred_device and not d.running]
                 if pref:
                     candidates = pref
+            # Pack: the device with the fewest tasks, then the most memory left.
             chosen = sorted(candidates, key=lambda d: (len(d.running), -self.available_mb(d), d.index))[: task.gpus]
             for d in chosen:
                 d.running[task.id] = per_device_mb
             placements.append((task, sorted(d.index for d in chosen)))
+            self.passed_over.pop(task.id, None)
+            for tid in waiting:  # a lower-priority task started while these waited
+                self.passed_over[tid] = self.passed_over.get(tid, 0) + 1
+            waiting.clear()
         return placements
 
     def release(self, task_id: str) -> None:
@@ -141,7 +180,7 @@ class DagRunner:
     def __init__(self, plan: Plan, executor, scheduler: Scheduler, *, cfg_dict: dict, run_dir,
                  journal=None, max_retries: int = 2, already_done: set[str] | None = None,
                  round_barrier: bool = False, on_event: Callable[[str, TaskSpec, Any], None] | None = None,
-                 refresh_memory: Callable[[], list[tuple[int, int]]] | None = None):
+                 refresh_memory: Callable[[], list[tuple[int, int]]] | None = None, estimator: Any = None):
         self.plan = plan
         self.executor = executor
         self.scheduler = scheduler
@@ -153,6 +192,9 @@ class DagRunner:
         self.round_barrier = round_barrier  # benchmark baseline only: the original runner's policy
         self.on_event = on_event or (lambda kind, task, info: None)
         self.refresh_memory = refresh_memory  # -> [(free MB, MB held by our workers)] per device
+        # Learns from measured peaks: observe(task, result) -> bool (learned something),
+        # refine(task) -> (mem MB, source) | None (pita.experiment.estimates.PeakEstimator).
+        self.estimator = estimator
         self.attempts: dict[str, int] = {}
         self.running: dict[Future, TaskSpec] = {}
         self.placement: dict[str, list[int]] = {}
@@ -220,6 +262,17 @@ class DagRunner:
             self.summary.wall_s = round(time.time() - t0, 3)
         return self.summary
 
+    def _learn(self, task: TaskSpec, result: dict, pending: dict[str, TaskSpec]) -> None:
+        """A measured peak arrived: re-estimate the tasks that have not started yet."""
+        if self.estimator is None or not self.estimator.observe(task, result):
+            return
+        for t in pending.values():
+            refined = self.estimator.refine(t)
+            if refined is not None and refined[0] != t.mem_mb:
+                log.info("memory estimate of %s: %.2f -> %.2f GB (%s)", t.id, t.mem_mb / 1024, refined[0] / 1024,
+                         refined[1])
+                t.mem_mb, t.mem_source = refined
+
     def _handle(self, fut: Future, pending: dict[str, TaskSpec]) -> None:
         task = self.running.pop(fut)
         self.scheduler.release(task.id)
@@ -229,6 +282,7 @@ class DagRunner:
             self.summary.done.append(task.id)
             self._journal("task_done", task=task.id, wall_s=outcome.wall_s, worker_pid=outcome.worker_pid)
             self.on_event("done", task, outcome)
+            self._learn(task, outcome.result or {}, pending)
             return
         attempt = self.attempts[task.id]
         self._journal("task_failed", task=task.id, failure=outcome.failure, message=outcome.message,

@@ -135,6 +135,24 @@ class RunPaths:
         return self.root / "run.log"
 
     @property
+    def saved_overrides(self) -> Path:
+        return self.root / ".hydra" / "overrides.yaml"
+
+    @property
+    def run_info(self) -> Path:
+        """Git commit, package versions, devices, command (pita/experiment/run_info.py)."""
+        return self.root / "run_info.json"
+
+    @property
+    def logs(self) -> Path:
+        """Experiment-tracking output, one folder per `logger.backend` (pita/training/tracking.py)."""
+        return self.root / "logs"
+
+    @property
+    def summary_csv(self) -> Path:
+        return self.root / "results" / "summary.csv"
+
+    @property
     def workers(self) -> Path:
         return self.root / "workers"
 
@@ -171,6 +189,13 @@ class TaskPaths:
 
     def failed(self, attempt: int) -> Path:
         return self.run_dir / "tasks" / f"{self.task_id}.attempt{attempt}.failed"
+
+    @property
+    def checkpoints(self) -> Path:
+        """In-task training checkpoints: beside the attempts' folders, so a retry of the
+        task (whose dead attempt became `<id>.attemptN.failed/`) finds them; removed once
+        the task is committed."""
+        return self.run_dir / "tasks" / f"{self.task_id}.checkpoints"
 
     @property
     def log(self) -> Path:

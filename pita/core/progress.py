@@ -1,11 +1,14 @@
 """What the user sees while a run goes: one line per task event in run.log, and on a
-terminal a live table of tasks running and done per device (rich)."""
+terminal a live table of tasks running and done per device (rich), with each running
+task's latest progress line (a training stage's step, loss, reward and KL) as its
+worker last reported it in a heartbeat."""
 
 from __future__ import annotations
 
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pita.core.tasks import TaskSpec
@@ -14,7 +17,8 @@ log = logging.getLogger("pita.progress")
 
 
 class Progress:
-    def __init__(self, n_tasks: int, device_labels: list[str], already_done: int = 0, live: bool | None = None):
+    def __init__(self, n_tasks: int, device_labels: list[str], already_done: int = 0, live: bool | None = None,
+                 worker_info: Callable[[], list[dict[str, Any]]] = list):
         self.n_tasks = n_tasks
         self.labels = device_labels
         self.done = already_done
@@ -25,6 +29,7 @@ class Progress:
         self._live = None
         self._handlers: list[tuple[logging.StreamHandler, Any]] = []
         self.t0 = time.time()
+        self.worker_info = worker_info  # the executor's workers(): {"task", "progress", ...} each
 
     # ---- rendering -----------------------------------------------------------------------
     def _table(self):
@@ -35,10 +40,20 @@ class Progress:
         table.add_column("device")
         table.add_column("done", justify="right")
         table.add_column("running")
+        table.add_column("latest (step, loss, reward, kl)")
+        latest = self.latest_progress()
         for i, label in enumerate(self.labels):
             tasks = [tid for tid, devs in self.running.items() if i in devs]
-            table.add_row(label, str(self.done_per_device[i]), ", ".join(tasks) or "-")
+            table.add_row(label, str(self.done_per_device[i]), "\n".join(tasks) or "-",
+                          "\n".join(latest.get(t, "") for t in tasks))
         return table
+
+    def latest_progress(self) -> dict[str, str]:
+        """Task id -> the last progress line its worker sent (empty before the first)."""
+        try:
+            return {w["task"]: str(w.get("progress") or "") for w in self.worker_info() if w.get("task")}
+        except Exception:  # the table must never take the run down
+            return {}
 
     def __enter__(self) -> Progress:
         if self.live_enabled:

@@ -41,8 +41,14 @@ class RayExecutor:
         ray = _ray()
         if not ray.is_initialized():
             address = executor_cfg.ray_address
-            ray.init(address=None if address in (None, "local") else address, ignore_reinit_error=True,
-                     log_to_driver=False)
+            try:
+                ray.init(address=None if address in (None, "local") else address, ignore_reinit_error=True,
+                         log_to_driver=False)
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+                raise ConfigError(f"executor.ray_address={address!r}: no Ray cluster reachable ({first[:160]}); "
+                                  "start one (`ray start --head`) or use executor.ray_address=local for a Ray "
+                                  "on this machine") from None
         self.ray = ray
         self._remote = ray.remote(max_retries=0)(run_task) if run_task is not None else None
 
@@ -50,6 +56,28 @@ class RayExecutor:
         res = self.ray.cluster_resources()
         gpus = int(res.get("GPU", 0))
         return ("gpu", gpus) if gpus else ("cpu", int(res.get("CPU", 1)))
+
+    def gpu_memory_mb(self, timeout_s: float = 60.0) -> list[int]:
+        """Total MiB of every GPU of the cluster, read with NVML on its own node (one tiny
+        Ray task per GPU node, pinned there), in node order; a node whose probe fails
+        counts its GPUs as unknown (0), and the caller falls back to uniform slots."""
+        nodes = [n for n in self.ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) > 0]
+        if not nodes:
+            return []
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        probe = self.ray.remote(num_cpus=0, num_gpus=0, max_retries=0)(nvml_total_mb)
+        refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
+                for n in nodes]
+        sizes: list[int] = []
+        for node, ref in zip(nodes, refs):
+            try:
+                totals = list(self.ray.get(ref, timeout=timeout_s))
+            except Exception:  # noqa: BLE001 - a node without NVML: unknown sizes
+                totals = []
+            n_gpus = int(node["Resources"]["GPU"])
+            sizes += (totals + [0] * n_gpus)[:n_gpus]
+        return sizes
 
     def submit(self, task: TaskSpec, devices, cfg_dict: dict, run_dir: str | Path, attempt: int = 1) -> Future:
         kind, _ = self.slots()
@@ -77,3 +105,28 @@ class RayExecutor:
 
     def shutdown(self, kill: bool = False, grace_s: float = 5.0) -> None:
         self.ray.shutdown()
+
+
+def nvml_total_mb() -> list[int]:
+    """Total memory (MiB) of each GPU NVML sees on this node (runs as a Ray task there)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return [int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total // 2**20)
+                    for i in range(pynvml.nvmlDeviceGetCount())]
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no NVML / no driver on this node
+        return []
+
+
+def ray_devices_spec(kind: str, count: int, sizes_mb: list[int]) -> str:
+    """The GPUManager spec of the cluster's slots: `fake:[81559MB,...]` with the GPUs' real
+    memory when every size is known, else `fake:N` (uniform slots), or `cpu`."""
+    if kind != "gpu":
+        return "cpu"
+    if sizes_mb and len(sizes_mb) == count and all(s > 0 for s in sizes_mb):
+        return "fake:[" + ",".join(f"{s}MB" for s in sizes_mb) + "]"
+    return f"fake:{max(1, count)}"

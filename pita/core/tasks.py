@@ -42,6 +42,7 @@ class TaskSpec:
     shard_range: tuple[float, float] = (0.0, 1.0)  # fraction of the stage's items
     gpus: int = 1
     mem_mb: int = 0
+    mem_source: str = ""  # where mem_mb came from (pita/experiment/estimates.py); shown by dry_run
     preferred_device: int | None = None
     work: float = 1.0  # relative duration estimate, for critical-path priority
     priority: float = 0.0  # filled by the planner (critical path by default)

@@ -128,8 +128,11 @@ class WorkerPool:
     @classmethod
     def from_config(cls, gpu_manager, executor_cfg, extra_env: dict[str, str] | None = None,
                     log_dir: Path | None = None) -> WorkerPool:
+        from pita.core.resources import max_tasks_per_device
+
+        cap = max_tasks_per_device(executor_cfg.max_tasks_per_gpu, gpu_manager.kind, len(gpu_manager.devices))
         return cls(
-            gpu_manager, max_tasks_per_device=executor_cfg.max_tasks_per_gpu,
+            gpu_manager, max_tasks_per_device=cap,
             max_tasks_per_worker=executor_cfg.max_tasks_per_worker, task_timeout_s=executor_cfg.task_timeout_s,
             heartbeat_s=executor_cfg.heartbeat_s, heartbeat_timeout_s=executor_cfg.heartbeat_timeout_s,
             start_timeout_s=executor_cfg.get("start_timeout_s", 60.0), model_cache_size=executor_cfg.model_cache_size, preimport=executor_cfg.preimport, extra_env=extra_env,
@@ -231,6 +234,7 @@ class WorkerPool:
     def _spawn(self, devices: tuple[int, ...]) -> WorkerHandle:
         self._evict_idle_overlapping(devices)
         env = self.gpu.worker_env(list(devices))
+        env.update(self._thread_env())
         env.update(self.extra_env)
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -257,6 +261,15 @@ class WorkerPool:
         log.debug("started worker %d (pid %d) on devices %s, CUDA_VISIBLE_DEVICES=%r", worker_id, proc.pid,
                   devices, handle.env_devices)
         return handle
+
+    def _thread_env(self) -> dict[str, str]:
+        """CPU threads are a budget: packed workers on a GPU host share the cores (issue 11)."""
+        from pita.core.resources import thread_budget, thread_env
+
+        kind = getattr(self.gpu, "kind", "cpu")
+        n = thread_budget(kind, len(self.gpu.devices), self.max_tasks_per_device,
+                          getattr(self.gpu, "threads_per_worker", 1))
+        return thread_env(n) if kind != "cpu" else {}
 
     def _evict_idle_overlapping(self, devices: tuple[int, ...]) -> None:
         """Keep at most max_tasks_per_device live workers on each device."""

@@ -48,6 +48,7 @@ Reward-model tasks take a `scorer(prompts: list[str], responses: list[str]) -> l
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -190,6 +191,7 @@ def _strip_wrappers(s: str) -> str:
     ):
         s = s.replace(junk, "")
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("−", "-")
+    s = re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)  # \sqrt3 == \sqrt{3}
     s = re.sub(r"\s+", "", s)
     s = s.rstrip(".")
     while len(s) >= 2 and s[0] == "{" and s[-1] == "}" and _balanced(s[1:-1]):
@@ -245,9 +247,38 @@ def canonical_answer(answer: str | None) -> str:
 
 
 def is_correct(response_answer: str | None, gold: str) -> bool:
-    """Whether an extracted answer matches the gold final answer (after canonicalisation)."""
+    """Whether an extracted answer matches the gold final answer: equal after
+    canonicalisation, else equivalent for math-verify (the maintained grader of
+    MATH-500 / AIME answers: `\\frac{\\sqrt{3}}{2}` == `\\sqrt3/2`, intervals, sets, ...)
+    when it is installed."""
     pred = canonical_answer(response_answer)
-    return pred != "" and pred == canonical_answer(gold)
+    if pred == "":
+        return False
+    if pred == canonical_answer(gold):
+        return True
+    return _math_verify(str(response_answer), str(gold))
+
+
+@functools.lru_cache(maxsize=65536)
+def _math_verify(pred: str, gold: str) -> bool:
+    try:
+        from math_verify import parse, verify
+    except ImportError:  # the canonical comparison above is the fallback
+        return False
+    import logging
+    import threading
+
+    # math-verify's timeouts are SIGALRM-based: only in the main thread (the task timeout
+    # bounds the rest); its warning about that is silenced.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    if timeout is None:
+        logging.getLogger("math_verify").setLevel(logging.ERROR)
+    try:
+        g = parse(f"${gold}$", parsing_timeout=timeout)
+        p = parse(f"${pred}$", parsing_timeout=timeout)
+        return bool(g and p and verify(g, p, timeout_seconds=timeout))
+    except Exception:  # noqa: BLE001 - an unparsable answer is simply not correct
+        return False
 
 
 # --- loading --------------------------------------------------------------------------

@@ -9,11 +9,23 @@ with exit code 2, before a folder or a process exists. Then `@hydra.main` runs a
 
 `resume_from=<run dir>` bypasses composition: the run's saved config is reused, only
 run-safe keys may be overridden, and the run continues in its own folder.
+`resume_from=auto` resumes the newest run of `experiment.name` if it did not finish (a
+SLURM requeue finishes its run), else starts a new one; so does rerunning into an existing
+run folder (`hydra.run.dir=<run dir>`).
+
+Hydra's own flags keep working because the command line is parsed with Hydra's parser:
+`-cn NAME` / `--config-dir DIR` / `hydra.searchpath=[...]` (your experiment files outside
+the repo) are composed the same way in the pre-check, `-sc install=bash` and `--cfg`,
+`--info`, `--hydra-help` start nothing, `--help` lists pita's keys with their help.
+With a non-local launcher (`hydra/launcher=submitit_slurm|slurm|...`) the pre-check
+checks values only: devices and placement are checked in the job, on its node.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -22,10 +34,20 @@ from omegaconf import DictConfig, OmegaConf
 
 from pita.core.errors import ConfigError
 from pita.core.paths import RunPaths
+from pita.experiment.cli_extras import (
+    PROJECT_ROOT,
+    conf_dir,
+    config_differences,
+    expand_algos,
+    find_resumable,
+    help_text,
+)
 from pita.experiment.config import register_configs, resume_path_errors, validate
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-CONF_DIR = PROJECT_ROOT / "conf"
+CONF_DIR = conf_dir()
+LOCAL_LAUNCHERS = ("BasicLauncher",)  # Hydra's launcher classes that run jobs in this process
+LAST_COMPOSE: dict[str, str] = {}
+EXIT_CODE_FILE = "exit_code"  # a remote job's exit code, read by the sweep's end (aggregate.py)
 # Keys a resumed run may change: where and how it runs, never what it computes.
 RESUME_SAFE_PREFIXES = ("system.devices", "system.threads_per_worker", "system.use_parallel_execution",
                         "executor.", "dry_run", "resume_from")
@@ -56,6 +78,11 @@ def format_compose_error(exc: BaseException, overrides: list[str]) -> str:
     m = re.search(r"Could not override '([^']+)'", text)
     if m:
         return f"{m.group(1)}: unknown key (not in pita's config schema, see conf/ and pita/experiment/config.py)"
+    m = re.search(r"Could not find '(hydra/launcher)/([^']+)'", text)
+    if m:
+        have = sorted(p.stem for p in (CONF_DIR / "hydra" / "launcher").glob("*.yaml"))
+        return (f"hydra/launcher={m.group(2)}: no such launcher; available: basic, {', '.join(have)}, "
+                "submitit_local, submitit_slurm (the submitit ones need: pip install hydra-submitit-launcher)")
     m = re.search(r"Could not find '([^/']+)/([^']+)'", text)
     if m:
         group, name = m.group(1), m.group(2)
@@ -127,21 +154,37 @@ def _sweep_to_single(overrides: list[str]) -> list[str]:
     return out
 
 
-def compose_config(overrides: list[str]) -> DictConfig:
-    """Compose conf/config.yaml with overrides (no run folder); raises ConfigError."""
-    from hydra import compose, initialize_config_dir
+def compose_config(overrides: list[str], config_name: str | None = None,
+                   config_dir: str | None = None) -> DictConfig:
+    """Compose the config (pita's conf/ + `--config-dir` + `hydra.searchpath`) with overrides,
+    without a run folder, as `@hydra.main` will; raises ConfigError."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
 
     register_configs()
-    overrides = [o for o in overrides if not o.startswith(("hydra.", "+hydra.", "~hydra."))]
+    overrides = [o for o in overrides if not o.startswith(("hydra.", "+hydra.", "~hydra."))
+                 or o.startswith("hydra.searchpath=")]
     try:
         overrides = _sweep_to_single(overrides)
     except Exception as exc:
         raise ConfigError(format_compose_error(exc, overrides)) from None
     GlobalHydra.instance().clear()
+    search_path = create_config_search_path(str(CONF_DIR))
+    if config_dir:  # what Hydra does for --config-dir
+        search_path.prepend("command-line", f"file://{Path(config_dir).expanduser().resolve()}")
     try:
-        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-            return compose("config", overrides=overrides)
+        hydra = Hydra.create_main_hydra2(task_name="pita", config_search_path=search_path)
+        cfg = hydra.compose_config(config_name or "config", overrides, run_mode=RunMode.RUN,
+                                   with_log_configuration=False)
+        LAST_COMPOSE["launcher"] = str(OmegaConf.select(cfg, "hydra.launcher._target_", default="") or "")
+        if "hydra" in cfg:  # as hydra.compose(return_hydra_config=False)
+            from omegaconf import open_dict, read_write
+
+            with read_write(cfg), open_dict(cfg):
+                del cfg["hydra"]
+        return cfg
     except Exception as exc:
         raise ConfigError(format_compose_error(exc, overrides)) from None
     finally:
@@ -179,16 +222,21 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
     return cfg, run_dir
 
 
-def preflight(cfg: DictConfig, overrides: list[str] | None = None, *, run_dir: Path | None = None) -> None:
+def preflight(cfg: DictConfig, overrides: list[str] | None = None, *, run_dir: Path | None = None,
+              devices: bool = True) -> None:
     """Everything that can be checked before a folder or a process exists: values, the
     devices (NVML only, no CUDA context), the plan (e.g. a task no device can hold) and the
     world (pita/experiment/preflight.py: dataset files, families, hub cache, output folder).
-    `run_dir`: a resumed run's folder (its plan is reused, so none is built here)."""
+    `run_dir`: a resumed run's folder (its plan is reused, so none is built here).
+    `devices=False` (jobs that run elsewhere, e.g. on SLURM nodes): values only; each job
+    checks devices, placement and its node's files itself (`run` does)."""
     from pita.experiment.preflight import absolutize_paths, environment_errors, planned_run_dir
     from pita.experiment.run import build_plan, check_plan_fits, make_gpu_manager
 
     absolutize_paths(cfg)
     validate(cfg, project_root=PROJECT_ROOT)
+    if not devices:
+        return
     gpu = make_gpu_manager(cfg)
     if run_dir is None:
         build_plan(cfg, gpu)
@@ -207,21 +255,54 @@ def preflight(cfg: DictConfig, overrides: list[str] | None = None, *, run_dir: P
         raise ConfigError(errors)
 
 
+def remote_launcher() -> str | None:
+    """The launcher of the last composed config when it runs the jobs elsewhere (SLURM,
+    submitit; set by `hydra/launcher=X` or by an experiment's defaults), else None."""
+    target = LAST_COMPOSE.get("launcher", "")
+    return None if not target or target.endswith(LOCAL_LAUNCHERS) else target
+
+
 def _print_config_error(exc: ConfigError) -> None:
     for line in exc.messages:
         print(f"error: {line}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:
+    from hydra._internal.utils import get_args_parser
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    overrides = [a for a in argv if not a.startswith("-")]
-    flags = [a for a in argv if a.startswith("-")]
-    info_only = any(f in ("--help", "-h", "--hydra-help", "--info", "--cfg", "-c", "--version") or
-                    f.startswith(("--cfg", "--info", "--package", "-p")) for f in flags)
-    resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume_from=")), None)
-    if resume not in (None, "", "null"):
+    args = get_args_parser().parse_args(argv)  # Hydra's own parser: -cn NAME, -sc install=bash, ...
+    if args.help:
         try:
-            cfg, run_dir = load_resume_config(resume, [o for o in overrides if not o.startswith("resume_from=")])
+            name = Path(sys.argv[0]).name if sys.argv else "pita"
+            print(help_text("-m pita" if name == "__main__.py" else name))
+        except BrokenPipeError:  # `--help | head`
+            pass
+        sys.exit(0)
+    from pita.experiment.config import ALGO_NAMES
+
+    try:
+        overrides = expand_algos(list(args.overrides), ALGO_NAMES)
+    except ConfigError as exc:
+        _print_config_error(exc)
+        sys.exit(2)
+    info_only = bool(args.hydra_help or args.cfg or args.info or args.shell_completion)
+    resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume_from=")), None)
+    implicit = False  # resume_from=auto or a rerun into an existing folder, not a typed resume_from
+    if resume == "auto" and not info_only:
+        resume, overrides = _resolve_auto_resume(overrides, args)
+        implicit = resume is not None
+    run_dir_override = next((o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")), None)
+    if resume in (None, "", "null") and run_dir_override and not args.multirun and not info_only \
+            and RunPaths(run_dir_override).plan.is_file():
+        resume, implicit = run_dir_override, True  # rerunning into an existing run folder finishes that run
+        overrides = [o for o in overrides if not o.startswith("hydra.run.dir=")]
+    if resume not in (None, "", "null") and not info_only:
+        rest = [o for o in overrides if not o.startswith("resume_from=")]
+        try:
+            if implicit:  # the same command line again (a requeue): it must describe the same run
+                rest = _same_run_overrides(resume, rest, args)
+            cfg, run_dir = load_resume_config(resume, rest)
             preflight(cfg, run_dir=run_dir)
         except ConfigError as exc:
             _print_config_error(exc)
@@ -233,11 +314,44 @@ def main(argv: list[str] | None = None) -> None:
 
     if not info_only:
         try:
-            preflight(compose_config(overrides), overrides)
+            cfg = compose_config(overrides, args.config_name, args.config_dir)
+            preflight(cfg, overrides, devices=remote_launcher() is None)
         except ConfigError as exc:
             _print_config_error(exc)
             sys.exit(2)
+    os.environ["PITA_COMMAND"] = json.dumps([sys.argv[0], *argv])  # as typed, for run_info.json (jobs too)
+    given = set(args.overrides)
+    sys.argv = [sys.argv[0], *[a for a in argv if a not in given], *overrides]  # Hydra parses sys.argv
     _hydra_main()
+
+
+def _same_run_overrides(run_dir: str, overrides: list[str], args) -> list[str]:
+    """The run-safe part of `overrides`, after checking that the whole command line composes
+    to the config `run_dir` was started with (else a ConfigError naming the differences)."""
+    composed = compose_config(overrides, args.config_name, args.config_dir)
+    saved = OmegaConf.load(RunPaths(run_dir).saved_config)
+    diff = config_differences(saved, composed, RESUME_SAFE_PREFIXES + ("system.use_parallel_execution",))
+    if diff:
+        raise ConfigError(f"resume of {run_dir}: this command line describes another run ("
+                          f"{'; '.join(diff[:4])}{' ...' if len(diff) > 4 else ''}); pass resume_from={run_dir} "
+                          f"alone to finish it, or change experiment.name for a new run")
+    return [o for o in overrides if o.split("=", 1)[0].lstrip("+~").startswith(RESUME_SAFE_PREFIXES)]
+
+
+def _resolve_auto_resume(overrides: list[str], args) -> tuple[str | None, list[str]]:
+    """resume_from=auto -> (the run folder to resume, overrides) or (None, overrides without it)."""
+    rest = [o for o in overrides if not o.startswith("resume_from=")]
+    try:
+        name = str(compose_config(rest, args.config_name, args.config_dir).experiment.name)
+    except ConfigError as exc:
+        _print_config_error(exc)
+        sys.exit(2)
+    found = find_resumable(Path.cwd() / "outputs", name)
+    if found is not None:
+        print(f"resume_from=auto: resuming the unfinished run {found}")
+        return str(found), rest
+    print(f"resume_from=auto: no unfinished run of {name!r} in outputs/{name}/; starting a new one")
+    return None, rest
 
 
 def _run_checked(fn) -> int:
@@ -273,11 +387,21 @@ def _hydra_main() -> None:
         from pita.experiment.run import run
 
         hc = HydraConfig.get()
-        code = _run_checked(lambda: run(cfg, Path(hc.runtime.output_dir)))
+        out = Path(hc.runtime.output_dir)
+        code = _run_checked(lambda: run(cfg, out))
+        remote = "BasicLauncher" not in str(hc.launcher.get("_target_", "BasicLauncher"))
+        if remote:  # the job ran elsewhere (SLURM, submitit): its code reaches us through a file
+            from pita.core.paths import atomic_write_text
+
+            out.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(out / EXIT_CODE_FILE, f"{code}\n")
+            return code  # sys.exit here would lose the job's result in the launcher
         if hc.mode != RunMode.MULTIRUN or code in (2, 130):
             sys.exit(code)
         worst[0] = max(worst[0], code)
         return code
 
     _main()
-    sys.exit(worst[0])
+    from pita.experiment.aggregate import LAST_SWEEP
+
+    sys.exit(max(worst[0], LAST_SWEEP.get("worst_exit_code", 0)))

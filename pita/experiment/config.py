@@ -61,7 +61,9 @@ class SystemConfig:
 class ExecutorConfig:
     backend: str = _help("local (worker processes on this machine) | inprocess | ray", "local")
     cpu_workers: Any = _help("CPU worker count when no GPU is used: auto = cores / threads_per_worker.", "auto")
-    max_tasks_per_gpu: int = _help("Tasks that may share one device when memory allows.", 1)
+    max_tasks_per_gpu: Any = _help("Tasks that may share one GPU: auto = while their memory estimates fit "
+                                   "(at most 8, and one per core of the device's share); an integer caps it; "
+                                   "CPU slots run one task each under auto.", "auto")
     max_tasks_per_worker: int = _help("Recycle a worker after this many tasks.", 200)
     max_retries: int = _help("Retries of a task whose worker was killed, hit a CUDA fault or OOM.", 2)
     task_timeout_s: float = _help("Kill a task running longer than this (seconds).", 7200.0)
@@ -94,6 +96,21 @@ class TrainingConfig:
     pin_memory: bool = _help("Pin host memory in DataLoaders (GPU only).", False)
     max_grad_norm: float = _help("Gradient clipping norm (0 = off).", 1.0)
     weight_decay: float = _help("AdamW weight decay.", 0.0)
+    checkpoint_every: int = _help(
+        "Checkpoint a training task every N optimizer steps into tasks/<id>.checkpoints/ (0 = off); "
+        "a retried or resumed task continues from its newest checkpoint.", 0)
+    checkpoint_every_minutes: float = _help(
+        "Also checkpoint when this many minutes passed since the last one (0 = off).", 10.0)
+
+
+@dataclass
+class LoggerConfig:
+    """Experiment tracking (conf/logger/*.yaml; pita/training/tracking.py)."""
+
+    backend: str = _help("none | tensorboard | wandb | mlflow | csv (logs under <run>/logs/<backend>/)", "none")
+    project: str = _help("W&B project name.", "pita")
+    mode: str = _help("W&B mode: offline (sync later with `wandb sync`) | online | disabled.", "offline")
+    tracking_uri: Optional[str] = _help("MLflow tracking URI (None = a file store in <run>/logs/mlruns).", None)
 
 
 @dataclass
@@ -243,6 +260,7 @@ class PitaConfig:
     system: SystemConfig = field(default_factory=SystemConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     data_collection: DataCollectionConfig = field(default_factory=DataCollectionConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
@@ -350,7 +368,11 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
            "allowed: local | inprocess | ray")
     _check(e, ex.cpu_workers == "auto" or (isinstance(ex.cpu_workers, int) and ex.cpu_workers >= 1),
            "executor.cpu_workers", ex.cpu_workers, "auto or an integer >= 1")
-    for key in ("max_tasks_per_gpu", "max_tasks_per_worker", "model_cache_size"):
+    _check(e, ex.max_tasks_per_gpu == "auto" or (isinstance(ex.max_tasks_per_gpu, int)
+                                                and not isinstance(ex.max_tasks_per_gpu, bool)
+                                                and ex.max_tasks_per_gpu >= 1),
+           "executor.max_tasks_per_gpu", ex.max_tasks_per_gpu, "auto or an integer >= 1")
+    for key in ("max_tasks_per_worker", "model_cache_size"):
         _check(e, ex[key] >= 1, f"executor.{key}", ex[key], "must be >= 1")
     _check(e, ex.max_retries >= 0, "executor.max_retries", ex.max_retries, "must be >= 0")
     _check(e, ex.max_shards >= 0, "executor.max_shards", ex.max_shards, "must be >= 0 (0 = one per device)")
@@ -376,6 +398,10 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
     _check(e, tr.parallel_strategy in ("none", "data_parallel"), "training.parallel_strategy",
            tr.parallel_strategy, "allowed: none | data_parallel")
     _check(e, tr.num_workers >= -1, "training.num_workers", tr.num_workers, "must be >= -1 (-1 = auto)")
+    _check(e, tr.checkpoint_every >= 0, "training.checkpoint_every", tr.checkpoint_every, "must be >= 0 (0 = off)")
+    _check(e, tr.checkpoint_every_minutes >= 0, "training.checkpoint_every_minutes", tr.checkpoint_every_minutes,
+           "must be >= 0 (0 = off)")
+    e.extend(logger_errors(cfg))
 
     _check(e, _is_batch(cfg.generation.batch_size), "generation.batch_size", cfg.generation.batch_size,
            "a positive integer or auto / auto_batch_size")
@@ -465,6 +491,23 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
         e.append(str(exc))
     if errors:
         raise ConfigError(errors)
+
+
+def logger_errors(cfg: DictConfig) -> list[str]:
+    """logger.*: a known backend whose package is installed."""
+    from pita.training.tracking import BACKENDS, missing_package
+
+    lg = cfg.get("logger")
+    if lg is None:
+        return []
+    if lg.backend not in BACKENDS:
+        return [f"logger.backend={lg.backend!r}: allowed: {' | '.join(BACKENDS)} (or logger=<name>)"]
+    need = missing_package(str(lg.backend))
+    if need:
+        return [f"logger={lg.backend}: the {lg.backend} package is not installed; {need}"]
+    if lg.backend == "wandb" and lg.mode not in ("offline", "online", "disabled"):
+        return [f"logger.mode={lg.mode!r}: allowed: offline | online | disabled"]
+    return []
 
 
 def resume_path_errors(path: str, project_root: Path | None = None) -> list[str]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -20,8 +19,9 @@ from pita.algos.registry import ALGORITHMS, ANY, STAGE_OUTPUTS, is_importable, l
 from pita.core.dag import Plan, critical_path_priorities
 from pita.core.errors import ConfigError
 from pita.core.tasks import SHARDABLE, TaskSpec, task_id
+from pita.experiment.cli_extras import conf_dir
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = conf_dir()  # conf/ of a checkout, pita/conf/ of an installed wheel
 
 # Relative duration of each stage (critical-path priority and dry-run placement only).
 STAGE_WORK = {"pretrain": 3.0, "collect": 4.0, "reward_model": 2.0, "train": 6.0, "evaluate": 2.0}
@@ -197,6 +197,9 @@ def plan_experiment(cfg: DictConfig, n_devices: int, *, device_mb: list[int] | N
     plan = planner.plan
     for t in plan.tasks.values():  # what its committed folder must hold (resume checks it)
         t.outputs = list(STAGE_OUTPUTS.get(t.fn, ()))
+    from pita.experiment.estimates import fill_estimates
+
+    fill_estimates(plan, cfg, device_mb)  # measured peak > checkpoint size > model.memory_gb
     if device_mb:
         size_gangs(plan, device_mb)
     check_resources(plan, n_devices, device_mb)

@@ -139,5 +139,31 @@ def write_report(cfg, plan: Plan, run_dir: Path) -> list[dict]:
     paths.plots.mkdir(parents=True, exist_ok=True)
     plot_accuracy(rows, paths.plots / "accuracy.png")
     plot_gpu_memory(paths.gpu_monitor, paths.plots / "gpu_memory.png")
+    from pita.experiment.aggregate import plot_frontier
+
+    for dataset in sorted({r["dataset"] for r in rows}):  # reward–KL / pass@1–KL across η
+        plot_frontier([r for r in rows if r["dataset"] == dataset], paths.plots / f"frontier_{dataset}.png",
+                      title=f"{dataset} ({run_dir.name})")
+    log_results(cfg, rows, run_dir)
     log.info("Results (%s):\n%s", paths.results / "summary.csv", table)
     return rows
+
+
+RESULT_METRICS = ("pass@1", "maj@k", "avg_reward", "kl")
+
+
+def log_results(cfg, rows: list[dict], run_dir: Path) -> None:
+    """The results table to `logger.backend` (tracker "results"): one scalar per
+    (dataset, family, algo, η, metric) against the round."""
+    from pita.training.tracking import open_tracker
+
+    if cfg is None:
+        return
+    tracker = open_tracker(cfg, run_dir, "results")
+    try:
+        for r in rows:
+            eta = "" if r.get("eta") is None else f"/eta={_fmt(r['eta'])}"
+            tracker.log({f"results/{r['dataset']}/{r['family']}/{r['algo']}{eta}/{m}": r[m]
+                         for m in RESULT_METRICS if isinstance(r.get(m), (int, float))}, int(r["round"]))
+    finally:
+        tracker.close()

@@ -36,10 +36,12 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 def make_gpu_manager(cfg: DictConfig) -> GPUManager:
     if cfg.executor.backend == "ray":  # slots = the Ray cluster's GPUs (or CPUs); Ray pins them
-        from pita.core.ray_executor import RayExecutor
+        from pita.core.ray_executor import RayExecutor, ray_devices_spec
 
-        kind, n = RayExecutor(cfg.executor).slots()
-        return GPUManager(f"fake:{max(1, n)}" if kind == "gpu" else "cpu", cpu_workers=max(1, n))
+        ray_exec = RayExecutor(cfg.executor)
+        kind, n = ray_exec.slots()
+        sizes = ray_exec.gpu_memory_mb() if kind == "gpu" else []  # NVML on each node: real memory
+        return GPUManager(ray_devices_spec(kind, n, sizes), cpu_workers=max(1, n))
     spec = cfg.system.devices
     if cfg.system.gpu_mode == "cpu":
         spec = "cpu"
@@ -69,9 +71,14 @@ def make_executor(cfg: DictConfig, gpu: GPUManager, run_dir: Path) -> Executor:
 
 
 def make_scheduler(cfg: DictConfig, gpu: GPUManager) -> Scheduler:
+    from pita.core.resources import max_tasks_per_device
+
     states = [DeviceState(d.index, d.total_mb, d.free_mb) for d in gpu.devices]
-    return Scheduler(states, max_tasks_per_device=cfg.executor.max_tasks_per_gpu,
-                     simulated_memory=gpu.kind != "cuda")
+    value = cfg.executor.max_tasks_per_gpu
+    if cfg.executor.backend == "ray" and value == "auto":
+        value = 1  # Ray places by whole GPUs (num_gpus=1): it would queue a second task on a slot
+    cap = max_tasks_per_device(value, gpu.kind, len(gpu.devices))
+    return Scheduler(states, max_tasks_per_device=cap, simulated_memory=gpu.kind != "cuda")
 
 
 def build_plan(cfg: DictConfig, gpu: GPUManager) -> Plan:
@@ -80,16 +87,18 @@ def build_plan(cfg: DictConfig, gpu: GPUManager) -> Plan:
 
 
 def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
-    placement, makespan = simulate(plan, make_scheduler(cfg, gpu))
+    scheduler = make_scheduler(cfg, gpu)
+    placement, makespan = simulate(plan, scheduler)
     print(f"Plan: {len(plan.tasks)} tasks on {len(gpu.devices)} device(s) "
-          f"({gpu.kind}); dry run, nothing started.")
+          f"({gpu.kind}, up to {scheduler.max_tasks} task(s) per device while memory allows); "
+          f"dry run, nothing started.")
     for line in gpu.describe():
         print("  " + line)
-    print(f"{'task':58s} {'device':9s} {'mem GB':>7s} {'prio':>6s}  depends on")
+    print(f"{'task':58s} {'device':9s} {'mem GB':>7s} {'prio':>6s}  {'estimate from':40s} depends on")
     for t in plan.tasks.values():
         devs = "+".join(str(d) for d in placement.get(t.id, [])) or "-"
         deps = ", ".join(t.deps) if len(t.deps) <= 2 else f"{t.deps[0]} (+{len(t.deps) - 1})"
-        print(f"{t.id:58s} {devs:9s} {t.mem_mb / 1024:7.2f} {t.priority:6.1f}  {deps}")
+        print(f"{t.id:58s} {devs:9s} {t.mem_mb / 1024:7.2f} {t.priority:6.1f}  {t.mem_source[:40]:40s} {deps}")
     print(f"Estimated makespan: {makespan:.1f} work units (critical path first).")
 
 
@@ -143,6 +152,9 @@ def _run_locked(cfg: DictConfig, run_dir: Path, paths: RunPaths, gpu: GPUManager
         if absolutized or not paths.saved_config.exists():  # Hydra writes it; tests get it here; resume
             paths.saved_config.parent.mkdir(parents=True, exist_ok=True)
             paths.saved_config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    from pita.experiment import run_info
+
+    run_info.write(run_dir, gpu, resumed=resumed)  # git commit, packages, devices, command
     done = completed_tasks(plan, run_dir) if resumed else set()
     journal = Journal(paths.journal)
     journal.append("run_resumed" if resumed else "run_started", tasks=len(plan.tasks), already_done=len(done))
@@ -162,11 +174,17 @@ def _run_locked(cfg: DictConfig, run_dir: Path, paths: RunPaths, gpu: GPUManager
     scheduler = make_scheduler(cfg, gpu)
     monitor = Monitor(gpu, executor, paths.gpu_monitor, cfg.executor.monitor_interval_s,
                       reservations=lambda: [sum(d.running.values()) for d in scheduler.devices]).start()
-    progress = Progress(len(plan.tasks), [d.label for d in gpu.devices], len(done),
+    progress = Progress(len(plan.tasks), [d.label for d in gpu.devices], len(done), worker_info=executor.workers,
                         live=None if cfg.executor.progress else False)
+    from pita.experiment.estimates import PeakEstimator, peaks_cache_path
+
+    estimator = PeakEstimator(cfg, peaks_cache_path() if gpu.kind == "cuda" else None)
+    estimator.learn_from_run(run_dir, plan.tasks, done)
     runner = DagRunner(plan, executor, scheduler, cfg_dict=cfg_dict, run_dir=str(run_dir), journal=journal,
                        max_retries=cfg.executor.max_retries, already_done=done, on_event=progress.event,
-                       refresh_memory=lambda: _measured_memory(gpu, executor))
+                       refresh_memory=lambda: _measured_memory(gpu, executor), estimator=estimator)
+    log.info("Packing: up to %d task(s) per device while their memory estimates fit (executor.max_tasks_per_gpu=%s)",
+             scheduler.max_tasks, cfg.executor.max_tasks_per_gpu)
     interrupted = False
     lost: str | None = None
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)

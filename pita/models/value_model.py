@@ -65,6 +65,9 @@ class ValueOutput:
     past_key_values: Any = None
 
 
+SMALL_HEAD = 4096  # V·M at or below which values_at runs the dense head
+
+
 class ValueModel(nn.Module):
     """Backbone (any HF base model returning `last_hidden_state`) + a Q-type (per-vocabulary)
     or V-type (scalar, read at the candidate's position) head; see the module docstring."""
@@ -146,8 +149,14 @@ class ValueModel(nn.Module):
 
     def values_at(self, hidden: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         """[B, T, M]: the head's output at each position t for the one token actions[b, t]
-        only. Gathers those rows of the head instead of materialising [B, T, V, M], which
-        matters for hub vocabularies."""
+        only. Hub vocabularies: gathers those rows of the head instead of materialising
+        [B, T, V, M]. Small task vocabularies (V·M <= SMALL_HEAD): the dense head and a gather
+        of its output, one GEMM instead of a gather of B·T·M·d weights and its scatter-add
+        backward."""
+        if self.vocab_size * self.num_outputs <= SMALL_HEAD:  # task vocabularies: one matmul, then pick
+            every = self.head(hidden).view(*hidden.shape[:2], self.vocab_size, self.num_outputs)  # [B, T, V, M]
+            index = actions[..., None, None].expand(*actions.shape, 1, self.num_outputs)
+            return every.gather(2, index).squeeze(2)
         weight = self.head.weight.view(self.vocab_size, self.num_outputs, -1)[actions]  # [B, T, M, d]
         bias = self.head.bias.view(self.vocab_size, self.num_outputs)[actions]  # [B, T, M]
         return torch.einsum("btd,btmd->btm", hidden, weight) + bias

@@ -21,8 +21,9 @@ def cache_path() -> Path:
 
 
 def generation_batch_size(ctx: StageContext, value: Any, *, model=None, prompts: list[list[int]] | None = None,
-                          max_new_tokens: int = 0, fallback: int = 64) -> int:
-    """Prompts per generate() call for `value` (int or auto)."""
+                          max_new_tokens: int = 0, fallback: int = 64, extra_models=()) -> int:
+    """Prompts per generate() call for `value` (int or auto); `extra_models` are the other
+    models the stage holds on the same device (a guide), counted as resident."""
     if isinstance(value, int):
         return max(1, int(value * ctx.task.batch_scale))
     from pita.runtime.batch_size import generation_probe, resolve_batch_size
@@ -30,7 +31,8 @@ def generation_batch_size(ctx: StageContext, value: Any, *, model=None, prompts:
     factory = None
     if model is not None and prompts:
         longest = max(prompts, key=len)
-        factory = generation_probe(model, longest, max_new_tokens, {"do_sample": True}, logger=ctx.logger)
+        factory = generation_probe(model, longest, max_new_tokens, {"do_sample": True},
+                                   extra_models=list(extra_models), logger=ctx.logger)
     size = resolve_batch_size(value, stage_kind="generate", fallback=fallback, measure_fn_factory=factory,
                               cache_path=cache_path(), cache_key={"stage": ctx.task.stage},
                               safety_margin=ctx.cfg.batch_size_safety_margin,

@@ -71,6 +71,29 @@ def memory_stats() -> dict[str, Any]:
     return stats
 
 
+def reset_peak_memory() -> None:
+    """Start a task's peak at what is resident now (cached models included); CUDA only."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                torch.cuda.reset_peak_memory_stats(i)
+    except Exception:  # noqa: BLE001 - a measurement must never fail a task
+        pass
+
+
+def peak_memory_mb() -> float:
+    """The largest `max_memory_reserved` over this worker's devices since the reset, in MB
+    (0 without CUDA): the scheduler's next estimate for tasks like this one learns from it."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            return round(max(torch.cuda.max_memory_reserved(i) for i in range(torch.cuda.device_count())) / 2**20, 1)
+    except Exception:  # noqa: BLE001
+        pass
+    return 0.0
+
+
 class Channel:
     """A connection whose sends are serialised (main thread + heartbeat thread)."""
 
@@ -116,6 +139,7 @@ def execute_task(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, dev
         logger.info("task %s (attempt %d) on %s, CUDA_VISIBLE_DEVICES=%r, pid %d", task.id, attempt, device,
                     os.environ.get("CUDA_VISIBLE_DEVICES"), os.getpid())
         fn = resolve_function(task.fn)
+        reset_peak_memory()
         ctx = StageContext(task=task, cfg=_stage_config(cfg_dict, task), run_dir=Path(run_dir), out_dir=tmp,
                            logger=logger, device=device, models=models, heartbeat=heartbeat, chain_merged=True)
         result = fn(ctx) or {}
@@ -124,10 +148,14 @@ def execute_task(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, dev
         bad = non_finite_numbers(result)
         if bad:  # a NaN metric is a failed task, not a row of the results table
             raise FloatingPointError(f"non-finite value(s) in the stage's result: {', '.join(bad[:5])}")
+        peak = peak_memory_mb()
+        if peak:
+            result["peak_gpu_mb"] = peak
         atomic_write_json(tmp / Artifact.RESULT, result)
         logger.info("done in %.2fs", wall)
         _close(logger)
         paths.commit(tmp, required=task.outputs)
+        shutil.rmtree(paths.checkpoints, ignore_errors=True)  # in-task checkpoints: no longer needed
         return True, None, "", result
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, classified
         failure = "interrupted" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else classify_exception(exc)

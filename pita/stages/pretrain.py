@@ -13,37 +13,60 @@ Training mechanics come from `pita.training`: precision (`training.mixed_precisi
 with `training.parallel_strategy=data_parallel`. The tiny policy trains on its whole batch
 at once (`training.micro_batch_size` is sized for hub models and would only slow it down);
 it is cut into micro-batches when `training.accumulation_steps` is set or an OOM retry
-halves the task's `batch_scale`.
+halves the task's `batch_scale`. With `training.checkpoint_every` the loop checkpoints
+(model, optimizer, schedule, RNG streams) and a retried task continues from there.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 from pita.core.paths import Artifact
 from pita.runtime.context import StageContext
 
 
 def pad_right(rows: list[list[int]], labels: list[list[int]], pad_id: int):
-    """Right-padded input ids, attention mask and labels (-100 where no loss)."""
+    """Right-padded input ids, attention mask and labels (-100 where no loss), built with
+    one tensor constructor each (no per-row tensor: collation stays off the hot path)."""
     import torch
 
     width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    lab = torch.full((len(rows), width), -100, dtype=torch.long)
-    for i, (r, y) in enumerate(zip(rows, labels)):
-        ids[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(r)] = 1
-        lab[i, : len(y)] = torch.tensor(y)
+    ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], dtype=torch.long)
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+    lab = torch.tensor([y + [-100] * (width - len(y)) for y in labels], dtype=torch.long)
     return ids, mask, lab
 
 
 def teacher_forcing_batch(pairs: list[tuple[list[int], list[int]]], pad_id: int):
     """(prompt, target) pairs -> tensors whose loss covers the target tokens only."""
-    rows = [p + t for p, t in pairs]
-    labels = [[-100] * len(p) + t for p, t in pairs]
+    rows = [list(p) + list(t) for p, t in pairs]
+    labels = [[-100] * len(p) + list(t) for p, t in pairs]
     return pad_right(rows, labels, pad_id)
+
+
+def prefetch(batches: Iterator, depth: int = 2) -> Iterator:
+    """Produce the next batches in a thread while the device trains on this one. The one
+    producer keeps the exact order (and random stream) of the plain loop."""
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+
+    def produce() -> None:
+        try:
+            for item in batches:
+                q.put(item)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the training thread
+            q.put(exc)
+        q.put(done)
+
+    threading.Thread(target=produce, name="pita-prefetch", daemon=True).start()
+    while (item := q.get()) is not done:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
 
 
 def pretrain(ctx: StageContext) -> dict:
@@ -66,6 +89,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
 
     from pita.datasets import build_task
     from pita.models.tiny import build_tiny_llama
+    from pita.training.checkpoint import Checkpointer
     from pita.training.ddp import wrap_model
     from pita.training.loop import (
         TrainStep,
@@ -102,28 +126,53 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     net = wrap_model(model, dist)  # DDP all-reduces the gradients; the same model otherwise
     optim = torch.optim.AdamW(model.parameters(), lr=pcfg.lr, weight_decay=tr.weight_decay)
     sched = get_cosine_schedule_with_warmup(optim, pcfg.warmup_steps, pcfg.steps)
-    step = TrainStep.from_context(ctx, net, optim, scheduler=sched, device=device, compile_status=compiled)
+    # Figures are read back every 50 steps (the log interval), not every step: no host sync.
+    step = TrainStep.from_context(ctx, net, optim, scheduler=sched, device=device, compile_status=compiled,
+                                  sync_every=50)
     ctx.logger.info("pretrain: effective batch %d = micro %d x %d accumulation x %d rank(s), %s",
                     per_rank * world, micro, n_micro, world, step.precision.name)
+    cuda = device.type == "cuda"
 
-    for i in range(pcfg.steps):
-        pairs = task.pretrain_batch(rng, pcfg.batch_size)
-        n_tokens = sum(len(p) + len(t) for p, t in pairs)  # throughput counts the whole batch
-        n_targets = sum(len(t) for _, t in pairs)  # the loss positions of the whole batch
-        if dist is not None:
-            pairs = [pairs[j] for j in dist.shard(len(pairs))]
-        ids, mask, labels = teacher_forcing_batch(pairs, tok.pad_token_id)
-        batch = {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
+    # In-task checkpoints (training.checkpoint_every): a retry continues where the dead attempt stopped.
+    ckpt = Checkpointer.from_context(ctx, writer=dist is None or dist.is_main)
+    start, extra = ckpt.restore(model=model, optimizer=optim, scheduler=sched, step=step)
+    if "rng" in extra:
+        rng.setstate(extra["rng"])
+
+    def batches() -> Iterator[tuple]:
+        """Collated CPU batches (pinned on CUDA) and their token counts, in step order, with
+        the data RNG's state after each (prefetching runs ahead: a checkpoint needs the
+        state that belongs to its step)."""
+        for _ in range(start, pcfg.steps):
+            pairs = task.pretrain_batch(rng, pcfg.batch_size)
+            rng_after = rng.getstate()
+            n_tokens = sum(len(p) + len(t) for p, t in pairs)  # throughput counts the whole batch
+            n_targets = sum(len(t) for _, t in pairs)  # the loss positions of the whole batch
+            if dist is not None:
+                pairs = [pairs[j] for j in dist.shard(len(pairs))]
+            ids, mask, labels = teacher_forcing_batch(pairs, tok.pad_token_id)
+            # loss positions per micro-batch, counted on the host before the copy
+            counts = [int((lab[:, 1:] != -100).sum()) for lab in labels.split(micro)]
+            if cuda:
+                ids, mask, labels = ids.pin_memory(), mask.pin_memory(), labels.pin_memory()
+            yield ids, mask, labels, counts, n_tokens, n_targets, rng_after
+
+    stream = prefetch(batches()) if cuda else batches()
+    for i, (ids, mask, labels, counts, n_tokens, n_targets, rng_after) in enumerate(stream, start=start):
+        batch = {"input_ids": ids.to(device, non_blocking=True), "attention_mask": mask.to(device, non_blocking=True),
+                 "labels": labels.to(device, non_blocking=True)}
         micro_batches = split_batch(batch, micro)
         # The model's loss is a mean over a micro-batch's target tokens: weight each by its
         # share of the batch's tokens, so the accumulated gradient is the whole batch's.
-        counts = [int((mb["labels"][:, 1:] != -100).sum()) for mb in micro_batches]
-        result = step.run(micro_batches, lambda mb: net(**mb).loss,
-                          weights=token_weights(counts, total=n_targets, world_size=world),
-                          samples=pcfg.batch_size, tokens=n_tokens)
-        if i % 50 == 0 or i == pcfg.steps - 1:
-            ctx.logger.info("step %d/%d loss %.4f lr %.2e", i + 1, pcfg.steps, result.loss, step.lr())
+        step.run(micro_batches, lambda mb: net(**mb).loss,
+                 weights=token_weights(counts, total=n_targets, world_size=world),
+                 samples=pcfg.batch_size, tokens=n_tokens)
+        if (i + 1) % 50 == 0 or i == pcfg.steps - 1:
+            last = step.metrics_rows()[-1]
+            ctx.logger.info("step %d/%d loss %.4f lr %.2e", i + 1, pcfg.steps, last["loss"], step.lr())
             ctx.heartbeat(f"step {i + 1}/{pcfg.steps}")
+        ckpt.maybe_save(i + 1, lambda: {"model": model, "optimizer": optim, "scheduler": sched}, step=step,
+                        extra=lambda state=rng_after: {"rng": state})
 
     if dist is not None and not dist.is_main:
         return {}  # rank 0 writes the model and the report
@@ -132,6 +181,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     task.save_tokenizer(str(ctx.out_dir / Artifact.MODEL))
     perf = write_training_report(ctx.out_dir, step, micro_batch=micro, accumulation_steps=n_micro, world_size=world,
                                  gradient_checkpointing=checkpointing, title=ctx.task.id)
+    step.flush()
     losses = step.metrics.series("loss")[1][-20:]
     return {"steps": pcfg.steps, "final_loss": sum(losses) / len(losses),
             "parameters": sum(p.numel() for p in model.parameters()),

@@ -9,6 +9,12 @@ A stage keeps its loop in plain view and hands the mechanics of one optimizer st
         batch = next_batch()
         step.run(split_batch(batch, micro), lambda mb: model(**mb).loss, samples=len(batch))
 
+`TrainStep(sync_every=N)` keeps the GPU busy: the step's loss, extras and gradient norm stay
+on the device and are read back in one transfer every N steps (`flush()`, also done by
+`metrics_rows()` and the report), so the host never waits for the device inside the loop;
+step times are then the mean over each window. `sync_every=1` (the default) reads every
+step back, as before.
+
 `TrainStep.run` does, per optimizer step: autocast (bf16 / fp16 per `Precision`), the
 backward of each micro-batch's weighted loss (scaled by a GradScaler for fp16; DDP's
 gradient all-reduce only on the last micro-batch), unscale + gradient clipping,
@@ -231,11 +237,17 @@ def enable_gradient_checkpointing(model: torch.nn.Module, enabled: bool,
 
 
 def dataloader_kwargs(num_workers: int, pin_memory: bool, device: str | torch.device) -> dict[str, Any]:
-    """DataLoader kwargs: `num_workers=-1` = auto = min(4, cores - 1); pinned memory only
-    when the batches go to a CUDA device (pinning for the CPU only costs)."""
+    """DataLoader kwargs: `num_workers=-1` = auto = min(4, this worker's share of the cores - 1)
+    (`PITA_DATALOADER_WORKERS`, set by the pool when workers share a GPU host; else the
+    host's cores); pinned memory only when the batches go to a CUDA device (pinning for
+    the CPU only costs)."""
     if num_workers < 0:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        num_workers = max(0, min(4, cores - 1))
+        budget = os.environ.get("PITA_DATALOADER_WORKERS", "")
+        if budget.isdigit():
+            num_workers = min(4, int(budget))
+        else:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            num_workers = max(0, min(4, cores - 1))
     cuda = torch.device(device).type == "cuda"
     kwargs: dict[str, Any] = {"num_workers": num_workers, "pin_memory": bool(pin_memory and cuda)}
     if num_workers > 0:
@@ -252,14 +264,18 @@ def clear_cache(device: str | torch.device) -> None:
 # --- metrics ---------------------------------------------------------------------------------
 
 
+_PERF_KEYS = ("step_time_s", "samples", "tokens")
+
+
 class TrainingMetrics:
     """Per optimizer step: loss, extras (accuracy...), time, samples, tokens, lr, grad norm;
     plus the task's peak memory (CUDA allocator peak, or the largest sampled process RSS)."""
 
-    def __init__(self, device: str | torch.device = "cpu"):
+    def __init__(self, device: str | torch.device = "cpu", tracker: Any = None):
         self.device = torch.device(device)
         self.rows: list[dict[str, float]] = []
         self._peak_rss = 0
+        self.tracker = tracker  # pita.training.tracking.Tracker: every row goes to logger.backend too
         self.start()
 
     @property
@@ -283,6 +299,15 @@ class TrainingMetrics:
         self.rows.append({k: float(v) for k, v in row.items() if v is not None})
         if not self.cuda:
             self._sample_rss()
+        if self.tracker is not None and "step" in self.rows[-1]:
+            last = self.rows[-1]
+            self.tracker.log({(f"perf/{k}" if k in _PERF_KEYS else f"train/{k}"): v for k, v in last.items()
+                              if k != "step"}, int(last["step"]))
+
+    def close_tracker(self) -> None:
+        """Flush and close the tracker (the training report calls it once training ends)."""
+        if self.tracker is not None:
+            self.tracker.close()
 
     def series(self, key: str) -> tuple[list[float], list[float]]:
         """(steps, values) of one recorded quantity."""
@@ -335,13 +360,17 @@ class TrainStep:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, *,
                  scheduler: Any = None, max_grad_norm: float = 0.0, clear_cache_interval: int = 0,
                  device: str | torch.device = "cpu", compile_status: CompileStatus | None = None,
-                 metrics: TrainingMetrics | None = None, logger: logging.Logger | None = None):
+                 metrics: TrainingMetrics | None = None, logger: logging.Logger | None = None,
+                 sync_every: int = 1, tracker: Any = None):
         self.model, self.optimizer, self.precision, self.scheduler = model, optimizer, precision, scheduler
+        self.sync_every = max(1, int(sync_every))
+        self._pending: list[tuple] = []  # steps not read back yet (sync_every > 1)
+        self._window_t0: float | None = None
         self.max_grad_norm = float(max_grad_norm)
         self.clear_cache_interval = int(clear_cache_interval)
         self.device = torch.device(device)
         self.compile_status = compile_status
-        self.metrics = metrics or TrainingMetrics(device)
+        self.metrics = metrics or TrainingMetrics(device, tracker=tracker)
         self.logger = logger or log
         self.scaler = precision.grad_scaler()
         self.step = 0
@@ -349,15 +378,19 @@ class TrainStep:
     @classmethod
     def from_context(cls, ctx: StageContext, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                      scheduler: Any = None, precision: Precision | None = None, device: Any = None,
-                     compile_status: CompileStatus | None = None) -> TrainStep:
-        """A TrainStep configured from `training.*` / `system.*` of a StageContext."""
+                     compile_status: CompileStatus | None = None, sync_every: int = 1) -> TrainStep:
+        """A TrainStep configured from `training.*` / `system.*` of a StageContext; its
+        metrics go to the task's `logger.backend` too (rank 0 of a gang only)."""
+        from pita.training.tracking import Tracker, for_task
+
         device = device or ctx.device
         if precision is None:
             precision = choose_precision(str(ctx.cfg.training.precision_type), bool(ctx.cfg.training.mixed_precision),
                                          device, logger=ctx.logger)
         return cls(model, optimizer, precision, scheduler=scheduler, max_grad_norm=ctx.cfg.training.max_grad_norm,
                    clear_cache_interval=ctx.cfg.system.clear_cache_interval, device=device,
-                   compile_status=compile_status, logger=ctx.logger)
+                   compile_status=compile_status, logger=ctx.logger, sync_every=sync_every,
+                   tracker=for_task(ctx) if _is_main_rank() else Tracker())
 
     # -- the pieces, for loops that need them one by one --------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -374,7 +407,8 @@ class TrainStep:
         if self.max_grad_norm > 0:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
+            norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+            grad_norm = norm.detach() if self.sync_every > 1 else float(norm)  # no host sync when lazy
         scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -405,6 +439,8 @@ class TrainStep:
         if not micro_batches:
             raise ValueError("TrainStep.run: no micro-batches")
         t0 = time.perf_counter()
+        if self._window_t0 is None:
+            self._window_t0 = t0
         try:
             loss, extras = self._accumulate(micro_batches, loss_fn, weights)
         except Exception as exc:
@@ -418,11 +454,44 @@ class TrainStep:
             self.compile_status.verified = True
         grad_norm, skipped = self.optimizer_step()
         loss, extras = _mean_over_ranks(loss, extras)
+        if self.sync_every > 1:  # read back later, in one transfer for the whole window
+            self._pending.append((self.step, loss.detach(), grad_norm, extras, samples, tokens, self.lr()))
+            if len(self._pending) >= self.sync_every:
+                self.flush()
+            return StepResult(self.step, float("nan"), None, 0.0, skipped, {})
+        self._window_t0 = None
         loss_value = float(loss)  # .item() waits for the device: the step time below is real
+        extras = {k: float(v) for k, v in extras.items()}
         dt = time.perf_counter() - t0
         self.metrics.record(step=self.step, loss=loss_value, step_time_s=dt, samples=samples, tokens=tokens,
                             lr=self.lr(), grad_norm=grad_norm, **extras)
         return StepResult(self.step, loss_value, grad_norm, dt, skipped, extras)
+
+    def flush(self) -> None:
+        """Read back the pending steps' figures (one device->host transfer) into the metrics."""
+        if not self._pending:
+            return
+        scalars: list[Any] = []
+        for _, loss, grad_norm, extras, *_ in self._pending:
+            scalars.append(loss.float().reshape(()))
+            for v in (grad_norm, *extras.values()):
+                if isinstance(v, torch.Tensor):
+                    scalars.append(v.detach().float().reshape(()).to(loss.device))
+        values = iter(torch.stack(scalars).tolist())  # the one sync of the window
+        dt = (time.perf_counter() - (self._window_t0 or time.perf_counter())) / len(self._pending)
+        for step, _loss, grad_norm, extras, samples, tokens, lr in self._pending:
+            loss_value = next(values)
+            gn = next(values) if isinstance(grad_norm, torch.Tensor) else grad_norm
+            ex = {k: (next(values) if isinstance(v, torch.Tensor) else float(v)) for k, v in extras.items()}
+            self.metrics.record(step=step, loss=loss_value, step_time_s=dt, samples=samples, tokens=tokens,
+                                lr=lr, grad_norm=gn, **ex)
+        self._pending.clear()
+        self._window_t0 = None
+
+    def metrics_rows(self) -> list[dict[str, float]]:
+        """Every recorded step (pending ones read back first)."""
+        self.flush()
+        return self.metrics.rows
 
     def _accumulate(self, micro_batches: Sequence[Any], loss_fn: Callable[[Any], Any],
                     weights: Sequence[float] | None) -> tuple[torch.Tensor, dict[str, float]]:
@@ -431,7 +500,7 @@ class TrainStep:
         if len(weights) != n:
             raise ValueError(f"TrainStep.run: {len(weights)} weights for {n} micro-batches")
         total = torch.zeros((), device=self.device)
-        extras: dict[str, float] = {}
+        extras: dict[str, Any] = {}  # floats, or device tensors (summed without a host sync)
         for i, (mb, w) in enumerate(zip(micro_batches, weights)):
             # DDP: all-reduce the gradients once, after the last micro-batch.
             last = i == n - 1
@@ -443,8 +512,15 @@ class TrainStep:
                 self.backward(loss, w)
             total += loss.detach().float() * w
             for k, v in stats.items():
-                extras[k] = extras.get(k, 0.0) + float(v) * w
+                v = v.detach().float() if isinstance(v, torch.Tensor) else float(v)
+                extras[k] = extras.get(k, 0.0) + v * w
         return total, extras
+
+
+def _is_main_rank() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _mean_over_ranks(loss: torch.Tensor, extras: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -455,7 +531,9 @@ def _mean_over_ranks(loss: torch.Tensor, extras: dict[str, float]) -> tuple[torc
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return loss, extras
     keys = sorted(extras)
-    packed = torch.stack([loss.detach().float(), *(loss.new_tensor(extras[k]) for k in keys)])
+    packed = torch.stack([loss.detach().float(), *(torch.as_tensor(extras[k], dtype=torch.float32,
+                                                                   device=loss.device).reshape(())
+                                                   for k in keys)])
     dist.all_reduce(packed)
     packed /= dist.get_world_size()
     return packed[0], {k: float(v) for k, v in zip(keys, packed[1:].tolist())}

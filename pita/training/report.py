@@ -1,9 +1,9 @@
 """The two files every training task leaves in its folder.
 
-- `training_metrics.png`: loss, accuracy (when the stage recorded one) and step time
-  against the optimizer step; value training with a hold-out adds a panel of held-out
-  balanced accuracy by response position (`heldout_pos<j>` metrics: where learning stops,
-  pita/algos/value_diagnostics.py).
+- `training_metrics.png`: loss, reward and KL (GRPO), reward margin (DPO), accuracy (when
+  the stage recorded one) and step time against the optimizer step; value training with a
+  hold-out adds a panel of held-out balanced accuracy by response position
+  (`heldout_pos<j>` metrics: where learning stops, pita/algos/value_diagnostics.py).
 - `performance_summary.txt`: precision, compile status, gradient checkpointing, the batch
   arithmetic (micro-batch × accumulation × ranks = effective batch), throughput in
   samples/s and tokens/s, peak memory (CUDA allocator peak, or process RSS on the CPU).
@@ -39,6 +39,8 @@ def write_training_report(out_dir: str | Path, source: TrainStep | TrainingMetri
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if isinstance(source, TrainStep):
+        source.flush()  # steps a lazy TrainStep has not read back yet
     metrics = source.metrics if isinstance(source, TrainStep) else source
     if isinstance(source, TrainStep):
         precision = precision or source.precision
@@ -54,6 +56,7 @@ def write_training_report(out_dir: str | Path, source: TrainStep | TrainingMetri
         **metrics.summary(),
         **(extra or {}),
     }
+    metrics.close_tracker()
     _plot(out / PLOT_NAME, metrics, title)
     reason = precision.reason if precision is not None else ""
     (out / SUMMARY_NAME).write_text(_summary_text(summary, metrics.device, reason, title))
@@ -82,7 +85,8 @@ def trainer_metrics_callback(metrics: TrainingMetrics, samples_per_step: int):
                 return
             row = metrics.rows[-1]
             for key, name in (("loss", "loss"), ("accuracy", "accuracy"), ("rewards/accuracies", "accuracy"),
-                              ("learning_rate", "lr"), ("grad_norm", "grad_norm")):
+                              ("learning_rate", "lr"), ("grad_norm", "grad_norm"), ("reward", "reward"),
+                              ("kl", "kl"), ("rewards/margins", "reward_margin")):
                 if isinstance(logs.get(key), (int, float)):
                     row[name] = float(logs[key])
             if isinstance(logs.get("num_tokens"), (int, float)):  # cumulative in TRL's logs
@@ -121,7 +125,8 @@ def _summary_text(s: dict[str, Any], device: Any, reason: str, title: str) -> st
 def _plot(path: Path, metrics: TrainingMetrics, title: str) -> None:
     from matplotlib.figure import Figure
 
-    panels = [("loss", "loss"), ("accuracy", "accuracy"), ("step_time_s", "step time (s)")]
+    panels = [("loss", "loss"), ("reward", "reward"), ("kl", "KL(π‖π_ref)"), ("reward_margin", "reward margin"),
+              ("accuracy", "accuracy"), ("step_time_s", "step time (s)")]
     panels = [(k, label) for k, label in panels if metrics.series(k)[0]] or [("loss", "loss")]
     positions = sorted({int(k[len("heldout_pos"):]) for row in metrics.rows for k in row
                         if k.startswith("heldout_pos")})

@@ -1,0 +1,267 @@
+"""Combine the results of several runs: mean and spread over seeds, reward–KL frontiers.
+
+After a sweep (`python run_parallel.py -m dataset.seed=0,1,2`) every job has its own run
+folder with `results/summary.csv`. `aggregate(run_dirs, out_dir)` reads them and writes
+
+- `aggregate.csv` / `aggregate.md`: one row per (config, algo, dataset, family, round, η)
+  with `n_runs` and, per metric, `<metric>_mean`, `<metric>_std` (sample std, ddof=1) and
+  `<metric>_min` / `<metric>_max`; `aggregate.md` shows `mean ± std`. `config` is what
+  the jobs' overrides set apart from seeds (empty when only seeds vary), so a sweep over
+  `seed × lr` gives one group per lr, each averaged over its seeds.
+- `plots/frontier_<dataset>.png`: avg reward against KL(π‖π_ref) and pass@1 against KL,
+  one line per (algorithm, family, round) through its η values, with ±std error bars: the
+  figure these papers are read by. `plot_frontier` draws the same for a single run.
+
+`AggregateCallback` is a Hydra callback (conf/config.yaml registers it): at the end of a
+multirun it aggregates the sweep folder (`outputs/<name>/multirun/<timestamp>/`).
+By hand: `python -m pita.experiment.aggregate outputs/goal_walk/multirun/<ts> [more run dirs]`.
+Orchestrator side: csv + matplotlib, no torch.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import math
+import re
+import statistics
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pita.core.paths import RunPaths
+
+log = logging.getLogger("pita.aggregate")
+
+KEYS = ("config", "algo", "dataset", "family", "round", "eta")
+NOT_METRICS = {"algo", "dataset", "family", "round", "eta", "n_prompts", "samples"}
+SEED_KEY = re.compile(r"(^|\.)seed$")
+ALGO_ORDER = ["reference", "PITA", "QSharp", "QSharp-HF", "DPO", "GRPO", "GRPO-HF"]
+
+
+def _number(text: str) -> float | str | None:
+    if text is None or text == "":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def find_run_dirs(paths: Iterable[Path | str]) -> list[Path]:
+    """Run folders (those with results/summary.csv) at or directly below each path."""
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if RunPaths(p).summary_csv.is_file():
+            found.append(p)
+            continue
+        found += sorted((c for c in p.iterdir() if RunPaths(c).summary_csv.is_file()),
+                        key=lambda c: (len(c.name), c.name)) if p.is_dir() else []
+    return found
+
+
+def config_label(run_dir: Path) -> str:
+    """What this job's command line set besides seeds (Hydra's .hydra/overrides.yaml)."""
+    path = RunPaths(run_dir).saved_overrides
+    if not path.is_file():
+        return ""
+    from omegaconf import OmegaConf
+
+    keep = []
+    for o in OmegaConf.to_container(OmegaConf.load(path)) or []:
+        key = str(o).split("=", 1)[0].lstrip("+~")
+        if SEED_KEY.search(key) or key.startswith(("hydra", "executor.", "system.devices", "dry_run")):
+            continue
+        keep.append(str(o))
+    return " ".join(sorted(keep))
+
+
+def read_rows(run_dir: Path) -> list[dict[str, Any]]:
+    with open(RunPaths(run_dir).summary_csv, newline="") as f:
+        rows = [{k: _number(v) for k, v in r.items()} for r in csv.DictReader(f)]
+    label = config_label(run_dir)
+    for r in rows:
+        r["config"] = label
+        r["run"] = str(run_dir)
+    return rows
+
+
+def aggregate_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Group by KEYS; mean / std / min / max of every numeric metric over the group's runs."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r.get(k) for k in KEYS), []).append(r)
+    metrics = sorted({k for r in rows for k, v in r.items()
+                      if isinstance(v, float) and k not in NOT_METRICS and k not in KEYS})
+    out = []
+    for key, members in groups.items():
+        row: dict[str, Any] = dict(zip(KEYS, key))
+        row["n_runs"] = len({m["run"] for m in members})
+        for m in metrics:
+            values = [x[m] for x in members if isinstance(x.get(m), float) and not math.isnan(x[m])]
+            if not values:
+                continue
+            row[f"{m}_mean"] = statistics.fmean(values)
+            row[f"{m}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
+            row[f"{m}_min"], row[f"{m}_max"] = min(values), max(values)
+        out.append(row)
+    out.sort(key=lambda r: (r["config"], r["dataset"], r["family"],
+                            ALGO_ORDER.index(r["algo"]) if r["algo"] in ALGO_ORDER else 99, r["round"],
+                            -1 if r["eta"] is None else r["eta"]))
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def to_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    metrics = [m[:-5] for m in (rows[0] if rows else {}) if m.endswith("_mean")]
+    metrics = [m for m in ("pass@1", "maj@k", "avg_reward", "kl") if m in metrics] + \
+              [m for m in metrics if m not in ("pass@1", "maj@k", "avg_reward", "kl")]
+    show_config = any(r["config"] for r in rows)
+    keys = [k for k in KEYS if k != "config" or show_config]
+    head = keys + ["n_runs"] + metrics
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in rows:
+        cells = [_fmt(r.get(k)) for k in keys] + [str(r["n_runs"])]
+        cells += [f"{_fmt(r.get(f'{m}_mean'))} ± {_fmt(r.get(f'{m}_std'))}" if f"{m}_mean" in r else "-"
+                  for m in metrics]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(rows: Sequence[dict[str, Any]]) -> str:
+    columns = list(KEYS) + ["n_runs"] + sorted({k for r in rows for k in r} - set(KEYS) - {"n_runs"})
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=columns)
+    w.writeheader()
+    for r in rows:
+        w.writerow({c: "" if r.get(c) is None else r.get(c) for c in columns})
+    return buf.getvalue()
+
+
+def plot_frontier(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> bool:
+    """avg reward vs KL and pass@1 vs KL; one line per (config, algo, family, round) through
+    its η points. Rows are aggregated (`<m>_mean` / `<m>_std`) or a single run's (`<m>`).
+    False when no row has a KL."""
+    def get(r: dict, m: str) -> tuple[float | None, float]:
+        if f"{m}_mean" in r:
+            return r.get(f"{m}_mean"), r.get(f"{m}_std") or 0.0
+        v = r.get(m)
+        return (v if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)) else None), 0.0
+
+    points = [r for r in rows if get(r, "kl")[0] is not None]
+    if not points:
+        return False
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    axes = fig.subplots(1, 2)
+    lines: dict[tuple, list[dict]] = {}
+    for r in points:
+        lines.setdefault((r.get("config") or "", r["algo"], r["family"], r["round"]), []).append(r)
+    for i, ((config, algo, family, rnd), members) in enumerate(sorted(lines.items(), key=lambda kv: (
+            kv[0][0], ALGO_ORDER.index(kv[0][1]) if kv[0][1] in ALGO_ORDER else 99, kv[0][2], kv[0][3]))):
+        members.sort(key=lambda r: get(r, "kl")[0])
+        color = f"C{(ALGO_ORDER.index(algo) if algo in ALGO_ORDER else i) % 10}"
+        label = f"{algo} {family} r{int(rnd)}" + (f" [{config}]" if config else "")
+        for ax, metric in zip(axes, ("avg_reward", "pass@1")):
+            xs = [get(r, "kl") for r in members]
+            ys = [get(r, metric) for r in members]
+            keep = [(x, y) for x, y in zip(xs, ys) if y[0] is not None]
+            if not keep:
+                continue
+            ax.errorbar([x[0] for x, _ in keep], [y[0] for _, y in keep], xerr=[x[1] for x, _ in keep],
+                        yerr=[y[1] for _, y in keep], marker="o", ms=4, lw=1.2, capsize=2, color=color,
+                        linestyle="-" if len(keep) > 1 else "none", label=label)
+            for (x, y), r in zip(keep, [r for r in members if get(r, metric)[0] is not None]):
+                if r.get("eta") is not None:
+                    ax.annotate(f"η={_fmt(r['eta'])}", (x[0], y[0]), fontsize=6, xytext=(3, 3),
+                                textcoords="offset points")
+    for ax, label in zip(axes, ("avg reward", "pass@1")):
+        ax.set_xlabel("KL(π ‖ π_ref)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7, loc="best")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def aggregate(paths: Iterable[Path | str], out_dir: Path | str | None = None) -> list[dict[str, Any]]:
+    """Aggregate the runs at/below `paths` into `out_dir` (default: the first path)."""
+    from pita.core.paths import atomic_write_text
+
+    paths = [Path(p) for p in paths]
+    run_dirs = find_run_dirs(paths)
+    if not run_dirs:
+        log.info("aggregate: no results/summary.csv at or below %s", ", ".join(map(str, paths)))
+        return []
+    out = Path(out_dir) if out_dir is not None else paths[0]
+    rows = aggregate_rows([r for d in run_dirs for r in read_rows(d)])
+    atomic_write_text(out / "aggregate.csv", to_csv(rows))
+    table = to_markdown(rows)
+    atomic_write_text(out / "aggregate.md", table)
+    for dataset in sorted({r["dataset"] for r in rows}):
+        plot_frontier([r for r in rows if r["dataset"] == dataset], out / "plots" / f"frontier_{dataset}.png",
+                      title=f"{dataset}: mean ± std over {max(r['n_runs'] for r in rows)} run(s)")
+    log.info("Aggregate of %d run(s) (%s):\n%s", len(run_dirs), out / "aggregate.csv", table)
+    return rows
+
+
+try:  # Hydra is always installed with pita; the import is guarded for plain-python use only
+    from hydra.experimental.callback import Callback as _HydraCallback
+except ImportError:  # pragma: no cover
+    _HydraCallback = object
+
+
+LAST_SWEEP: dict[str, Any] = {}  # the launching process's view of its last sweep
+
+
+class AggregateCallback(_HydraCallback):
+    """Hydra callback: aggregate the sweep folder once every job of a multirun finished.
+    Jobs that ran elsewhere (SLURM, submitit) left their exit code in `<job>/exit_code`;
+    the worst one becomes the sweep's exit code (pita/experiment/cli.py)."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        codes = []
+        for f in sweep_dir.glob("*/exit_code"):
+            try:
+                codes.append(int(f.read_text().strip()))
+            except (OSError, ValueError):
+                codes.append(1)
+        LAST_SWEEP.update(sweep_dir=str(sweep_dir), worst_exit_code=max(codes, default=0))
+        try:
+            rows = aggregate([sweep_dir])
+            if rows:
+                print(f"Aggregate over the sweep: {sweep_dir / 'aggregate.md'}")
+        except Exception as exc:  # noqa: BLE001 - a failed aggregate must not fail the sweep
+            log.exception("aggregating %s failed: %s", sweep_dir, exc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print("usage: python -m pita.experiment.aggregate SWEEP_OR_RUN_DIR [MORE ...] [--out DIR]")
+        return 0 if args else 2
+    out = None
+    if "--out" in args:
+        i = args.index("--out")
+        out = args[i + 1]
+        del args[i: i + 2]
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return 0 if aggregate(args, out) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Command-line conveniences on top of Hydra's overrides (used by pita/experiment/cli.py).
+
+- `conf_dir()`: the config tree: `conf/` of a source checkout, else `pita/conf/` inside an
+  installed wheel (pyproject.toml maps one onto the other).
+- `expand_algos`: `algos=[QSharp,DPO]` (one override) -> `algos.<NAME>.enabled=true|false`
+  for every algorithm, names checked.
+- `help_text`: `--help`, pita's keys with their defaults and the schema's help text.
+- `find_resumable`: `resume_from=auto`, the newest unfinished run of an experiment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from pita.core.errors import ConfigError
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def conf_dir() -> Path:
+    packaged = Path(__file__).resolve().parents[1] / "conf"  # pita/conf in a wheel
+    return packaged if (packaged / "config.yaml").is_file() else PROJECT_ROOT / "conf"
+
+
+# --- algos=[A,B] ----------------------------------------------------------------------------
+
+_ALGOS_RE = re.compile(r"^algos=\[?(?P<names>[^\]]*)\]?$")
+
+
+def expand_algos(overrides: list[str], names: tuple[str, ...]) -> list[str]:
+    """Replace `algos=[A,B]` with enabled flags: A and B on, every other algorithm off.
+    `algos=all` enables every algorithm. An unknown name is a ConfigError."""
+    out: list[str] = []
+    for o in overrides:
+        m = _ALGOS_RE.match(o)
+        if not m:
+            out.append(o)
+            continue
+        raw = m.group("names").strip()
+        chosen = list(names) if raw == "all" else [n.strip().strip("'\"") for n in raw.split(",") if n.strip()]
+        bad = [n for n in chosen if n not in names]
+        if bad or not chosen:
+            raise ConfigError(f"{o}: {'unknown algorithm ' + ', '.join(map(repr, bad)) if bad else 'empty list'}; "
+                              f"allowed: {', '.join(names)} (e.g. algos=[QSharp,DPO] or algos=all)")
+        out += [f"algos.{n}.enabled={'true' if n in chosen else 'false'}" for n in names]
+    return out
+
+
+# --- --help ---------------------------------------------------------------------------------
+
+
+def _fields(node: Any, prefix: str) -> list[tuple[str, str, str]]:
+    rows = []
+    for f in dataclasses.fields(node):
+        key = f"{prefix}{f.name}"
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        if dataclasses.is_dataclass(default):
+            rows += _fields(type(default), key + ".")
+            continue
+        rows.append((key, "" if default is None else json.dumps(default, default=str), f.metadata.get("help", "")))
+    return rows
+
+
+def help_text(prog: str = "run_parallel.py") -> str:
+    from pita.experiment.config import AlgoConfig, PitaConfig
+
+    cmd = prog if prog == "pita" else f"python {prog}"
+    conf = conf_dir()
+    groups = {p.name: sorted(q.stem for q in p.glob("*.yaml")) for p in sorted(conf.iterdir())
+              if p.is_dir() and p.name != "hydra" and any(p.glob("*.yaml"))}
+    lines = [
+        "pita: LLM post-training experiments (PITA, Q#, Q#-HF, DPO, GRPO, GRPO-HF) on every device of a machine.",
+        "",
+        f"usage: {cmd} [key=value ...] [-m] [-cn NAME] [--config-dir DIR] [--cfg job]",
+        f"       {cmd} -sc install=bash      # tab completion (bash/zsh/fish)",
+        "       python -m pita.experiment.aggregate <sweep dir>   # mean ± std over a sweep's runs",
+        "",
+        "Exit codes: 0 all tasks done, 1 some failed, 2 bad config (nothing started), 130 interrupted.",
+        "",
+        "Config groups (choose with group=option):",
+    ]
+    lines += [f"  {g:12s} {', '.join(opts)}" for g, opts in groups.items()]
+    lines += ["  hydra/launcher  basic, submitit_local, submitit_slurm, slurm, slurm_1gpu", "",
+              "Shortcuts:",
+              "  algos=[QSharp,DPO]          run only these algorithms (algos=all: every one)",
+              "  resume_from=auto            resume the newest unfinished run of experiment.name, else start one",
+              "", "Keys (key  default  help):"]
+    rows = [r for r in _fields(PitaConfig, "") if not r[0].startswith("algos")]
+    rows += _fields(AlgoConfig, "algos.<NAME>.")
+    width = max(len(k) for k, _, _ in rows)
+    for key, default, text in rows:
+        lines.append(f"  {key:{width}s}  {default:>10s}  {text}")
+    lines += ["", "Hydra's own options: --hydra-help. Docs: README.md (Cookbook)."]
+    return "\n".join(lines)
+
+
+# --- resume_from=auto -----------------------------------------------------------------------
+
+
+def run_finished(run_dir: Path) -> bool:
+    """True when the run's journal ends with a clean `run_finished` (no failed task)."""
+    from pita.core.paths import RunPaths
+
+    journal = RunPaths(run_dir).journal
+    if not journal.is_file():
+        return False
+    last = None
+    for line in journal.read_text(errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if str(event.get("event", "")).startswith("run_"):
+            last = event
+    return bool(last and last.get("event") == "run_finished" and not last.get("failed") and not last.get("skipped"))
+
+
+def find_resumable(outputs: Path, experiment: str) -> Path | None:
+    """The newest planned run folder of `experiment` if it did not finish cleanly (else
+    None: a finished experiment is not resumed, a new run starts)."""
+    folder = outputs / experiment
+    if not folder.is_dir():
+        return None
+    from pita.core.paths import RunPaths
+
+    candidates = sorted((p for p in folder.iterdir() if p.is_dir() and RunPaths(p).plan.is_file()
+                         and RunPaths(p).saved_config.is_file()), key=lambda p: p.name, reverse=True)
+    return candidates[0] if candidates and not run_finished(candidates[0]) else None
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def config_differences(saved: Any, composed: Any, safe_prefixes: tuple[str, ...]) -> list[str]:
+    """`key: saved -> now` for every key (outside `safe_prefixes`) whose value differs."""
+    from omegaconf import OmegaConf
+
+    a = _flatten(OmegaConf.to_container(saved, resolve=True))
+    b = _flatten(OmegaConf.to_container(composed, resolve=True))
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if not k.startswith(safe_prefixes) and a.get(k) != b.get(k)]

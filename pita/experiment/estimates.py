@@ -1,0 +1,451 @@
+"""Device-memory estimates of tasks, from what is known (parent side, torch-free).
+
+The scheduler packs several tasks on a GPU while their estimates fit, so an estimate must
+mean something. Each task's `mem_mb` comes from the first of these that is known, and
+`mem_source` says which (dry_run prints it):
+
+1. **measured peak** of the same (algo, stage, family, dataset) — earlier in this run
+   (a finished task's `result.json` has `peak_gpu_mb`, torch's `max_memory_reserved`), or
+   in the peaks cache next to the batch-size cache (`$PITA_CACHE_DIR/task_peaks.json`,
+   keyed with a fingerprint of the family, dataset and batch settings);
+2. **checkpoint size**: parameters × dtype bytes read from `config.json` and the
+   safetensors headers of a local folder or the local hub cache (json + struct: no torch,
+   no download), plus KV cache / activations for the configured batch and lengths, plus
+   gradients and AdamW state for training stages (`pita.runtime.batch_size.search.estimate_from_config`,
+   the same formula the batch-size probe starts from). The tiny family's models are built
+   in the run: their size comes from `model.reference_arch` / `guide_arch`;
+   An explicit `model.memory_gb` (one that differs from conf/model/<family>.yaml: set on
+   the command line or by an experiment) is the user's word and comes before the size;
+3. **family `model.memory_gb`** × the stage's factor (the planner's value). A hub or local
+   family whose size cannot be read and which leaves `memory_gb` at the schema default
+   never gets a flat 0.5 GB: its size is parsed from the id ("8B", "350M") or, failing
+   that, it claims a whole device.
+
+Every GPU estimate adds WORKER_OVERHEAD_MB: the CUDA context and allocator slack a worker
+process holds that `max_memory_reserved` does not count but NVML does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+WORKER_OVERHEAD_MB = 512
+PEAK_MARGIN = 1.10  # a measured peak, plus 10 % (allocator rounding, a longer batch next time)
+SCHEMA_DEFAULT_GB = 0.5  # ModelConfig.memory_gb's default: "nobody said"
+DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
+               "float64": 8, "int8": 1, "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int32": 4, "int64": 8,
+               "bool": 1, "int16": 2}
+SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                     "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+VALUE_ALGOS = ("PITA", "QSharp", "QSharp-HF")
+MB = 2**20
+
+
+# --- reading checkpoints without torch ------------------------------------------------------
+
+
+def safetensors_parameters(folder: Path) -> tuple[int, int]:
+    """(parameters, bytes on disk) summed over the safetensors headers of `folder`."""
+    params = nbytes = 0
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            n = 1
+            for dim in meta["shape"]:
+                n *= int(dim)
+            params += n
+            nbytes += n * SAFETENSORS_BYTES.get(meta["dtype"], 4)
+    return params, nbytes
+
+
+def hub_snapshot(model_id: str) -> Path | None:
+    """A local folder, or the local hub cache's snapshot of `model_id` (never downloads)."""
+    p = Path(os.path.expanduser(model_id))
+    if p.is_dir():
+        return p
+    if "/" not in model_id and not re.fullmatch(r"[\w.-]+", model_id):
+        return None
+    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub")
+    repo = Path(hub) / ("models--" + model_id.replace("/", "--"))
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        snap = repo / "snapshots" / ref.read_text().strip()
+        if (snap / "config.json").is_file():
+            return snap
+    snaps = sorted((repo / "snapshots").glob("*/config.json")) if repo.is_dir() else []
+    return snaps[-1].parent if snaps else None
+
+
+def _text_config(raw: Mapping[str, Any]) -> Mapping[str, Any]:
+    for key in ("text_config", "llm_config"):
+        if isinstance(raw.get(key), Mapping) and "hidden_size" in raw[key]:
+            return {**raw, **raw[key]}
+    return raw
+
+
+def _namespace(raw: Mapping[str, Any]) -> SimpleNamespace | None:
+    """The attributes estimate_from_config reads, from a config.json (GPT-2 names mapped)."""
+    c = dict(_text_config(raw))
+    aliases = {"num_hidden_layers": ("n_layer", "num_layers"), "hidden_size": ("n_embd", "d_model"),
+               "num_attention_heads": ("n_head", "num_heads"), "intermediate_size": ("n_inner", "ffn_dim")}
+    for key, alts in aliases.items():
+        if c.get(key) is None:
+            c[key] = next((c[a] for a in alts if c.get(a) is not None), None)
+    if c.get("intermediate_size") is None and c.get("hidden_size"):
+        c["intermediate_size"] = 4 * int(c["hidden_size"])
+    if not all(c.get(k) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")):
+        return None
+    return SimpleNamespace(**{k: c.get(k) for k in (
+        "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "intermediate_size", "vocab_size")})
+
+
+
+@dataclass
+class ModelSize:
+    """What the estimate needs of one model: its shape and its weights."""
+
+    params: int
+    weight_bytes: float  # params × bytes per parameter as loaded (quantization included)
+    config: SimpleNamespace | None  # layer/hidden/head sizes, for KV cache and activations
+    what: str  # "config.json of gpt2", "model.reference_arch"
+
+
+def checkpoint_size(model_id: str, dtype: str = "auto", quantization: str | None = None) -> ModelSize | None:
+    """The size of a local or locally cached hub checkpoint, or None when it is not on disk."""
+    folder = hub_snapshot(model_id)
+    if folder is None or not (folder / "config.json").is_file():
+        return None
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+        params, on_disk = safetensors_parameters(folder)
+    except (OSError, ValueError, KeyError, struct.error) as exc:
+        log.debug("cannot read %s: %s", folder, exc)
+        return None
+    ns = _namespace(raw)
+    if params == 0 and ns is None:
+        return None
+    if params == 0:  # no safetensors (a .bin checkpoint): count from the shapes
+        h, n_layer, vocab = int(ns.hidden_size), int(ns.num_hidden_layers), int(ns.vocab_size)
+        params = n_layer * (4 * h * h + 3 * h * int(ns.intermediate_size)) + 2 * vocab * h
+        on_disk = 0
+    stored = str(_text_config(raw).get("torch_dtype") or raw.get("dtype") or "float32")
+    bytes_per = DTYPE_BYTES.get(dtype if dtype != "auto" else stored, 0) or (on_disk / params if on_disk else 4)
+    if quantization == "8bit":
+        bytes_per = 1.0
+    elif quantization == "4bit":
+        bytes_per = 0.56  # nf4 + double-quantized scales
+    return ModelSize(params, params * bytes_per, ns, f"config.json of {model_id}")
+
+
+def tiny_size(arch: Mapping[str, Any], vocab: int, what: str = "model arch") -> ModelSize:
+    """A tiny Llama built in the run (pita/models/tiny.py): fp32 weights."""
+    d, n_layer = int(arch["d_model"]), int(arch["n_layer"])
+    ns = SimpleNamespace(num_hidden_layers=n_layer, hidden_size=d, num_attention_heads=int(arch["n_head"]),
+                         num_key_value_heads=int(arch["n_head"]), head_dim=None, intermediate_size=4 * d,
+                         vocab_size=vocab)
+    params = n_layer * (4 * d * d + 3 * d * 4 * d) + 2 * vocab * d
+    return ModelSize(params, params * 4.0, ns, what)
+
+
+def size_from_name(model_id: str) -> ModelSize | None:
+    """"Llama-3.1-8B" -> 8e9 parameters in bf16; None when the id names no size."""
+    m = re.search(r"(\d+(?:\.\d+)?)\s*([BbMm])(?![a-zA-Z])", model_id.rsplit("/", 1)[-1])
+    if not m:
+        return None
+    params = int(float(m.group(1)) * (1e9 if m.group(2) in "Bb" else 1e6))
+    return ModelSize(params, params * 2.0, None, f"the size in the name {model_id}")
+
+
+# --- lengths and batches ----------------------------------------------------------------------
+
+
+def sequence_lengths(ds: Mapping[str, Any], cfg: Any) -> tuple[int, int]:
+    """(prompt tokens, new tokens) of the dataset's longest example, as configured."""
+    name = ds.get("name")
+    gen_new = int(_get(cfg, "generation.max_new_tokens", 0) or 0)
+    if name == "star_graph":
+        d, length = int(ds.get("degree") or 2), int(ds.get("path_length") or 5)
+        return 3 * d * (length - 1) + 3, gen_new or length + 1
+    if name == "goal_walk":
+        return 4, gen_new or int(ds.get("walk_length") or 3) + 1
+    return int(ds.get("max_prompt_tokens") or 512), gen_new or int(ds.get("max_new_tokens") or 256)
+
+
+def tiny_vocab(ds: Mapping[str, Any]) -> int:
+    """The task vocabulary of an offline dataset: node tokens + separators + specials."""
+    return int(ds.get("num_nodes") or 64) + 16
+
+
+def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        try:
+            node = node[part]
+        except (KeyError, TypeError, AttributeError):
+            return default
+        if node is None:
+            return default
+    return node
+
+
+def _batch(value: Any, fallback: int) -> int:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else fallback
+
+
+# --- the estimate -------------------------------------------------------------------------------
+
+
+class ModelSizes:
+    """Sizes of a family's models, read once per (family, dataset)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple, ModelSize | None] = {}
+
+    def get(self, family: Mapping[str, Any], ds: Mapping[str, Any], role: str) -> ModelSize | None:
+        key = (json.dumps(family, sort_keys=True, default=str), json.dumps(ds, sort_keys=True, default=str), role)
+        if key not in self._cache:
+            self._cache[key] = self._read(family, ds, role)
+        return self._cache[key]
+
+    @staticmethod
+    def _read(family: Mapping[str, Any], ds: Mapping[str, Any], role: str) -> ModelSize | None:
+        from pita.models.catalog import resolve_family
+
+        try:
+            fam = resolve_family(str(family.get("name", "tiny")), family)
+        except ValueError:
+            return None
+        if fam.is_builtin:
+            arch = family.get("reference_arch" if role == "reference" else "guide_arch")
+            key = "reference_arch" if role == "reference" else "guide_arch"
+            return tiny_size(arch, tiny_vocab(ds), f"model.{key}") if arch else None
+        model_id = {"reference": fam.reference, "guide": fam.guide, "reward": fam.reward}[role]
+        if not model_id:
+            return None
+        return (checkpoint_size(model_id, str(family.get("dtype", "auto")), fam.quantization)
+                or size_from_name(model_id))
+
+
+def _roles(algo: str, stage: str, round_idx: int) -> list[tuple[str, str]]:
+    """(role, use) of the models a stage holds: use is generate | train | forward | weights."""
+    value = algo in VALUE_ALGOS
+    if stage == "pretrain":
+        return [("reference", "train")]
+    if stage in ("collect", "evaluate"):
+        guided = value and (stage == "evaluate" or round_idx > 0)
+        return [("reference", "generate")] + ([("guide", "forward")] if guided else [])
+    if stage == "reward_model":
+        return [("guide", "train")]
+    if stage == "train":
+        if value:
+            return [("reference", "weights"), ("guide", "train")]
+        roles = [("reference", "train"), ("reference", "forward")]
+        if algo.startswith("GRPO"):
+            roles.append(("reference", "generate"))
+        if algo.endswith("-HF"):
+            roles.append(("guide", "forward"))
+        return roles
+    return []
+
+
+def analytic_mb(task: Any, cfg: Any, sizes: ModelSizes) -> tuple[int, str] | None:
+    """Weights + KV cache / activations + optimizer state of the task's models, in MB."""
+    from pita.runtime.batch_size.search import estimate_from_config
+
+    roles = _roles(task.algo, task.stage, task.round)
+    if not roles:
+        return None
+    family, ds = task.family_cfg, task.dataset_cfg
+    builtin = str(family.get("name")) == "tiny"
+    prompt, new = sequence_lengths(ds, cfg)
+    algo_cfg = _get(cfg, f"algos.{task.algo}", {}) or {}
+    micro = int(_get(cfg, "training.micro_batch_size", 4))
+    total = 0.0
+    counted: set[str] = set()
+    whats: list[str] = []
+    for role, use in roles:
+        size = sizes.get(family, ds, role)
+        if size is None:
+            return None
+        if role not in counted:  # a model's weights are held once
+            total += size.weight_bytes
+            counted.add(role)
+            whats.append(size.what)
+        if use == "weights" or size.config is None:
+            continue
+        act_bytes = 4 if builtin else 2
+        if use == "generate":
+            key = "evaluation.batch_size" if task.stage == "evaluate" else "generation.batch_size"
+            batch = _batch(_get(cfg, key), 512 if task.stage == "evaluate" else 256)
+            if task.stage == "evaluate":
+                batch *= int(_get(cfg, "evaluation.num_samples", 1))
+            if task.stage == "train":  # GRPO's roll-outs
+                batch = micro * int(algo_cfg.get("num_generations", 8))
+            est = estimate_from_config(size.config, mode="generate", prompt_tokens=prompt, new_tokens=new,
+                                       dtype_bytes=act_bytes, n_params=size.params)
+        elif use == "forward":
+            batch = _batch(_get(cfg, "generation.batch_size"), 256) if task.stage != "train" else micro * 2
+            est = estimate_from_config(size.config, mode="forward", prompt_tokens=prompt, new_tokens=new,
+                                       dtype_bytes=act_bytes, n_params=size.params)
+        else:  # train: the whole batch at once for built-in models, micro-batches for hub models
+            if task.stage == "pretrain":
+                batch = int(_get(cfg, "pretrain.batch_size", 256))
+            elif builtin:
+                batch = _batch(algo_cfg.get("batch_size"), 256)
+            else:
+                batch = micro * (1 if task.algo in VALUE_ALGOS else 2)
+            config = size.config
+            if task.algo in VALUE_ALGOS and role == "guide":  # a value head, not the vocabulary
+                config = SimpleNamespace(**{**vars(config), "vocab_size": int(algo_cfg.get("num_atoms", 1) or 1)})
+            est = estimate_from_config(config, mode="train", prompt_tokens=prompt, new_tokens=new,
+                                       dtype_bytes=act_bytes, n_params=size.params,
+                                       optimizer_bytes_per_param=8.0)
+        total += est.bytes_for(max(1, int(batch * task.batch_scale)))
+    return int(total / MB) + WORKER_OVERHEAD_MB, " + ".join(dict.fromkeys(whats))
+
+
+# --- measured peaks -------------------------------------------------------------------------------
+
+
+def peak_key(task: Any, cfg: Any) -> str:
+    """(algo, stage, family, dataset) + a fingerprint of what changes the peak."""
+    settings = {k: _get(cfg, k) for k in ("generation.batch_size", "generation.max_new_tokens",
+                                          "evaluation.batch_size", "evaluation.num_samples", "pretrain.batch_size",
+                                          "training.micro_batch_size", "training.gradient_checkpointing")}
+    settings["algo"] = _get(cfg, f"algos.{task.algo}.batch_size")
+    blob = json.dumps([task.family_cfg, task.dataset_cfg, settings], sort_keys=True, default=str)
+    stage = task.stage.removesuffix("_merge")
+    return f"{task.algo}|{stage}|{task.family}|{task.dataset}|{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+
+def peaks_cache_path() -> Path:
+    return Path(os.environ.get("PITA_CACHE_DIR", Path.home() / ".cache" / "pita")) / "task_peaks.json"
+
+
+class PeakEstimator:
+    """Measured peaks by key: learned from finished tasks, kept across runs in a cache file.
+
+    The DagRunner calls `observe` with each finished task's result and `refine` on the
+    tasks that have not started; the planner calls `refine` through `fill_estimates`.
+    """
+
+    def __init__(self, cfg: Any, cache_path: Path | None = None):
+        self.cfg = cfg
+        self.cache_path = cache_path
+        self.peaks: dict[str, tuple[float, str]] = {}  # key -> (peak MB, where it was measured)
+        if cache_path is not None:
+            try:
+                data = json.loads(Path(cache_path).read_text())
+                self.peaks = {k: (float(v["peak_mb"]), f"cached peak of {v['task']}") for k, v in data.items()}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                self.peaks = {}
+
+    def observe(self, task: Any, result: Mapping[str, Any]) -> bool:
+        """Record the task's measured peak (MB); True when one was measured."""
+        peak = float(result.get("peak_gpu_mb") or 0)
+        if peak <= 0 or task.stage.endswith("_merge"):
+            return False
+        key = peak_key(task, self.cfg)
+        mb, source = self.peaks.get(key, (0.0, ""))
+        if source.startswith("peak of") and mb >= peak:  # this run's largest (shards, rounds differ a little)
+            return True
+        self.peaks[key] = (peak, f"peak of {task.id}")
+        self._save(key, self.peaks[key][0], task.id)
+        return True
+
+    def refine(self, task: Any) -> tuple[int, str] | None:
+        """(MB, source) from a measured peak of the same key, or None."""
+        if task.stage.endswith("_merge"):
+            return None
+        hit = self.peaks.get(peak_key(task, self.cfg))
+        if hit is None:
+            return None
+        return int(hit[0] * PEAK_MARGIN) + WORKER_OVERHEAD_MB, hit[1]
+
+    def learn_from_run(self, run_dir: Path, tasks: Mapping[str, Any], done: set[str]) -> None:
+        """Resume: the peaks of tasks finished before the interruption (their result.json)."""
+        for tid in done:
+            try:
+                result = json.loads((Path(run_dir) / "tasks" / tid / "result.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if tid in tasks:
+                self.observe(tasks[tid], result)
+
+    def _save(self, key: str, peak_mb: float, task_id: str) -> None:
+        if self.cache_path is None:
+            return
+        from pita.core.paths import atomic_write_json
+
+        try:
+            data = json.loads(Path(self.cache_path).read_text()) if Path(self.cache_path).is_file() else {}
+        except (OSError, ValueError):
+            data = {}
+        data[key] = {"peak_mb": round(peak_mb, 1), "task": task_id}
+        try:
+            Path(self.cache_path).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(Path(self.cache_path), data)
+        except OSError as exc:
+            log.warning("cannot write the peaks cache %s: %s", self.cache_path, exc)
+
+
+def family_file_memory_gb(name: str) -> float:
+    """`memory_gb` of conf/model/<name>.yaml (the schema default when there is no file)."""
+    path = Path(__file__).resolve().parents[2] / "conf" / "model" / f"{name}.yaml"
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith("memory_gb:"):
+                return float(line.split(":", 1)[1].split("#")[0])
+    except (OSError, ValueError):
+        pass
+    return SCHEMA_DEFAULT_GB
+
+
+def estimate(task: Any, cfg: Any, *, sizes: ModelSizes | None = None, peaks: PeakEstimator | None = None,
+             device_mb: list[int] | None = None) -> tuple[int, str]:
+    """(MB, source) of one task: measured peak, else an explicit `model.memory_gb` (the user's
+    word: set on the command line or by the experiment), else the checkpoint's size, else
+    the family file's memory_gb. `task.mem_mb` arrives as memory_gb × the stage's factor."""
+    if task.stage.endswith("_merge"):
+        return 0, "merge (no model)"
+    if peaks is not None:
+        hit = peaks.refine(task)
+        if hit is not None:
+            return hit
+    fam_gb = float(task.family_cfg.get("memory_gb", SCHEMA_DEFAULT_GB))
+    name = str(task.family_cfg.get("name", "tiny"))
+    if abs(fam_gb - family_file_memory_gb(name)) > 1e-9:
+        return task.mem_mb, f"model.memory_gb={fam_gb:g} (set)"
+    sizes = sizes or ModelSizes()
+    analytic = analytic_mb(task, cfg, sizes)
+    if analytic is not None:
+        return analytic[0], f"size: {analytic[1]}"
+    if name != "tiny" and abs(fam_gb - SCHEMA_DEFAULT_GB) < 1e-9 and device_mb:  # never a flat 0.5 GB
+        return max(device_mb), "unknown size: a whole device (set model.memory_gb)"
+    return task.mem_mb, f"model.memory_gb={fam_gb:g}"
+
+
+def fill_estimates(plan: Any, cfg: Any, device_mb: list[int] | None = None) -> None:
+    """Set `mem_mb` and `mem_source` of every task of the plan (the planner's one call)."""
+    sizes = ModelSizes()
+    peaks = PeakEstimator(cfg, peaks_cache_path())
+    for task in plan.tasks.values():
+        task.mem_mb, task.mem_source = estimate(task, cfg, sizes=sizes, peaks=peaks, device_mb=device_mb)
