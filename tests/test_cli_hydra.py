@@ -78,7 +78,7 @@ def test_algos_list_selects_algorithms_in_one_override(tmp_path):
     bad = run_cli(["algos=[QSharp,Qsharp]"], cwd=tmp_path)
     assert bad.returncode == 2
     assert bad.stderr.strip() == ("error: algos=[QSharp,Qsharp]: unknown algorithm 'Qsharp'; allowed: reference, "
-                                  "PITA, QSharp, QSharp-HF, DPO, GRPO, GRPO-HF (e.g. algos=[QSharp,DPO] or algos=all)")
+                                  "PITA, QSharp, QSharp-HF, DPO, RPO, GRPO, GRPO-HF (e.g. algos=[QSharp,DPO] or algos=all)")
 
 
 @pytest.mark.slow
