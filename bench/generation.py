@@ -94,8 +94,15 @@ def main() -> None:
     ).to(args.device)
 
     # A value model like the tiny family's guide (2 layers, 64 dims by default), random head.
-    vconf = tiny_llama_config(args.vocab_size, n_layer=args.value_n_layer, d_model=64, n_head=4, max_position=64,
-                              pad_token_id=PAD, eos_token_id=EOS)
+    vconf = tiny_llama_config(
+        args.vocab_size,
+        n_layer=args.value_n_layer,
+        d_model=64,
+        n_head=4,
+        max_position=64,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+    )
     torch.manual_seed(args.seed)
     from transformers import LlamaModel
 
@@ -121,9 +128,13 @@ def main() -> None:
         runs_u.append(_timed(model, prompts, batch_size=args.batch_size, top_k=2, **kw))
         guided_factory = hook_factory(value, 5.0, "bernoulli")
         value_forwards[0] = 0
-        runs_g.append(_timed(model, prompts, batch_size=args.batch_size, top_k=2, hook=guided_factory, **kw))
+        runs_g.append(
+            _timed(model, prompts, batch_size=args.batch_size, top_k=2, hook=guided_factory, **kw)
+        )
         v_factory = hook_factory(v_value, 5.0, "bernoulli", 2)
-        runs_v.append(_timed(model, prompts, batch_size=args.batch_size, top_k=2, hook=v_factory, **kw))
+        runs_v.append(
+            _timed(model, prompts, batch_size=args.batch_size, top_k=2, hook=v_factory, **kw)
+        )
     batched, batched_s, batched_tokens = min(runs_b, key=lambda r: r[1])
     loop, loop_s, loop_tokens = min(runs_l, key=lambda r: r[1])
     _, unguided_s, unguided_tokens = min(runs_u, key=lambda r: r[1])

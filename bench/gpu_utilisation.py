@@ -43,7 +43,9 @@ def skip_reason() -> str | None:
     except ImportError:
         return "torch is not installed"
     if not torch.cuda.is_available():
-        return "no CUDA device (this benchmark measures GPUs; bench/packing.py is its CPU counterpart)"
+        return (
+            "no CUDA device (this benchmark measures GPUs; bench/packing.py is its CPU counterpart)"
+        )
     sys.path.insert(0, str(ROOT))
     from pita.core.gpu_manager import query_nvml_devices
 
@@ -56,15 +58,34 @@ def run_experiment(experiment: str, max_tasks: str, cwd: Path, timeout: float) -
     from bench.run_analysis import busy_utilisation, packing, task_peaks
 
     name = f"gpu_util_{max_tasks}"
-    args = [sys.executable, str(ROOT / "run_parallel.py"), f"experiment={experiment}", f"experiment.name={name}",
-            f"executor.max_tasks_per_gpu={max_tasks}", "executor.monitor_interval_s=1", "executor.progress=false"]
+    args = [
+        sys.executable,
+        str(ROOT / "run_parallel.py"),
+        f"experiment={experiment}",
+        f"experiment.name={name}",
+        f"executor.max_tasks_per_gpu={max_tasks}",
+        "executor.monitor_interval_s=1",
+        "executor.progress=false",
+    ]
     t0 = time.perf_counter()
-    r = subprocess.run(args, cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                       timeout=timeout)
+    r = subprocess.run(
+        args,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     wall = time.perf_counter() - t0
     [run_dir] = sorted((cwd / "outputs" / name).glob("*"))
-    return {"exit_code": r.returncode, "wall_s": round(wall, 2), **busy_utilisation(run_dir), **packing(run_dir),
-            **task_peaks(run_dir), **({"stderr_tail": r.stderr[-1500:]} if r.returncode else {})}
+    return {
+        "exit_code": r.returncode,
+        "wall_s": round(wall, 2),
+        **busy_utilisation(run_dir),
+        **packing(run_dir),
+        **task_peaks(run_dir),
+        **({"stderr_tail": r.stderr[-1500:]} if r.returncode else {}),
+    }
 
 
 def main() -> int:
@@ -80,20 +101,33 @@ def main() -> int:
         return 0
     import torch
 
-    report: dict = {"device": torch.cuda.get_device_name(0), "experiment": args.experiment,
-                    "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
+    report: dict = {
+        "device": torch.cuda.get_device_name(0),
+        "experiment": args.experiment,
+        "cpu_cores": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("1", "auto"):
-            report[f"max_tasks_per_gpu={mode}"] = run_experiment(args.experiment, mode, Path(tmp), args.timeout)
+            report[f"max_tasks_per_gpu={mode}"] = run_experiment(
+                args.experiment, mode, Path(tmp), args.timeout
+            )
     one, auto = report["max_tasks_per_gpu=1"], report["max_tasks_per_gpu=auto"]
     report["one_over_auto_wall"] = round(one["wall_s"] / auto["wall_s"], 3)
     if not args.skip_value_training:
         from bench.value_training import run as value_run
 
         vt = value_run(size="paper", steps=args.value_steps, device="cuda")
-        vt["speedup_over_issue_11_baseline"] = round((vt["sequences_per_s"] or 0) / BEFORE_SEQUENCES_PER_S, 2)
+        vt["speedup_over_issue_11_baseline"] = round(
+            (vt["sequences_per_s"] or 0) / BEFORE_SEQUENCES_PER_S, 2
+        )
         report["value_training"] = vt
-    report["targets"] = {"auto_wall_s": 45, "median_utilisation_pct": 60, "value_training_speedup": 4}
+    report["targets"] = {
+        "auto_wall_s": 45,
+        "median_utilisation_pct": 60,
+        "value_training_speedup": 4,
+    }
     print(json.dumps(report, indent=2))
     return 0
 

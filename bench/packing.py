@@ -28,20 +28,36 @@ sys.path.append(str(ROOT))
 
 from bench.run_analysis import packing  # noqa: E402
 
-STAGES = ("pretrain", "collect", "collect_merge", "reward_model", "train", "evaluate", "evaluate_merge")
+STAGES = (
+    "pretrain",
+    "collect",
+    "collect_merge",
+    "reward_model",
+    "train",
+    "evaluate",
+    "evaluate_merge",
+)
 
 
 def run_once(max_tasks: str, device_gb: float, sleep: float, cwd: Path) -> dict:
     name = f"packing_{max_tasks}"
-    args = [sys.executable, str(ROOT / "run_parallel.py"), f'system.devices="fake:[{device_gb}GB]"',
-            f"executor.max_tasks_per_gpu={max_tasks}", f"experiment.name={name}", "executor.progress=false",
-            *[f"+executor.stage_overrides.any.{s}=tests.fault_stages:sleep_stage" for s in STAGES]]
+    args = [
+        sys.executable,
+        str(ROOT / "run_parallel.py"),
+        f'system.devices="fake:[{device_gb}GB]"',
+        f"executor.max_tasks_per_gpu={max_tasks}",
+        f"experiment.name={name}",
+        "executor.progress=false",
+        *[f"+executor.stage_overrides.any.{s}=tests.fault_stages:sleep_stage" for s in STAGES],
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PITA_TEST_SLEEP": str(sleep)}
     t0 = time.perf_counter()
     r = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     wall = time.perf_counter() - t0
     if r.returncode != 0:
-        raise RuntimeError(f"max_tasks_per_gpu={max_tasks} failed ({r.returncode}): {r.stderr[-2000:]}")
+        raise RuntimeError(
+            f"max_tasks_per_gpu={max_tasks} failed ({r.returncode}): {r.stderr[-2000:]}"
+        )
     [run_dir] = sorted((cwd / "outputs" / name).glob("*"))
     return {"wall_s": round(wall, 2), **packing(run_dir)}
 
@@ -49,7 +65,9 @@ def run_once(max_tasks: str, device_gb: float, sleep: float, cwd: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device-gb", type=float, default=2)
-    ap.add_argument("--sleep", type=float, default=0.15, help="seconds x task.work each task sleeps")
+    ap.add_argument(
+        "--sleep", type=float, default=0.15, help="seconds x task.work each task sleeps"
+    )
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from pita.core.resources import host_cores, max_tasks_per_device
@@ -60,9 +78,21 @@ def main() -> None:
     auto_cap = max_tasks_per_device("auto", "fake", 1)
     within = all(r["max_reserved_mb_on_a_device"] <= device_mb for r in runs.values())
     packed = runs["auto"]["max_tasks_on_a_device"] > 1 or auto_cap == 1
-    print(json.dumps({"device_mb": device_mb, "host_cores": host_cores(), "auto_cap": auto_cap, "runs": runs,
-                      "auto_over_one_wall": round(runs["auto"]["wall_s"] / runs["1"]["wall_s"], 3),
-                      "never_over_memory": within, "auto_packs": packed, "ok": within and packed}, indent=2))
+    print(
+        json.dumps(
+            {
+                "device_mb": device_mb,
+                "host_cores": host_cores(),
+                "auto_cap": auto_cap,
+                "runs": runs,
+                "auto_over_one_wall": round(runs["auto"]["wall_s"] / runs["1"]["wall_s"], 3),
+                "never_over_memory": within,
+                "auto_packs": packed,
+                "ok": within and packed,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,10 @@ def packing(run_dir: Path) -> dict:
     """Most tasks at once on one device, and the most memory their estimates reserved there."""
     plan = {t["id"]: t for t in json.loads((Path(run_dir) / "plan.json").read_text())["tasks"]}
     spans = intervals(run_dir)
-    events = sorted([(s, 1, tid, d) for s, _, tid, d in spans] + [(e, -1, tid, d) for _, e, tid, d in spans],
-                    key=lambda x: (x[0], x[1]))  # ends before starts at the same instant
+    events = sorted(
+        [(s, 1, tid, d) for s, _, tid, d in spans] + [(e, -1, tid, d) for _, e, tid, d in spans],
+        key=lambda x: (x[0], x[1]),
+    )  # ends before starts at the same instant
     running: dict[int, dict[str, int]] = {}
     most_tasks, most_mb = 0, 0
     for _, kind, tid, devs in events:
@@ -50,19 +52,27 @@ def packing(run_dir: Path) -> dict:
                 on.pop(tid, None)
             most_tasks = max(most_tasks, len(on))
             most_mb = max(most_mb, sum(on.values()))
-    return {"tasks": len(plan), "max_tasks_on_a_device": most_tasks, "max_reserved_mb_on_a_device": most_mb}
+    return {
+        "tasks": len(plan),
+        "max_tasks_on_a_device": most_tasks,
+        "max_reserved_mb_on_a_device": most_mb,
+    }
 
 
 def busy_utilisation(run_dir: Path) -> dict:
     """Median / mean NVML utilisation of the samples taken while at least one task ran."""
     spans = [(s, e) for s, e, _, _ in intervals(run_dir)]
-    samples = [r for r in _jsonl(Path(run_dir) / "gpu_monitor.jsonl") if r.get("utilization") is not None]
+    samples = [
+        r for r in _jsonl(Path(run_dir) / "gpu_monitor.jsonl") if r.get("utilization") is not None
+    ]
     busy = [r["utilization"] for r in samples if any(s <= r["ts"] <= e for s, e in spans)]
     used = [r["total_mb"] - r["free_mb"] for r in samples if r.get("free_mb") is not None]
-    return {"utilisation_samples": len(busy),
-            "median_utilisation_pct": statistics.median(busy) if busy else None,
-            "mean_utilisation_pct": round(statistics.mean(busy), 1) if busy else None,
-            "peak_device_memory_used_mb": max(used) if used else None}
+    return {
+        "utilisation_samples": len(busy),
+        "median_utilisation_pct": statistics.median(busy) if busy else None,
+        "mean_utilisation_pct": round(statistics.mean(busy), 1) if busy else None,
+        "peak_device_memory_used_mb": max(used) if used else None,
+    }
 
 
 def task_peaks(run_dir: Path) -> dict:

@@ -62,11 +62,33 @@ from pita.experiment.config import validate  # noqa: E402
 from pita.experiment.run import build_plan, make_gpu_manager, make_scheduler  # noqa: E402
 
 WORKLOAD = "bench.workload:timed_stage"
-STAGES = ("pretrain", "collect", "collect_merge", "reward_model", "train", "evaluate", "evaluate_merge")
-STAGE_S = {"pretrain": 0.8, "collect": 0.3, "collect_merge": 0.1, "reward_model": 0.4, "train": 0.3,
-           "evaluate": 0.25, "evaluate_merge": 0.1}  # goal-walk seconds, before the algorithm's factor
+STAGES = (
+    "pretrain",
+    "collect",
+    "collect_merge",
+    "reward_model",
+    "train",
+    "evaluate",
+    "evaluate_merge",
+)
+STAGE_S = {
+    "pretrain": 0.8,
+    "collect": 0.3,
+    "collect_merge": 0.1,
+    "reward_model": 0.4,
+    "train": 0.3,
+    "evaluate": 0.25,
+    "evaluate_merge": 0.1,
+}  # goal-walk seconds, before the algorithm's factor
 DATASET_SCALE = {"star_graph": 3.0, "goal_walk": 1.0}  # star graph >> goal-walk
-TRAIN_SCALE = {"GRPO": 6.0, "GRPO-HF": 6.0, "DPO": 1.0, "QSharp": 1.5, "PITA": 1.5, "QSharp-HF": 1.5}  # GRPO >> DPO
+TRAIN_SCALE = {
+    "GRPO": 6.0,
+    "GRPO-HF": 6.0,
+    "DPO": 1.0,
+    "QSharp": 1.5,
+    "PITA": 1.5,
+    "QSharp-HF": 1.5,
+}  # GRPO >> DPO
 DAGGER = ("QSharp", "PITA", "QSharp-HF", "DPO")  # round r trains on rounds 0..r: (1 + r)x
 GUIDED_COLLECT = 2.0  # guided decoding ~0.5x the unguided tokens/s (bench/generation.py)
 NOISE = 0.4  # actual = estimate x U(0.6, 1.4)
@@ -76,9 +98,18 @@ MIN_S, MAX_S = 0.1, 10.0
 def workload(args) -> tuple[object, object, Plan, dict[str, float]]:
     """Config, devices, the planned DAG (priorities from the estimates) and each task's actual seconds."""
     rounds = args.rounds or (2 if args.quick else 3)
-    devices = args.devices if args.devices.startswith("[") else f"'{args.devices}'"  # [0,1] stays a list
-    cfg = compose_config(["experiment.datasets=[goal_walk,star_graph]", f"rounds_of_training={rounds}",
-                          "executor.max_shards=2", "executor.max_tasks_per_gpu=1", f"system.devices={devices}"])
+    devices = (
+        args.devices if args.devices.startswith("[") else f"'{args.devices}'"
+    )  # [0,1] stays a list
+    cfg = compose_config(
+        [
+            "experiment.datasets=[goal_walk,star_graph]",
+            f"rounds_of_training={rounds}",
+            "executor.max_shards=2",
+            "executor.max_tasks_per_gpu=1",
+            f"system.devices={devices}",
+        ]
+    )
     cfg.executor.stage_overrides = {"any": {stage: WORKLOAD for stage in STAGES}}
     validate(cfg, project_root=ROOT)
     gpu = make_gpu_manager(cfg)
@@ -92,12 +123,16 @@ def workload(args) -> tuple[object, object, Plan, dict[str, float]]:
         if t.stage == "collect" and t.round > 0 and t.algo in ("QSharp", "PITA", "QSharp-HF"):
             estimate *= GUIDED_COLLECT
         t.work = round(estimate, 3)
-        actual[t.id] = round(min(MAX_S, max(MIN_S, estimate * rng.uniform(1 - NOISE, 1 + NOISE))), 3)
+        actual[t.id] = round(
+            min(MAX_S, max(MIN_S, estimate * rng.uniform(1 - NOISE, 1 + NOISE))), 3
+        )
     critical_path_priorities(plan)
     return cfg, gpu, plan, actual
 
 
-def lower_bound(plan: Plan, seconds: dict[str, float], n_devices: int) -> tuple[float, float, float]:
+def lower_bound(
+    plan: Plan, seconds: dict[str, float], n_devices: int
+) -> tuple[float, float, float]:
     """(max(critical path, total / devices), critical path, total work) for these durations."""
     finish: dict[str, float] = {}
     for tid, t in plan.tasks.items():  # insertion order is topological
@@ -106,13 +141,17 @@ def lower_bound(plan: Plan, seconds: dict[str, float], n_devices: int) -> tuple[
     return max(critical, total / n_devices), critical, total
 
 
-def run_dag(plan: Plan, pool, gpu, cfg, actual: dict[str, float], *, barrier: bool, run_dir: Path) -> dict:
+def run_dag(
+    plan: Plan, pool, gpu, cfg, actual: dict[str, float], *, barrier: bool, run_dir: Path
+) -> dict:
     run_dir.mkdir(parents=True)
     (run_dir / "bench_durations.json").write_text(json.dumps(actual))
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     wall: dict[str, float] = {}
     dispatched: dict[str, float] = {}
-    overhead_ms: list[float] = []  # dispatch -> the runner sees it done, minus the task's own wall time
+    overhead_ms: list[
+        float
+    ] = []  # dispatch -> the runner sees it done, minus the task's own wall time
 
     def on_event(kind: str, task: TaskSpec, info) -> None:
         now = time.perf_counter()
@@ -123,17 +162,31 @@ def run_dag(plan: Plan, pool, gpu, cfg, actual: dict[str, float], *, barrier: bo
             overhead_ms.append((now - dispatched[task.id] - info.wall_s) * 1000)
 
     journal = Journal(run_dir / "journal.jsonl")  # fsync'd per event, as in a real run
-    runner = DagRunner(plan, pool, make_scheduler(cfg, gpu), cfg_dict=cfg_dict, run_dir=str(run_dir),
-                       journal=journal, max_retries=0, round_barrier=barrier, on_event=on_event)
+    runner = DagRunner(
+        plan,
+        pool,
+        make_scheduler(cfg, gpu),
+        cfg_dict=cfg_dict,
+        run_dir=str(run_dir),
+        journal=journal,
+        max_retries=0,
+        round_barrier=barrier,
+        on_event=on_event,
+    )
     summary = runner.run()
     makespan = time.perf_counter() - min(dispatched.values())
     journal.close()
     if not summary.ok:
         raise RuntimeError(f"benchmark run failed: {dict(list(summary.failed.items())[:3])}")
     bound, critical, total = lower_bound(plan, wall, len(gpu.devices))
-    return {"makespan_s": round(makespan, 3), "lower_bound_s": round(bound, 3), "critical_path_s": round(critical, 3),
-            "total_work_s": round(total, 3), "ratio": round(makespan / bound, 4),
-            "task_overhead_ms_median": round(statistics.median(overhead_ms), 1)}
+    return {
+        "makespan_s": round(makespan, 3),
+        "lower_bound_s": round(bound, 3),
+        "critical_path_s": round(critical, 3),
+        "total_work_s": round(total, 3),
+        "ratio": round(makespan / bound, 4),
+        "task_overhead_ms_median": round(statistics.median(overhead_ms), 1),
+    }
 
 
 def warm_up(pool, gpu, run_dir: Path) -> None:
@@ -154,12 +207,21 @@ def warm_up(pool, gpu, run_dir: Path) -> None:
     for fut in futures:
         outcome = fut.result(timeout=300)
         if not outcome.ok:
-            raise RuntimeError(f"warm-up failed on devices {outcome.devices}: {outcome.failure}: {outcome.message}")
+            raise RuntimeError(
+                f"warm-up failed on devices {outcome.devices}: {outcome.failure}: {outcome.message}"
+            )
 
 
 def noop(i: int) -> TaskSpec:
-    return TaskSpec(id=f"bench.noop.{i:03d}", algo="bench", dataset="-", family="-", round=0, stage="noop",
-                    fn="tests.fault_stages:noop_stage")
+    return TaskSpec(
+        id=f"bench.noop.{i:03d}",
+        algo="bench",
+        dataset="-",
+        family="-",
+        round=0,
+        stage="noop",
+        fn="tests.fault_stages:noop_stage",
+    )
 
 
 def dispatch_overhead(pool, cfg, run_dir: Path, n: int) -> dict:
@@ -170,7 +232,9 @@ def dispatch_overhead(pool, cfg, run_dir: Path, n: int) -> dict:
         done_at: list[float] = []
         t0 = time.perf_counter()
         fut = pool.submit(noop(i), [0], cfg_dict, run_dir)
-        fut.add_done_callback(lambda f, out=done_at: out.append(time.perf_counter()))  # when the answer lands
+        fut.add_done_callback(
+            lambda f, out=done_at: out.append(time.perf_counter())
+        )  # when the answer lands
         outcome = fut.result(timeout=60)
         if not outcome.ok:
             raise RuntimeError(f"noop task failed: {outcome.failure}: {outcome.message}")
@@ -182,17 +246,22 @@ def dispatch_overhead(pool, cfg, run_dir: Path, n: int) -> dict:
     def p90(xs: list[float]) -> float:
         return sorted(xs)[min(len(xs) - 1, int(0.9 * len(xs)))]
 
-    return {"dispatch_overhead_ms_median": round(statistics.median(round_trip), 2),
-            "dispatch_overhead_ms_p90": round(p90(round_trip), 2),
-            "dispatch_outside_task_ms_median": round(statistics.median(overhead), 2),
-            "noop_task_wall_ms_median": round(statistics.median(task_wall), 2), "dispatch_submits": n}
+    return {
+        "dispatch_overhead_ms_median": round(statistics.median(round_trip), 2),
+        "dispatch_overhead_ms_p90": round(p90(round_trip), 2),
+        "dispatch_outside_task_ms_median": round(statistics.median(overhead), 2),
+        "noop_task_wall_ms_median": round(statistics.median(task_wall), 2),
+        "dispatch_submits": n,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="DAG scheduler benchmark (prints one JSON object)")
     parser.add_argument("--devices", default="fake:8", help="simulated GPUs, e.g. fake:4")
     parser.add_argument("--quick", action="store_true", help="2 rounds and 20 no-op submits")
-    parser.add_argument("--rounds", type=int, default=0, help="rounds of training (default 3, 2 with --quick)")
+    parser.add_argument(
+        "--rounds", type=int, default=0, help="rounds of training (default 3, 2 with --quick)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the task-duration noise")
     args = parser.parse_args(argv)
     t_start = time.perf_counter()
@@ -217,16 +286,29 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
     report = {
-        "devices": args.devices, "n_devices": len(gpu.devices), "quick": args.quick, "seed": args.seed,
-        "tasks": len(plan.tasks), "chains": len({t.chain for t in plan.tasks.values() if t.algo != "*"}),
+        "devices": args.devices,
+        "n_devices": len(gpu.devices),
+        "quick": args.quick,
+        "seed": args.seed,
+        "tasks": len(plan.tasks),
+        "chains": len({t.chain for t in plan.tasks.values() if t.algo != "*"}),
         "rounds": int(cfg.rounds_of_training),
-        "task_s": {"min": min(actual.values()), "max": max(actual.values()),
-                   "mean": round(statistics.mean(actual.values()), 3)},
-        "nominal": {"lower_bound_s": round(nominal_bound, 3), "critical_path_s": round(nominal_cp, 3),
-                    "total_work_s": round(nominal_total, 3)},
-        "dag_makespan_ratio": dag["ratio"], "barrier_makespan_ratio": barrier["ratio"],
+        "task_s": {
+            "min": min(actual.values()),
+            "max": max(actual.values()),
+            "mean": round(statistics.mean(actual.values()), 3),
+        },
+        "nominal": {
+            "lower_bound_s": round(nominal_bound, 3),
+            "critical_path_s": round(nominal_cp, 3),
+            "total_work_s": round(nominal_total, 3),
+        },
+        "dag_makespan_ratio": dag["ratio"],
+        "barrier_makespan_ratio": barrier["ratio"],
         "barrier_over_dag_makespan": round(barrier["makespan_s"] / dag["makespan_s"], 4),
-        "dag": dag, "barrier": barrier, **overhead,
+        "dag": dag,
+        "barrier": barrier,
+        **overhead,
         "worker_startup_s": round(startup_s, 2),
         "targets": {"dag_makespan_ratio": 1.05, "dispatch_overhead_ms_median": 50.0},
         "meets_targets": dag["ratio"] <= 1.05 and overhead["dispatch_overhead_ms_median"] <= 50.0,

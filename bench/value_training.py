@@ -41,8 +41,14 @@ def run(size: str = "cpu", steps: int = 60, device: str = "auto", n_items: int =
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    experiment, dataset = ("star_graph_paper", "star_graph_d2_l5") if size == "paper" else ("star_graph", "star_graph")
-    cfg = compose_config([f"experiment={experiment}", f"algos.QSharp.steps={steps}", "algos.QSharp.enabled=true"])
+    experiment, dataset = (
+        ("star_graph_paper", "star_graph_d2_l5")
+        if size == "paper"
+        else ("star_graph", "star_graph")
+    )
+    cfg = compose_config(
+        [f"experiment={experiment}", f"algos.QSharp.steps={steps}", "algos.QSharp.enabled=true"]
+    )
     ds_cfg = _group_cfg(cfg, "dataset", dataset)
     fam_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     task = build_task(ds_cfg)
@@ -52,35 +58,68 @@ def run(size: str = "cpu", steps: int = 60, device: str = "auto", n_items: int =
     items = []
     for i in range(n_items):
         ex = examples[i % len(examples)]
-        items.append((list(ex.prompt_ids), list(ex.target_ids), 0, [float(rng.random() < 0.5)], None))
+        items.append(
+            (list(ex.prompt_ids), list(ex.target_ids), 0, [float(rng.random() < 0.5)], None)
+        )
 
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp)
         ref_dir = run_dir / "tasks" / "pretrain" / "model"
         arch = fam_cfg["reference_arch"]
         longest = max(len(p) + len(t) for p, t, *_ in items)
-        ref = build_tiny_llama(len(tok), n_layer=arch["n_layer"], d_model=arch["d_model"], n_head=arch["n_head"],
-                               max_position=max(64, 2 * longest), pad_token_id=tok.pad_token_id,
-                               eos_token_id=tok.eos_token_id, seed=0)
+        ref = build_tiny_llama(
+            len(tok),
+            n_layer=arch["n_layer"],
+            d_model=arch["d_model"],
+            n_head=arch["n_head"],
+            max_position=max(64, 2 * longest),
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            seed=0,
+        )
         ref.save_pretrained(ref_dir)
         task.save_tokenizer(str(ref_dir))
-        spec = TaskSpec(id="QSharp.bench.tiny.r0.train", algo="QSharp", dataset=dataset, family="tiny", round=0,
-                        stage="train", fn="pita.algos.qsharp:train", inputs={"reference": "pretrain"},
-                        dataset_cfg=ds_cfg, family_cfg=fam_cfg)
+        spec = TaskSpec(
+            id="QSharp.bench.tiny.r0.train",
+            algo="QSharp",
+            dataset=dataset,
+            family="tiny",
+            round=0,
+            stage="train",
+            fn="pita.algos.qsharp:train",
+            inputs={"reference": "pretrain"},
+            dataset_cfg=ds_cfg,
+            family_cfg=fam_cfg,
+        )
         out = run_dir / "out"
         out.mkdir()
         logger = logging.getLogger("bench.value_training")
-        ctx = StageContext(task=spec, cfg=cfg, run_dir=run_dir, out_dir=out, logger=logger, device=device,
-                           models=ModelCache(2))
+        ctx = StageContext(
+            task=spec,
+            cfg=cfg,
+            run_dir=run_dir,
+            out_dir=out,
+            logger=logger,
+            device=device,
+            models=ModelCache(2),
+        )
         t0 = time.perf_counter()
         result = train_value(ctx, items)
         wall = time.perf_counter() - t0
     sps = result.get("samples_per_s")
-    return {"size": size, "device": device, "steps": result["steps"], "batch": result["batch_size"],
-            "unique_sequences": result["unique_sequences"], "sequences_per_s": sps,
-            "steps_per_s": round(sps / result["batch_size"], 2) if sps else None,
-            "precision": result.get("precision"), "train_s": result.get("train_s"), "wall_s": round(wall, 2),
-            "torch_threads": torch.get_num_threads()}
+    return {
+        "size": size,
+        "device": device,
+        "steps": result["steps"],
+        "batch": result["batch_size"],
+        "unique_sequences": result["unique_sequences"],
+        "sequences_per_s": sps,
+        "steps_per_s": round(sps / result["batch_size"], 2) if sps else None,
+        "precision": result.get("precision"),
+        "train_s": result.get("train_s"),
+        "wall_s": round(wall, 2),
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def main() -> None:

@@ -14,7 +14,15 @@ from pita.algos.registry import ALGO_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 ALGOS = ALGO_NAMES  # the registry table
-STAGES = ("pretrain", "collect", "collect_merge", "reward_model", "train", "evaluate", "evaluate_merge")
+STAGES = (
+    "pretrain",
+    "collect",
+    "collect_merge",
+    "reward_model",
+    "train",
+    "evaluate",
+    "evaluate_merge",
+)
 
 
 def sleep_overrides(fn: str = "tests.fault_stages:sleep_stage") -> list[str]:
@@ -27,11 +35,22 @@ def only(*algos: str) -> list[str]:
     return [f"algos.{a}.enabled={'true' if a in algos else 'false'}" for a in ALGOS]
 
 
-def run_cli(args: list[str], cwd: Path, env: dict | None = None, timeout: float = 180,
-            script: str = "run_parallel.py") -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str],
+    cwd: Path,
+    env: dict | None = None,
+    timeout: float = 180,
+    script: str = "run_parallel.py",
+) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def run_dirs(cwd: Path, name: str) -> list[Path]:
@@ -39,7 +58,11 @@ def run_dirs(cwd: Path, name: str) -> list[Path]:
 
 
 def journal(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "journal.jsonl").read_text().splitlines() if line.strip()]
+    return [
+        json.loads(line)
+        for line in (run_dir / "journal.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
 
 
 @pytest.fixture

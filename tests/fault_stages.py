@@ -19,8 +19,16 @@ def _marker(ctx: StageContext, what: str) -> None:
     if folder:
         path = os.path.join(folder, f"{ctx.task.id}.{what}")
         with open(path, "a") as f:
-            f.write(json.dumps({"pid": os.getpid(), "t": time.time(),
-                                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "pid": os.getpid(),
+                        "t": time.time(),
+                        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                    }
+                )
+                + "\n"
+            )
 
 
 def sleep_stage(ctx: StageContext) -> dict:

@@ -42,9 +42,16 @@ class LocalFamily:
     def overrides(self, dataset: str = "gsm8k", max_new_tokens: int = 12) -> list[str]:
         """Command-line overrides selecting this family and one of its datasets."""
         path = self.gsm8k if dataset == "gsm8k" else self.imdb
-        return ["model=local", f"model.reference={self.reference}", f"model.guide={self.guide}",
-                f"model.reward={self.reward}", f"dataset={dataset}", f"dataset.path={path}",
-                f"dataset.max_new_tokens={max_new_tokens}", "dataset.max_prompt_tokens=128"]
+        return [
+            "model=local",
+            f"model.reference={self.reference}",
+            f"model.guide={self.guide}",
+            f"model.reward={self.reward}",
+            f"dataset={dataset}",
+            f"dataset.path={path}",
+            f"dataset.max_new_tokens={max_new_tokens}",
+            "dataset.max_prompt_tokens=128",
+        ]
 
 
 def gsm8k_rows(n: int, seed: int) -> list[dict]:
@@ -53,8 +60,12 @@ def gsm8k_rows(n: int, seed: int) -> list[dict]:
     for _ in range(n):
         name, word = rng.choice(NAMES), rng.choice(WORDS)
         a, b = rng.randint(2, 40), rng.randint(2, 40)
-        rows.append({"question": f"{name} has {a} {word} and buys {b} more. How many {word} does {name} have now?",
-                     "answer": f"{name} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {word}.\n#### {a + b}"})
+        rows.append(
+            {
+                "question": f"{name} has {a} {word} and buys {b} more. How many {word} does {name} have now?",
+                "answer": f"{name} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {word}.\n#### {a + b}",
+            }
+        )
     return rows
 
 
@@ -64,8 +75,10 @@ def imdb_rows(n: int, seed: int) -> list[dict]:
     for _ in range(n):
         label = rng.randint(0, 1)
         adj = GOOD if label else BAD
-        text = (f"This film was {rng.choice(adj)} and the acting was {rng.choice(adj)}.<br /><br />"
-                f"I found the story {rng.choice(adj)} from start to end.")
+        text = (
+            f"This film was {rng.choice(adj)} and the acting was {rng.choice(adj)}.<br /><br />"
+            f"I found the story {rng.choice(adj)} from start to end."
+        )
         rows.append({"text": text, "label": label})
     return rows
 
@@ -83,27 +96,43 @@ def train_tokenizer(texts: list[str], vocab_size: int = 384):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIALS),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", bos)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
 
 
 def _llama_config(tokenizer, *, hidden: int, layers: int):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=256, bos_token_id=tokenizer.bos_token_id,
-                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                       tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
 
 
-def build_local_family(root: Path, *, n_train: int = 12, n_test: int = 4, hidden: int = 32,
-                       seed: int = 0) -> LocalFamily:
+def build_local_family(
+    root: Path, *, n_train: int = 12, n_test: int = 4, hidden: int = 32, seed: int = 0
+) -> LocalFamily:
     """Write the data, tokenizer and the three checkpoints under `root` (see the module docstring)."""
     import torch
     from transformers import LlamaForCausalLM, LlamaForSequenceClassification
@@ -124,8 +153,12 @@ def build_local_family(root: Path, *, n_train: int = 12, n_test: int = 4, hidden
 
     torch.manual_seed(seed)
     folders = {"reference": root / "reference", "guide": root / "guide", "reward": root / "reward"}
-    LlamaForCausalLM(_llama_config(tokenizer, hidden=hidden, layers=2)).save_pretrained(folders["reference"])
-    LlamaForCausalLM(_llama_config(tokenizer, hidden=hidden, layers=1)).save_pretrained(folders["guide"])
+    LlamaForCausalLM(_llama_config(tokenizer, hidden=hidden, layers=2)).save_pretrained(
+        folders["reference"]
+    )
+    LlamaForCausalLM(_llama_config(tokenizer, hidden=hidden, layers=1)).save_pretrained(
+        folders["guide"]
+    )
     rm_config = _llama_config(tokenizer, hidden=hidden, layers=1)
     rm_config.num_labels = 1
     LlamaForSequenceClassification(rm_config).save_pretrained(folders["reward"])

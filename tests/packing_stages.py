@@ -13,5 +13,9 @@ def threads_stage(ctx: StageContext) -> dict:
     import torch
 
     time.sleep(float(os.environ.get("PITA_TEST_SLEEP", "0.3")))
-    return {"torch_threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
-            "dataloader_workers": os.environ.get("PITA_DATALOADER_WORKERS"), "pid": os.getpid()}
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "omp": os.environ.get("OMP_NUM_THREADS"),
+        "dataloader_workers": os.environ.get("PITA_DATALOADER_WORKERS"),
+        "pid": os.getpid(),
+    }

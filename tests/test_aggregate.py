@@ -10,8 +10,20 @@ import pytest
 
 from tests.conftest import only, run_cli
 
-HEADER = ["algo", "dataset", "family", "round", "eta", "n_prompts", "samples", "pass@1", "maj@k", "avg_reward",
-          "kl", "wall_s"]
+HEADER = [
+    "algo",
+    "dataset",
+    "family",
+    "round",
+    "eta",
+    "n_prompts",
+    "samples",
+    "pass@1",
+    "maj@k",
+    "avg_reward",
+    "kl",
+    "wall_s",
+]
 
 
 def _job(folder: Path, seed: int, rows: list[list], extra_override: str = "") -> Path:
@@ -32,11 +44,28 @@ def test_aggregate_mean_std_per_algo_dataset_family_round_eta(tmp_path):
     sweep = tmp_path / "multirun" / "2026-01-01_00-00-00"
     accs = [0.5, 0.6, 0.7]
     for i, acc in enumerate(accs):
-        _job(sweep / str(i), i, [
-            ["reference", "goal_walk", "tiny", 0, 0.0, 40, 80, 0.1 + i / 100, 0.1, 0.1, 0.0, 1.0],
-            ["QSharp", "goal_walk", "tiny", 0, 5.0, 40, 80, acc, acc, acc, 0.5 + i / 10, 2.0],
-            ["GRPO", "goal_walk", "tiny", 0, "", 40, 80, 0.3, 0.3, 0.3, 0.2, 3.0],
-        ])
+        _job(
+            sweep / str(i),
+            i,
+            [
+                [
+                    "reference",
+                    "goal_walk",
+                    "tiny",
+                    0,
+                    0.0,
+                    40,
+                    80,
+                    0.1 + i / 100,
+                    0.1,
+                    0.1,
+                    0.0,
+                    1.0,
+                ],
+                ["QSharp", "goal_walk", "tiny", 0, 5.0, 40, 80, acc, acc, acc, 0.5 + i / 10, 2.0],
+                ["GRPO", "goal_walk", "tiny", 0, "", 40, 80, 0.3, 0.3, 0.3, 0.2, 3.0],
+            ],
+        )
     rows = aggregate([sweep])
     q = next(r for r in rows if r["algo"] == "QSharp")
     assert q["n_runs"] == 3 and q["eta"] == 5.0 and q["round"] == 0.0 and q["config"] == ""
@@ -47,24 +76,42 @@ def test_aggregate_mean_std_per_algo_dataset_family_round_eta(tmp_path):
     assert g["eta"] is None and g["pass@1_std"] == 0.0
     table = (sweep / "aggregate.md").read_text()
     assert "| QSharp | goal_walk | tiny | 0 | 5 | 3 | 0.6 ± 0.1 |" in table
-    assert (sweep / "aggregate.csv").is_file() and (sweep / "plots" / "frontier_goal_walk.png").is_file()
+    assert (sweep / "aggregate.csv").is_file() and (
+        sweep / "plots" / "frontier_goal_walk.png"
+    ).is_file()
 
 
 def test_jobs_that_differ_beyond_the_seed_are_kept_apart(tmp_path):
     from pita.experiment.aggregate import aggregate
 
     for i, lr in enumerate(["1e-3", "1e-3", "1e-2", "1e-2"]):
-        _job(tmp_path / str(i), i, [["QSharp", "goal_walk", "tiny", 0, 5.0, 40, 80, 0.1 * i, 0.1, 0.1, 0.3, 1.0]],
-             extra_override=f"algos.QSharp.lr={lr}")
+        _job(
+            tmp_path / str(i),
+            i,
+            [["QSharp", "goal_walk", "tiny", 0, 5.0, 40, 80, 0.1 * i, 0.1, 0.1, 0.3, 1.0]],
+            extra_override=f"algos.QSharp.lr={lr}",
+        )
     rows = aggregate([tmp_path])
-    assert sorted((r["config"], r["n_runs"]) for r in rows) == [("algos.QSharp.lr=1e-2", 2),
-                                                                ("algos.QSharp.lr=1e-3", 2)]
+    assert sorted((r["config"], r["n_runs"]) for r in rows) == [
+        ("algos.QSharp.lr=1e-2", 2),
+        ("algos.QSharp.lr=1e-3", 2),
+    ]
 
 
 @pytest.mark.slow
 def test_real_seed_sweep_ends_with_one_aggregate_table(tmp_path):
-    done = run_cli(["-m", "experiment=smoke", *only("reference"), "pretrain.steps=5", "dataset.seed=0,1",
-                    "executor.progress=false"], cwd=tmp_path, timeout=300)
+    done = run_cli(
+        [
+            "-m",
+            "experiment=smoke",
+            *only("reference"),
+            "pretrain.steps=5",
+            "dataset.seed=0,1",
+            "executor.progress=false",
+        ],
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     sweep = next((tmp_path / "outputs" / "smoke" / "multirun").iterdir())
     table = (sweep / "aggregate.md").read_text()

@@ -22,7 +22,14 @@ pytest.importorskip("trl")
 from pita.algos.dpo import preference_pairs  # noqa: E402
 from pita.datasets import build_task  # noqa: E402
 
-GOAL_WALK = {"name": "goal_walk", "num_nodes": 8, "out_degree": 2, "walk_length": 3, "seed": 0, "test_size": 20}
+GOAL_WALK = {
+    "name": "goal_walk",
+    "num_nodes": 8,
+    "out_degree": 2,
+    "walk_length": 3,
+    "seed": 0,
+    "test_size": 20,
+}
 
 
 # --- pair construction ------------------------------------------------------------------------
@@ -59,7 +66,9 @@ def test_real_valued_pairs_prefer_the_higher_reward():
     rewards = [0.2, 0.9, 0.5, 0.5, 0.1]
     pairs = preference_pairs(responses, rewards, binary=False, max_pairs=8)
     assert pairs == [([2], [5]), ([3], [1])]  # 0.9 > 0.1, 0.5 > 0.2; the middle one has no partner
-    assert preference_pairs([[1], [2]], [0.5, 0.5], binary=False, max_pairs=8) == []  # ties: no preference
+    assert (
+        preference_pairs([[1], [2]], [0.5, 0.5], binary=False, max_pairs=8) == []
+    )  # ties: no preference
     assert preference_pairs(responses, rewards, binary=False, max_pairs=1) == [([2], [5])]
 
 
@@ -77,8 +86,15 @@ def test_task_reward_adapter_takes_trl_style_calls():
     good, bad = [*walk, task.eos_id], [*walk]  # the second has no EOS: reward 0
     completion_ids = [good, bad, good]
     reward = TaskReward(task, examples)
-    out = reward(prompts=["START ..."] * 3, completions=["a", "b", "c"], completion_ids=completion_ids,
-                 example=[3, 3, 0], trainer_state=None, log_extra=lambda *a: None, log_metric=lambda *a: None)
+    out = reward(
+        prompts=["START ..."] * 3,
+        completions=["a", "b", "c"],
+        completion_ids=completion_ids,
+        example=[3, 3, 0],
+        trainer_state=None,
+        log_extra=lambda *a: None,
+        log_metric=lambda *a: None,
+    )
     assert out == task.rewards([ex, ex, examples[0]], completion_ids)
     assert out[:2] == [1.0, 0.0]
 
@@ -89,8 +105,13 @@ def test_task_reward_adapter_takes_trl_style_calls():
 
     scorer, logged = FakeScorer(), {}
     proxy = ProxyReward(scorer, examples, task)
-    out = proxy(prompts=["x"] * 2, completions=["a", "b"], completion_ids=[good, bad], example=[3, 3],
-                log_metric=lambda name, value: logged.update({name: value}))
+    out = proxy(
+        prompts=["x"] * 2,
+        completions=["a", "b"],
+        completion_ids=[good, bad],
+        example=[3, 3],
+        log_metric=lambda name, value: logged.update({name: value}),
+    )
     assert out == [4.0, 3.0] and scorer.seen[0] == [ex.prompt_ids] * 2
     assert logged == {"true_reward": 0.5}
 
@@ -116,8 +137,15 @@ def _run_folder(tmp_path: Path, steps: int = 60) -> Path:
 
     task = build_task(GOAL_WALK)
     tok = task.tokenizer
-    model = build_tiny_llama(len(tok), n_layer=1, d_model=32, n_head=2, pad_token_id=tok.pad_token_id,
-                             eos_token_id=tok.eos_token_id, seed=0).train()
+    model = build_tiny_llama(
+        len(tok),
+        n_layer=1,
+        d_model=32,
+        n_head=2,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        seed=0,
+    ).train()
     optim, rng = torch.optim.AdamW(model.parameters(), lr=1e-2), random.Random(0)
     for _ in range(steps):
         ids, mask, labels = teacher_forcing_batch(task.pretrain_batch(rng, 64), tok.pad_token_id)
@@ -137,9 +165,18 @@ def _ctx(run_dir: Path, algo: str, stage: str, inputs: dict, overrides: list[str
     from pita.runtime.context import StageContext
 
     cfg = compose_config([f"algos.{algo}.enabled=true", *overrides])
-    task = TaskSpec(id=name, algo=algo, dataset="goal_walk", family="tiny", round=0, stage=stage, fn="-",
-                    inputs={"reference": "pretrain", **inputs}, dataset_cfg=GOAL_WALK,
-                    family_cfg={"reference_arch": {"n_layer": 1, "d_model": 32, "n_head": 2}})
+    task = TaskSpec(
+        id=name,
+        algo=algo,
+        dataset="goal_walk",
+        family="tiny",
+        round=0,
+        stage=stage,
+        fn="-",
+        inputs={"reference": "pretrain", **inputs},
+        dataset_cfg=GOAL_WALK,
+        family_cfg={"reference_arch": {"n_layer": 1, "d_model": 32, "n_head": 2}},
+    )
     out = run_dir / "tasks" / name
     out.mkdir(parents=True)
     logger = logging.getLogger(f"test.baselines.{name}")
@@ -177,13 +214,26 @@ def test_dpo_collect_and_train_write_a_loadable_policy(tmp_path):
 
     ref = run / "tasks" / "pretrain" / "model"
     before = _params(AutoModelForCausalLM.from_pretrained(ref))
-    ctx = _ctx(run, "DPO", "train", {"data": ["collect"]},
-               ["algos.DPO.lr=1e-2", "algos.DPO.epochs=1", "algos.DPO.batch_size=16", "algos.DPO.sft_weight=1.0"],
-               "train")
+    ctx = _ctx(
+        run,
+        "DPO",
+        "train",
+        {"data": ["collect"]},
+        [
+            "algos.DPO.lr=1e-2",
+            "algos.DPO.epochs=1",
+            "algos.DPO.batch_size=16",
+            "algos.DPO.sft_weight=1.0",
+        ],
+        "train",
+    )
     result = dpo.train(ctx)
     assert result["pairs"] == len(records) and result["steps"] >= 1
     assert _changed(before, ctx.out_dir / "model")
-    assert AutoTokenizer.from_pretrained(ctx.out_dir / "model").get_vocab() == task.tokenizer.get_vocab()
+    assert (
+        AutoTokenizer.from_pretrained(ctx.out_dir / "model").get_vocab()
+        == task.tokenizer.get_vocab()
+    )
     assert (ctx.out_dir / "train_log.jsonl").is_file()
 
 
@@ -191,9 +241,24 @@ def test_grpo_trains_on_a_reward_function_and_writes_a_loadable_policy(tmp_path)
     from pita.algos.grpo import run_grpo
 
     run = _run_folder(tmp_path)
-    before = _params(__import__("transformers").AutoModelForCausalLM.from_pretrained(run / "tasks/pretrain/model"))
-    ctx = _ctx(run, "GRPO", "train", {}, ["algos.GRPO.steps=2", "algos.GRPO.batch_size=16",
-                                          "algos.GRPO.num_generations=4", "algos.GRPO.lr=1e-2"], "train")
+    before = _params(
+        __import__("transformers").AutoModelForCausalLM.from_pretrained(
+            run / "tasks/pretrain/model"
+        )
+    )
+    ctx = _ctx(
+        run,
+        "GRPO",
+        "train",
+        {},
+        [
+            "algos.GRPO.steps=2",
+            "algos.GRPO.batch_size=16",
+            "algos.GRPO.num_generations=4",
+            "algos.GRPO.lr=1e-2",
+        ],
+        "train",
+    )
     task = build_task(GOAL_WALK)
     calls = []
 
@@ -217,11 +282,29 @@ def test_reward_model_learns_an_easy_preference_and_scores_it(tmp_path):
     with open(data / "pairs.jsonl", "w") as f:
         for i, ex in enumerate(task.train_examples()):
             mid = [i % 8, (i * 3) % 8]
-            f.write(json.dumps({"example": i, "prompt": ex.prompt_ids, "chosen": [*mid, a, task.eos_id],
-                                "rejected": [*mid, b, task.eos_id]}) + "\n")
-    ctx = _ctx(run, "GRPO-HF", "reward_model", {"data": ["collect"]},
-               ["algos.GRPO-HF.reward_epochs=20", "algos.GRPO-HF.reward_lr=3e-3", "algos.GRPO-HF.batch_size=32"],
-               "reward_model")
+            f.write(
+                json.dumps(
+                    {
+                        "example": i,
+                        "prompt": ex.prompt_ids,
+                        "chosen": [*mid, a, task.eos_id],
+                        "rejected": [*mid, b, task.eos_id],
+                    }
+                )
+                + "\n"
+            )
+    ctx = _ctx(
+        run,
+        "GRPO-HF",
+        "reward_model",
+        {"data": ["collect"]},
+        [
+            "algos.GRPO-HF.reward_epochs=20",
+            "algos.GRPO-HF.reward_lr=3e-3",
+            "algos.GRPO-HF.batch_size=32",
+        ],
+        "reward_model",
+    )
     result = train_reward_model(ctx)
     assert result["heldout_pairs"] > 0 and result["heldout_accuracy"] > 0.8, result
     assert (ctx.out_dir / "reward_model" / "config.json").is_file()
@@ -238,20 +321,40 @@ def test_reward_model_learns_an_easy_preference_and_scores_it(tmp_path):
 @pytest.mark.slow
 def test_dpo_grpo_and_grpo_hf_chains_through_the_command_line(tmp_path):
     name = "baselines_smoke"
-    res = run_cli([*only("DPO", "GRPO", "GRPO-HF"), f"experiment.name={name}", "executor.progress=false",
-                   "pretrain.steps=30", "pretrain.batch_size=64", "evaluation.max_prompts=20", "dataset.test_size=50",
-                   "evaluation.num_samples=2", "data_collection.max_examples=32",
-                   "algos.DPO.epochs=1", "algos.DPO.samples_per_example=8",
-                   "algos.GRPO.steps=2", "algos.GRPO.batch_size=16", "algos.GRPO.num_generations=4",
-                   "algos.GRPO-HF.steps=2", "algos.GRPO-HF.batch_size=16", "algos.GRPO-HF.num_generations=4",
-                   "algos.GRPO-HF.samples_per_example=8", "algos.GRPO-HF.reward_epochs=1", "rounds_of_training=2"],
-                  cwd=tmp_path, timeout=240)
+    res = run_cli(
+        [
+            *only("DPO", "GRPO", "GRPO-HF"),
+            f"experiment.name={name}",
+            "executor.progress=false",
+            "pretrain.steps=30",
+            "pretrain.batch_size=64",
+            "evaluation.max_prompts=20",
+            "dataset.test_size=50",
+            "evaluation.num_samples=2",
+            "data_collection.max_examples=32",
+            "algos.DPO.epochs=1",
+            "algos.DPO.samples_per_example=8",
+            "algos.GRPO.steps=2",
+            "algos.GRPO.batch_size=16",
+            "algos.GRPO.num_generations=4",
+            "algos.GRPO-HF.steps=2",
+            "algos.GRPO-HF.batch_size=16",
+            "algos.GRPO-HF.num_generations=4",
+            "algos.GRPO-HF.samples_per_example=8",
+            "algos.GRPO-HF.reward_epochs=1",
+            "rounds_of_training=2",
+        ],
+        cwd=tmp_path,
+        timeout=240,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     run = run_dirs(tmp_path, name)[-1]
     rows = (run / "results" / "summary.csv").read_text().splitlines()
     header = rows[0].split(",")
     algos = {r.split(",")[header.index("algo")] for r in rows[1:]}
-    assert algos == {"DPO", "GRPO", "GRPO-HF"} and len(rows) == 1 + 3 * 2  # every chain, both rounds
+    assert (
+        algos == {"DPO", "GRPO", "GRPO-HF"} and len(rows) == 1 + 3 * 2
+    )  # every chain, both rounds
     for r in rows[1:]:
         values = dict(zip(header, r.split(",")))
         assert values["pass@1"] != "" and values["kl"] != ""

@@ -368,7 +368,9 @@ def test_cache_hit_and_miss_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert probed(dtype="torch.float32")
     assert probed(margin=0.8)  # a lower (safer) margin than the entry was found with
     assert not probed(margin=0.95)
-    monkeypatch.setattr(bs_resolve, "library_versions", lambda: {"torch": "9.9", "transformers": "9"})
+    monkeypatch.setattr(
+        bs_resolve, "library_versions", lambda: {"torch": "9.9", "transformers": "9"}
+    )
     assert probed()
     assert not any(p.name.startswith(".batch_size.json.") for p in path.parent.iterdir())
 

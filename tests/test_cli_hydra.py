@@ -48,23 +48,38 @@ def test_shell_completion_install_starts_nothing(tmp_path):
 
 
 def test_config_dir_searchpath_and_config_name(tmp_path, user_conf):
-    done = run_cli(["--config-dir", str(user_conf), "experiment=mine", "--cfg", "job"], cwd=tmp_path)
+    done = run_cli(
+        ["--config-dir", str(user_conf), "experiment=mine", "--cfg", "job"], cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     assert "name: mine" in done.stdout and "steps: 7" in done.stdout
-    done = run_cli([f"hydra.searchpath=[file://{user_conf}]", "experiment=mine", "algos=[reference]",
-                    "dry_run=true"], cwd=tmp_path)
+    done = run_cli(
+        [
+            f"hydra.searchpath=[file://{user_conf}]",
+            "experiment=mine",
+            "algos=[reference]",
+            "dry_run=true",
+        ],
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     assert "pretrain.goal_walk.tiny" in done.stdout
-    done = run_cli(["--config-dir", str(user_conf), "-cn", "myconfig", "--cfg", "job"], cwd=tmp_path)
+    done = run_cli(
+        ["--config-dir", str(user_conf), "-cn", "myconfig", "--cfg", "job"], cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     assert "steps: 9" in done.stdout
     fresh = tmp_path / "fresh"
     fresh.mkdir()
-    bad = run_cli(["--config-dir", str(user_conf), "-cn", "myconfig", "pretrain.steps=0", "algos.GRPO.lr=-1"],
-                  cwd=fresh)
+    bad = run_cli(
+        ["--config-dir", str(user_conf), "-cn", "myconfig", "pretrain.steps=0", "algos.GRPO.lr=-1"],
+        cwd=fresh,
+    )
     assert bad.returncode == 2
-    assert sorted(bad.stderr.splitlines()) == ["error: algos.GRPO.lr=-1.0: must be > 0",
-                                               "error: pretrain.steps=0: must be >= 1"], bad.stderr
+    assert sorted(bad.stderr.splitlines()) == [
+        "error: algos.GRPO.lr=-1.0: must be > 0",
+        "error: pretrain.steps=0: must be >= 1",
+    ], bad.stderr
     assert not (fresh / "outputs").exists()
 
 
@@ -73,18 +88,29 @@ def test_algos_list_selects_algorithms_in_one_override(tmp_path):
     assert done.returncode == 0, done.stderr
     dry = run_cli(["algos=[QSharp,DPO]", "dry_run=true"], cwd=tmp_path)
     assert dry.returncode == 0, dry.stderr
-    ids = [ln.split()[0] for ln in dry.stdout.splitlines() if ln.startswith(("QSharp.", "DPO.", "GRPO.", "PITA."))]
+    ids = [
+        ln.split()[0]
+        for ln in dry.stdout.splitlines()
+        if ln.startswith(("QSharp.", "DPO.", "GRPO.", "PITA."))
+    ]
     assert {i.split(".")[0] for i in ids} == {"QSharp", "DPO"}
     bad = run_cli(["algos=[QSharp,Qsharp]"], cwd=tmp_path)
     assert bad.returncode == 2
-    assert bad.stderr.strip() == ("error: algos=[QSharp,Qsharp]: unknown algorithm 'Qsharp'; allowed: reference, "
-                                  "PITA, QSharp, QSharp-HF, DPO, RPO, GRPO, GRPO-HF (e.g. algos=[QSharp,DPO] or algos=all)")
+    assert bad.stderr.strip() == (
+        "error: algos=[QSharp,Qsharp]: unknown algorithm 'Qsharp'; allowed: reference, "
+        "PITA, QSharp, QSharp-HF, DPO, RPO, GRPO, GRPO-HF (e.g. algos=[QSharp,DPO] or algos=all)"
+    )
 
 
 @pytest.mark.slow
 def test_resume_from_auto_starts_then_finishes_the_unfinished_run(tmp_path):
-    args = ["experiment=smoke", "algos=[reference]", "pretrain.steps=5", "executor.progress=false",
-            "resume_from=auto"]
+    args = [
+        "experiment=smoke",
+        "algos=[reference]",
+        "pretrain.steps=5",
+        "executor.progress=false",
+        "resume_from=auto",
+    ]
     first = run_cli(args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     assert "starting a new one" in first.stdout
@@ -96,21 +122,36 @@ def test_resume_from_auto_starts_then_finishes_the_unfinished_run(tmp_path):
     shutil.rmtree(run / "tasks" / "reference.goal_walk.tiny.r0.evaluate")
     again = run_cli(args, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert f"resuming the unfinished run {run}" in again.stdout and "3 already done (resumed)" in again.stdout
+    assert (
+        f"resuming the unfinished run {run}" in again.stdout
+        and "3 already done (resumed)" in again.stdout
+    )
     assert len(run_dirs(tmp_path, "smoke")) == 1
-    other = run_cli([a for a in args if a != "pretrain.steps=5"], cwd=tmp_path)  # finished: a new run
+    other = run_cli(
+        [a for a in args if a != "pretrain.steps=5"], cwd=tmp_path
+    )  # finished: a new run
     assert other.returncode == 0 and len(run_dirs(tmp_path, "smoke")) == 2
 
 
 @pytest.mark.slow
 def test_submitit_local_launcher_checks_devices_in_the_job(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    args = ["-m", "hydra/launcher=submitit_local", "experiment=smoke", "algos=[reference]", "dry_run=true"]
+    args = [
+        "-m",
+        "hydra/launcher=submitit_local",
+        "experiment=smoke",
+        "algos=[reference]",
+        "dry_run=true",
+    ]
     local = run_cli(["-m", "experiment=smoke", "system.devices=[3]", "dry_run=true"], cwd=tmp_path)
-    assert local.returncode == 2 and not (tmp_path / "outputs").exists()  # checked before anything starts
+    assert (
+        local.returncode == 2 and not (tmp_path / "outputs").exists()
+    )  # checked before anything starts
     remote = run_cli([*args, "system.devices=[3]"], cwd=tmp_path, timeout=300)
     assert remote.returncode == 2, remote.stdout[-2000:] + remote.stderr[-2000:]
-    err = next((tmp_path / "outputs" / "smoke" / "multirun").glob("*/.submitit/*/*_0_log.err")).read_text()
+    err = next(
+        (tmp_path / "outputs" / "smoke" / "multirun").glob("*/.submitit/*/*_0_log.err")
+    ).read_text()
     assert "error: system.devices=[3]" in err  # the job, on its node, found no such GPU
     ok = run_cli([*args, "system.devices=cpu"], cwd=tmp_path, timeout=300)
     assert ok.returncode == 0, ok.stderr[-2000:]
@@ -126,4 +167,6 @@ def test_launcher_kind_comes_from_the_composed_config(tmp_path):
     assert cli.remote_launcher() is None
     bad = run_cli(["-m", "hydra/launcher=slrum"], cwd=tmp_path)
     assert bad.returncode == 2
-    assert bad.stderr.startswith("error: hydra/launcher=slrum: no such launcher; available: basic, slurm, slurm_1gpu")
+    assert bad.stderr.startswith(
+        "error: hydra/launcher=slrum: no such launcher; available: basic, slurm, slurm_1gpu"
+    )

@@ -13,7 +13,10 @@ from tests.conftest import ROOT, only, run_cli
 
 BAD = [
     (["foo=1"], "foo: unknown key"),
-    (["experiment.name=ok", "system.devices=fake:[80GB,40GB]"], "system.devices=fake:[80GB,40GB]: not a valid override"),
+    (
+        ["experiment.name=ok", "system.devices=fake:[80GB,40GB]"],
+        "system.devices=fake:[80GB,40GB]: not a valid override",
+    ),
     (["algos.PITA.lrr=0.1"], "algos.PITA.lrr: unknown key"),
     (["dataset.num_nodes=abc"], "dataset.num_nodes=abc"),
     (["experiment=nope"], "experiment=nope: no such experiment config"),
@@ -46,20 +49,35 @@ BAD = [
     (["training.parallel_strategy=fsdp"], "training.parallel_strategy="),
     (["model.dtype=int3"], "model.dtype="),
     (only(), "algos: no algorithm enabled"),
-    (["algos.QSharp.enabled=true", "algos.QSharp.guidance.mode=greedy"], "algos.QSharp.guidance.mode="),
+    (
+        ["algos.QSharp.enabled=true", "algos.QSharp.guidance.mode=greedy"],
+        "algos.QSharp.guidance.mode=",
+    ),
     (["algos.QSharp.enabled=true", "algos.QSharp.V_min=2"], "algos.QSharp.V_min="),
     (["algos.QSharp.enabled=true", "algos.QSharp.loss_type=hinge"], "algos.QSharp.loss_type="),
     (["+algos.FOO.enabled=true"], "algos.FOO"),
     (["algos.QSharp.enabled=true", "algos.QSharp.value_head=w"], "algos.QSharp.value_head="),
-    (["algos.PITA.enabled=true", "algos.PITA.value_head=v", "algos.PITA.loss_type=bradley_terry"],
-     "algos.PITA.value_head="),
+    (
+        [
+            "algos.PITA.enabled=true",
+            "algos.PITA.value_head=v",
+            "algos.PITA.loss_type=bradley_terry",
+        ],
+        "algos.PITA.value_head=",
+    ),
     (["algos.QSharp.enabled=true", "algos.QSharp.lr_schedule=linear"], "algos.QSharp.lr_schedule="),
-    (["algos.QSharp.enabled=true", "algos.QSharp.holdout_fraction=1"], "algos.QSharp.holdout_fraction="),
+    (
+        ["algos.QSharp.enabled=true", "algos.QSharp.holdout_fraction=1"],
+        "algos.QSharp.holdout_fraction=",
+    ),
     (["data_collection.recipe=best_of_n"], "data_collection.recipe="),
     (["data_collection.max_tries=0"], "data_collection.max_tries="),
     (["dataset.out_degree=16"], "dataset.out_degree="),
     (["dataset.degree=3"], "dataset.degree"),
-    (["resume_from=/definitely/not/here"], "resume_from='/definitely/not/here': no such run folder"),
+    (
+        ["resume_from=/definitely/not/here"],
+        "resume_from='/definitely/not/here': no such run folder",
+    ),
     (["+executor.stage_overrides.any.train=nocolon"], "executor.stage_overrides.any.train="),
 ]
 
@@ -79,7 +97,10 @@ def test_bad_input_is_one_line_exit_2(overrides, expected, tmp_path, capsys, mon
 def test_resume_path_errors(tmp_path, capsys):
     (tmp_path / "file.txt").write_text("x")
     (tmp_path / "empty_dir").mkdir()
-    for path, expected in [(tmp_path / "file.txt", "not a folder"), (tmp_path / "empty_dir", "no saved config")]:
+    for path, expected in [
+        (tmp_path / "file.txt", "not a folder"),
+        (tmp_path / "empty_dir", "no saved config"),
+    ]:
         with pytest.raises(SystemExit) as exit_info:
             cli.main([f"resume_from={path}"])
         assert exit_info.value.code == 2
@@ -97,24 +118,37 @@ def test_real_process_exit_code_and_no_traceback(tmp_path):
 # ---- issue 13: preflight finishes the job (each case exits 2 before any worker starts) -----
 
 PREFLIGHT_BAD = [
-    (["evaluation.etas=[0.0,inf]"], "evaluation.etas=[0.0, inf]: item 1 (inf) must be a finite number"),
+    (
+        ["evaluation.etas=[0.0,inf]"],
+        "evaluation.etas=[0.0, inf]: item 1 (inf) must be a finite number",
+    ),
     (["algos.DPO.beta=nan"], "algos.DPO.beta=nan: must be a finite number"),
     (["pretrain.lr=nan"], "pretrain.lr=nan: must be a finite number"),
     (["model.memory_gb=inf"], "model.memory_gb=inf: must be a finite number"),
     (["generation.temperature=-inf"], "generation.temperature=-inf: must be a finite number"),
     (["experiment.name=${oops}"], "experiment.name='${oops}': interpolation cannot be resolved"),
-    (["experiment.name=é"], "experiment.name=é: not a valid override: a value with non-ASCII characters must be quoted"),
+    (
+        ["experiment.name=é"],
+        "experiment.name=é: not a valid override: a value with non-ASCII characters must be quoted",
+    ),
     (['experiment.name="é"'], "experiment.name='é': letters, digits"),
     (["+algos.Ü.enabled=true"], "+algos.Ü.enabled: keys are ASCII names"),
-    (["dataset=gsm8k"], "dataset='gsm8k' with model='tiny': a hub task is tokenized by its model family's tokenizer"),
-    (["model.name=mine-4bit", f"model.reference={ROOT}", f"model.guide={ROOT}"],
-     "model.name='mine-4bit': -4bit aliases load with bitsandbytes on CUDA GPUs, but this run's devices are cpu"),
+    (
+        ["dataset=gsm8k"],
+        "dataset='gsm8k' with model='tiny': a hub task is tokenized by its model family's tokenizer",
+    ),
+    (
+        ["model.name=mine-4bit", f"model.reference={ROOT}", f"model.guide={ROOT}"],
+        "model.name='mine-4bit': -4bit aliases load with bitsandbytes on CUDA GPUs, but this run's devices are cpu",
+    ),
     (["hydra.run.dir=/proc/pita-out"], "hydra.run.dir='/proc/pita-out': cannot write in /proc"),
     (["executor.start_timeout_s=0"], "executor.start_timeout_s=0"),
 ]
 
 
-@pytest.mark.parametrize("overrides, expected", PREFLIGHT_BAD, ids=[" ".join(o) for o, _ in PREFLIGHT_BAD])
+@pytest.mark.parametrize(
+    "overrides, expected", PREFLIGHT_BAD, ids=[" ".join(o) for o, _ in PREFLIGHT_BAD]
+)
 def test_preflight_bad_input_is_one_line_exit_2(overrides, expected, tmp_path, capsys, monkeypatch):
     test_bad_input_is_one_line_exit_2(overrides, expected, tmp_path, capsys, monkeypatch)
 
@@ -128,15 +162,27 @@ def _conf_copy(tmp_path, monkeypatch, name: str, text: str) -> None:
     monkeypatch.setattr(cli, "PROJECT_ROOT", project)
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("# @package _global_\nexperiment:\n  name: bad\n  seed: [1, 2\nrounds_of_training: 2\n",
-     "conf/experiment/mine.yaml:5:19: YAML syntax error: expected ',' or ']', but got ':'"),
-    ("# @package _global_\nexperiment:\n  name: ${oops}\n",
-     "experiment.name='${oops}': interpolation cannot be resolved (Interpolation key 'oops' not found); "
-     "set in conf/experiment/mine.yaml"),
-    ("# @package _global_\nexperiment:\n  nmae: typo\n", "conf/experiment/mine.yaml: experiment.nmae: Key 'nmae'"),
-])
-def test_errors_in_an_experiment_file_name_file_and_key(text, expected, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (
+            "# @package _global_\nexperiment:\n  name: bad\n  seed: [1, 2\nrounds_of_training: 2\n",
+            "conf/experiment/mine.yaml:5:19: YAML syntax error: expected ',' or ']', but got ':'",
+        ),
+        (
+            "# @package _global_\nexperiment:\n  name: ${oops}\n",
+            "experiment.name='${oops}': interpolation cannot be resolved (Interpolation key 'oops' not found); "
+            "set in conf/experiment/mine.yaml",
+        ),
+        (
+            "# @package _global_\nexperiment:\n  nmae: typo\n",
+            "conf/experiment/mine.yaml: experiment.nmae: Key 'nmae'",
+        ),
+    ],
+)
+def test_errors_in_an_experiment_file_name_file_and_key(
+    text, expected, tmp_path, capsys, monkeypatch
+):
     _conf_copy(tmp_path, monkeypatch, "mine", text)
     test_bad_input_is_one_line_exit_2(["experiment=mine"], expected, tmp_path, capsys, monkeypatch)
 
@@ -150,12 +196,16 @@ def _hub_family(tmp_path) -> list[str]:
 
 def test_malformed_jsonl_is_caught_from_its_first_lines(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "data.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", answer: 4}\n')
+    (tmp_path / "data.jsonl").write_text(
+        '{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", answer: 4}\n'
+    )
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["dataset=gsm8k", "dataset.path=data.jsonl", *_hub_family(tmp_path)])
     assert exit_info.value.code == 2
     [line] = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith(f"error: dataset.path='{tmp_path / 'data.jsonl'}': data.jsonl line 2 is not valid JSON")
+    assert line.startswith(
+        f"error: dataset.path='{tmp_path / 'data.jsonl'}': data.jsonl line 2 is not valid JSON"
+    )
 
 
 def test_relative_dataset_path_is_made_absolute_against_the_users_folder(tmp_path, monkeypatch):
@@ -165,14 +215,23 @@ def test_relative_dataset_path_is_made_absolute_against_the_users_folder(tmp_pat
     monkeypatch.chdir(tmp_path)
     cfg = cli.compose_config(["dataset=gsm8k", "dataset.path=data.jsonl", *_hub_family(tmp_path)])
     cli.preflight(cfg, [])  # no error: checked where the user is ...
-    assert cfg.dataset.path == str(tmp_path / "data.jsonl")  # ... and workers (cwd = project root) read that
+    assert cfg.dataset.path == str(
+        tmp_path / "data.jsonl"
+    )  # ... and workers (cwd = project root) read that
     assert absolutize_paths(cfg) == []  # idempotent
 
 
 def test_offline_hub_model_not_in_cache_fails_fast(tmp_path):
-    proc = run_cli(["model=gpt2", "experiment.name=x"], tmp_path,
-                   {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf")},
-                   timeout=60)
+    proc = run_cli(
+        ["model=gpt2", "experiment.name=x"],
+        tmp_path,
+        {
+            "HF_HUB_OFFLINE": "1",
+            "HF_HOME": str(tmp_path / "hf"),
+            "HF_HUB_CACHE": str(tmp_path / "hf"),
+        },
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert lines[0].startswith("error: model.reference='gpt2': not in the local Hugging Face cache")
@@ -188,7 +247,9 @@ def test_output_folder_that_is_a_file(tmp_path, capsys, monkeypatch):
         cli.main(["experiment.name=x"])
     assert exit_info.value.code == 2
     [line] = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("error: hydra.run.dir='outputs/x':") and "is a file, not a folder" in line
+    assert (
+        line.startswith("error: hydra.run.dir='outputs/x':") and "is a file, not a folder" in line
+    )
 
 
 def _saved_run(tmp_path, overrides: list[str]):
@@ -207,12 +268,16 @@ def _saved_run(tmp_path, overrides: list[str]):
 
 
 def test_resume_onto_fewer_devices_than_the_plan_needs(tmp_path, capsys):
-    run_dir = _saved_run(tmp_path, ["system.devices=fake:2", "model.gpus_per_task=2", *only("reference")])
+    run_dir = _saved_run(
+        tmp_path, ["system.devices=fake:2", "model.gpus_per_task=2", *only("reference")]
+    )
     with pytest.raises(SystemExit) as exit_info:
         cli.main([f"resume_from={run_dir}", "system.devices=fake:1"])
     assert exit_info.value.code == 2
     [line] = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("error: system.devices='fake:1' on resume (1 device(s)): model.gpus_per_task=2: task")
+    assert line.startswith(
+        "error: system.devices='fake:1' on resume (1 device(s)): model.gpus_per_task=2: task"
+    )
     assert not (run_dir / "journal.jsonl").exists()
 
 
@@ -224,8 +289,19 @@ def test_stage_override_is_logged_and_not_imported_on_dry_run(tmp_path):
     marker = tmp_path / "imported"
     (pkg / "__init__.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n")
     (pkg / "stages.py").write_text("def train(ctx):\n    return {}\n")
-    proc = run_cli(["dry_run=true", "system.devices=fake:1", "+executor.stage_overrides.any.train=evilpkg.stages:train"],
-                   tmp_path, {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}, timeout=120)
+    proc = run_cli(
+        [
+            "dry_run=true",
+            "system.devices=fake:1",
+            "+executor.stage_overrides.any.train=evilpkg.stages:train",
+        ],
+        tmp_path,
+        {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"},
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not marker.exists(), "the orchestrator ran the override's package code"
-    assert "executor.stage_overrides.any.train=evilpkg.stages:train: config is code" in proc.stdout + proc.stderr
+    assert (
+        "executor.stage_overrides.any.train=evilpkg.stages:train: config is code"
+        in proc.stdout + proc.stderr
+    )

@@ -11,11 +11,14 @@ from pita.experiment.run import build_plan, make_gpu_manager
 from tests.conftest import journal, only, run_cli, run_dirs
 
 
-@pytest.mark.parametrize("overrides, gang", [
-    (["training.parallel_strategy=data_parallel"], 3),
-    (["training.parallel_strategy=none"], 1),
-    (["training.parallel_strategy=data_parallel", "system.gpu_mode=single_gpu"], 1),
-])
+@pytest.mark.parametrize(
+    "overrides, gang",
+    [
+        (["training.parallel_strategy=data_parallel"], 3),
+        (["training.parallel_strategy=none"], 1),
+        (["training.parallel_strategy=data_parallel", "system.gpu_mode=single_gpu"], 1),
+    ],
+)
 def test_pretrain_is_planned_on_a_gang(overrides, gang):
     cfg = cli.compose_config(["system.devices=fake:3", *only("reference", "QSharp"), *overrides])
     plan = build_plan(cfg, make_gpu_manager(cfg))
@@ -25,12 +28,24 @@ def test_pretrain_is_planned_on_a_gang(overrides, gang):
 
 @pytest.mark.slow
 def test_data_parallel_run_trains_pretrain_with_ddp_over_the_gang(tmp_path):
-    args = ["experiment=smoke", "experiment.name=dp", "system.devices=fake:2", "executor.progress=false",
-            "training.parallel_strategy=data_parallel", "pretrain.steps=6", "dataset.test_size=8", *only("reference")]
+    args = [
+        "experiment=smoke",
+        "experiment.name=dp",
+        "system.devices=fake:2",
+        "executor.progress=false",
+        "training.parallel_strategy=data_parallel",
+        "pretrain.steps=6",
+        "dataset.test_size=8",
+        *only("reference"),
+    ]
     proc = run_cli(args, tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [run_dir] = run_dirs(tmp_path, "dp")
-    running = [e for e in journal(run_dir) if e.get("task") == "pretrain.goal_walk.tiny" and e["event"] == "task_running"]
+    running = [
+        e
+        for e in journal(run_dir)
+        if e.get("task") == "pretrain.goal_walk.tiny" and e["event"] == "task_running"
+    ]
     assert running[0]["devices"] == [0, 1]
     log = (run_dir / "tasks" / "pretrain.goal_walk.tiny" / "log.txt").read_text()
     assert "DDP over 2 ranks" in log and "x 2 rank(s)" in log

@@ -28,14 +28,18 @@ def _train(dist, micro: int) -> dict[str, torch.Tensor]:
     the spawned ranks import it)."""
     model = _model()
     net = wrap_model(model, dist)
-    step = TrainStep(net, torch.optim.SGD(model.parameters(), lr=LR), choose_precision("auto", True, "cpu"))
+    step = TrainStep(
+        net, torch.optim.SGD(model.parameters(), lr=LR), choose_precision("auto", True, "cpu")
+    )
     for s in range(STEPS):
         x, y = _data(s)
         if dist is not None:
             idx = dist.shard(BATCH)
             x, y = x[idx], y[idx]
             dist.log(f"step {s} on {len(idx)} examples")
-        step.run(split_batch((x, y), micro), lambda mb: torch.nn.functional.mse_loss(net(mb[0]), mb[1]))
+        step.run(
+            split_batch((x, y), micro), lambda mb: torch.nn.functional.mse_loss(net(mb[0]), mb[1])
+        )
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -60,7 +64,9 @@ def test_world_size_follows_parallel_strategy_and_gpu_mode():
     from pita.training.ddp import data_parallel_world_size
 
     def ctx(strategy, gpu_mode="auto", gpus=2):
-        cfg = OmegaConf.create({"training": {"parallel_strategy": strategy}, "system": {"gpu_mode": gpu_mode}})
+        cfg = OmegaConf.create(
+            {"training": {"parallel_strategy": strategy}, "system": {"gpu_mode": gpu_mode}}
+        )
         return SimpleNamespace(cfg=cfg, device="cpu", task=SimpleNamespace(gpus=gpus))
 
     assert data_parallel_world_size(ctx("none")) == 1
@@ -74,8 +80,14 @@ def test_ddp_on_two_gloo_processes_matches_one_process_on_the_full_batch():
     single = _train(None, micro=BATCH)
     messages: list[tuple[str, int, object]] = []
     # Each rank: half the batch, in 2 accumulated micro-batches of 2 (no_sync until the last).
-    ranks = run_data_parallel(_train, 2, args=(2,), backend="gloo", device_type="cpu",
-                              on_message=lambda kind, rank, payload: messages.append((kind, rank, payload)))
+    ranks = run_data_parallel(
+        _train,
+        2,
+        args=(2,),
+        backend="gloo",
+        device_type="cpu",
+        on_message=lambda kind, rank, payload: messages.append((kind, rank, payload)),
+    )
     assert len(ranks) == 2
     moved = max((single[k] - _model().state_dict()[k]).abs().max().item() for k in single)
     assert moved > 1e-3  # training changed the weights
@@ -83,7 +95,8 @@ def test_ddp_on_two_gloo_processes_matches_one_process_on_the_full_batch():
         torch.testing.assert_close(ranks[0][k], ranks[1][k], atol=0, rtol=0)  # ranks stay in sync
         torch.testing.assert_close(ranks[0][k], single[k], atol=1e-6, rtol=1e-5)
     assert {(rank, payload[1]) for kind, rank, payload in messages if kind == "log"} == {
-        (r, f"step {s} on 4 examples") for r in range(2) for s in range(STEPS)}
+        (r, f"step {s} on 4 examples") for r in range(2) for s in range(STEPS)
+    }
 
 
 def test_a_failing_rank_raises_with_its_error():
@@ -112,8 +125,12 @@ def test_pretrain_data_parallel_on_a_two_device_gang_matches_one_process(tmp_pat
     result = pretrain(gang)
 
     assert result["effective_batch"] == 16
-    assert any("DDP over 2 ranks" in ln for ln in lines) and any(ln.startswith("step 4/4 loss") for ln in lines)
-    assert "x 2 rank(s) = effective batch 16" in (gang.out_dir / "performance_summary.txt").read_text()
+    assert any("DDP over 2 ranks" in ln for ln in lines) and any(
+        ln.startswith("step 4/4 loss") for ln in lines
+    )
+    assert (
+        "x 2 rank(s) = effective batch 16" in (gang.out_dir / "performance_summary.txt").read_text()
+    )
     a = load_file(single.out_dir / "model" / "model.safetensors")
     b = load_file(gang.out_dir / "model" / "model.safetensors")
     assert a.keys() == b.keys()

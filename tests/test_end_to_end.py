@@ -21,8 +21,20 @@ def test_smoke_experiment_end_to_end(tmp_path):
     [run_dir] = run_dirs(tmp_path, "smoke")
     rows = _summary(run_dir)
     header = list(rows[0])
-    assert header[:12] == ["algo", "dataset", "family", "round", "eta", "n_prompts", "samples", "pass@1", "maj@k",
-                           "avg_reward", "kl", "wall_s"]
+    assert header[:12] == [
+        "algo",
+        "dataset",
+        "family",
+        "round",
+        "eta",
+        "n_prompts",
+        "samples",
+        "pass@1",
+        "maj@k",
+        "avg_reward",
+        "kl",
+        "wall_s",
+    ]
     assert any(r["algo"] == "reference" for r in rows)
     assert (run_dir / "results" / "summary.md").is_file()
     assert (run_dir / "results" / "plots" / "accuracy.png").stat().st_size > 1000
@@ -34,7 +46,12 @@ def test_smoke_experiment_end_to_end(tmp_path):
 def test_default_reference_matches_analytic_pass_at_1(tmp_path):
     """The default goal-walk reference (400 teacher-forced steps) is the ideal random walk:
     its pass@1 equals E_s[1/|reach(s)|] on the evaluated prompts within ±0.03."""
-    args = [*only("reference"), "evaluation.max_prompts=400", "experiment.name=ref", "executor.progress=false"]
+    args = [
+        *only("reference"),
+        "evaluation.max_prompts=400",
+        "experiment.name=ref",
+        "executor.progress=false",
+    ]
     proc = run_cli(args, tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [row] = [r for r in _summary(run_dirs(tmp_path, "ref")[0]) if r["algo"] == "reference"]

@@ -25,9 +25,14 @@ def _wait_for(path: Path, timeout: float = 60) -> None:
 
 
 def _start(args, cwd, env):
-    return subprocess.Popen([sys.executable, str(ROOT / "run_parallel.py"), *args], cwd=cwd,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "run_parallel.py"), *args],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _pid_alive(pid: int) -> bool:
@@ -40,7 +45,11 @@ def _pid_alive(pid: int) -> bool:
 
 def test_sigkill_worker_mid_task_is_retried_and_run_succeeds(tmp_path, markers):
     victim = "reference.goal_walk.tiny.r0.evaluate.s00"
-    env = {"PITA_TEST_MARKERS": str(markers), "PITA_TEST_SLOW_TASK": victim, "PITA_TEST_SLOW_S": "2"}
+    env = {
+        "PITA_TEST_MARKERS": str(markers),
+        "PITA_TEST_SLOW_TASK": victim,
+        "PITA_TEST_SLOW_S": "2",
+    }
     proc = _start([*BASE, *REF, "experiment.name=killworker", *sleep_overrides()], tmp_path, env)
     started = markers / f"{victim}.started"
     _wait_for(started)
@@ -57,9 +66,15 @@ def test_sigkill_worker_mid_task_is_retried_and_run_succeeds(tmp_path, markers):
 
 
 def test_raising_stage_fails_its_chain_others_finish_exit_1(tmp_path, markers):
-    args = [*BASE, "experiment.name=raise", *only("reference", "QSharp", "PITA"),
-            *sleep_overrides("tests.fault_stages:failing_stage")]
-    proc = run_cli(args, tmp_path, {"PITA_TEST_FAIL_ALGO": "PITA", "PITA_TEST_MARKERS": str(markers)})
+    args = [
+        *BASE,
+        "experiment.name=raise",
+        *only("reference", "QSharp", "PITA"),
+        *sleep_overrides("tests.fault_stages:failing_stage"),
+    ]
+    proc = run_cli(
+        args, tmp_path, {"PITA_TEST_FAIL_ALGO": "PITA", "PITA_TEST_MARKERS": str(markers)}
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "deliberate failure" in proc.stdout and "resume_from=" in proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
@@ -70,13 +85,22 @@ def test_raising_stage_fails_its_chain_others_finish_exit_1(tmp_path, markers):
     assert final["PITA.goal_walk.tiny.r0.collect.s00"]["failure"] == "error"  # not retried
     assert final["PITA.goal_walk.tiny.r0.train"]["event"] == "task_skipped"
     assert len(list(markers.glob("PITA.goal_walk.tiny.r0.collect.s00.raised"))) == 1
-    log = (run_dir / "tasks" / "PITA.goal_walk.tiny.r0.collect.s00.attempt1.failed" / "log.txt").read_text()
+    log = (
+        run_dir / "tasks" / "PITA.goal_walk.tiny.r0.collect.s00.attempt1.failed" / "log.txt"
+    ).read_text()
     assert "ValueError: deliberate failure" in log
 
 
 def test_hung_worker_times_out(tmp_path):
-    args = [*BASE, *REF, "experiment.name=hang", "executor.task_timeout_s=2", "executor.max_retries=0",
-            *sleep_overrides(), "+executor.stage_overrides.reference.evaluate_merge=tests.fault_stages:hang_stage"]
+    args = [
+        *BASE,
+        *REF,
+        "experiment.name=hang",
+        "executor.task_timeout_s=2",
+        "executor.max_retries=0",
+        *sleep_overrides(),
+        "+executor.stage_overrides.reference.evaluate_merge=tests.fault_stages:hang_stage",
+    ]
     t0 = time.time()
     proc = run_cli(args, tmp_path, timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -87,8 +111,11 @@ def test_hung_worker_times_out(tmp_path):
 
 
 def test_sigkill_orchestrator_then_resume_redoes_nothing(tmp_path, markers):
-    env = {"PITA_TEST_MARKERS": str(markers), "PITA_TEST_SLOW_TASK": "QSharp.goal_walk.tiny.r0.train",
-           "PITA_TEST_SLOW_S": "30"}
+    env = {
+        "PITA_TEST_MARKERS": str(markers),
+        "PITA_TEST_SLOW_TASK": "QSharp.goal_walk.tiny.r0.train",
+        "PITA_TEST_SLOW_S": "30",
+    }
     args = [*BASE, "experiment.name=crash", *only("reference", "QSharp"), *sleep_overrides()]
     proc = _start(args, tmp_path, env)
     started = markers / "QSharp.goal_walk.tiny.r0.train.started"
@@ -103,8 +130,11 @@ def test_sigkill_orchestrator_then_resume_redoes_nothing(tmp_path, markers):
     [run_dir] = run_dirs(tmp_path, "crash")
     done_before = {e["task"] for e in journal(run_dir) if e["event"] == "task_done"}
     assert "pretrain.goal_walk.tiny" in done_before
-    resumed = run_cli(["resume_from=" + str(run_dir), "executor.progress=false"], tmp_path,
-                      {"PITA_TEST_MARKERS": str(markers)})
+    resumed = run_cli(
+        ["resume_from=" + str(run_dir), "executor.progress=false"],
+        tmp_path,
+        {"PITA_TEST_MARKERS": str(markers)},
+    )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     for tid in done_before:  # nothing that finished ran again
         assert len((markers / f"{tid}.started").read_text().splitlines()) == 1, tid
@@ -115,8 +145,11 @@ def test_sigkill_orchestrator_then_resume_redoes_nothing(tmp_path, markers):
 
 
 def test_ctrl_c_stops_workers_exits_130_and_is_resumable(tmp_path, markers):
-    env = {"PITA_TEST_MARKERS": str(markers), "PITA_TEST_SLOW_TASK": "pretrain.goal_walk.tiny",
-           "PITA_TEST_SLOW_S": "30"}
+    env = {
+        "PITA_TEST_MARKERS": str(markers),
+        "PITA_TEST_SLOW_TASK": "pretrain.goal_walk.tiny",
+        "PITA_TEST_SLOW_S": "30",
+    }
     proc = _start([*BASE, *REF, "experiment.name=ctrlc", *sleep_overrides()], tmp_path, env)
     started = markers / "pretrain.goal_walk.tiny.started"
     _wait_for(started)

@@ -302,8 +302,15 @@ def test_offline_error_is_one_clear_line(tmp_path):
     assert "offline" in lines[0] and "dataset.path=" in lines[0] and "star_graph" in lines[0]
 
 
-@pytest.mark.parametrize("a,b", [("\\sqrt3", "\\sqrt{3}"), ("\\frac{\\sqrt{3}}{2}", "\\sqrt3/2"),
-                                 ("2\\sqrt{3}", "\\sqrt{12}"), ("\\frac{1}{\\sqrt{2}}", "\\frac{\\sqrt2}{2}")])
+@pytest.mark.parametrize(
+    "a,b",
+    [
+        ("\\sqrt3", "\\sqrt{3}"),
+        ("\\frac{\\sqrt{3}}{2}", "\\sqrt3/2"),
+        ("2\\sqrt{3}", "\\sqrt{12}"),
+        ("\\frac{1}{\\sqrt{2}}", "\\frac{\\sqrt2}{2}"),
+    ],
+)
 def test_math_answers_equal_in_value_are_correct(a, b):
     assert is_correct(a, b) and is_correct(b, a)
 

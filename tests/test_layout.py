@@ -50,14 +50,24 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names if a.name.startswith("pita")]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("pita"):
-            out += [(node.lineno, node.module + ("." + a.name if node.module == "pita" else "")) for a in node.names]
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.level == 0
+            and node.module.startswith("pita")
+        ):
+            out += [
+                (node.lineno, node.module + ("." + a.name if node.module == "pita" else ""))
+                for a in node.names
+            ]
     return out
 
 
 def test_every_package_has_a_layer():
     packages = {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-    assert packages <= set(LAYER), f"give {sorted(packages - set(LAYER))} a layer in this test and its docstring"
+    assert packages <= set(LAYER), (
+        f"give {sorted(packages - set(LAYER))} a layer in this test and its docstring"
+    )
 
 
 def test_no_package_imports_upward():
@@ -68,15 +78,20 @@ def test_no_package_imports_upward():
         for line, module in _imports(path):
             target = _package_of(module)
             if target != source and LAYER[target] >= LAYER[source]:
-                violations.append(f"{path.relative_to(ROOT)}:{line}: pita.{source or '<root>'} imports {module}")
+                violations.append(
+                    f"{path.relative_to(ROOT)}:{line}: pita.{source or '<root>'} imports {module}"
+                )
     assert not violations, "upward or sideways imports:\n" + "\n".join(violations)
 
 
 def test_parent_side_imports_without_torch():
     """Every module of pita.core and pita.experiment imports with torch and transformers
     unavailable (the orchestrator never loads them; workers do)."""
-    modules = [".".join(p.relative_to(ROOT).with_suffix("").parts) for sub in ("core", "experiment")
-               for p in sorted((PKG / sub).glob("*.py"))]
+    modules = [
+        ".".join(p.relative_to(ROOT).with_suffix("").parts)
+        for sub in ("core", "experiment")
+        for p in sorted((PKG / sub).glob("*.py"))
+    ]
     code = (
         "import sys\n"
         "for name in ('torch', 'transformers', 'trl', 'accelerate', 'datasets'):\n"
@@ -86,7 +101,9 @@ def test_parent_side_imports_without_torch():
         "    importlib.import_module(m)\n"
         "print('ok', len(sys.modules))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("ok")
 
@@ -106,12 +123,17 @@ def test_every_stage_entry_point_says_what_it_reads_and_writes():
 
     from pita.algos.registry import ALGORITHMS, EXTRA_FUNCTIONS, SHARED_FUNCTIONS
 
-    dotted = {*SHARED_FUNCTIONS.values(), *EXTRA_FUNCTIONS.values(),
-              *(f for a in ALGORITHMS.values() for f in a.functions.values())}
+    dotted = {
+        *SHARED_FUNCTIONS.values(),
+        *EXTRA_FUNCTIONS.values(),
+        *(f for a in ALGORITHMS.values() for f in a.functions.values()),
+    }
     missing = []
     for d in sorted(dotted):
         module, _, name = d.partition(":")
         doc = getattr(importlib.import_module(module), name).__doc__ or ""
         if "Reads:" not in doc and "Writes" not in doc and "as `" not in doc:
             missing.append(d)
-    assert not missing, f"stage entry points without a docstring saying what they read and write: {missing}"
+    assert not missing, (
+        f"stage entry points without a docstring saying what they read and write: {missing}"
+    )

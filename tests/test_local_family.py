@@ -17,10 +17,27 @@ from tests.conftest import ALGOS, run_cli, run_dirs
 def _trl_args(config_cls, tmp_path, **extra):
     """A minimal CPU config for one TRL step (fp32, no checkpointing, no reporting)."""
     names = {f.name for f in dataclasses.fields(config_cls)}
-    ckpt = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
-    return config_cls(output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=4, max_steps=1,
-                      learning_rate=1e-3, use_cpu=True, bf16=False, fp16=False, report_to="none",
-                      save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, **{ckpt: False}, **extra)
+    ckpt = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in names
+        else "gradient_checkpointing"
+    )
+    return config_cls(
+        output_dir=str(tmp_path / "trainer"),
+        per_device_train_batch_size=4,
+        max_steps=1,
+        learning_rate=1e-3,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+        **{ckpt: False},
+        **extra,
+    )
 
 
 def _random_ids(rng: random.Random, tok, n: int) -> list[int]:
@@ -29,7 +46,9 @@ def _random_ids(rng: random.Random, tok, n: int) -> list[int]:
 
 
 def _not_round_tripping(tok, ids_list) -> int:
-    return sum(tok(tok.decode(ids), add_special_tokens=False)["input_ids"] != list(ids) for ids in ids_list)
+    return sum(
+        tok(tok.decode(ids), add_special_tokens=False)["input_ids"] != list(ids) for ids in ids_list
+    )
 
 
 def test_dpo_trains_on_the_sampled_token_ids(local_family, tmp_path):
@@ -43,18 +62,33 @@ def test_dpo_trains_on_the_sampled_token_ids(local_family, tmp_path):
 
     tok = load_tokenizer(str(local_family.reference))
     rng = random.Random(0)
-    records = [{"example": i, "prompt": tok("Ann has 3 apples.")["input_ids"], "chosen": _random_ids(rng, tok, 6),
-                "rejected": _random_ids(rng, tok, 5) + [tok.eos_token_id]} for i in range(8)]
-    assert _not_round_tripping(tok, [r["chosen"] for r in records]) >= 6  # text would change most of them
+    records = [
+        {
+            "example": i,
+            "prompt": tok("Ann has 3 apples.")["input_ids"],
+            "chosen": _random_ids(rng, tok, 6),
+            "rejected": _random_ids(rng, tok, 5) + [tok.eos_token_id],
+        }
+        for i in range(8)
+    ]
+    assert (
+        _not_round_tripping(tok, [r["chosen"] for r in records]) >= 6
+    )  # text would change most of them
     ids = pairs_as_ids(records, tok.eos_token_id)
-    assert ids["chosen_ids"][0] == records[0]["chosen"] + [tok.eos_token_id]  # EOS added where missing
+    assert ids["chosen_ids"][0] == records[0]["chosen"] + [
+        tok.eos_token_id
+    ]  # EOS added where missing
     assert ids["rejected_ids"][0] == records[0]["rejected"]  # never twice
 
     policy, ref = (load_causal_lm(str(local_family.reference), dtype="float32") for _ in range(2))
     before = {k: v.clone() for k, v in policy.named_parameters()}
-    trainer = token_dpo_trainer()(model=policy, ref_model=ref, args=_trl_args(DPOConfig, tmp_path, beta=0.1,
-                                                                             max_length=None),
-                                  train_dataset=Dataset.from_dict(ids), processing_class=tok)
+    trainer = token_dpo_trainer()(
+        model=policy,
+        ref_model=ref,
+        args=_trl_args(DPOConfig, tmp_path, beta=0.1, max_length=None),
+        train_dataset=Dataset.from_dict(ids),
+        processing_class=tok,
+    )
     check_token_dataset(trainer.train_dataset, ids)  # the trainer holds our ids, unchanged
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
     row = batch["input_ids"][0][batch["attention_mask"][0].bool()].tolist()
@@ -86,7 +120,9 @@ def test_grpo_generates_from_the_prompt_ids(local_family, tmp_path):
     generate = policy.generate
 
     def recording_generate(*args, input_ids=None, attention_mask=None, **kwargs):
-        seen_prompts.extend(ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask))
+        seen_prompts.extend(
+            ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)
+        )
         return generate(*args, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
     policy.generate = recording_generate
@@ -98,8 +134,12 @@ def test_grpo_generates_from_the_prompt_ids(local_family, tmp_path):
 
     args = _trl_args(GRPOConfig, tmp_path, num_generations=2, max_completion_length=4, beta=0.0)
     trainer = token_grpo_trainer([e.prompt_ids for e in examples])(
-        model=policy, reward_funcs=reward, args=args, train_dataset=prompt_dataset(examples, tok),
-        processing_class=tok)
+        model=policy,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=prompt_dataset(examples, tok),
+        processing_class=tok,
+    )
     trainer.train()
     assert seen_prompts and all(p in [e.prompt_ids for e in examples] for p in seen_prompts)
     assert {i for i, _ in rewarded} <= set(range(4)) and len(rewarded) == len(seen_prompts)
@@ -113,8 +153,14 @@ def _summary(run_dir):
 def local_run_args(family, *extra: str, dataset: str = "gsm8k") -> list[str]:
     """Every algorithm at toy sizes on the local family: 8 training prompts, 4 samples each,
     4 test prompts x 2 samples, 12 new tokens, a few optimizer steps, one round."""
-    sizes = ["evaluation.num_samples=2", "evaluation.etas=[0.0,5.0]", "data_collection.samples_per_example=4",
-             "data_collection.max_examples=8", "executor.progress=false", "experiment.name=local"]
+    sizes = [
+        "evaluation.num_samples=2",
+        "evaluation.etas=[0.0,5.0]",
+        "data_collection.samples_per_example=4",
+        "data_collection.max_examples=8",
+        "executor.progress=false",
+        "experiment.name=local",
+    ]
     per_algo = []
     for algo in ALGOS[1:]:
         per_algo.append(f"algos.{algo}.enabled=true")
@@ -123,10 +169,19 @@ def local_run_args(family, *extra: str, dataset: str = "gsm8k") -> list[str]:
     for algo in ("PITA", "QSharp", "QSharp-HF"):
         per_algo += [f"algos.{algo}.steps=4", f"algos.{algo}.batch_size=16"]
     for algo in ("GRPO", "GRPO-HF"):
-        per_algo += [f"algos.{algo}.steps=2", f"algos.{algo}.batch_size=8", f"algos.{algo}.num_generations=4"]
-    per_algo += ["algos.DPO.epochs=1", "algos.DPO.batch_size=8", "algos.RPO.epochs=1", "algos.RPO.batch_size=8",
-                 "algos.QSharp-HF.reward_epochs=1",
-                 "algos.GRPO-HF.reward_epochs=1"]
+        per_algo += [
+            f"algos.{algo}.steps=2",
+            f"algos.{algo}.batch_size=8",
+            f"algos.{algo}.num_generations=4",
+        ]
+    per_algo += [
+        "algos.DPO.epochs=1",
+        "algos.DPO.batch_size=8",
+        "algos.RPO.epochs=1",
+        "algos.RPO.batch_size=8",
+        "algos.QSharp-HF.reward_epochs=1",
+        "algos.GRPO-HF.reward_epochs=1",
+    ]
     return [*family.overrides(dataset), *sizes, *per_algo, *extra]
 
 
@@ -138,20 +193,33 @@ def test_every_algorithm_runs_on_the_local_family(local_family, tmp_path, datase
     (scored by the family's sequence-classification reward model): every expected row
     exists, every number is finite, and the rows are comparable (the η = 0 guided rows are
     π_ref under the guided rule: KL 0, with a reference row under the same rule)."""
-    proc = run_cli(local_run_args(local_family, "model.device_map=auto", dataset=dataset), tmp_path, timeout=600)
+    proc = run_cli(
+        local_run_args(local_family, "model.device_map=auto", dataset=dataset),
+        tmp_path,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [run_dir] = run_dirs(tmp_path, "local")
     rows = _summary(run_dir)
     got = {(r["algo"], r["eta"], r["sampling"]) for r in rows}
     guided = "top-2, T=1"
     expected = {("reference", "0.0", "full, T=1"), ("reference", "0.0", guided)}
-    expected |= {(a, eta, guided) for a in ("PITA", "QSharp", "QSharp-HF") for eta in ("0.0", "5.0")}
+    expected |= {
+        (a, eta, guided) for a in ("PITA", "QSharp", "QSharp-HF") for eta in ("0.0", "5.0")
+    }
     expected |= {(a, "", "full, T=1") for a in ("DPO", "RPO", "GRPO", "GRPO-HF")}
     assert got == expected, got
     assert len(rows) == len(expected)
     for r in rows:
         assert r["dataset"] == dataset and r["family"] == "local" and r["n_prompts"] == "4", r
-        for key in ("pass@1", "maj@k", "avg_reward", "kl", "wall_s", *(["has_answer"] if dataset == "gsm8k" else [])):
+        for key in (
+            "pass@1",
+            "maj@k",
+            "avg_reward",
+            "kl",
+            "wall_s",
+            *(["has_answer"] if dataset == "gsm8k" else []),
+        ):
             assert math.isfinite(float(r[key])), (key, r)
     for r in rows:
         if r["algo"] == "reference" or r["eta"] == "0.0":  # π_ref under its own rule
@@ -176,18 +244,29 @@ def test_eta_zero_guided_row_is_the_reference_row_under_the_guided_rule(local_fa
     from pita.models.loading import load_causal_lm, load_tokenizer
     from pita.stages.evaluate import eval_policies
 
-    cfg = OmegaConf.create({
-        "generation": {"top_k": 0, "temperature": 0.7, "top_p": 1.0}, "evaluation": {"etas": [0.0]},  # η > 0 would load a value model
-        "algos": {"QSharp": {"enabled": True, "guidance": {"top_k": 3}},
-                  "PITA": {"enabled": False, "guidance": {"top_k": 5}}}})
+    cfg = OmegaConf.create(
+        {
+            "generation": {"top_k": 0, "temperature": 0.7, "top_p": 1.0},
+            "evaluation": {"etas": [0.0]},  # η > 0 would load a value model
+            "algos": {
+                "QSharp": {"enabled": True, "guidance": {"top_k": 3}},
+                "PITA": {"enabled": False, "guidance": {"top_k": 5}},
+            },
+        }
+    )
     ref = load_causal_lm(str(local_family.reference), dtype="float32")
     tok = load_tokenizer(str(local_family.reference))
 
     def ctx(algo):
-        return SimpleNamespace(task=SimpleNamespace(algo=algo), cfg=cfg, input=lambda name: local_family.guide)
+        return SimpleNamespace(
+            task=SimpleNamespace(algo=algo), cfg=cfg, input=lambda name: local_family.guide
+        )
 
     reference_rows = eval_policies(ctx("reference"), ref)
-    assert [p.rule.label for p in reference_rows] == ["full, T=0.7", "top-3, T=0.7"]  # PITA is disabled
+    assert [p.rule.label for p in reference_rows] == [
+        "full, T=0.7",
+        "top-3, T=0.7",
+    ]  # PITA is disabled
     eta0 = [p for p in eval_policies(ctx("QSharp"), ref) if p.eta == 0.0]
     assert len(eta0) == 1 and eta0[0].hook_factory is None and eta0[0].is_reference
     assert eta0[0].rule == reference_rows[1].rule
@@ -195,19 +274,37 @@ def test_eta_zero_guided_row_is_the_reference_row_under_the_guided_rule(local_fa
     prompts = [tok(f"Bob has {n} cups.")["input_ids"] for n in range(6)]
 
     def sample(policy):
-        return generate(policy.model, prompts, max_new_tokens=8, batch_size=3, pad_token_id=tok.pad_token_id,
-                        eos_token_id=tok.eos_token_id, generator=torch.Generator().manual_seed(5),
-                        offset_hook_factory=policy.hook_factory, **policy.rule.kwargs())
+        return generate(
+            policy.model,
+            prompts,
+            max_new_tokens=8,
+            batch_size=3,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            generator=torch.Generator().manual_seed(5),
+            offset_hook_factory=policy.hook_factory,
+            **policy.rule.kwargs(),
+        )
 
     a, b = sample(eta0[0]), sample(reference_rows[1])
     assert a.responses == b.responses and a.logprobs == b.logprobs
     full = sample(reference_rows[0])
     assert full.responses != a.responses  # the full distribution is another row
 
-    forced = sequence_logprobs(ref, prompts, a.responses, batch_size=6, pad_token_id=tok.pad_token_id,
-                               **eta0[0].rule.kwargs())
+    forced = sequence_logprobs(
+        ref,
+        prompts,
+        a.responses,
+        batch_size=6,
+        pad_token_id=tok.pad_token_id,
+        **eta0[0].rule.kwargs(),
+    )
     for x, y in zip(forced, a.logprobs):
         assert x == pytest.approx(y, abs=1e-4)
     assert all(len(r) == 8 or r[-1] == tok.eos_token_id for r in a.responses)
-    plain = sequence_logprobs(ref, prompts, a.responses, batch_size=6, pad_token_id=tok.pad_token_id)
-    assert sum(map(sum, plain)) < sum(map(sum, forced))  # the full distribution spreads mass off the top-3
+    plain = sequence_logprobs(
+        ref, prompts, a.responses, batch_size=6, pad_token_id=tok.pad_token_id
+    )
+    assert sum(map(sum, plain)) < sum(
+        map(sum, forced)
+    )  # the full distribution spreads mass off the top-3

@@ -157,5 +157,7 @@ def test_no_torch_import_at_module_level() -> None:
     import subprocess
     import sys
 
-    code = "import sys, pita.runtime.oom, pita.runtime.batch_size; assert 'torch' not in sys.modules"
+    code = (
+        "import sys, pita.runtime.oom, pita.runtime.batch_size; assert 'torch' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

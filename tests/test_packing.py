@@ -18,14 +18,33 @@ from pita.core.tasks import TaskSpec
 from pita.experiment import estimates
 from tests.conftest import journal, only, run_cli, run_dirs
 
-STAGES = ("pretrain", "collect", "collect_merge", "reward_model", "train", "evaluate", "evaluate_merge")
+STAGES = (
+    "pretrain",
+    "collect",
+    "collect_merge",
+    "reward_model",
+    "train",
+    "evaluate",
+    "evaluate_merge",
+)
 FAKE_8GB = 8 * 1024
 
 
 def _task(tid, mem=1000, prio=1.0, stage="collect", rnd=0, deps=(), algo="QSharp"):
-    return TaskSpec(id=tid, algo=algo, dataset="goal_walk", family="tiny", round=rnd, stage=stage, fn="x:y",
-                    mem_mb=mem, priority=prio, deps=list(deps), family_cfg={"name": "tiny"},
-                    dataset_cfg={"name": "goal_walk"})
+    return TaskSpec(
+        id=tid,
+        algo=algo,
+        dataset="goal_walk",
+        family="tiny",
+        round=rnd,
+        stage=stage,
+        fn="x:y",
+        mem_mb=mem,
+        priority=prio,
+        deps=list(deps),
+        family_cfg={"name": "tiny"},
+        dataset_cfg={"name": "goal_walk"},
+    )
 
 
 def _fake_8gb(max_tasks=8):
@@ -46,9 +65,14 @@ def test_auto_packs_gpus_and_keeps_cpu_slots_at_one_task():
 def test_thread_budget_is_cores_over_concurrent_workers():
     assert thread_budget("cuda", 1, 8, cores=16) == 2
     assert thread_budget("cuda", 8, 8, cores=16) == 1  # never 0
-    assert thread_budget("cpu", 2, 1, threads_per_worker=3, cores=16) == 3  # CPU mode: as configured
+    assert (
+        thread_budget("cpu", 2, 1, threads_per_worker=3, cores=16) == 3
+    )  # CPU mode: as configured
     env = thread_env(4)
-    assert env["OMP_NUM_THREADS"] == env["PITA_TORCH_THREADS"] == "4" and env["PITA_DATALOADER_WORKERS"] == "3"
+    assert (
+        env["OMP_NUM_THREADS"] == env["PITA_TORCH_THREADS"] == "4"
+        and env["PITA_DATALOADER_WORKERS"] == "3"
+    )
 
 
 def test_default_and_bad_max_tasks_per_gpu(tmp_path):
@@ -64,7 +88,9 @@ def test_default_and_bad_max_tasks_per_gpu(tmp_path):
 
 def test_tasks_fit_or_wait_on_a_fake_8gb_device():
     s = _fake_8gb()
-    placed = s.place([_task("a", 3000, 5), _task("b", 3000, 4), _task("c", 3000, 3), _task("d", 1000, 2)])
+    placed = s.place(
+        [_task("a", 3000, 5), _task("b", 3000, 4), _task("c", 3000, 3), _task("d", 1000, 2)]
+    )
     assert [t.id for t, _ in placed] == ["a", "b", "d"]  # c (3 GB) would exceed 8 GB; d (1 GB) fits
     assert s.available_mb(s.devices[0]) == FAKE_8GB - 7000
     s.release("a")
@@ -150,11 +176,20 @@ def test_packing_tasks_whose_real_peaks_exceed_the_device_is_held_back_by_admiss
         return p
 
     learned = _PeakExecutor(real_mb=5000)
-    runner = DagRunner(plan(), learned, _fake_8gb(), cfg_dict={}, run_dir="unused",
-                       estimator=estimates.PeakEstimator(CFG))
+    runner = DagRunner(
+        plan(),
+        learned,
+        _fake_8gb(),
+        cfg_dict={},
+        run_dir="unused",
+        estimator=estimates.PeakEstimator(CFG),
+    )
     assert runner.run().ok
     assert learned.max_running == 1 and learned.max_in_use <= FAKE_8GB
-    assert runner.plan.tasks["next4"].mem_mb == int(5000 * estimates.PEAK_MARGIN) + estimates.WORKER_OVERHEAD_MB
+    assert (
+        runner.plan.tasks["next4"].mem_mb
+        == int(5000 * estimates.PEAK_MARGIN) + estimates.WORKER_OVERHEAD_MB
+    )
 
     control = _PeakExecutor(real_mb=5000)
     assert DagRunner(plan(), control, _fake_8gb(), cfg_dict={}, run_dir="unused").run().ok
@@ -171,12 +206,18 @@ def test_a_recorded_peak_feeds_the_next_estimate_and_the_cache(tmp_path):
     assert peaks.observe(done, {"peak_gpu_mb": 2048.0})
     assert not peaks.observe(done, {})  # CPU: nothing measured, nothing learned
     mb, source = estimates.estimate(later, CFG, peaks=peaks)
-    assert mb == int(2048 * estimates.PEAK_MARGIN) + estimates.WORKER_OVERHEAD_MB and done.id in source
+    assert (
+        mb == int(2048 * estimates.PEAK_MARGIN) + estimates.WORKER_OVERHEAD_MB and done.id in source
+    )
     assert peaks.refine(other) is None  # another stage learns nothing from it
     again = estimates.PeakEstimator(CFG, cache)  # the next run reads the cache
     assert again.refine(later)[0] == mb and "cached peak" in again.refine(later)[1]
-    changed = OmegaConf.create({"generation": {"batch_size": 512}, "algos": {"QSharp": {"batch_size": 256}}})
-    assert estimates.PeakEstimator(changed, cache).refine(later) is None  # other batch size: other key
+    changed = OmegaConf.create(
+        {"generation": {"batch_size": 512}, "algos": {"QSharp": {"batch_size": 256}}}
+    )
+    assert (
+        estimates.PeakEstimator(changed, cache).refine(later) is None
+    )  # other batch size: other key
 
 
 def test_resume_learns_from_result_json_of_finished_tasks(tmp_path):
@@ -195,8 +236,15 @@ def test_resume_learns_from_result_json_of_finished_tasks(tmp_path):
 def _save_tiny_llama(folder):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     model = LlamaForCausalLM(config)
     model.save_pretrained(folder)
     return sum(p.numel() for p in model.parameters()), model
@@ -207,19 +255,47 @@ def test_estimate_reads_a_saved_checkpoint_without_loading_it(tmp_path):
     n_params, model = _save_tiny_llama(folder)
     size = estimates.checkpoint_size(str(folder))
     tied = model.config.tie_word_embeddings
-    assert size is not None and size.params == n_params - (0 if not tied else model.lm_head.weight.numel())
+    assert size is not None and size.params == n_params - (
+        0 if not tied else model.lm_head.weight.numel()
+    )
     assert size.weight_bytes == size.params * 4  # float32 as saved
     assert size.config.num_key_value_heads == 2 and size.config.num_hidden_layers == 2
     assert estimates.checkpoint_size(str(folder), "bfloat16").weight_bytes == size.params * 2
 
-    family = {"name": "custom", "reference": str(folder), "guide": str(folder), "memory_gb": 0.5, "dtype": "auto"}
-    cfg = OmegaConf.create({"generation": {"batch_size": 64, "max_new_tokens": 0},
-                            "training": {"micro_batch_size": 4}, "algos": {"DPO": {"batch_size": 8}}})
-    collect = TaskSpec(id="DPO.gsm8k.custom.r0.collect.s00", algo="DPO", dataset="gsm8k", family="custom",
-                       round=0, stage="collect", fn="x:y", mem_mb=512, family_cfg=family,
-                       dataset_cfg={"name": "gsm8k", "max_prompt_tokens": 512, "max_new_tokens": 512})
-    train = TaskSpec(**{**collect.to_dict(), "id": "DPO.gsm8k.custom.r0.train", "stage": "train",
-                        "shard_range": (0.0, 1.0)})
+    family = {
+        "name": "custom",
+        "reference": str(folder),
+        "guide": str(folder),
+        "memory_gb": 0.5,
+        "dtype": "auto",
+    }
+    cfg = OmegaConf.create(
+        {
+            "generation": {"batch_size": 64, "max_new_tokens": 0},
+            "training": {"micro_batch_size": 4},
+            "algos": {"DPO": {"batch_size": 8}},
+        }
+    )
+    collect = TaskSpec(
+        id="DPO.gsm8k.custom.r0.collect.s00",
+        algo="DPO",
+        dataset="gsm8k",
+        family="custom",
+        round=0,
+        stage="collect",
+        fn="x:y",
+        mem_mb=512,
+        family_cfg=family,
+        dataset_cfg={"name": "gsm8k", "max_prompt_tokens": 512, "max_new_tokens": 512},
+    )
+    train = TaskSpec(
+        **{
+            **collect.to_dict(),
+            "id": "DPO.gsm8k.custom.r0.train",
+            "stage": "train",
+            "shard_range": (0.0, 1.0),
+        }
+    )
     mb_collect, source = estimates.estimate(collect, cfg)
     assert source.startswith("size: config.json of")
     weights_mb = size.weight_bytes / 2**20
@@ -232,8 +308,13 @@ def test_estimate_reads_a_saved_checkpoint_without_loading_it(tmp_path):
 
 
 def test_a_hub_family_of_unknown_size_never_gets_a_flat_half_gigabyte():
-    family = {"name": "custom", "reference": "nobody/unknown-model", "guide": "nobody/unknown-model",
-              "memory_gb": 0.5, "dtype": "auto"}
+    family = {
+        "name": "custom",
+        "reference": "nobody/unknown-model",
+        "guide": "nobody/unknown-model",
+        "memory_gb": 0.5,
+        "dtype": "auto",
+    }
     t = _task("DPO.gsm8k.custom.r0.collect.s00", mem=512)
     t.family, t.family_cfg, t.algo = "custom", family, "DPO"
     mb, source = estimates.estimate(t, CFG, device_mb=[80 * 1024])
@@ -252,14 +333,27 @@ def test_packed_workers_on_a_fake_gpu_share_the_cores(tmp_path):
     cap = max_tasks_per_device("auto", "fake", 1)
     if cap < 2:
         pytest.skip("one core: auto admits one task per device")
-    overrides = [f"+executor.stage_overrides.any.{s}=tests.packing_stages:threads_stage" for s in STAGES]
-    r = run_cli(['system.devices="fake:[8GB]"', "experiment.name=packed", *only("reference", "DPO"),
-                 "executor.progress=false", *overrides], tmp_path, env={"PITA_TEST_SLEEP": "1.0"})
+    overrides = [
+        f"+executor.stage_overrides.any.{s}=tests.packing_stages:threads_stage" for s in STAGES
+    ]
+    r = run_cli(
+        [
+            'system.devices="fake:[8GB]"',
+            "experiment.name=packed",
+            *only("reference", "DPO"),
+            "executor.progress=false",
+            *overrides,
+        ],
+        tmp_path,
+        env={"PITA_TEST_SLEEP": "1.0"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     [run_dir] = run_dirs(tmp_path, "packed")
     budget = str(thread_budget("fake", 1, cap, cores=host_cores()))
     results = [json.loads(p.read_text()) for p in run_dir.glob("tasks/*/result.json")]
-    assert results and all(res["torch_threads"] == int(budget) and res["omp"] == budget for res in results)
+    assert results and all(
+        res["torch_threads"] == int(budget) and res["omp"] == budget for res in results
+    )
     events = journal(run_dir)
     running, most = 0, 0
     for e in events:

@@ -25,15 +25,29 @@ from pita.models.placement import (
 
 def llama_8b() -> LlamaConfig:
     """meta-llama/Llama-3.1-8B's architecture (no download)."""
-    return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
-                       tie_word_embeddings=False)
+    return LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+    )
 
 
 def llama_1b() -> LlamaConfig:
     """meta-llama/Llama-3.2-1B's architecture (tied embeddings)."""
-    return LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                       num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True)
+    return LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    )
 
 
 def test_max_memory_keeps_a_reserve_per_device():
@@ -65,36 +79,67 @@ def test_device_map_of_llama_1b_over_two_gpus_is_balanced():
     assert sum(p.layers.values()) == 16 and set(p.layers) == {0, 1}
     assert abs(p.layers[0] - p.layers[1]) <= 4  # balanced, not GPU 0 first
     assert p.device_map["lm_head"] == p.device_map["model.embed_tokens"]  # tied: one copy
-    assert p.log_line() == f"Layer distribution: GPU 0: {p.layers[0]} layers, GPU 1: {p.layers[1]} layers"
+    assert (
+        p.log_line()
+        == f"Layer distribution: GPU 0: {p.layers[0]} layers, GPU 1: {p.layers[1]} layers"
+    )
 
 
 def test_a_model_that_does_not_fit_is_refused_unless_offload_is_allowed():
-    with pytest.raises(ValueError, match=r"does not fit in max_memory .*gpus_per_task.*-8bit / -4bit"):
+    with pytest.raises(
+        ValueError, match=r"does not fit in max_memory .*gpus_per_task.*-8bit / -4bit"
+    ):
         infer_placement(llama_8b(), {0: "3GiB", 1: "3GiB"}, "bfloat16")
-    p = infer_placement(llama_8b(), {0: "3GiB", 1: "3GiB", "cpu": "64GiB"}, "bfloat16", allow_offload=True)
+    p = infer_placement(
+        llama_8b(), {0: "3GiB", 1: "3GiB", "cpu": "64GiB"}, "bfloat16", allow_offload=True
+    )
     assert "cpu" in set(p.device_map.values()) and sum(p.layers.values()) == 32
 
 
 def test_quantized_sizes_shrink_the_map():
-    assert estimate_model_bytes(llama_1b(), "4bit") < estimate_model_bytes(llama_1b(), "8bit") \
+    assert (
+        estimate_model_bytes(llama_1b(), "4bit")
+        < estimate_model_bytes(llama_1b(), "8bit")
         < estimate_model_bytes(llama_1b(), "bfloat16")
-    p = infer_placement(llama_8b(), {0: "6GiB", 1: "6GiB"}, "8bit")  # 8 GB in int8 fits on 2 x 6 GiB
+    )
+    p = infer_placement(
+        llama_8b(), {0: "6GiB", 1: "6GiB"}, "8bit"
+    )  # 8 GB in int8 fits on 2 x 6 GiB
     assert sum(p.layers.values()) == 32
 
 
 def test_layer_distribution_resolves_parents_and_counts_blocks():
     assert layer_distribution({"": 0}, 16, "model.layers") == {0: 16}
-    dm = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "model.layers.2": 1, "lm_head": 1}
+    dm = {
+        "model.embed_tokens": 0,
+        "model.layers.0": 0,
+        "model.layers.1": 1,
+        "model.layers.2": 1,
+        "lm_head": 1,
+    }
     assert layer_distribution(dm) == {0: 1, 1: 2}
-    assert layer_distribution({"model.embed_tokens": 1, "model.layers": 0, "lm_head": 1}, 4, "model.layers") == {0: 4}
-    assert layer_distribution_line({0: 1, "cpu": 2}) == "Layer distribution: GPU 0: 1 layer, CPU: 2 layers"
+    assert layer_distribution(
+        {"model.embed_tokens": 1, "model.layers": 0, "lm_head": 1}, 4, "model.layers"
+    ) == {0: 4}
+    assert (
+        layer_distribution_line({0: 1, "cpu": 2})
+        == "Layer distribution: GPU 0: 1 layer, CPU: 2 layers"
+    )
 
 
 def test_models_go_largest_first_to_the_gpu_with_most_free_memory():
     models = [("guide", 2 * GiB), ("reference", 8 * GiB), ("reward", 16 * GiB)]
     # reward -> GPU 0 (24 free, 8 left); reference -> GPU 1 (20 free, 12 left); guide -> GPU 1 (12 > 8)
-    assert place_models_on_gang(models, [24 * GiB, 20 * GiB]) == {"guide": 1, "reference": 1, "reward": 0}
-    assert list(place_models_on_gang(models, [24 * GiB, 20 * GiB])) == ["guide", "reference", "reward"]
+    assert place_models_on_gang(models, [24 * GiB, 20 * GiB]) == {
+        "guide": 1,
+        "reference": 1,
+        "reward": 0,
+    }
+    assert list(place_models_on_gang(models, [24 * GiB, 20 * GiB])) == [
+        "guide",
+        "reference",
+        "reward",
+    ]
     assert place_models_on_gang([("a", GiB), ("b", GiB)], [10 * GiB, 10 * GiB]) == {"a": 0, "b": 1}
 
 
@@ -106,7 +151,9 @@ def test_a_model_larger_than_any_gpu_is_sharded_over_the_gang():
     assert set(plan.auto_max_memory["reward-70b"]) == {0, 1, 2, 3}
     assert sum(plan.free_after) == 4 * 80 * GiB - (140 + 16 + 2) * GiB
     assert any("sharded over the gang" in line for line in plan.log_lines())
-    with pytest.raises(ValueError, match=r"needs 400.0 GiB but the gang has 160.0 GiB free.*gpus_per_task"):
+    with pytest.raises(
+        ValueError, match=r"needs 400.0 GiB but the gang has 160.0 GiB free.*gpus_per_task"
+    ):
         place_models_on_gang([("huge", 400 * GiB)], [80 * GiB, 80 * GiB])
 
 
@@ -129,20 +176,33 @@ def test_a_quantized_alias_on_cpu_fails_with_one_clear_line(alias):
     family = resolve_family(alias)
     quant = alias.rsplit("-", 1)[1]
     assert family.quantization == quant
-    for load in (lambda: load_causal_lm(family.guide, device="cpu", quantization=family.quantization),
-                 lambda: load_on_gang(family.guide, quantization=family.quantization)):
+    for load in (
+        lambda: load_causal_lm(family.guide, device="cpu", quantization=family.quantization),
+        lambda: load_on_gang(family.guide, quantization=family.quantization),
+    ):
         with pytest.raises(RuntimeError) as err:
             load()
         message = str(err.value)
         assert "\n" not in message
-        assert f"-{quant} needs CUDA + bitsandbytes" in message and f"drop the -{quant} suffix" in message
+        assert (
+            f"-{quant} needs CUDA + bitsandbytes" in message
+            and f"drop the -{quant} suffix" in message
+        )
 
 
 def llama_70b_judge() -> LlamaConfig:
     """A Llama-3.1-70B-sized reward model (sequence classification, one output)."""
-    return LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                       num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, num_labels=1,
-                       architectures=["LlamaForSequenceClassification"])
+    return LlamaConfig(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        num_labels=1,
+        architectures=["LlamaForSequenceClassification"],
+    )
 
 
 def test_a_70b_judge_gets_a_gang_of_fake_gpus_and_a_device_map_over_it(local_family):
@@ -161,8 +221,14 @@ def test_a_70b_judge_gets_a_gang_of_fake_gpus_and_a_device_map_over_it(local_fam
     gang = gpus_needed(weights, device)  # 1.2 x weights for activations and the CUDA context
     assert gang == 4
 
-    cfg = compose_config([*only("reference"), *local_family.overrides(), "model.device_map=auto",
-                          f"model.memory_gb={weights * 1.2 / 2**30:.1f}"])
+    cfg = compose_config(
+        [
+            *only("reference"),
+            *local_family.overrides(),
+            "model.device_map=auto",
+            f"model.memory_gb={weights * 1.2 / 2**30:.1f}",
+        ]
+    )
     plan = plan_experiment(cfg, 8, device_mb=[device // 2**20] * 8)
     evaluate = [t for t in plan.tasks.values() if t.stage == "evaluate"]
     assert evaluate and all(t.gpus == gang for t in evaluate)  # the planner sizes the same gang
@@ -171,13 +237,18 @@ def test_a_70b_judge_gets_a_gang_of_fake_gpus_and_a_device_map_over_it(local_fam
     assert set(placement.layers) == {0, 1, 2, 3} and sum(placement.layers.values()) == 80
     assert set(placement.device_map.values()) <= {0, 1, 2, 3}  # no cpu / disk
     assert max(placement.layers.values()) - min(placement.layers.values()) <= 3  # balanced
-    assert all(b <= 0.9 * device for b in placement.bytes_per_device.values())  # 10 % kept back per GPU
+    assert all(
+        b <= 0.9 * device for b in placement.bytes_per_device.values()
+    )  # 10 % kept back per GPU
     assert placement.device_map["score"] in range(4)  # the judge's head is placed too
     line = placement.log_line()
     assert line.startswith("Layer distribution: GPU 0: ") and line.count("layers") == 4
     with pytest.raises(ValueError, match="does not fit in max_memory"):
         gang_placement(llama_70b_judge(), [device] * (gang - 1), dtype="bfloat16")
-    assert set(gang_placement(llama_70b_judge(), [device] * 2, dtype="4bit").layers) <= {0, 1}  # -4bit: fewer GPUs
+    assert set(gang_placement(llama_70b_judge(), [device] * 2, dtype="4bit").layers) <= {
+        0,
+        1,
+    }  # -4bit: fewer GPUs
 
 
 def test_stage_models_load_through_the_placement_code(local_family, caplog):
@@ -187,10 +258,23 @@ def test_stage_models_load_through_the_placement_code(local_family, caplog):
 
     from pita.models.placement import load_stage_lm, placement_lines
 
-    fam = {"name": "local", "reference": str(local_family.reference), "guide": str(local_family.guide),
-           "dtype": "float32", "device_map": "auto"}
+    fam = {
+        "name": "local",
+        "reference": str(local_family.reference),
+        "guide": str(local_family.guide),
+        "dtype": "float32",
+        "device_map": "auto",
+    }
     model = load_stage_lm(fam["reference"], family="local", family_cfg=fam, device="cpu")
-    assert next(model.parameters()).device.type == "cpu" and next(model.parameters()).dtype == torch.float32
+    assert (
+        next(model.parameters()).device.type == "cpu"
+        and next(model.parameters()).dtype == torch.float32
+    )
     assert placement_lines(model, "reference") == []  # nothing sharded on a CPU
     with pytest.raises(RuntimeError, match=r"-8bit needs CUDA \+ bitsandbytes"):
-        load_stage_lm(fam["reference"], family="local-8bit", family_cfg={**fam, "device_map": None}, device="cpu")
+        load_stage_lm(
+            fam["reference"],
+            family="local-8bit",
+            family_cfg={**fam, "device_map": None},
+            device="cpu",
+        )

@@ -16,9 +16,15 @@ def _plan(overrides, n_devices=2, device_mb=None):
 
 
 def test_dag_2_algos_2_datasets_2_families_3_rounds():
-    cfg, plan = _plan([*only("QSharp", "DPO"),
-                       "experiment.datasets=[goal_walk,star_graph]", "experiment.families=[tiny,gpt2]",
-                       "rounds_of_training=3", *sleep_overrides()])
+    cfg, plan = _plan(
+        [
+            *only("QSharp", "DPO"),
+            "experiment.datasets=[goal_walk,star_graph]",
+            "experiment.families=[tiny,gpt2]",
+            "rounds_of_training=3",
+            *sleep_overrides(),
+        ]
+    )
     tasks = plan.tasks
     chains = {t.chain for t in tasks.values() if t.stage != "pretrain"}
     assert len(chains) == 2 * 2 * 2
@@ -27,7 +33,9 @@ def test_dag_2_algos_2_datasets_2_families_3_rounds():
     assert all(len(ts) == 3 * 7 for ts in per_chain.values())
     # pretrain only for the family built in the run (tiny), once per dataset
     assert sorted(t.id for t in tasks.values() if t.stage == "pretrain") == [
-        "pretrain.goal_walk.tiny", "pretrain.star_graph.tiny"]
+        "pretrain.goal_walk.tiny",
+        "pretrain.star_graph.tiny",
+    ]
     # no edge between chains: every dependency is in the same chain or a shared pretrain
     for t in tasks.values():
         for d in t.deps:
@@ -38,7 +46,11 @@ def test_dag_2_algos_2_datasets_2_families_3_rounds():
     collect_r1 = tasks[f"{c}.r1.collect.s00"]
     assert f"{c}.r0.train" in collect_r1.deps and collect_r1.inputs["guide"] == f"{c}.r0.train"
     # train aggregates the data of every round so far (DAgger)
-    assert tasks[f"{c}.r2.train"].inputs["data"] == [f"{c}.r0.collect", f"{c}.r1.collect", f"{c}.r2.collect"]
+    assert tasks[f"{c}.r2.train"].inputs["data"] == [
+        f"{c}.r0.collect",
+        f"{c}.r1.collect",
+        f"{c}.r2.collect",
+    ]
     # the merge depends on its shards; evaluate depends on its round's train
     assert tasks[f"{c}.r1.evaluate"].deps == [f"{c}.r1.evaluate.s00", f"{c}.r1.evaluate.s01"]
     assert tasks[f"{c}.r1.evaluate.s00"].inputs["policy"] == f"{c}.r1.train"
@@ -52,8 +64,13 @@ def test_dag_2_algos_2_datasets_2_families_3_rounds():
 def test_critical_path_priority_prefers_long_chains():
     _, plan = _plan(["algos.QSharp.enabled=true", "rounds_of_training=3", *sleep_overrides()])
     t = plan.tasks
-    assert t["QSharp.goal_walk.tiny.r0.collect.s00"].priority > t["reference.goal_walk.tiny.r0.evaluate.s00"].priority
-    assert t["pretrain.goal_walk.tiny"].priority >= max(x.priority for x in t.values() if x.stage != "pretrain")
+    assert (
+        t["QSharp.goal_walk.tiny.r0.collect.s00"].priority
+        > t["reference.goal_walk.tiny.r0.evaluate.s00"].priority
+    )
+    assert t["pretrain.goal_walk.tiny"].priority >= max(
+        x.priority for x in t.values() if x.stage != "pretrain"
+    )
 
 
 def test_shard_ranges_weighted_and_cover_everything():
@@ -61,30 +78,53 @@ def test_shard_ranges_weighted_and_cover_everything():
 
     gpu = GPUManager("fake:[80GB,40GB,40GB]")
     assert gpu.distribute_work(100) == [(0, 50), (50, 75), (75, 100)]
-    assert gpu.distribute_work(2) == [(0, 1), (1, 2)]  # fewer items than devices: empty parts dropped
+    assert gpu.distribute_work(2) == [
+        (0, 1),
+        (1, 2),
+    ]  # fewer items than devices: empty parts dropped
     cfg = compose_config(["algos.QSharp.enabled=true", *sleep_overrides()])
-    plan = plan_experiment(cfg, 3, distribute=lambda n: [(a / 100, b / 100) for a, b in gpu.distribute_work(100, n)])
+    plan = plan_experiment(
+        cfg, 3, distribute=lambda n: [(a / 100, b / 100) for a, b in gpu.distribute_work(100, n)]
+    )
     shards = [plan.tasks[f"QSharp.goal_walk.tiny.r0.collect.s0{i}"].shard_range for i in range(3)]
     assert shards == [(0.0, 0.5), (0.5, 0.75), (0.75, 1.0)]
 
 
 def test_task_larger_than_any_device_is_refused():
     with pytest.raises(ConfigError, match="model.memory_gb: task .* needs ~"):
-        _plan(["model.memory_gb=100", *sleep_overrides()], n_devices=2, device_mb=[80 * 1024, 80 * 1024])
+        _plan(
+            ["model.memory_gb=100", *sleep_overrides()],
+            n_devices=2,
+            device_mb=[80 * 1024, 80 * 1024],
+        )
     with pytest.raises(ConfigError, match="model.gpus_per_task=4"):
         _plan(["model.gpus_per_task=4", *sleep_overrides()], n_devices=2)
 
 
 def test_unimplemented_stage_is_a_config_error():
     with pytest.raises(ConfigError, match="algos.QSharp.enabled=true: stage 'collect' of QSharp"):
-        _plan(["algos.QSharp.enabled=true", *sleep_overrides(), "+executor.stage_overrides.QSharp.collect=nowhere.module:fn"])
+        _plan(
+            [
+                "algos.QSharp.enabled=true",
+                *sleep_overrides(),
+                "+executor.stage_overrides.QSharp.collect=nowhere.module:fn",
+            ]
+        )
 
 
 def test_device_map_auto_sizes_gangs_for_large_models():
     # 70 GB of weights (x3 for training) on 40 GB devices: shards of evaluate need 2 GPUs,
     # training 6; nothing is refused because device_map=auto shards over a gang.
-    _, plan = _plan(["model.memory_gb=70", "model.device_map=auto", "algos.QSharp.enabled=true",
-                     *sleep_overrides()], n_devices=8, device_mb=[40 * 1024] * 8)
+    _, plan = _plan(
+        [
+            "model.memory_gb=70",
+            "model.device_map=auto",
+            "algos.QSharp.enabled=true",
+            *sleep_overrides(),
+        ],
+        n_devices=8,
+        device_mb=[40 * 1024] * 8,
+    )
     t = plan.tasks
     assert t["QSharp.goal_walk.tiny.r0.evaluate.s00"].gpus == 2
     assert t["QSharp.goal_walk.tiny.r0.train"].gpus == 6

@@ -27,7 +27,9 @@ NOOP = "tests.fault_stages:noop_stage"
 
 
 def _noop_task(tid: str) -> TaskSpec:
-    return TaskSpec(id=tid, algo="reference", dataset="-", family="-", round=0, stage="evaluate", fn=NOOP)
+    return TaskSpec(
+        id=tid, algo="reference", dataset="-", family="-", round=0, stage="evaluate", fn=NOOP
+    )
 
 
 def _finish(proc, timeout: float = 120) -> str:
@@ -52,9 +54,18 @@ def test_stopped_worker_is_killed_and_the_run_finishes(tmp_path, markers):
     retried on a fresh worker, the run exits 0 (it used to hang: the dispatcher thread died
     on `w.job` being None while the killed worker was still being reaped)."""
     victim = "QSharp.goal_walk.tiny.r0.train"
-    env = {"PITA_TEST_MARKERS": str(markers), "PITA_TEST_SLOW_TASK": victim, "PITA_TEST_SLOW_S": "3"}
-    args = [*BASE, "executor.heartbeat_timeout_s=2", "experiment.name=stopped", *only("reference", "QSharp"),
-            *sleep_overrides()]
+    env = {
+        "PITA_TEST_MARKERS": str(markers),
+        "PITA_TEST_SLOW_TASK": victim,
+        "PITA_TEST_SLOW_S": "3",
+    }
+    args = [
+        *BASE,
+        "executor.heartbeat_timeout_s=2",
+        "experiment.name=stopped",
+        *only("reference", "QSharp"),
+        *sleep_overrides(),
+    ]
     proc = _start(args, tmp_path, env)
     started = markers / f"{victim}.started"
     _wait_for(started)
@@ -73,8 +84,14 @@ def test_stopped_worker_is_killed_and_the_run_finishes(tmp_path, markers):
 def test_worker_stopped_before_connecting_is_replaced(tmp_path):
     """A worker frozen before it connects is killed after executor.start_timeout_s and the
     retry starts a fresh worker instead of waiting on the dead one."""
-    pool = WorkerPool(GPUManager("fake:1"), start_timeout_s=3, heartbeat_s=0.5, heartbeat_timeout_s=5,
-                      preimport=False, log_dir=tmp_path / "workers")
+    pool = WorkerPool(
+        GPUManager("fake:1"),
+        start_timeout_s=3,
+        heartbeat_s=0.5,
+        heartbeat_timeout_s=5,
+        preimport=False,
+        log_dir=tmp_path / "workers",
+    )
     try:
         pool.warm_up([(0,)])
         [frozen] = pool.worker_pids()
@@ -124,8 +141,18 @@ def test_bad_clients_mid_run_the_run_still_finishes(tmp_path, markers):
     """End to end: mid-run, connect with a wrong key and leave a silent socket open; every
     later task needs a fresh worker (max_tasks_per_worker=1) and the run still exits 0."""
     victim = "pretrain.goal_walk.tiny"
-    env = {"PITA_TEST_MARKERS": str(markers), "PITA_TEST_SLOW_TASK": victim, "PITA_TEST_SLOW_S": "2"}
-    args = [*BASE, *REF, "executor.max_tasks_per_worker=1", "experiment.name=intruder", *sleep_overrides()]
+    env = {
+        "PITA_TEST_MARKERS": str(markers),
+        "PITA_TEST_SLOW_TASK": victim,
+        "PITA_TEST_SLOW_S": "2",
+    }
+    args = [
+        *BASE,
+        *REF,
+        "executor.max_tasks_per_worker=1",
+        "experiment.name=intruder",
+        *sleep_overrides(),
+    ]
     proc = _start(args, tmp_path, env)
     started = markers / f"{victim}.started"
     _wait_for(started)
@@ -154,7 +181,9 @@ def test_a_stopped_pool_thread_fails_the_run_loudly(tmp_path, monkeypatch, capsy
 
     monkeypatch.setattr(WorkerPool, "_check_liveness", broken_liveness)
     monkeypatch.setattr("pita.core.worker_pool.MAX_LOOP_ERRORS", 3)
-    cfg = cli.compose_config(["system.devices=fake:1", "executor.progress=false", *REF, *sleep_overrides()])
+    cfg = cli.compose_config(
+        ["system.devices=fake:1", "executor.progress=false", *REF, *sleep_overrides()]
+    )
     code = runner.run(cfg, tmp_path / "run")
     assert code == 1
     last = journal(tmp_path / "run")[-1]

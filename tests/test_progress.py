@@ -9,12 +9,19 @@ from pita.core.tasks import TaskSpec
 
 
 def _task(tid: str) -> TaskSpec:
-    return TaskSpec(id=tid, algo="GRPO", dataset="goal_walk", family="tiny", round=0, stage="train", fn="-")
+    return TaskSpec(
+        id=tid, algo="GRPO", dataset="goal_walk", family="tiny", round=0, stage="train", fn="-"
+    )
 
 
 def test_live_table_shows_step_loss_reward_and_kl_of_running_tasks():
-    workers = [{"task": "GRPO.goal_walk.tiny.r0.train", "progress": "step 12/30 loss=0.41 reward=0.62 kl=0.083"},
-               {"task": None, "progress": ""}]
+    workers = [
+        {
+            "task": "GRPO.goal_walk.tiny.r0.train",
+            "progress": "step 12/30 loss=0.41 reward=0.62 kl=0.083",
+        },
+        {"task": None, "progress": ""},
+    ]
     progress = Progress(3, ["GPU 0", "GPU 1"], live=False, worker_info=lambda: workers)
     progress.event("running", _task("GRPO.goal_walk.tiny.r0.train"), [1])
     progress.event("running", _task("DPO.goal_walk.tiny.r0.train"), [0])

@@ -10,11 +10,16 @@ ray = pytest.importorskip("ray")
 
 
 def test_ray_address_auto_without_a_cluster_is_one_line_and_exit_2(tmp_path):
-    done = run_cli(["executor=ray", "executor.ray_address=auto", "dry_run=true"], cwd=tmp_path,
-                   env={"RAY_ADDRESS": "", "RAY_TMPDIR": str(tmp_path / "ray")})  # no other Ray found
+    done = run_cli(
+        ["executor=ray", "executor.ray_address=auto", "dry_run=true"],
+        cwd=tmp_path,
+        env={"RAY_ADDRESS": "", "RAY_TMPDIR": str(tmp_path / "ray")},
+    )  # no other Ray found
     assert done.returncode == 2, done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: executor.ray_address='auto': no Ray cluster reachable")
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: executor.ray_address='auto': no Ray cluster reachable"
+    )
     assert "Traceback" not in done.stderr and not (tmp_path / "outputs").exists()
 
 
@@ -37,12 +42,16 @@ def test_nvml_probe_runs_pinned_on_each_gpu_node():
 
     from pita.core.ray_executor import RayExecutor, nvml_total_mb
 
-    ray.init(num_cpus=1, num_gpus=1, include_dashboard=False, log_to_driver=False)  # a node that claims a GPU
+    ray.init(
+        num_cpus=1, num_gpus=1, include_dashboard=False, log_to_driver=False
+    )  # a node that claims a GPU
     try:
         ex = RayExecutor(OmegaConf.create({"ray_address": "local"}))
         assert ex.slots() == ("gpu", 1)
         sizes = ex.gpu_memory_mb(timeout_s=120)
         assert len(sizes) == 1
-        assert sizes == (nvml_total_mb()[:1] or [0])  # what NVML says on that node (0: no NVML here)
+        assert sizes == (
+            nvml_total_mb()[:1] or [0]
+        )  # what NVML says on that node (0: no NVML here)
     finally:
         ray.shutdown()

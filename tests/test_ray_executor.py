@@ -11,8 +11,14 @@ pytest.importorskip("ray")
 
 @pytest.mark.slow
 def test_dag_runs_as_ray_tasks(tmp_path):
-    args = ["executor=ray", "executor.ray_address=local", "experiment.name=ray", *only("reference", "QSharp"),
-            "executor.progress=false", *sleep_overrides()]
+    args = [
+        "executor=ray",
+        "executor.ray_address=local",
+        "experiment.name=ray",
+        *only("reference", "QSharp"),
+        "executor.progress=false",
+        *sleep_overrides(),
+    ]
     proc = run_cli(args, tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [run_dir] = run_dirs(tmp_path, "ray")

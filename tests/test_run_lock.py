@@ -16,22 +16,35 @@ from tests.test_faults import BASE, REF, _start, _wait_for
 
 def test_second_orchestrator_exits_2_naming_the_holder(tmp_path, markers):
     victim = "pretrain.goal_walk.tiny"
-    env = {"PITA_TEST_MARKERS": str(markers), "PITA_TEST_SLOW_TASK": victim, "PITA_TEST_SLOW_S": "60"}
+    env = {
+        "PITA_TEST_MARKERS": str(markers),
+        "PITA_TEST_SLOW_TASK": victim,
+        "PITA_TEST_SLOW_S": "60",
+    }
     first = _start([*BASE, *REF, "experiment.name=locked", *sleep_overrides()], tmp_path, env)
     try:
         _wait_for(markers / f"{victim}.started")
         [run_dir] = run_dirs(tmp_path, "locked")
-        second = run_cli(["resume_from=" + str(run_dir), "executor.progress=false"], tmp_path, env, timeout=60)
+        second = run_cli(
+            ["resume_from=" + str(run_dir), "executor.progress=false"], tmp_path, env, timeout=60
+        )
         assert second.returncode == 2, second.stdout + second.stderr
         [line] = second.stderr.strip().splitlines()
-        assert line.startswith("error: run folder") and f"in use by pid {first.pid} on " in line, line
-        assert len((markers / f"{victim}.started").read_text().splitlines()) == 1  # it started nothing
+        assert line.startswith("error: run folder") and f"in use by pid {first.pid} on " in line, (
+            line
+        )
+        assert (
+            len((markers / f"{victim}.started").read_text().splitlines()) == 1
+        )  # it started nothing
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=30)
     # the kernel released the dead holder's lock: resuming now works and finishes the run
-    resumed = run_cli(["resume_from=" + str(run_dir), "executor.progress=false"], tmp_path,
-                      {"PITA_TEST_MARKERS": str(markers)})
+    resumed = run_cli(
+        ["resume_from=" + str(run_dir), "executor.progress=false"],
+        tmp_path,
+        {"PITA_TEST_MARKERS": str(markers)},
+    )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert journal(run_dir)[-1]["event"] == "run_finished"
     assert json.loads((run_dir / ".lock").read_text())["pid"] != first.pid

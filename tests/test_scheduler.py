@@ -10,8 +10,19 @@ from tests.conftest import journal, only, run_cli, run_dirs, sleep_overrides
 
 
 def _task(tid, gpus=1, mem=1000, prio=1.0, pref=None):
-    return TaskSpec(id=tid, algo="QSharp", dataset="d", family="f", round=0, stage="train", fn="x:y",
-                    gpus=gpus, mem_mb=mem, priority=prio, preferred_device=pref)
+    return TaskSpec(
+        id=tid,
+        algo="QSharp",
+        dataset="d",
+        family="f",
+        round=0,
+        stage="train",
+        fn="x:y",
+        gpus=gpus,
+        mem_mb=mem,
+        priority=prio,
+        preferred_device=pref,
+    )
 
 
 def _devices(*mbs):
@@ -44,21 +55,35 @@ def test_waiting_gang_is_not_starved_by_small_tasks():
     placed = s.place([_task("gang", gpus=2, mem=2000, prio=9), _task("small", mem=1000, prio=1)])
     assert placed == []  # device 1 is held for the gang instead of taking another small task
     s.release("running-small")
-    [(task, devs)] = s.place([_task("gang", gpus=2, mem=2000, prio=9), _task("small", mem=1000, prio=1)])
+    [(task, devs)] = s.place(
+        [_task("gang", gpus=2, mem=2000, prio=9), _task("small", mem=1000, prio=1)]
+    )
     assert task.id == "gang" and devs == [0, 1]
 
 
 def test_shard_prefers_its_device():
     s = Scheduler(_devices(80_000, 80_000, 80_000))
-    placed = s.place([_task("s2", pref=2, prio=3), _task("s1", pref=1, prio=2), _task("s0", pref=0, prio=1)])
+    placed = s.place(
+        [_task("s2", pref=2, prio=3), _task("s1", pref=1, prio=2), _task("s0", pref=0, prio=1)]
+    )
     assert {t.id: d for t, d in placed} == {"s2": [2], "s1": [1], "s0": [0]}
 
 
 def test_chains_progress_independently_on_fake4(tmp_path, markers):
     """QSharp is 6x slower than PITA: PITA's round 1 must start while QSharp is in round 0."""
-    args = ["system.devices=fake:4", "experiment.name=indep", *only("reference", "QSharp", "PITA"),
-            "rounds_of_training=2", "executor.progress=false", *sleep_overrides()]
-    env = {"PITA_TEST_SLEEP": "0.15", "PITA_TEST_SCALE_QSharp": "6", "PITA_TEST_MARKERS": str(markers)}
+    args = [
+        "system.devices=fake:4",
+        "experiment.name=indep",
+        *only("reference", "QSharp", "PITA"),
+        "rounds_of_training=2",
+        "executor.progress=false",
+        *sleep_overrides(),
+    ]
+    env = {
+        "PITA_TEST_SLEEP": "0.15",
+        "PITA_TEST_SCALE_QSharp": "6",
+        "PITA_TEST_MARKERS": str(markers),
+    }
     proc = run_cli(args, tmp_path, env)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     [run_dir] = run_dirs(tmp_path, "indep")
@@ -68,8 +93,11 @@ def test_chains_progress_independently_on_fake4(tmp_path, markers):
     qsharp_r0_done = order.index(("task_done", "QSharp.goal_walk.tiny.r0.evaluate"))
     assert pita_r1_start < qsharp_r0_done, "a global round barrier held PITA back"
     # pinning: every task saw exactly the device(s) it was placed on
-    uuids = {e["task"]: ",".join(f"GPU-fake-{d:02d}" for d in e["devices"])
-             for e in events if e["event"] == "task_running"}
+    uuids = {
+        e["task"]: ",".join(f"GPU-fake-{d:02d}" for d in e["devices"])
+        for e in events
+        if e["event"] == "task_running"
+    }
     for f in markers.glob("*.started"):
         seen = json.loads(f.read_text().splitlines()[-1])["cuda_visible_devices"]
         assert seen == uuids[f.name.removesuffix(".started")]
@@ -78,16 +106,23 @@ def test_chains_progress_independently_on_fake4(tmp_path, markers):
 
 
 def test_two_gpu_gang_runs_on_two_devices(tmp_path, markers):
-    args = ["system.devices=fake:4", "experiment.name=gang", "model.gpus_per_task=2", "executor.progress=false",
-            *only("reference"),
-            *sleep_overrides()]
+    args = [
+        "system.devices=fake:4",
+        "experiment.name=gang",
+        "model.gpus_per_task=2",
+        "executor.progress=false",
+        *only("reference"),
+        *sleep_overrides(),
+    ]
     proc = run_cli(args, tmp_path, {"PITA_TEST_MARKERS": str(markers)})
     assert proc.returncode == 0, proc.stderr + proc.stdout
     [run_dir] = run_dirs(tmp_path, "gang")
     running = [e for e in journal(run_dir) if e["event"] == "task_running"]
     gangs = [e for e in running if not e["task"].endswith("_merge") and len(e["devices"]) == 2]
     assert gangs, running
-    seen = json.loads((markers / "reference.goal_walk.tiny.r0.evaluate.s00.started").read_text())["cuda_visible_devices"]
+    seen = json.loads((markers / "reference.goal_walk.tiny.r0.evaluate.s00.started").read_text())[
+        "cuda_visible_devices"
+    ]
     assert len(seen.split(",")) == 2 and all(u.startswith("GPU-fake-") for u in seen.split(","))
 
 
@@ -103,19 +138,34 @@ def test_measured_devices_subtract_only_unallocated_reservations():
 
 def test_in_process_executor_runs_the_same_dag(tmp_path):
     """system.use_parallel_execution=false: every task in the orchestrator's process (pdb works)."""
-    args = ["system.use_parallel_execution=false", "experiment.name=inproc", *only("reference", "QSharp"),
-            "executor.progress=false", *sleep_overrides()]
+    args = [
+        "system.use_parallel_execution=false",
+        "experiment.name=inproc",
+        *only("reference", "QSharp"),
+        "executor.progress=false",
+        *sleep_overrides(),
+    ]
     proc = run_cli(args, tmp_path, {"PITA_TEST_SLEEP": "0.01"})
     assert proc.returncode == 0, proc.stderr + proc.stdout
     [run_dir] = run_dirs(tmp_path, "inproc")
     done = [e for e in journal(run_dir) if e["event"] == "task_done"]
-    assert len(done) == 11 and len({e["worker_pid"] for e in done}) == 1  # one process did everything
+    assert (
+        len(done) == 11 and len({e["worker_pid"] for e in done}) == 1
+    )  # one process did everything
     assert not (run_dir / "workers").exists()
 
 
 def test_dry_run_prints_placement_and_starts_nothing(tmp_path):
-    proc = run_cli(["dry_run=true", 'system.devices="fake:[80GB,40GB]"', "experiment.name=dry",
-                    *only("reference", "QSharp"), *sleep_overrides()], tmp_path)
+    proc = run_cli(
+        [
+            "dry_run=true",
+            'system.devices="fake:[80GB,40GB]"',
+            "experiment.name=dry",
+            *only("reference", "QSharp"),
+            *sleep_overrides(),
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "QSharp.goal_walk.tiny.r0.train" in proc.stdout and "Estimated makespan" in proc.stdout
     for run_dir in run_dirs(tmp_path, "dry"):

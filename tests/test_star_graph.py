@@ -193,8 +193,13 @@ def test_rewards_and_trap_metrics(task):
     answers = task.answers(examples, responses)
     assert answers[0] == answers[1] == ",".join(map(str, path)) and answers[2] == ""
     # no right first step: the conditional metric is left out (a stage's result must be finite)
-    wrong = [r for r, ok in zip(responses, [task.first_step_correct(e, r) for e, r in zip(examples, responses)])
-             if not ok]
+    wrong = [
+        r
+        for r, ok in zip(
+            responses, [task.first_step_correct(e, r) for e, r in zip(examples, responses)]
+        )
+        if not ok
+    ]
     assert task.extra_metrics(examples[: len(wrong)], wrong) == {"first_step_acc": 0.0}
     assert task.extra_metrics([], []) == {}
 
@@ -257,9 +262,15 @@ class _ScriptedCollector:
                     out.append(list(seq[min(count, len(seq) - 1)]))
                 return SimpleNamespace(responses=out)
 
-        col = Scripted(None, task, batch_size=batch_size, max_new_tokens=task.max_new_tokens,
-                       pad_token_id=task.tokenizer.pad_token_id, eos_token_id=task.tokenizer.eos_token_id,
-                       reward_batch_size=5)
+        col = Scripted(
+            None,
+            task,
+            batch_size=batch_size,
+            max_new_tokens=task.max_new_tokens,
+            pad_token_id=task.tokenizer.pad_token_id,
+            eos_token_id=task.tokenizer.eos_token_id,
+            reward_batch_size=5,
+        )
         col.drawn = {}
         return col
 
@@ -282,7 +293,9 @@ def test_ground_truth_vs_first_wrong_records(task, pairs):
         else:  # right j - 1 times, then wrong_a, then wrong_b: the FIRST wrong one is kept
             answers[tuple(ex.prompt_ids)] = [gt] * (j - 1) + [wrong_a, wrong_b]
     col = _ScriptedCollector(task, answers, batch_size=8)
-    records, dropped = ground_truth_pairs(col, list(range(10, 16)), examples, max_tries=4, pairs=pairs)
+    records, dropped = ground_truth_pairs(
+        col, list(range(10, 16)), examples, max_tries=4, pairs=pairs
+    )
     assert dropped == 2  # example 0 (never wrong) and example 5 (right 4 times = max_tries)
     assert col.drawn[tuple(examples[0].prompt_ids)] == 4  # never more than max_tries samples
     kept = [1, 2, 3, 4]
@@ -290,16 +303,31 @@ def test_ground_truth_vs_first_wrong_records(task, pairs):
     for j, (gt_rec, wrong_rec) in zip(kept, zip(records[::2], records[1::2])):
         ex = examples[j]
         assert gt_rec["rollout"] == ex.target_ids and gt_rec["reward"] == 1.0
-        assert wrong_rec["rollout"] == [ex.target_ids[0], (ex.target_ids[1] + 1) % 20, *ex.target_ids[2:]]
+        assert wrong_rec["rollout"] == [
+            ex.target_ids[0],
+            (ex.target_ids[1] + 1) % 20,
+            *ex.target_ids[2:],
+        ]
         assert wrong_rec["reward"] == 0.0 == task.rewards([ex], [wrong_rec["rollout"]])[0]
         for rec in (gt_rec, wrong_rec):
-            assert rec["prefix"] == [] and rec["roll_in"] == "reference" and rec["prompt"] == ex.prompt_ids
+            assert (
+                rec["prefix"] == []
+                and rec["roll_in"] == "reference"
+                and rec["prompt"] == ex.prompt_ids
+            )
         if pairs:  # PITA: the ground truth is preferred; each record's label is its own reward
             assert gt_rec["label"] == 1.0 and wrong_rec["label"] == 0.0
-            assert gt_rec["original"] == wrong_rec["rollout"] and wrong_rec["original"] == gt_rec["rollout"]
+            assert (
+                gt_rec["original"] == wrong_rec["rollout"]
+                and wrong_rec["original"] == gt_rec["rollout"]
+            )
     # Q# and PITA (bce) both train every target token against the sequence label
-    q_items = training_items(records, reward_targets([r["reward"] for r in records],
-                                                     _Algo(loss_type="bce", V_min=0.0, V_max=1.0)))
+    q_items = training_items(
+        records,
+        reward_targets(
+            [r["reward"] for r in records], _Algo(loss_type="bce", V_min=0.0, V_max=1.0)
+        ),
+    )
     assert all(start == 0 for _, _, start, _, _ in q_items)
     if pairs:
         p_items = preference_items(records, "bce")
@@ -318,7 +346,9 @@ def test_ground_truth_recipe_needs_a_known_answer(task):
     from pita.datasets.base import Example
 
     col = _ScriptedCollector(task, {}, batch_size=8)
-    with pytest.raises(ValueError, match="recipe=ground_truth_vs_first_wrong needs a task with a known answer"):
+    with pytest.raises(
+        ValueError, match="recipe=ground_truth_vs_first_wrong needs a task with a known answer"
+    ):
         ground_truth_pairs(col, [0], [Example([1, 2], None, {})], max_tries=3)
 
 
@@ -331,29 +361,71 @@ def test_star_graph_paper_config_runs_at_toy_size(tmp_path):
 
     from tests.conftest import run_cli, run_dirs
 
-    args = ["experiment=star_graph_paper", "experiment.name=paper_toy", "executor.progress=false",
-            "model.memory_gb=0.5", "experiment.datasets=[star_graph]", "dataset.num_nodes=20",
-            *[f"model.{m}.{k}={v}" for m in ("reference_arch", "guide_arch")
-              for k, v in (("n_layer", 1), ("d_model", 32), ("n_head", 4))],
-            "pretrain.steps=20", "pretrain.batch_size=32", "generation.batch_size=64", "evaluation.batch_size=64",
-            "evaluation.max_prompts=20", "data_collection.max_examples=48", "data_collection.max_tries=5",
-            "algos.GRPO.steps=2", "algos.GRPO.batch_size=16", "algos.GRPO.num_generations=4",
-            "algos.DPO.batch_size=16", "algos.RPO.batch_size=16", "algos.DPO.epochs=1", "algos.RPO.epochs=1",
-            "algos.QSharp.probe_steps=10", "algos.PITA.probe_steps=10",
-            *[f"algos.{a}.{k}={v}" for a in ("QSharp", "PITA", "QSharp-HF")
-              for k, v in (("epochs", 1), ("holdout_fraction", 0.2))]]
+    args = [
+        "experiment=star_graph_paper",
+        "experiment.name=paper_toy",
+        "executor.progress=false",
+        "model.memory_gb=0.5",
+        "experiment.datasets=[star_graph]",
+        "dataset.num_nodes=20",
+        *[
+            f"model.{m}.{k}={v}"
+            for m in ("reference_arch", "guide_arch")
+            for k, v in (("n_layer", 1), ("d_model", 32), ("n_head", 4))
+        ],
+        "pretrain.steps=20",
+        "pretrain.batch_size=32",
+        "generation.batch_size=64",
+        "evaluation.batch_size=64",
+        "evaluation.max_prompts=20",
+        "data_collection.max_examples=48",
+        "data_collection.max_tries=5",
+        "algos.GRPO.steps=2",
+        "algos.GRPO.batch_size=16",
+        "algos.GRPO.num_generations=4",
+        "algos.DPO.batch_size=16",
+        "algos.RPO.batch_size=16",
+        "algos.DPO.epochs=1",
+        "algos.RPO.epochs=1",
+        "algos.QSharp.probe_steps=10",
+        "algos.PITA.probe_steps=10",
+        *[
+            f"algos.{a}.{k}={v}"
+            for a in ("QSharp", "PITA", "QSharp-HF")
+            for k, v in (("epochs", 1), ("holdout_fraction", 0.2))
+        ],
+    ]
     proc = run_cli(args, tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [run_dir] = run_dirs(tmp_path, "paper_toy")
     with open(run_dir / "results" / "summary.csv") as f:
         rows = list(csv.DictReader(f))
-    assert {r["algo"] for r in rows} == {"reference", "QSharp", "PITA", "QSharp-HF", "DPO", "RPO", "GRPO"}
-    assert all(r["first_step_acc"] != "" and r["kl"] != "" for r in rows)  # acc_after_first_step may be blank
+    assert {r["algo"] for r in rows} == {
+        "reference",
+        "QSharp",
+        "PITA",
+        "QSharp-HF",
+        "DPO",
+        "RPO",
+        "GRPO",
+    }
+    assert all(
+        r["first_step_acc"] != "" and r["kl"] != "" for r in rows
+    )  # acc_after_first_step may be blank
     tasks = run_dir / "tasks"
     for algo in ("QSharp", "PITA"):
-        result = json.loads((tasks / f"{algo}.star_graph.tiny.r0.train" / "result.json").read_text())
-        assert result["value_head"] == "v" and "heldout_acc" in result and "probe_heldout_acc" in result
-        collect = json.loads((tasks / f"{algo}.star_graph.tiny.r0.collect" / "stats.json").read_text()) \
-            if (tasks / f"{algo}.star_graph.tiny.r0.collect" / "stats.json").is_file() else None
+        result = json.loads(
+            (tasks / f"{algo}.star_graph.tiny.r0.train" / "result.json").read_text()
+        )
+        assert (
+            result["value_head"] == "v"
+            and "heldout_acc" in result
+            and "probe_heldout_acc" in result
+        )
+        collect = (
+            json.loads((tasks / f"{algo}.star_graph.tiny.r0.collect" / "stats.json").read_text())
+            if (tasks / f"{algo}.star_graph.tiny.r0.collect" / "stats.json").is_file()
+            else None
+        )
         if collect is not None:  # pairs: half the records are ground truths (reward 1)
             assert collect["reward_sum"] * 2 == collect["records"]

@@ -91,16 +91,37 @@ def test_commit_refuses_a_folder_without_its_declared_outputs(tmp_path):
 
 
 def _task(fn: str, outputs=()) -> TaskSpec:
-    return TaskSpec(id=TID, algo="QSharp", dataset="goal_walk", family="tiny", round=0, stage="evaluate_merge",
-                    fn=fn, outputs=list(outputs))
+    return TaskSpec(
+        id=TID,
+        algo="QSharp",
+        dataset="goal_walk",
+        family="tiny",
+        round=0,
+        stage="evaluate_merge",
+        fn=fn,
+        outputs=list(outputs),
+    )
 
 
-@pytest.mark.parametrize("fn, outputs, expected", [
-    ("tests.fault_stages:nan_stage", (), "non-finite value(s) in the stage's result: result['rows'][0]['pass@1']=nan"),
-    ("tests.fault_stages:forgetful_stage", ("metrics.json",), "declared output(s): metrics.json"),
-])
+@pytest.mark.parametrize(
+    "fn, outputs, expected",
+    [
+        (
+            "tests.fault_stages:nan_stage",
+            (),
+            "non-finite value(s) in the stage's result: result['rows'][0]['pass@1']=nan",
+        ),
+        (
+            "tests.fault_stages:forgetful_stage",
+            ("metrics.json",),
+            "declared output(s): metrics.json",
+        ),
+    ],
+)
 def test_bad_stage_output_fails_the_task_and_commits_nothing(tmp_path, fn, outputs, expected):
-    ok, failure, message, _ = execute_task(_task(fn, outputs), {}, tmp_path, 1, device="cpu", models=ModelCache())
+    ok, failure, message, _ = execute_task(
+        _task(fn, outputs), {}, tmp_path, 1, device="cpu", models=ModelCache()
+    )
     assert not ok and failure == "error" and expected in message
     assert not TaskPaths(tmp_path, TID).final.exists()
     assert expected in (TaskPaths(tmp_path, TID).failed(1) / "log.txt").read_text()
@@ -108,8 +129,14 @@ def test_bad_stage_output_fails_the_task_and_commits_nothing(tmp_path, fn, outpu
 
 def test_resume_redoes_a_corrupted_task_and_its_dependants_and_removes_tmp(tmp_path, markers):
     env = {"PITA_TEST_MARKERS": str(markers)}
-    args = ["system.devices=fake:2", "executor.progress=false", "executor.heartbeat_s=0.5", "experiment.name=proof",
-            *only("reference", "QSharp"), *sleep_overrides()]
+    args = [
+        "system.devices=fake:2",
+        "executor.progress=false",
+        "executor.heartbeat_s=0.5",
+        "experiment.name=proof",
+        *only("reference", "QSharp"),
+        *sleep_overrides(),
+    ]
     first = run_cli(args, tmp_path, env)
     assert first.returncode == 0, first.stdout + first.stderr
     [run_dir] = run_dirs(tmp_path, "proof")
@@ -122,11 +149,19 @@ def test_resume_redoes_a_corrupted_task_and_its_dependants_and_removes_tmp(tmp_p
     resumed = run_cli(["resume_from=" + str(run_dir), "executor.progress=false"], tmp_path, env)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "artifact.txt does not match its sha256" in resumed.stdout
-    runs = {p.name.rsplit(".started", 1)[0]: len(p.read_text().splitlines()) for p in markers.glob("*.started")}
+    runs = {
+        p.name.rsplit(".started", 1)[0]: len(p.read_text().splitlines())
+        for p in markers.glob("*.started")
+    }
     redone = {tid for tid, n in runs.items() if n == 2}
-    assert redone == {victim, "QSharp.goal_walk.tiny.r0.collect", "QSharp.goal_walk.tiny.r0.train",
-                      "QSharp.goal_walk.tiny.r0.evaluate.s00", "QSharp.goal_walk.tiny.r0.evaluate.s01",
-                      "QSharp.goal_walk.tiny.r0.evaluate"}, runs
+    assert redone == {
+        victim,
+        "QSharp.goal_walk.tiny.r0.collect",
+        "QSharp.goal_walk.tiny.r0.train",
+        "QSharp.goal_walk.tiny.r0.evaluate.s00",
+        "QSharp.goal_walk.tiny.r0.evaluate.s01",
+        "QSharp.goal_walk.tiny.r0.evaluate",
+    }, runs
     assert not stale.exists()
     assert journal(run_dir)[-1]["event"] == "run_finished"
 
@@ -134,12 +169,17 @@ def test_resume_redoes_a_corrupted_task_and_its_dependants_and_removes_tmp(tmp_p
 def test_files_follow_the_umask(tmp_path):
     """Results, manifests and plan.json are group-readable under umask 022 (mkstemp's 0600
     used to leak through atomic writes) and not under 027 for others."""
-    code = ("import os, sys; os.umask(int(sys.argv[2], 8)); from pathlib import Path;"
-            "from pita.core.paths import atomic_write_text; atomic_write_text(Path(sys.argv[1]), 'x')")
+    code = (
+        "import os, sys; os.umask(int(sys.argv[2], 8)); from pathlib import Path;"
+        "from pita.core.paths import atomic_write_text; atomic_write_text(Path(sys.argv[1]), 'x')"
+    )
     for mask, mode in (("022", 0o644), ("027", 0o640)):
         target = tmp_path / f"f{mask}.json"
-        subprocess.run([sys.executable, "-c", code, str(target), mask], check=True,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+        subprocess.run(
+            [sys.executable, "-c", code, str(target), mask],
+            check=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         assert target.stat().st_mode & 0o777 == mode, (mask, oct(target.stat().st_mode))
     old = os.umask(0o022)
     try:
@@ -150,14 +190,35 @@ def test_files_follow_the_umask(tmp_path):
 
 
 def test_a_run_is_group_readable_under_umask_022(tmp_path):
-    args = ["system.devices=fake:1", "executor.progress=false", "experiment.name=perms", *only("reference"),
-            *sleep_overrides()]
-    proc = subprocess.run(["bash", "-c", 'umask 022 && exec "$@"', "_", sys.executable, str(ROOT / "run_parallel.py"),
-                           *args], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=180)
+    args = [
+        "system.devices=fake:1",
+        "executor.progress=false",
+        "experiment.name=perms",
+        *only("reference"),
+        *sleep_overrides(),
+    ]
+    proc = subprocess.run(
+        [
+            "bash",
+            "-c",
+            'umask 022 && exec "$@"',
+            "_",
+            sys.executable,
+            str(ROOT / "run_parallel.py"),
+            *args,
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [run_dir] = run_dirs(tmp_path, "perms")
-    private = [str(p.relative_to(run_dir)) for p in run_dir.rglob("*")
-               if p.is_file() and p.stat().st_mode & 0o044 != 0o044]
+    private = [
+        str(p.relative_to(run_dir))
+        for p in run_dir.rglob("*")
+        if p.is_file() and p.stat().st_mode & 0o044 != 0o044
+    ]
     assert not private, private
     assert (run_dir / "plan.json").is_file() and list(run_dir.glob("tasks/*/manifest.json"))

@@ -32,13 +32,16 @@ def _value_model(num_atoms: int = 1, seed: int = 0) -> ValueModel:
     from transformers import LlamaModel
 
     torch.manual_seed(seed)
-    config = tiny_llama_config(V, n_layer=2, d_model=32, n_head=4, max_position=64, pad_token_id=PAD,
-                               eos_token_id=EOS)
+    config = tiny_llama_config(
+        V, n_layer=2, d_model=32, n_head=4, max_position=64, pad_token_id=PAD, eos_token_id=EOS
+    )
     return ValueModel(LlamaModel(config), V, num_atoms=num_atoms).eval()
 
 
 def _reference(seed: int = 1):
-    return build_tiny_llama(V, n_layer=1, d_model=32, n_head=4, pad_token_id=PAD, eos_token_id=EOS, seed=seed)
+    return build_tiny_llama(
+        V, n_layer=1, d_model=32, n_head=4, pad_token_id=PAD, eos_token_id=EOS, seed=seed
+    )
 
 
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [3]]
@@ -50,7 +53,11 @@ PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [3]]
 def test_bernoulli_offsets():
     logits = torch.tensor([[0.0], [math.log(3.0)], [-math.log(3.0)]])  # p = 1/2, 3/4, 1/4
     off = offsets_from_values(logits, 2.0, "bernoulli", torch.tensor([1.0]))
-    want = [math.log(0.5 + 0.5 * math.e**2), math.log(0.25 + 0.75 * math.e**2), math.log(0.75 + 0.25 * math.e**2)]
+    want = [
+        math.log(0.5 + 0.5 * math.e**2),
+        math.log(0.25 + 0.75 * math.e**2),
+        math.log(0.75 + 0.25 * math.e**2),
+    ]
     assert off.tolist() == pytest.approx(want, rel=1e-6)
     assert (off > 0).all()  # offsets are not clamped to <= 0
 
@@ -76,7 +83,9 @@ def test_p_clamped_only_for_numerics():
     bound = math.log((1 - 1e-6) / 1e-6)
     assert expect.tolist() == pytest.approx([bound, -bound], rel=1e-3)
     bern = offsets_from_values(big, 3.0, "bernoulli", torch.tensor([1.0]))
-    assert bern[0].item() == pytest.approx(3.0, abs=1e-4) and bern[1].item() == pytest.approx(0.0, abs=1e-4)
+    assert bern[0].item() == pytest.approx(3.0, abs=1e-4) and bern[1].item() == pytest.approx(
+        0.0, abs=1e-4
+    )
 
 
 def test_distributional_head_with_scalar_modes_uses_the_mean():
@@ -90,9 +99,18 @@ def test_distributional_head_with_scalar_modes_uses_the_mean():
 
 
 def _gen(ref, factory, *, do_sample=True, top_k=0, seed=0):
-    return generate(ref, PROMPTS, max_new_tokens=6, batch_size=3, pad_token_id=PAD, eos_token_id=EOS,
-                    do_sample=do_sample, top_k=top_k, generator=torch.Generator().manual_seed(seed),
-                    offset_hook_factory=factory)
+    return generate(
+        ref,
+        PROMPTS,
+        max_new_tokens=6,
+        batch_size=3,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        do_sample=do_sample,
+        top_k=top_k,
+        generator=torch.Generator().manual_seed(seed),
+        offset_hook_factory=factory,
+    )
 
 
 @pytest.mark.parametrize("mode", ["bernoulli", "expectation"])
@@ -141,9 +159,18 @@ def test_one_value_forward_per_step_and_cache_matches_recomputation():
             return off
 
     stats = HookStats()
-    out = generate(ref, PROMPTS, max_new_tokens=5, batch_size=4, pad_token_id=PAD, eos_token_id=EOS,
-                   do_sample=True, generator=torch.Generator().manual_seed(3), force_full_length=True,
-                   offset_hook_factory=lambda: Recording(vm, 2.0, "bernoulli", stats))
+    out = generate(
+        ref,
+        PROMPTS,
+        max_new_tokens=5,
+        batch_size=4,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        do_sample=True,
+        generator=torch.Generator().manual_seed(3),
+        force_full_length=True,
+        offset_hook_factory=lambda: Recording(vm, 2.0, "bernoulli", stats),
+    )
     assert forwards[0] == stats.forwards == stats.steps == 5  # one batch of 4, 5 steps
     # the cached offsets at the last step equal a full forward of prompt + generated tokens
     order = sorted(range(len(PROMPTS)), key=lambda i: -len(PROMPTS[i]))
@@ -152,7 +179,9 @@ def test_one_value_forward_per_step_and_cache_matches_recomputation():
     rows = [[PAD] * (width - len(PROMPTS[i])) + PROMPTS[i] + out.responses[i][:4] for i in order]
     x = torch.tensor(rows)
     with torch.no_grad():
-        full = vm(x, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).values[:, -1]
+        full = vm(x, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).values[
+            :, -1
+        ]
     want = offsets_from_values(full, 2.0, "bernoulli", vm.atoms)
     assert torch.allclose(off, want, atol=1e-4)
 
@@ -163,10 +192,14 @@ def test_one_value_forward_per_step_and_cache_matches_recomputation():
 def test_value_model_save_load_and_warm_start(tmp_path):
     ref = _reference()
     fam = {"name": "tiny", "guide_arch": {"n_layer": 2, "d_model": 32, "n_head": 4}}
-    algo = OmegaConf.create({"loss_type": "mle", "num_atoms": 5, "V_min": -1.0, "V_max": 2.0, "warm_start": True})
+    algo = OmegaConf.create(
+        {"loss_type": "mle", "num_atoms": 5, "V_min": -1.0, "V_max": 2.0, "warm_start": True}
+    )
     vm = build_value_model(ref, fam, algo, vocab_size=V)
     assert torch.equal(vm.backbone.embed_tokens.weight, ref.model.embed_tokens.weight)
-    assert torch.equal(vm.backbone.layers[0].mlp.up_proj.weight, ref.model.layers[0].mlp.up_proj.weight)
+    assert torch.equal(
+        vm.backbone.layers[0].mlp.up_proj.weight, ref.model.layers[0].mlp.up_proj.weight
+    )
     assert not vm.head.weight.any() and not vm.head.bias.any()  # zero-initialised head
     assert vm.atoms.tolist() == pytest.approx([-1.0, -0.25, 0.5, 1.25, 2.0])
     torch.nn.init.normal_(vm.head.weight)
@@ -177,8 +210,11 @@ def test_value_model_save_load_and_warm_start(tmp_path):
     assert loaded(x).values.shape == (1, 4, V, 5)
     # values_at gathers the same numbers as the full head
     acts = torch.tensor([[2, 3, 4, 5]])
-    assert torch.allclose(vm.values_at(vm.hidden(x), acts), vm(x).values.gather(2, acts[..., None, None].expand(
-        1, 4, 1, 5)).squeeze(2), atol=1e-6)
+    assert torch.allclose(
+        vm.values_at(vm.hidden(x), acts),
+        vm(x).values.gather(2, acts[..., None, None].expand(1, 4, 1, 5)).squeeze(2),
+        atol=1e-6,
+    )
     assert (tmp_path / "value_model" / "model.safetensors").is_file()
 
 
@@ -187,30 +223,43 @@ def test_value_model_save_load_and_warm_start(tmp_path):
 
 def test_losses_on_tiny_tensors():
     logits, y = torch.tensor([0.0, math.log(3.0)]), torch.tensor([1.0, 0.0])
-    assert losses.bce_loss(logits, y).item() == pytest.approx((math.log(2) + math.log(4)) / 2, rel=1e-6)
+    assert losses.bce_loss(logits, y).item() == pytest.approx(
+        (math.log(2) + math.log(4)) / 2, rel=1e-6
+    )
     w = torch.tensor([3.0, 1.0])
-    assert losses.bce_loss(logits, y, w).item() == pytest.approx((3 * math.log(2) + math.log(4)) / 4, rel=1e-6)
+    assert losses.bce_loss(logits, y, w).item() == pytest.approx(
+        (3 * math.log(2) + math.log(4)) / 4, rel=1e-6
+    )
     assert losses.mse_loss(logits, y).item() == pytest.approx((0.25 + 0.5625) / 2, rel=1e-6)
     # mle: the atom of r = 0.74 on 5 atoms over [0, 1] is round(2.96) = 3
     hist = losses.atom_histogram(torch.tensor([0.74, -3.0]), 5, 0.0, 1.0)
     assert hist.argmax(-1).tolist() == [3, 0]
     atom_logits = torch.log(torch.tensor([[0.1, 0.1, 0.1, 0.6, 0.1], [0.5, 0.2, 0.1, 0.1, 0.1]]))
-    assert losses.mle_loss(atom_logits, hist).item() == pytest.approx(-(math.log(0.6) + math.log(0.5)) / 2, rel=1e-5)
+    assert losses.mle_loss(atom_logits, hist).item() == pytest.approx(
+        -(math.log(0.6) + math.log(0.5)) / 2, rel=1e-5
+    )
     assert losses.mle_accuracy(atom_logits, hist) == 1.0
     # Bradley–Terry: −log σ(a − b), soft preference
     a, b = torch.tensor([2.0]), torch.tensor([1.0])
-    assert losses.bradley_terry_loss(a, b).item() == pytest.approx(math.log1p(math.exp(-1.0)), rel=1e-6)
+    assert losses.bradley_terry_loss(a, b).item() == pytest.approx(
+        math.log1p(math.exp(-1.0)), rel=1e-6
+    )
     assert losses.bradley_terry_loss(a, b, torch.tensor([0.0])).item() == pytest.approx(
-        math.log1p(math.exp(1.0)), rel=1e-6)
+        math.log1p(math.exp(1.0)), rel=1e-6
+    )
 
 
 def test_merged_targets_give_the_records_objective():
     """Σ_records BCE over trained positions == Σ_units weight·BCE(mean target) (build_targets)."""
     from pita.algos.qsharp import build_targets
 
-    items = [([1, 2], [3, 4, EOS], 0, [1.0], None), ([1, 2], [3, 4, EOS], 1, [0.0], None),
-             ([1, 2], [3, 5, EOS], 0, [0.0], None), ([1], [2, 3, EOS], 2, [1.0], None),
-             ([1, 2], [3, 5, EOS], 0, [1.0], None)]
+    items = [
+        ([1, 2], [3, 4, EOS], 0, [1.0], None),
+        ([1, 2], [3, 4, EOS], 1, [0.0], None),
+        ([1, 2], [3, 5, EOS], 0, [0.0], None),
+        ([1], [2, 3, EOS], 2, [1.0], None),
+        ([1, 2], [3, 5, EOS], 0, [1.0], None),
+    ]
     data = build_targets(items, PAD)
     assert data["unique"] == 3
     torch.manual_seed(0)
@@ -219,8 +268,11 @@ def test_merged_targets_give_the_records_objective():
     def logit(seq, t):  # value of seq[t] given seq[:t]
         return table[hash(tuple(seq[:t])) % 64, seq[t]]
 
-    want = sum(losses.bce_loss(logit(p + r, len(p) + j)[None], torch.tensor(t)).item()
-               for p, r, s, t, _ in items for j in range(s, len(r)))
+    want = sum(
+        losses.bce_loss(logit(p + r, len(p) + j)[None], torch.tensor(t)).item()
+        for p, r, s, t, _ in items
+        for j in range(s, len(r))
+    )
     got = 0.0
     for u in range(data["unique"]):
         seq = data["ids"][u].tolist()

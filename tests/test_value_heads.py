@@ -35,10 +35,13 @@ def _v_model(seed: int = 0, num_atoms: int = 1) -> ValueModel:
     from transformers import LlamaModel
 
     torch.manual_seed(seed)
-    config = tiny_llama_config(V, n_layer=2, d_model=32, n_head=4, max_position=64, pad_token_id=PAD,
-                               eos_token_id=EOS)
+    config = tiny_llama_config(
+        V, n_layer=2, d_model=32, n_head=4, max_position=64, pad_token_id=PAD, eos_token_id=EOS
+    )
     vm = ValueModel(LlamaModel(config), V, num_atoms=num_atoms, head_type="v")
-    torch.nn.init.normal_(vm.head.weight, std=1.0)  # a zero head would make every comparison trivial
+    torch.nn.init.normal_(
+        vm.head.weight, std=1.0
+    )  # a zero head would make every comparison trivial
     torch.nn.init.normal_(vm.head.bias, std=1.0)
     return vm.eval()
 
@@ -63,14 +66,22 @@ def test_batched_candidates_equal_separate_scoring(num_atoms):
     ids, mask = _left_pad(PROMPTS)
     cand = torch.tensor([[0, 5, 9], [1, 2, 3], [4, 4, 7], [8, 0, 6]])
     with torch.no_grad():
-        out = vm.backbone(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                          use_cache=True)
-        values, cache = vm.score_candidates(out.past_key_values, cand, mask, position_ids_from_mask(mask)[:, -1] + 1)
+        out = vm.backbone(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=position_ids_from_mask(mask),
+            use_cache=True,
+        )
+        values, cache = vm.score_candidates(
+            out.past_key_values, cand, mask, position_ids_from_mask(mask)[:, -1] + 1
+        )
     assert values.shape == (4, 3, num_atoms)
     assert cache.get_seq_length() == ids.shape[1] + 1 and cache.layers[0].keys.shape[0] == 4 * 3
     for b, prompt in enumerate(PROMPTS):
         for j in range(3):
-            torch.testing.assert_close(values[b, j], _alone(vm, prompt, int(cand[b, j])), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                values[b, j], _alone(vm, prompt, int(cand[b, j])), atol=1e-5, rtol=1e-5
+            )
 
 
 def test_action_values_read_each_token_at_its_own_position():
@@ -79,7 +90,9 @@ def test_action_values_read_each_token_at_its_own_position():
     out, alt = vm.action_values(torch.tensor([seq]))
     assert alt is None and out.shape == (1, 4, 1)
     for t in range(4):  # column t = the value of token t+1 after tokens 0..t
-        torch.testing.assert_close(out[0, t], _alone(vm, seq[: t + 1], seq[t + 1]), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            out[0, t], _alone(vm, seq[: t + 1], seq[t + 1]), atol=1e-5, rtol=1e-5
+        )
     with pytest.raises(ValueError, match="value_head=v"):
         vm.action_values(torch.tensor([seq]), alt=torch.zeros(1, 4, dtype=torch.long))
 
@@ -92,18 +105,24 @@ class _Recorder:
         self.seen: list[list[int]] | None = None
 
     def __call__(self, step_ids, attention_mask, position_ids, logits):
-        rows = [[int(t) for t, m in zip(r, mk) if m] for r, mk in zip(step_ids.tolist(),
-                                                                    attention_mask[:, -step_ids.shape[1]:].tolist())]
+        rows = [
+            [int(t) for t, m in zip(r, mk) if m]
+            for r, mk in zip(step_ids.tolist(), attention_mask[:, -step_ids.shape[1] :].tolist())
+        ]
         self.seen = rows if self.seen is None else [a + b for a, b in zip(self.seen, rows)]
         off = self.hook(step_ids, attention_mask, position_ids, logits)
-        self.calls.append(([list(r) for r in self.seen], logits.topk(self.hook.top_k, dim=-1).indices, off))
+        self.calls.append(
+            ([list(r) for r in self.seen], logits.topk(self.hook.top_k, dim=-1).indices, off)
+        )
         return off
 
 
 @pytest.mark.parametrize("mode", ["bernoulli", "expectation_clamped"])
 def test_v_hook_offsets_equal_recomputation_during_decoding(mode):
     vm = _v_model()
-    ref = build_tiny_llama(V, n_layer=1, d_model=32, n_head=4, pad_token_id=PAD, eos_token_id=EOS, seed=1)
+    ref = build_tiny_llama(
+        V, n_layer=1, d_model=32, n_head=4, pad_token_id=PAD, eos_token_id=EOS, seed=1
+    )
     stats = HookStats()
     hooks: list[_Recorder] = []
 
@@ -112,16 +131,31 @@ def test_v_hook_offsets_equal_recomputation_during_decoding(mode):
         return hooks[-1]
 
     gen = torch.Generator().manual_seed(0)
-    generate(ref, PROMPTS, max_new_tokens=5, batch_size=4, pad_token_id=PAD, eos_token_id=[EOS], do_sample=True,
-             top_k=3, generator=gen, offset_hook_factory=factory, force_full_length=True)
+    generate(
+        ref,
+        PROMPTS,
+        max_new_tokens=5,
+        batch_size=4,
+        pad_token_id=PAD,
+        eos_token_id=[EOS],
+        do_sample=True,
+        top_k=3,
+        generator=gen,
+        offset_hook_factory=factory,
+        force_full_length=True,
+    )
     [rec] = hooks
     assert len(rec.calls) == 5 and stats.steps == 5
-    assert stats.forwards == 5 + 1  # one candidate forward per step + the prompt (no fallback: same top-k)
+    assert (
+        stats.forwards == 5 + 1
+    )  # one candidate forward per step + the prompt (no fallback: same top-k)
     for prefixes, cand, off in rec.calls:
         for b, prefix in enumerate(prefixes):
             for j in range(3):
                 tok = int(cand[b, j])
-                want = offsets_from_values(_alone(vm, prefix, tok)[None, None], 3.0, mode, vm.atoms)[0, 0]
+                want = offsets_from_values(
+                    _alone(vm, prefix, tok)[None, None], 3.0, mode, vm.atoms
+                )[0, 0]
                 assert float(off[b, tok]) == pytest.approx(float(want), abs=1e-4)
             others = torch.ones(off.shape[-1], dtype=torch.bool)
             others[cand[b]] = False
@@ -132,23 +166,39 @@ def test_v_hook_falls_back_when_the_fed_token_was_not_a_candidate():
     """A generator sampling outside the hook's top-k (top_k 0 here, hook top-k 2) still gets
     exact offsets: the hook re-feeds the token instead of keeping a candidate's row."""
     vm = _v_model()
-    ref = build_tiny_llama(V, n_layer=1, d_model=32, n_head=4, pad_token_id=PAD, eos_token_id=EOS, seed=1)
+    ref = build_tiny_llama(
+        V, n_layer=1, d_model=32, n_head=4, pad_token_id=PAD, eos_token_id=EOS, seed=1
+    )
     hooks: list[_Recorder] = []
 
     def factory():
         hooks.append(_Recorder(CandidateGuidanceHook(vm, 2.0, "bernoulli", top_k=2)))
         return hooks[-1]
 
-    torch.nn.init.normal_(ref.lm_head.weight, std=0.01)  # flat π_ref: samples often outside the top-2
-    generate(ref, PROMPTS, max_new_tokens=4, batch_size=4, pad_token_id=PAD, eos_token_id=[EOS], do_sample=True,
-             top_k=0, generator=torch.Generator().manual_seed(3), offset_hook_factory=factory,
-             force_full_length=True)
+    torch.nn.init.normal_(
+        ref.lm_head.weight, std=0.01
+    )  # flat π_ref: samples often outside the top-2
+    generate(
+        ref,
+        PROMPTS,
+        max_new_tokens=4,
+        batch_size=4,
+        pad_token_id=PAD,
+        eos_token_id=[EOS],
+        do_sample=True,
+        top_k=0,
+        generator=torch.Generator().manual_seed(3),
+        offset_hook_factory=factory,
+        force_full_length=True,
+    )
     [rec] = hooks
     assert rec.hook.stats.forwards > 4 + 1  # some fallbacks happened
     for prefixes, cand, off in rec.calls:
         for b, prefix in enumerate(prefixes):
             tok = int(cand[b, 0])
-            want = offsets_from_values(_alone(vm, prefix, tok)[None, None], 2.0, "bernoulli", vm.atoms)[0, 0]
+            want = offsets_from_values(
+                _alone(vm, prefix, tok)[None, None], 2.0, "bernoulli", vm.atoms
+            )[0, 0]
             assert float(off[b, tok]) == pytest.approx(float(want), abs=1e-4)
 
 
@@ -167,7 +217,9 @@ def test_factory_picks_the_hook_of_the_head_and_checkpoint_round_trip(tmp_path):
 def test_clamped_expectation_offsets_only_suppress():
     logits = torch.tensor([[10.0], [0.0], [-10.0]])  # p ≈ 1, 1/2, ≈ 0
     off = offsets_from_values(logits, 2.0, "expectation_clamped", torch.tensor([1.0]))
-    assert off.tolist() == pytest.approx([2 * math.log(0.99), 2 * math.log(0.99), 2 * math.log(0.01)], rel=1e-5)
+    assert off.tolist() == pytest.approx(
+        [2 * math.log(0.99), 2 * math.log(0.99), 2 * math.log(0.01)], rel=1e-5
+    )
     assert (off < 0).all()
 
 
@@ -212,11 +264,23 @@ def test_training_and_guided_decoding_end_to_end(tmp_path, head):
     trains (held-out per-position accuracy and the probe are logged and plotted), guided
     decoding runs at η > 0, and the V-head's guided pass@1 beats π_ref's."""
     name = f"vhead_{head}"
-    args = ["experiment=smoke", f"experiment.name={name}", "executor.progress=false", *only("reference", "QSharp"),
-            "pretrain.steps=200", "dataset.test_size=100", "evaluation.max_prompts=100", "evaluation.etas=[0,10]",
-            f"algos.QSharp.value_head={head}", "algos.QSharp.steps=400", "algos.QSharp.samples_per_example=64",
-            "algos.QSharp.holdout_fraction=0.1", "algos.QSharp.probe_steps=30", "algos.QSharp.lr_schedule=official",
-            "algos.QSharp.weight_decay=0.1"]
+    args = [
+        "experiment=smoke",
+        f"experiment.name={name}",
+        "executor.progress=false",
+        *only("reference", "QSharp"),
+        "pretrain.steps=200",
+        "dataset.test_size=100",
+        "evaluation.max_prompts=100",
+        "evaluation.etas=[0,10]",
+        f"algos.QSharp.value_head={head}",
+        "algos.QSharp.steps=400",
+        "algos.QSharp.samples_per_example=64",
+        "algos.QSharp.holdout_fraction=0.1",
+        "algos.QSharp.probe_steps=30",
+        "algos.QSharp.lr_schedule=official",
+        "algos.QSharp.weight_decay=0.1",
+    ]
     proc = run_cli(args, tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [run_dir] = run_dirs(tmp_path, name)
@@ -240,9 +304,13 @@ def test_v_hook_with_finished_rows_stays_one_forward_per_step_and_exact_on_live_
     """Rows that hit EOS are fed pad afterwards: the hook does not advance them (no extra
     forward), and the rows still decoding keep exact offsets."""
     vm = _v_model()
-    ref = build_tiny_llama(V, n_layer=1, d_model=32, n_head=4, pad_token_id=PAD, eos_token_id=EOS, seed=2)
+    ref = build_tiny_llama(
+        V, n_layer=1, d_model=32, n_head=4, pad_token_id=PAD, eos_token_id=EOS, seed=2
+    )
     with torch.no_grad():
-        ref.lm_head.weight[EOS] += 2.0 * ref.lm_head.weight.std()  # EOS often in the top-3: varied lengths
+        ref.lm_head.weight[EOS] += (
+            2.0 * ref.lm_head.weight.std()
+        )  # EOS often in the top-3: varied lengths
     hooks: list[_Recorder] = []
 
     def factory():
@@ -250,8 +318,18 @@ def test_v_hook_with_finished_rows_stays_one_forward_per_step_and_exact_on_live_
         return hooks[-1]
 
     prompts = PROMPTS * 4
-    out = generate(ref, prompts, max_new_tokens=6, batch_size=16, pad_token_id=PAD, eos_token_id=[EOS],
-                   do_sample=True, top_k=3, generator=torch.Generator().manual_seed(0), offset_hook_factory=factory)
+    out = generate(
+        ref,
+        prompts,
+        max_new_tokens=6,
+        batch_size=16,
+        pad_token_id=PAD,
+        eos_token_id=[EOS],
+        do_sample=True,
+        top_k=3,
+        generator=torch.Generator().manual_seed(0),
+        offset_hook_factory=factory,
+    )
     lengths = [len(r) for r in out.responses]
     assert min(lengths) < max(lengths)  # some rows finished early
     [rec] = hooks
@@ -259,10 +337,12 @@ def test_v_hook_with_finished_rows_stays_one_forward_per_step_and_exact_on_live_
     checked = 0
     for prefixes, cand, off in rec.calls:
         for b, prefix in enumerate(prefixes):
-            if EOS in prefix[len(prompts[b]):] or PAD in prefix:
+            if EOS in prefix[len(prompts[b]) :] or PAD in prefix:
                 continue  # finished: its offsets are not used
             tok = int(cand[b, 1])
-            want = offsets_from_values(_alone(vm, prefix, tok)[None, None], 3.0, "bernoulli", vm.atoms)[0, 0]
+            want = offsets_from_values(
+                _alone(vm, prefix, tok)[None, None], 3.0, "bernoulli", vm.atoms
+            )[0, 0]
             assert float(off[b, tok]) == pytest.approx(float(want), abs=1e-4)
             checked += 1
     assert checked > len(prompts)

@@ -50,16 +50,21 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 
-def score_in_batches(task: Any, examples: Sequence, responses: Sequence[Sequence[int]],
-                     batch_size: int) -> list[float]:
+def score_in_batches(
+    task: Any, examples: Sequence, responses: Sequence[Sequence[int]], batch_size: int
+) -> list[float]:
     """task.rewards over chunks of `batch_size` (one reward-model call per chunk)."""
     out: list[float] = []
     for start in range(0, len(responses), batch_size):
-        out += task.rewards(examples[start: start + batch_size], responses[start: start + batch_size])
+        out += task.rewards(
+            examples[start : start + batch_size], responses[start : start + batch_size]
+        )
     return [float(r) for r in out]
 
 
-def preference_label(r_new: float, r_old: float, beta: float, rng: random.Random) -> tuple[float, float]:
+def preference_label(
+    r_new: float, r_old: float, beta: float, rng: random.Random
+) -> tuple[float, float]:
     """(label, P(new ≻ old)): a decided pair when exactly one reward is 1 and the other 0,
     otherwise a Bradley–Terry draw with P = σ(β·(r_new − r_old))."""
     if {r_new, r_old} == {0.0, 1.0}:
@@ -73,11 +78,24 @@ def preference_label(r_new: float, r_old: float, beta: float, rng: random.Random
 class RolloutCollector:
     """One collect shard's batched roll-in / cut / roll-out (see the module docstring)."""
 
-    def __init__(self, reference: Any, task: Any, *, batch_size: int, max_new_tokens: int,
-                 pad_token_id: int, eos_token_id: int | Sequence[int], temperature: float = 1.0,
-                 top_p: float = 1.0, rollout_top_k: int = 0, roll_in_hook_factory: Callable | None = None,
-                 roll_in_top_k: int | None = None, reward_batch_size: int = 32, seed: int = 0,
-                 heartbeat: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        reference: Any,
+        task: Any,
+        *,
+        batch_size: int,
+        max_new_tokens: int,
+        pad_token_id: int,
+        eos_token_id: int | Sequence[int],
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        rollout_top_k: int = 0,
+        roll_in_hook_factory: Callable | None = None,
+        roll_in_top_k: int | None = None,
+        reward_batch_size: int = 32,
+        seed: int = 0,
+        heartbeat: Callable[[str], None] | None = None,
+    ):
         self.reference, self.task = reference, task
         self.batch_size, self.max_new_tokens = batch_size, max_new_tokens
         self.pad, self.eos = pad_token_id, eos_token_id
@@ -87,16 +105,35 @@ class RolloutCollector:
         self.reward_batch_size, self.seed = reward_batch_size, seed
         self.heartbeat = heartbeat or (lambda msg: None)
 
-    def _generate(self, prompts: list[list[int]], *, top_k: int, hook_factory: Callable | None, generator):
+    def _generate(
+        self, prompts: list[list[int]], *, top_k: int, hook_factory: Callable | None, generator
+    ):
         from pita.models.generation import generate
 
-        return generate(self.reference, prompts, max_new_tokens=self.max_new_tokens, batch_size=self.batch_size,
-                        pad_token_id=self.pad, eos_token_id=self.eos, do_sample=True,
-                        temperature=self.temperature, top_k=top_k, top_p=self.top_p, generator=generator,
-                        offset_hook_factory=hook_factory)
+        return generate(
+            self.reference,
+            prompts,
+            max_new_tokens=self.max_new_tokens,
+            batch_size=self.batch_size,
+            pad_token_id=self.pad,
+            eos_token_id=self.eos,
+            do_sample=True,
+            temperature=self.temperature,
+            top_k=top_k,
+            top_p=self.top_p,
+            generator=generator,
+            offset_hook_factory=hook_factory,
+        )
 
-    def collect(self, indices: Sequence[int], examples: Sequence, samples_per_example: int, *,
-                pairs: bool = False, bradley_terry_beta: float = 10.0) -> list[dict]:
+    def collect(
+        self,
+        indices: Sequence[int],
+        examples: Sequence,
+        samples_per_example: int,
+        *,
+        pairs: bool = False,
+        bradley_terry_beta: float = 10.0,
+    ) -> list[dict]:
         """Records for `examples` (their ids in the task's training list are `indices`)."""
         import torch
 
@@ -109,23 +146,37 @@ class RolloutCollector:
         row_examples = [ex for _, ex in rows]
 
         # 1. roll-in: whole responses from the current policy π^k
-        roll_in = self._generate(prompts, top_k=self.roll_in_top_k, hook_factory=self.hook_factory,
-                                 generator=generator).responses
+        roll_in = self._generate(
+            prompts, top_k=self.roll_in_top_k, hook_factory=self.hook_factory, generator=generator
+        ).responses
         self.heartbeat(f"roll-in: {len(rows)} responses")
         # 2. cut: keep c = h − 1 tokens, h ~ U{1..|y|−1} (c = 0 when |y| < 2)
         cuts = [rng.randint(0, max(0, len(y) - 2)) for y in roll_in]
         prefixes = [y[:c] for y, c in zip(roll_in, cuts)]
         # 3. roll-out with π_ref from x + y_<h, each row cut to its own remaining budget
-        cont = self._generate([p + pre for p, pre in zip(prompts, prefixes)], top_k=self.rollout_top_k,
-                              hook_factory=None, generator=generator).responses
+        cont = self._generate(
+            [p + pre for p, pre in zip(prompts, prefixes)],
+            top_k=self.rollout_top_k,
+            hook_factory=None,
+            generator=generator,
+        ).responses
         rollouts = [r[: self.max_new_tokens - c] for r, c in zip(cont, cuts)]
         self.heartbeat(f"roll-out: {len(rows)} continuations")
         # 4. rewards of exactly the stored ids
         responses = [pre + ro for pre, ro in zip(prefixes, rollouts)]
         rewards = score_in_batches(self.task, row_examples, responses, self.reward_batch_size)
         origin = "guided" if self.hook_factory is not None else "reference"
-        records = [{"example": i, "prompt": p, "prefix": pre, "rollout": ro, "reward": r, "roll_in": origin}
-                   for (i, _), p, pre, ro, r in zip(rows, prompts, prefixes, rollouts, rewards)]
+        records = [
+            {
+                "example": i,
+                "prompt": p,
+                "prefix": pre,
+                "rollout": ro,
+                "reward": r,
+                "roll_in": origin,
+            }
+            for (i, _), p, pre, ro, r in zip(rows, prompts, prefixes, rollouts, rewards)
+        ]
         if pairs:  # 5. the roll-in's own continuation, and the preference label
             originals = score_in_batches(self.task, row_examples, roll_in, self.reward_batch_size)
             for rec, y, c, r_old in zip(records, roll_in, cuts, originals):
@@ -134,8 +185,14 @@ class RolloutCollector:
         return records
 
 
-def ground_truth_pairs(collector: RolloutCollector, indices: Sequence[int], examples: Sequence, *,
-                       max_tries: int, pairs: bool = False) -> tuple[list[dict], int]:
+def ground_truth_pairs(
+    collector: RolloutCollector,
+    indices: Sequence[int],
+    examples: Sequence,
+    *,
+    max_tries: int,
+    pairs: bool = False,
+) -> tuple[list[dict], int]:
     """Records of the `ground_truth_vs_first_wrong` recipe (module docstring): per example
     the ground truth (reward 1) and π_ref's first wrong sample (reward 0). Sampling is
     batched: each round draws, for every prompt still without a wrong sample, enough copies
@@ -144,8 +201,10 @@ def ground_truth_pairs(collector: RolloutCollector, indices: Sequence[int], exam
     import torch
 
     if any(ex.target_ids is None for ex in examples):
-        raise ValueError("data_collection.recipe=ground_truth_vs_first_wrong needs a task with a known answer "
-                         f"(target_ids); {type(collector.task).__name__} has none: use recipe=rollouts")
+        raise ValueError(
+            "data_collection.recipe=ground_truth_vs_first_wrong needs a task with a known answer "
+            f"(target_ids); {type(collector.task).__name__} has none: use recipe=rollouts"
+        )
     generator = torch.Generator(device="cpu").manual_seed(collector.seed)
     wrong: dict[int, list[int]] = {}
     tries = [0] * len(examples)
@@ -153,22 +212,36 @@ def ground_truth_pairs(collector: RolloutCollector, indices: Sequence[int], exam
     while pending:
         reps = max(1, collector.batch_size // len(pending))
         rows = [j for j in pending for _ in range(min(reps, max_tries - tries[j]))]
-        out = collector._generate([list(examples[j].prompt_ids) for j in rows], top_k=collector.rollout_top_k,
-                                  hook_factory=None, generator=generator).responses
-        rewards = score_in_batches(collector.task, [examples[j] for j in rows], out, collector.reward_batch_size)
+        out = collector._generate(
+            [list(examples[j].prompt_ids) for j in rows],
+            top_k=collector.rollout_top_k,
+            hook_factory=None,
+            generator=generator,
+        ).responses
+        rewards = score_in_batches(
+            collector.task, [examples[j] for j in rows], out, collector.reward_batch_size
+        )
         for j, y, r in zip(rows, out, rewards):
             tries[j] += 1
             if r < 1.0 and j not in wrong:
                 wrong[j] = list(y)
         pending = [j for j in pending if j not in wrong and tries[j] < max_tries]
-        collector.heartbeat(f"ground truth vs first wrong: {len(wrong)}/{len(examples)} pairs, {len(pending)} pending")
+        collector.heartbeat(
+            f"ground truth vs first wrong: {len(wrong)}/{len(examples)} pairs, {len(pending)} pending"
+        )
     records = []
     for j in sorted(wrong):
         ex = examples[j]
         arms = [(list(ex.target_ids), 1.0), (wrong[j], 0.0)]
         for (resp, r), (other, r_other) in zip(arms, arms[::-1]):
-            rec = {"example": indices[j], "prompt": list(ex.prompt_ids), "prefix": [], "rollout": resp,
-                   "reward": r, "roll_in": "reference"}
+            rec = {
+                "example": indices[j],
+                "prompt": list(ex.prompt_ids),
+                "prefix": [],
+                "rollout": resp,
+                "reward": r,
+                "roll_in": "reference",
+            }
             if pairs:
                 rec.update(original=other, reward_original=r_other, label=r, pref_prob=r)
             records.append(rec)
@@ -185,7 +258,14 @@ def preference_pairs(records: Sequence[dict]) -> list[dict]:
         if new == old:
             continue
         chosen, rejected = (new, old) if rec["label"] >= 0.5 else (old, new)
-        out.append({"example": rec["example"], "prompt": rec["prompt"], "chosen": chosen, "rejected": rejected})
+        out.append(
+            {
+                "example": rec["example"],
+                "prompt": rec["prompt"],
+                "chosen": chosen,
+                "rejected": rejected,
+            }
+        )
     return out
 
 
@@ -220,42 +300,81 @@ def collect_shard(ctx: Any, *, pairs: bool) -> tuple[list[dict], dict]:
     # on the shard's longest prompt and full max_new_tokens, plus the guide when guided.
     # (Without the model it had nothing to measure and logged "no CUDA device" on GPUs.)
     guide = [hook.model] if getattr(hook, "model", None) is not None else []
-    batch = generation_batch_size(ctx, gen.batch_size, model=reference,
-                                  prompts=[examples[i].prompt_ids for i in indices], max_new_tokens=max_new,
-                                  extra_models=guide, fallback=256)
+    batch = generation_batch_size(
+        ctx,
+        gen.batch_size,
+        model=reference,
+        prompts=[examples[i].prompt_ids for i in indices],
+        max_new_tokens=max_new,
+        extra_models=guide,
+        fallback=256,
+    )
     generator = RolloutCollector(
-        reference, task, batch_size=batch,
-        max_new_tokens=max_new, pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id, temperature=float(gen.temperature), top_p=float(gen.top_p),
-        rollout_top_k=int(gen.top_k), roll_in_hook_factory=hook, roll_in_top_k=roll_in_top_k,
-        reward_batch_size=generation_batch_size(ctx, dc.reward_batch_size, fallback=32), seed=ctx.seed,
-        heartbeat=ctx.heartbeat)
-    samples = int(algo.get("samples_per_example", 0) or dc.samples_per_example)  # per-algo override, if any
+        reference,
+        task,
+        batch_size=batch,
+        max_new_tokens=max_new,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        temperature=float(gen.temperature),
+        top_p=float(gen.top_p),
+        rollout_top_k=int(gen.top_k),
+        roll_in_hook_factory=hook,
+        roll_in_top_k=roll_in_top_k,
+        reward_batch_size=generation_batch_size(ctx, dc.reward_batch_size, fallback=32),
+        seed=ctx.seed,
+        heartbeat=ctx.heartbeat,
+    )
+    samples = int(
+        algo.get("samples_per_example", 0) or dc.samples_per_example
+    )  # per-algo override, if any
     recipe = str(dc.get("recipe", "rollouts"))
     dropped = None
     if recipe == "ground_truth_vs_first_wrong":
         hook = None  # one offline round of π_ref samples (module docstring)
-        records, dropped = ground_truth_pairs(generator, indices, [examples[i] for i in indices],
-                                              max_tries=int(dc.max_tries), pairs=pairs)
+        records, dropped = ground_truth_pairs(
+            generator,
+            indices,
+            [examples[i] for i in indices],
+            max_tries=int(dc.max_tries),
+            pairs=pairs,
+        )
     elif recipe == "rollouts":
-        records = generator.collect(indices, [examples[i] for i in indices], samples,
-                                    pairs=pairs, bradley_terry_beta=float(dc.bradley_terry_beta))
+        records = generator.collect(
+            indices,
+            [examples[i] for i in indices],
+            samples,
+            pairs=pairs,
+            bradley_terry_beta=float(dc.bradley_terry_beta),
+        )
     else:
-        raise ValueError(f"data_collection.recipe={recipe!r}: allowed: rollouts | ground_truth_vs_first_wrong")
+        raise ValueError(
+            f"data_collection.recipe={recipe!r}: allowed: rollouts | ground_truth_vs_first_wrong"
+        )
     # sums, not means: collect_merge adds up every number of the shards' results
-    stats = {"prompts": len(indices), "records": len(records), "guided": hook is not None,
-             "reward_sum": sum(r["reward"] for r in records), "collect_s": round(time.perf_counter() - t0, 2)}
+    stats = {
+        "prompts": len(indices),
+        "records": len(records),
+        "guided": hook is not None,
+        "reward_sum": sum(r["reward"] for r in records),
+        "collect_s": round(time.perf_counter() - t0, 2),
+    }
     if dropped is not None:
         stats["dropped_no_wrong_sample"] = dropped
     if pairs:
         stats["reward_roll_in_sum"] = sum(r["reward_original"] for r in records)
         stats["label_sum"] = sum(r["label"] for r in records)
     if hook is not None:
-        stats["value_forwards"], stats["decode_steps"] = hook.stats.forwards, hook.stats.steps  # 1 per step
+        stats["value_forwards"], stats["decode_steps"] = (
+            hook.stats.forwards,
+            hook.stats.steps,
+        )  # 1 per step
     ctx.logger.info("collected %s", stats)
     from pita.models.placement import placement_lines
 
-    stats["run_log_lines"] = placement_lines(reference, "reference")  # a sharded π_ref's layers, for run.log
+    stats["run_log_lines"] = placement_lines(
+        reference, "reference"
+    )  # a sharded π_ref's layers, for run.log
     return records, stats
 
 

@@ -63,8 +63,14 @@ def _unique(responses: Sequence[Sequence[int]]) -> list[list[int]]:
     return out
 
 
-def preference_pairs(responses: Sequence[Sequence[int]], rewards: Sequence[float], *, binary: bool,
-                     max_pairs: int, target: Sequence[int] | None = None) -> list[tuple[list[int], list[int]]]:
+def preference_pairs(
+    responses: Sequence[Sequence[int]],
+    rewards: Sequence[float],
+    *,
+    binary: bool,
+    max_pairs: int,
+    target: Sequence[int] | None = None,
+) -> list[tuple[list[int], list[int]]]:
     """(chosen, rejected) response pairs from one prompt's samples; see the module docstring.
 
     `target` is a response the verifier accepts (e.g. the star graph's ground-truth path), or
@@ -81,7 +87,9 @@ def preference_pairs(responses: Sequence[Sequence[int]], rewards: Sequence[float
             return []
         return [(successes[i % len(successes)], f) for i, f in enumerate(failures[:max_pairs])]
     best: dict[tuple, float] = {}
-    for r, x in zip(responses, rewards):  # one reward per distinct response (the verifier is deterministic)
+    for r, x in zip(
+        responses, rewards
+    ):  # one reward per distinct response (the verifier is deterministic)
         best.setdefault(tuple(r), float(x))
     ranked = sorted(best.items(), key=lambda kv: -kv[1])
     pairs = []
@@ -124,17 +132,29 @@ def collect(ctx: StageContext) -> dict:
     gen = ctx.cfg.generation
     prompts = [e.prompt_ids for e in examples]
     max_new = int(gen.max_new_tokens or task.max_new_tokens)
-    bs = generation_batch_size(ctx, gen.batch_size, model=policy, prompts=prompts, max_new_tokens=max_new)
-    out = generate(policy, prompts, max_new_tokens=max_new, batch_size=bs, pad_token_id=tok.pad_token_id,
-                   eos_token_id=tok.eos_token_id, do_sample=True, temperature=gen.temperature, top_k=gen.top_k,
-                   top_p=gen.top_p, generator=torch.Generator(device="cpu").manual_seed(ctx.seed))
+    bs = generation_batch_size(
+        ctx, gen.batch_size, model=policy, prompts=prompts, max_new_tokens=max_new
+    )
+    out = generate(
+        policy,
+        prompts,
+        max_new_tokens=max_new,
+        batch_size=bs,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        do_sample=True,
+        temperature=gen.temperature,
+        top_k=gen.top_k,
+        top_p=gen.top_p,
+        generator=torch.Generator(device="cpu").manual_seed(ctx.seed),
+    )
     ctx.heartbeat(f"sampled {len(examples)}")
 
     # Rewards in batches of data_collection.reward_batch_size (one verifier call per batch).
     rb = generation_batch_size(ctx, ctx.cfg.data_collection.reward_batch_size, fallback=256)
     rewards: list[float] = []
     for start in range(0, len(examples), rb):
-        rewards += task.rewards(examples[start:start + rb], out.responses[start:start + rb])
+        rewards += task.rewards(examples[start : start + rb], out.responses[start : start + rb])
     binary = all(r in (0.0, 1.0) for r in rewards)
 
     # Pairs per prompt, in token space.
@@ -146,20 +166,47 @@ def collect(ctx: StageContext) -> dict:
             target = None
             if ex.target_ids is not None and task.rewards([ex], [ex.target_ids])[0] >= 1.0:
                 target = ex.target_ids
-            pairs = preference_pairs(out.responses[j * k:(j + 1) * k], rewards[j * k:(j + 1) * k],
-                                     binary=binary, max_pairs=max_pairs, target=target)
+            pairs = preference_pairs(
+                out.responses[j * k : (j + 1) * k],
+                rewards[j * k : (j + 1) * k],
+                binary=binary,
+                max_pairs=max_pairs,
+                target=target,
+            )
             for chosen, rejected in pairs:
-                f.write(json.dumps({"example": i, "prompt": list(ex.prompt_ids), "chosen": chosen,
-                                    "rejected": rejected}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "example": i,
+                            "prompt": list(ex.prompt_ids),
+                            "chosen": chosen,
+                            "rejected": rejected,
+                        }
+                    )
+                    + "\n"
+                )
             n_pairs += len(pairs)
             n_with_pairs += bool(pairs)
     mean_reward = sum(rewards) / max(1, len(rewards))
-    ctx.logger.info("%d prompts x %d samples: mean reward %.4f (%s), %d pairs from %d prompts", len(indices), k,
-                    mean_reward, "binary" if binary else "real-valued", n_pairs, n_with_pairs)
+    ctx.logger.info(
+        "%d prompts x %d samples: mean reward %.4f (%s), %d pairs from %d prompts",
+        len(indices),
+        k,
+        mean_reward,
+        "binary" if binary else "real-valued",
+        n_pairs,
+        n_with_pairs,
+    )
     from pita.models.placement import placement_lines
 
-    return {"prompts": len(indices), "samples": len(examples), "pairs": n_pairs, "prompts_with_pairs": n_with_pairs,
-            "reward_sum": sum(rewards), "run_log_lines": placement_lines(policy, "policy")}
+    return {
+        "prompts": len(indices),
+        "samples": len(examples),
+        "pairs": n_pairs,
+        "prompts_with_pairs": n_with_pairs,
+        "reward_sum": sum(rewards),
+        "run_log_lines": placement_lines(policy, "policy"),
+    }
 
 
 def read_pairs(folders: Sequence[Path]) -> list[dict]:
@@ -168,7 +215,9 @@ def read_pairs(folders: Sequence[Path]) -> list[dict]:
     for folder in folders:
         path = Path(folder) / Artifact.PAIRS
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: no pairs.jsonl; the collect stage wrote no preference pairs")
+            raise FileNotFoundError(
+                f"{path}: no pairs.jsonl; the collect stage wrote no preference pairs"
+            )
         with open(path) as f:
             records += [json.loads(line) for line in f if line.strip()]
     return records
@@ -181,9 +230,11 @@ def pairs_as_ids(records: Sequence[dict], eos_id: int) -> dict[str, list[list[in
     def with_eos(ids):
         return list(ids) if ids and ids[-1] == eos_id else [*ids, eos_id]
 
-    return {"prompt_ids": [list(r["prompt"]) for r in records],
-            "chosen_ids": [with_eos(r["chosen"]) for r in records],
-            "rejected_ids": [with_eos(r["rejected"]) for r in records]}
+    return {
+        "prompt_ids": [list(r["prompt"]) for r in records],
+        "chosen_ids": [with_eos(r["chosen"]) for r in records],
+        "rejected_ids": [with_eos(r["rejected"]) for r in records],
+    }
 
 
 TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -215,9 +266,15 @@ def check_token_dataset(dataset, ids: dict[str, list[list[int]]]) -> None:
     for column, want in ids.items():
         got = [list(x) for x in dataset[column]]
         if got != want:
-            bad = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b) if len(got) == len(want) else len(got)
-            raise RuntimeError(f"DPO: the trainer's {column} differ from the collected token ids (row {bad}); "
-                               "TRL no longer takes pre-tokenized pairs as is")
+            bad = (
+                next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+                if len(got) == len(want)
+                else len(got)
+            )
+            raise RuntimeError(
+                f"DPO: the trainer's {column} differ from the collected token ids (row {bad}); "
+                "TRL no longer takes pre-tokenized pairs as is"
+            )
 
 
 def train(ctx: StageContext) -> dict:
@@ -250,8 +307,10 @@ def train(ctx: StageContext) -> dict:
     # Data first (fail before loading models): the pairs of every round so far, shuffled.
     records = read_pairs(ctx.input("data"))
     if not records:
-        raise RuntimeError("no preference pairs were collected (every prompt's samples were all right or all "
-                           "wrong); raise data_collection.samples_per_example")
+        raise RuntimeError(
+            "no preference pairs were collected (every prompt's samples were all right or all "
+            "wrong); raise data_collection.samples_per_example"
+        )
     random.Random(ctx.seed).shuffle(records)
 
     # Models: the policy starts from the previous round (else π_ref); the frozen reference is π_ref.
@@ -263,20 +322,58 @@ def train(ctx: StageContext) -> dict:
     torch.manual_seed(ctx.seed)
 
     sft = float(algo.sft_weight)
-    loss = {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, sft]} if sft > 0 else {"loss_type": ["sigmoid"]}
-    args = training_args(ctx, DPOConfig, batch_size=effective_batch(ctx), lr=float(algo.lr), epochs=int(algo.epochs),
-                         steps=int(algo.steps), beta=float(algo.beta), max_length=None, **loss)
+    loss = (
+        {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, sft]}
+        if sft > 0
+        else {"loss_type": ["sigmoid"]}
+    )
+    args = training_args(
+        ctx,
+        DPOConfig,
+        batch_size=effective_batch(ctx),
+        lr=float(algo.lr),
+        epochs=int(algo.epochs),
+        steps=int(algo.steps),
+        beta=float(algo.beta),
+        max_length=None,
+        **loss,
+    )
     ids = pairs_as_ids(records, tok.eos_token_id)
-    trainer = quiet(token_dpo_trainer()(model=policy, ref_model=ref_model, args=args,
-                                        train_dataset=Dataset.from_dict(ids), processing_class=tok,
-                                        callbacks=[stage_log_callback(ctx)]))
+    trainer = quiet(
+        token_dpo_trainer()(
+            model=policy,
+            ref_model=ref_model,
+            args=args,
+            train_dataset=Dataset.from_dict(ids),
+            processing_class=tok,
+            callbacks=[stage_log_callback(ctx)],
+        )
+    )
     check_token_dataset(trainer.train_dataset, ids)
-    ctx.logger.info("DPO on %d pairs from %d round(s); policy from %s, reference %s", len(records),
-                    len(ctx.input("data")), start_dir, ref_dir)
+    ctx.logger.info(
+        "DPO on %d pairs from %d round(s); policy from %s, reference %s",
+        len(records),
+        len(ctx.input("data")),
+        start_dir,
+        ref_dir,
+    )
 
     performance = train_with_report(ctx, trainer)
     save_model(trainer.accelerator.unwrap_model(trainer.model), tok, ctx.out_dir / Artifact.MODEL)
-    stats = last_logged(trainer, "train_loss", "rewards/accuracies", "rewards/margins", "rewards/chosen",
-                        "rewards/rejected", "logps/chosen", "logps/rejected")
-    return {"pairs": len(records), "steps": trainer.state.global_step, "start": start_dir, **stats,
-            "performance": performance}
+    stats = last_logged(
+        trainer,
+        "train_loss",
+        "rewards/accuracies",
+        "rewards/margins",
+        "rewards/chosen",
+        "rewards/rejected",
+        "logps/chosen",
+        "logps/rejected",
+    )
+    return {
+        "pairs": len(records),
+        "steps": trainer.state.global_step,
+        "start": start_dir,
+        **stats,
+        "performance": performance,
+    }

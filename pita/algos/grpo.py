@@ -43,9 +43,12 @@ class TaskReward:
         self.task = task
         self.examples = list(examples)
 
-    def __call__(self, prompts: list, completions: list, completion_ids: list, example: list,
-                 **kwargs: Any) -> list[float]:
-        return self.task.rewards([self.examples[i] for i in example], [list(ids) for ids in completion_ids])
+    def __call__(
+        self, prompts: list, completions: list, completion_ids: list, example: list, **kwargs: Any
+    ) -> list[float]:
+        return self.task.rewards(
+            [self.examples[i] for i in example], [list(ids) for ids in completion_ids]
+        )
 
 
 class ProxyReward:
@@ -62,8 +65,9 @@ class ProxyReward:
         self.examples = list(examples)
         self.task = task
 
-    def __call__(self, prompts: list, completions: list, completion_ids: list, example: list,
-                 **kwargs: Any) -> list[float]:
+    def __call__(
+        self, prompts: list, completions: list, completion_ids: list, example: list, **kwargs: Any
+    ) -> list[float]:
         examples = [self.examples[i] for i in example]
         ids = [list(c) for c in completion_ids]
         if self.task is not None and "log_metric" in kwargs:
@@ -77,8 +81,12 @@ def prompt_dataset(examples: Sequence, tokenizer):
     bookkeeping only; generation starts from the example's prompt ids (`token_grpo_trainer`)."""
     from datasets import Dataset
 
-    texts = [tokenizer.decode(e.prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-             for e in examples]
+    texts = [
+        tokenizer.decode(
+            e.prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        for e in examples
+    ]
     return Dataset.from_dict({"prompt": texts, "example": list(range(len(examples)))})
 
 
@@ -98,7 +106,9 @@ def token_grpo_trainer(prompt_ids: Sequence[Sequence[int]]):
 
         def _tokenize_prompts(self, prompts: list):
             if len(prompts) != len(self._batch_examples):
-                raise RuntimeError(f"GRPO: {len(prompts)} prompts for a batch of {len(self._batch_examples)} rows")
+                raise RuntimeError(
+                    f"GRPO: {len(prompts)} prompts for a batch of {len(self._batch_examples)} rows"
+                )
             return [list(table[i]) for i in self._batch_examples], None, {}
 
     return TokenGRPOTrainer
@@ -124,8 +134,10 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
     algo, gen = ctx.algo_cfg, ctx.cfg.generation
     batch, group = effective_batch(ctx), int(algo.num_generations)
     if batch % group:
-        raise ValueError(f"algos.{ctx.task.algo}.batch_size={batch}: must be a multiple of "
-                         f"algos.{ctx.task.algo}.num_generations={group} (a batch holds whole groups)")
+        raise ValueError(
+            f"algos.{ctx.task.algo}.batch_size={batch}: must be a multiple of "
+            f"algos.{ctx.task.algo}.num_generations={group} (a batch holds whole groups)"
+        )
     ref_dir, start_dir = ctx.reference_model(), policy_start_dir(ctx)
     tok = load_tokenizer(ref_dir)
     dataset = prompt_dataset(examples, tok)
@@ -134,27 +146,71 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
     # round-k policy (started from round k−1's) is still regularised towards π_ref.
     policy.config._name_or_path = ref_dir
 
-    args = training_args(ctx, GRPOConfig, batch_size=batch, lr=float(algo.lr), epochs=int(algo.epochs),
-                         steps=int(algo.steps), beta=float(algo.beta), num_generations=group,
-                         max_completion_length=int(algo.max_completion_length or task.max_new_tokens),
-                         temperature=float(gen.temperature), top_k=int(gen.top_k), top_p=float(gen.top_p),
-                         disable_dropout=True, log_completions=False)
+    args = training_args(
+        ctx,
+        GRPOConfig,
+        batch_size=batch,
+        lr=float(algo.lr),
+        epochs=int(algo.epochs),
+        steps=int(algo.steps),
+        beta=float(algo.beta),
+        num_generations=group,
+        max_completion_length=int(algo.max_completion_length or task.max_new_tokens),
+        temperature=float(gen.temperature),
+        top_k=int(gen.top_k),
+        top_p=float(gen.top_p),
+        disable_dropout=True,
+        log_completions=False,
+    )
     trainer_cls = token_grpo_trainer([e.prompt_ids for e in examples])
-    trainer = quiet(trainer_cls(model=policy, reward_funcs=reward_fn, args=args, train_dataset=dataset,
-                                processing_class=tok, callbacks=[stage_log_callback(ctx)]))
+    trainer = quiet(
+        trainer_cls(
+            model=policy,
+            reward_funcs=reward_fn,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tok,
+            callbacks=[stage_log_callback(ctx)],
+        )
+    )
     ref_model = getattr(trainer, "ref_model", None)
-    assert (ref_model is None) == (float(algo.beta) == 0.0), "TRL loads a KL reference exactly when beta > 0"
-    kl_ref = "none (beta=0)" if ref_model is None else trainer.accelerator.unwrap_model(ref_model).config._name_or_path
-    ctx.logger.info("GRPO on %d prompts, groups of %d; policy from %s, KL reference %s", len(examples), group,
-                    start_dir, kl_ref)
+    assert (ref_model is None) == (float(algo.beta) == 0.0), (
+        "TRL loads a KL reference exactly when beta > 0"
+    )
+    kl_ref = (
+        "none (beta=0)"
+        if ref_model is None
+        else trainer.accelerator.unwrap_model(ref_model).config._name_or_path
+    )
+    ctx.logger.info(
+        "GRPO on %d prompts, groups of %d; policy from %s, KL reference %s",
+        len(examples),
+        group,
+        start_dir,
+        kl_ref,
+    )
 
     performance = train_with_report(ctx, trainer)
     save_model(trainer.accelerator.unwrap_model(trainer.model), tok, ctx.out_dir / Artifact.MODEL)
-    stats = last_logged(trainer, "train_loss", "reward", "reward_std", "kl", "entropy", "frac_reward_zero_std",
-                        "true_reward")
+    stats = last_logged(
+        trainer,
+        "train_loss",
+        "reward",
+        "reward_std",
+        "kl",
+        "entropy",
+        "frac_reward_zero_std",
+        "true_reward",
+    )
     first = next((r for r in trainer.state.log_history if "reward" in r), {})
-    return {"prompts": len(examples), "steps": trainer.state.global_step, "start": start_dir,
-            "first_reward": first.get("reward"), **stats, "performance": performance}
+    return {
+        "prompts": len(examples),
+        "steps": trainer.state.global_step,
+        "start": start_dir,
+        "first_reward": first.get("reward"),
+        **stats,
+        "performance": performance,
+    }
 
 
 def train(ctx: StageContext) -> dict:

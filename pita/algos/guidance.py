@@ -56,7 +56,9 @@ P_CLAMP = 1e-6
 ODDS_CLAMP = (1e-2, 1 - 1e-2)  # the official star-graph PITA's clamp of p / (1 − p)
 
 
-def offsets_from_values(values: torch.Tensor, eta: float, mode: str, atoms: torch.Tensor) -> torch.Tensor:
+def offsets_from_values(
+    values: torch.Tensor, eta: float, mode: str, atoms: torch.Tensor
+) -> torch.Tensor:
     """Offsets [..., V] from head outputs [..., V, M] (M = 1: logits; M > 1: atom logits)."""
     if mode not in MODES:
         raise ValueError(f"guidance.mode={mode!r}: allowed: {', '.join(MODES)}")
@@ -64,8 +66,10 @@ def offsets_from_values(values: torch.Tensor, eta: float, mode: str, atoms: torc
     n_atoms = values.shape[-1]
     if mode == "mle":
         if n_atoms == 1:
-            raise ValueError("guidance.mode=mle needs a distributional value model (loss_type=mle); "
-                             "this one has a single logit per token: use bernoulli or expectation")
+            raise ValueError(
+                "guidance.mode=mle needs a distributional value model (loss_type=mle); "
+                "this one has a single logit per token: use bernoulli or expectation"
+            )
         # log Σ_m pmf_m e^{η z_m} = logsumexp(log pmf + η z)
         return torch.logsumexp(values.log_softmax(dim=-1) + eta * atoms.float(), dim=-1)
     if n_atoms == 1:
@@ -112,13 +116,23 @@ class ValueGuidanceHook:
         self.cache = None
         self.device = next(model.parameters()).device
 
-    def __call__(self, step_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                 logits: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        step_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        logits: torch.Tensor,
+    ) -> torch.Tensor:
         self.stats.steps += 1
         with torch.inference_mode():
-            out = self.model(step_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                             position_ids=position_ids.to(self.device), past_key_values=self.cache,
-                             use_cache=True, last_only=True)
+            out = self.model(
+                step_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                position_ids=position_ids.to(self.device),
+                past_key_values=self.cache,
+                use_cache=True,
+                last_only=True,
+            )
         self.stats.forwards += 1
         self.cache = out.past_key_values
         off = offsets_from_values(out.values[:, -1], self.eta, self.mode, self.model.atoms)
@@ -130,7 +144,9 @@ class CandidateGuidanceHook:
     candidates in one batched forward over the prefix cache expanded k times, and keeps the
     sampled candidate's row of that cache for the next step (see the module docstring)."""
 
-    def __init__(self, model: ValueModel, eta: float, mode: str, top_k: int, stats: HookStats | None = None):
+    def __init__(
+        self, model: ValueModel, eta: float, mode: str, top_k: int, stats: HookStats | None = None
+    ):
         self.model, self.eta, self.mode, self.top_k = model, float(eta), mode, int(top_k)
         self.stats = stats if stats is not None else HookStats()
         self.cache = None  # B·k rows after a step: row b·k + j ends with candidate j of row b
@@ -138,21 +154,40 @@ class CandidateGuidanceHook:
         self.device = next(model.parameters()).device
         self.pad_id = model.backbone.config.pad_token_id
 
-    def _advance(self, step_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> None:
+    def _advance(
+        self, step_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> None:
         """Feed step_ids to the B-row prefix cache (first call, or the exact fallback)."""
-        out = self.model.backbone(input_ids=step_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                  past_key_values=self.cache, use_cache=True)
+        out = self.model.backbone(
+            input_ids=step_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
         self.stats.forwards += 1
         self.cache = out.past_key_values
 
-    def __call__(self, step_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                 logits: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        step_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        logits: torch.Tensor,
+    ) -> torch.Tensor:
         self.stats.steps += 1
         dev = self.device
-        step_ids, attention_mask, position_ids = step_ids.to(dev), attention_mask.to(dev), position_ids.to(dev)
+        step_ids, attention_mask, position_ids = (
+            step_ids.to(dev),
+            attention_mask.to(dev),
+            position_ids.to(dev),
+        )
         b = step_ids.shape[0]
-        k = min(self.top_k, logits.shape[-1], self.model.vocab_size) if self.top_k > 0 else \
-            min(logits.shape[-1], self.model.vocab_size)
+        k = (
+            min(self.top_k, logits.shape[-1], self.model.vocab_size)
+            if self.top_k > 0
+            else min(logits.shape[-1], self.model.vocab_size)
+        )
         with torch.inference_mode():
             if self.cache is None:  # the prompt
                 self._advance(step_ids, attention_mask, position_ids)
@@ -161,17 +196,26 @@ class CandidateGuidanceHook:
                 hit = self.candidates.eq(step_ids[:, -1:])
                 rows = torch.arange(b, device=dev) * prev_k + hit.float().argmax(dim=-1)
                 self.cache.batch_select_indices(rows)
-                finished = step_ids[:, -1].eq(self.pad_id) if self.pad_id is not None else hit.new_zeros(b)
-                if not bool((hit.any(dim=-1) | finished).all()):  # exact fallback: drop the candidate, feed the token
+                finished = (
+                    step_ids[:, -1].eq(self.pad_id) if self.pad_id is not None else hit.new_zeros(b)
+                )
+                if not bool(
+                    (hit.any(dim=-1) | finished).all()
+                ):  # exact fallback: drop the candidate, feed the token
                     self.cache.crop(-1)
                     self._advance(step_ids, attention_mask, position_ids)
             cand = logits.topk(k, dim=-1).indices.to(dev)  # the generator's own top-k (same logits)
-            values, self.cache = self.model.score_candidates(self.cache, cand, attention_mask,
-                                                             position_ids[:, -1] + 1)
+            values, self.cache = self.model.score_candidates(
+                self.cache, cand, attention_mask, position_ids[:, -1] + 1
+            )
             self.stats.forwards += 1
         self.candidates = cand
-        off_k = offsets_from_values(values.unsqueeze(-2), self.eta, self.mode, self.model.atoms)[..., 0]  # [B, k]
-        off = torch.zeros((b, logits.shape[-1]), dtype=off_k.dtype, device=dev).scatter(-1, cand, off_k)
+        off_k = offsets_from_values(values.unsqueeze(-2), self.eta, self.mode, self.model.atoms)[
+            ..., 0
+        ]  # [B, k]
+        off = torch.zeros((b, logits.shape[-1]), dtype=off_k.dtype, device=dev).scatter(
+            -1, cand, off_k
+        )
         return off.to(logits.device)
 
 

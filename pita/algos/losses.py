@@ -26,13 +26,17 @@ def _weighted_mean(per_item: torch.Tensor, weights: torch.Tensor | None) -> torc
     return (per_item * weights).sum() / weights.sum().clamp_min(1e-12)
 
 
-def bce_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+def bce_loss(
+    logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """Binary cross-entropy on logits [N] against soft targets [N] in [0, 1]."""
     per = F.binary_cross_entropy_with_logits(logits.float(), targets.float(), reduction="none")
     return _weighted_mean(per, weights)
 
 
-def mse_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+def mse_loss(
+    logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """Squared error of σ(logits) [N] against targets [N] in [0, 1]."""
     per = (torch.sigmoid(logits.float()) - targets.float()).pow(2)
     return _weighted_mean(per, weights)
@@ -44,20 +48,28 @@ def atom_index(values: torch.Tensor, num_atoms: int, v_min: float, v_max: float)
     return scaled.round().long().clamp_(0, num_atoms - 1)
 
 
-def atom_histogram(values: torch.Tensor, num_atoms: int, v_min: float, v_max: float) -> torch.Tensor:
+def atom_histogram(
+    values: torch.Tensor, num_atoms: int, v_min: float, v_max: float
+) -> torch.Tensor:
     """One-hot targets [N, M] of `values` [N] (average them to merge records)."""
     return F.one_hot(atom_index(values, num_atoms, v_min, v_max), num_atoms).float()
 
 
-def mle_loss(atom_logits: torch.Tensor, target_hist: torch.Tensor,
-             weights: torch.Tensor | None = None) -> torch.Tensor:
+def mle_loss(
+    atom_logits: torch.Tensor, target_hist: torch.Tensor, weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """−Σ_m h_m log softmax(atom_logits)_m, atom_logits [N, M], target_hist [N, M]."""
     per = -(target_hist.float() * atom_logits.float().log_softmax(dim=-1)).sum(-1)
     return _weighted_mean(per, weights)
 
 
-def bradley_terry_loss(score_a: torch.Tensor, score_b: torch.Tensor, prefer_a: torch.Tensor | None = None,
-                       weights: torch.Tensor | None = None, beta: float = 1.0) -> torch.Tensor:
+def bradley_terry_loss(
+    score_a: torch.Tensor,
+    score_b: torch.Tensor,
+    prefer_a: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    beta: float = 1.0,
+) -> torch.Tensor:
     """Bradley–Terry: P(a ≻ b) = σ(β(s_a − s_b)); prefer_a (default 1) may be soft."""
     diff = beta * (score_a.float() - score_b.float())
     target = torch.ones_like(diff) if prefer_a is None else prefer_a.float()
@@ -65,13 +77,17 @@ def bradley_terry_loss(score_a: torch.Tensor, score_b: torch.Tensor, prefer_a: t
     return _weighted_mean(per, weights)
 
 
-def scalar_accuracy(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None) -> float:
+def scalar_accuracy(
+    logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None
+) -> float:
     """Weighted fraction where σ(logit) and the target fall on the same side of 1/2."""
     hit = ((logits.float() > 0) == (targets.float() > 0.5)).float()
     return float(_weighted_mean(hit, weights))
 
 
-def mle_accuracy(atom_logits: torch.Tensor, target_hist: torch.Tensor, weights: torch.Tensor | None = None) -> float:
+def mle_accuracy(
+    atom_logits: torch.Tensor, target_hist: torch.Tensor, weights: torch.Tensor | None = None
+) -> float:
     """Weighted fraction where the pmf's mode is the target histogram's mode."""
     hit = (atom_logits.argmax(-1) == target_hist.argmax(-1)).float()
     return float(_weighted_mean(hit, weights))

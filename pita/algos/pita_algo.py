@@ -60,12 +60,22 @@ def collect(ctx: StageContext) -> dict:
 def preference_items(records: Sequence[dict], loss_type: str) -> list[tuple]:
     """Training items (prompt, response, start, [label], alt) from PITA records."""
     if loss_type == "bce":  # every roll-out token of y' against 1[y' ≻ y]
-        return [(r["prompt"], r["prefix"] + r["rollout"], len(r["prefix"]), [float(r["label"])], None)
-                for r in records]
+        return [
+            (r["prompt"], r["prefix"] + r["rollout"], len(r["prefix"]), [float(r["label"])], None)
+            for r in records
+        ]
     if loss_type == "bradley_terry":  # the first tokens of y' and y, compared at the cut
-        return [(r["prompt"], r["prefix"] + r["rollout"][:1], len(r["prefix"]), [float(r["label"])],
-                 r["original"][0]) for r in records
-                if r["rollout"] and r["original"] and r["rollout"][0] != r["original"][0]]
+        return [
+            (
+                r["prompt"],
+                r["prefix"] + r["rollout"][:1],
+                len(r["prefix"]),
+                [float(r["label"])],
+                r["original"][0],
+            )
+            for r in records
+            if r["rollout"] and r["original"] and r["rollout"][0] != r["original"][0]
+        ]
     raise ValueError(f"algos.PITA.loss_type={loss_type!r}: PITA trains bce | bradley_terry")
 
 

@@ -73,16 +73,26 @@ def reward_targets(rewards: Sequence[float], algo: Any, name: str = "QSharp") ->
     if algo.loss_type == "mle":
         return atom_histogram(r, int(algo.num_atoms), float(algo.V_min), float(algo.V_max)).tolist()
     if algo.loss_type not in ("bce", "mse"):
-        raise ValueError(f"algos.{name}.loss_type={algo.loss_type!r}: Q# trains bce | mse | mle "
-                         "(bradley_terry needs preference pairs: PITA)")
+        raise ValueError(
+            f"algos.{name}.loss_type={algo.loss_type!r}: Q# trains bce | mse | mle "
+            "(bradley_terry needs preference pairs: PITA)"
+        )
     return ((r - algo.V_min) / (algo.V_max - algo.V_min)).clamp(0, 1)[:, None].tolist()
 
 
 def training_items(records: Sequence[dict], targets: Sequence[list[float]]) -> list[tuple]:
     """(prompt, response, first trained response index, target, None) per record; the
     response is prefix + roll-out, exactly the ids that were scored."""
-    return [(r["prompt"], r["prefix"] + r["rollout"], 0 if r.get("roll_in") == "reference" else len(r["prefix"]),
-             t, None) for r, t in zip(records, targets)]
+    return [
+        (
+            r["prompt"],
+            r["prefix"] + r["rollout"],
+            0 if r.get("roll_in") == "reference" else len(r["prefix"]),
+            t,
+            None,
+        )
+        for r, t in zip(records, targets)
+    ]
 
 
 def build_targets(items: Sequence[tuple], pad_id: int) -> dict:
@@ -105,7 +115,9 @@ def build_targets(items: Sequence[tuple], pad_id: int) -> dict:
     units: dict[tuple, tuple[list[int], int, Any]] = {}
 
     def keys(prompt: Sequence[int], response: Sequence[int], alt: Any) -> list[tuple]:
-        node = -1 - len(prompt)  # one root per prompt length: the prompt/response boundary is part of the key
+        node = -1 - len(
+            prompt
+        )  # one root per prompt length: the prompt/response boundary is part of the key
         out = []
         for i, tok in enumerate([*prompt, *response]):
             node = trie.setdefault((node, int(tok)), len(trie))
@@ -147,9 +159,16 @@ def build_targets(items: Sequence[tuple], pad_id: int) -> dict:
                 target[u, p + j - 1] = torch.tensor(sums[key]) / counts[key]
                 weight[u, p + j - 1] = counts[key] / through[key]
                 alts[u, p + j - 1] = key[1] if key[1] is not None else 0
-    return {"ids": ids, "alt": alts, "target": target, "weight": weight, "prompt_len": prompt_len,
-            "records": len(items),
-            "unique": len(seqs), "states": len(counts)}
+    return {
+        "ids": ids,
+        "alt": alts,
+        "target": target,
+        "weight": weight,
+        "prompt_len": prompt_len,
+        "records": len(items),
+        "unique": len(seqs),
+        "states": len(counts),
+    }
 
 
 def _to_device(t, device):
@@ -232,12 +251,18 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
     device = torch.device(training_device(ctx.cfg.system.gpu_mode, ctx.device).device)
     reference = ctx.load_model(ctx.reference_model())
     pad_id = int(reference.config.pad_token_id if reference.config.pad_token_id is not None else 0)
-    items, held_items = value_diagnostics.split_holdout(items, float(algo.get("holdout_fraction", 0.0)), ctx.seed)
+    items, held_items = value_diagnostics.split_holdout(
+        items, float(algo.get("holdout_fraction", 0.0)), ctx.seed
+    )
     data = build_targets(items, pad_id)
     held = build_targets(held_items, pad_id) if held_items else None
-    ctx.logger.info("training data: %d records -> %d unique sequences, %d (state, action) targets%s",
-                    data["records"], data["unique"], data["states"],
-                    f"; held out: {held['records']} records of distinct prompts" if held else "")
+    ctx.logger.info(
+        "training data: %d records -> %d unique sequences, %d (state, action) targets%s",
+        data["records"],
+        data["unique"],
+        data["states"],
+        f"; held out: {held['records']} records of distinct prompts" if held else "",
+    )
 
     # The model: round k−1's checkpoint, else a fresh guide (warm-started from π_ref).
     if ctx.has_input("previous"):
@@ -246,26 +271,45 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
         ctx.logger.info("warm start from the previous round's checkpoint %s", prev)
         init = f"previous:{ctx.input('previous').name}"
     else:
-        model = build_value_model(reference, ctx.cfg.model, algo, vocab_size=reference.config.vocab_size,
-                                  seed=ctx.seed, attn_impl=ctx.cfg.system.attn_impl, logger=ctx.logger)
+        model = build_value_model(
+            reference,
+            ctx.cfg.model,
+            algo,
+            vocab_size=reference.config.vocab_size,
+            seed=ctx.seed,
+            attn_impl=ctx.cfg.system.attn_impl,
+            logger=ctx.logger,
+        )
         init = "reference" if algo.warm_start else "scratch"
     if model.num_outputs != head_atoms(algo.loss_type, algo.num_atoms):
-        raise ValueError(f"{ctx.task.id}: checkpoint has {model.num_outputs} outputs per token but "
-                         f"loss_type={algo.loss_type} needs {head_atoms(algo.loss_type, algo.num_atoms)}")
+        raise ValueError(
+            f"{ctx.task.id}: checkpoint has {model.num_outputs} outputs per token but "
+            f"loss_type={algo.loss_type} needs {head_atoms(algo.loss_type, algo.num_atoms)}"
+        )
     if model.head_type != str(algo.get("value_head", "q")):
-        raise ValueError(f"{ctx.task.id}: checkpoint has value_head={model.head_type}, config says "
-                         f"{algo.get('value_head', 'q')}")
+        raise ValueError(
+            f"{ctx.task.id}: checkpoint has value_head={model.head_type}, config says "
+            f"{algo.get('value_head', 'q')}"
+        )
     model.to(device).train()
     diagnostics: dict = {}
     if held is not None and int(algo.get("probe_steps", 0)) > 0:  # before any training step
-        probe = value_diagnostics.linear_probe(model, data, held, device, steps=int(algo.probe_steps), seed=ctx.seed)
+        probe = value_diagnostics.linear_probe(
+            model, data, held, device, steps=int(algo.probe_steps), seed=ctx.seed
+        )
         diagnostics["probe_heldout_acc"] = probe
-        ctx.logger.info("frozen-backbone linear probe (%d steps), held-out balanced accuracy by response "
-                        "position: %s", int(algo.probe_steps), value_diagnostics.format_positions(probe))
+        ctx.logger.info(
+            "frozen-backbone linear probe (%d steps), held-out balanced accuracy by response "
+            "position: %s",
+            int(algo.probe_steps),
+            value_diagnostics.format_positions(probe),
+        )
         warning = value_diagnostics.plateau_warning(probe)
         if warning:
             ctx.logger.warning(warning)
-    checkpointing = enable_gradient_checkpointing(model.backbone, tr.gradient_checkpointing, ctx.logger)
+    checkpointing = enable_gradient_checkpointing(
+        model.backbone, tr.gradient_checkpointing, ctx.logger
+    )
 
     # Batch (unique sequences), micro-batch, steps.
     n = data["unique"]
@@ -292,34 +336,58 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
         if bt:  # P(y' ≻ y) = σ(v(s, a') − v(s, a)), a the competing token
             alt = alt.float().reshape(-1, out.shape[-1])
             diff = out[:, 0] - alt[:, 0]
-            return losses.bradley_terry_loss(out[:, 0], alt[:, 0], y[:, 0], w), {"accuracy": _hits(diff, y[:, 0], w)}
+            return losses.bradley_terry_loss(out[:, 0], alt[:, 0], y[:, 0], w), {
+                "accuracy": _hits(diff, y[:, 0], w)
+            }
         if loss_type == "mle":
             hit = (out.argmax(-1) == y.argmax(-1)).float()
-            return losses.mle_loss(out, y, w), {"accuracy": (hit * w).sum() / w.sum().clamp_min(1e-12)}
+            return losses.mle_loss(out, y, w), {
+                "accuracy": (hit * w).sum() / w.sum().clamp_min(1e-12)
+            }
         fn = losses.bce_loss if loss_type == "bce" else losses.mse_loss
         return fn(out[:, 0], y[:, 0], w), {"accuracy": _hits(out[:, 0], y[:, 0], w)}
 
     if auto:  # worst case: the longest sequences, >= 2 optimizer steps, before the real optimizer
-        micro = training_micro_batch(ctx, model=model, batch=batch, seq_tokens=int(ids.shape[1]),
-                                     make_batch=lambda b: {"m": torch.arange(b, device=device) % n},
-                                     loss_fn=lambda _model, mb: loss_fn(mb["m"])[0], fallback=micro)
+        micro = training_micro_batch(
+            ctx,
+            model=model,
+            batch=batch,
+            seq_tokens=int(ids.shape[1]),
+            make_batch=lambda b: {"m": torch.arange(b, device=device) % n},
+            loss_fn=lambda _model, mb: loss_fn(mb["m"])[0],
+            fallback=micro,
+        )
     micro, n_micro = accumulation_plan(batch, micro, tr.accumulation_steps)
     steps = int(algo.steps) or int(algo.epochs) * math.ceil(n / batch)
     wd = tr.weight_decay if algo.get("weight_decay") is None else float(algo.weight_decay)
-    optim = torch.optim.AdamW(model.parameters(), lr=float(algo.lr), weight_decay=wd, **_fused_adamw(device))
-    if str(algo.get("lr_schedule", "cosine")) == "official":  # the Q# star-graph classifier's schedule
+    optim = torch.optim.AdamW(
+        model.parameters(), lr=float(algo.lr), weight_decay=wd, **_fused_adamw(device)
+    )
+    if (
+        str(algo.get("lr_schedule", "cosine")) == "official"
+    ):  # the Q# star-graph classifier's schedule
         sched = official_schedule(optim, steps)
     else:
         sched = get_cosine_schedule_with_warmup(optim, min(100, steps // 10), steps)
     log_every = max(1, steps // 10)
     # figures are read back once per logging window, not every step (no host sync per step)
-    trainer = TrainStep.from_context(ctx, model, optim, scheduler=sched, device=device,
-                                     sync_every=min(log_every, 50))
+    trainer = TrainStep.from_context(
+        ctx, model, optim, scheduler=sched, device=device, sync_every=min(log_every, 50)
+    )
 
     gen = torch.Generator().manual_seed(ctx.seed)
     order, cursor = torch.randperm(n, generator=gen).to(device), 0
-    ctx.logger.info("training %s: %d steps, batch %d = micro %d x %d, lr %g, %s, init %s", loss_type, steps, batch,
-                    micro, n_micro, algo.lr, trainer.precision.name, init)
+    ctx.logger.info(
+        "training %s: %d steps, batch %d = micro %d x %d, lr %g, %s, init %s",
+        loss_type,
+        steps,
+        batch,
+        micro,
+        n_micro,
+        algo.lr,
+        trainer.precision.name,
+        init,
+    )
     ckpt = Checkpointer.from_context(ctx)  # training.checkpoint_every: a retry continues from here
     start, extra = ckpt.restore(model=model, optimizer=optim, scheduler=sched, step=trainer)
     if extra:
@@ -328,7 +396,7 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
     for step in range(start, steps):
         if cursor + batch > n:  # the next epoch, freshly shuffled
             order, cursor = torch.randperm(n, generator=gen).to(device), 0
-        idx = order[cursor: cursor + batch]
+        idx = order[cursor : cursor + batch]
         cursor += batch
         parts = list(idx.split(micro))
         # each micro-batch's weighted mean, weighted by its share of the batch's weight (device tensors)
@@ -338,25 +406,58 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
             recent = trainer.metrics_rows()[-log_every:]
             mean_loss = sum(r["loss"] for r in recent) / len(recent)
             mean_acc = sum(r.get("accuracy", 0.0) for r in recent) / len(recent)
-            ctx.logger.info("step %d/%d (epoch %.1f) loss %.4f acc %.3f lr %.2e", step + 1, steps,
-                            (step + 1) * batch / n, mean_loss, mean_acc, trainer.lr())
-            if held is not None:  # where learning stops: held-out balanced accuracy by response position
+            ctx.logger.info(
+                "step %d/%d (epoch %.1f) loss %.4f acc %.3f lr %.2e",
+                step + 1,
+                steps,
+                (step + 1) * batch / n,
+                mean_loss,
+                mean_acc,
+                trainer.lr(),
+            )
+            if (
+                held is not None
+            ):  # where learning stops: held-out balanced accuracy by response position
                 acc = value_diagnostics.heldout_accuracy(model, held, device)
                 diagnostics["heldout_acc"] = acc
                 recent[-1].update({f"heldout_pos{j}": a for j, a in acc.items()})
-                ctx.logger.info("held-out balanced accuracy by response position: %s",
-                                value_diagnostics.format_positions(acc))
+                ctx.logger.info(
+                    "held-out balanced accuracy by response position: %s",
+                    value_diagnostics.format_positions(acc),
+                )
             ctx.heartbeat(f"step {step + 1}/{steps} loss {recent[-1]['loss']:.4f}")
-        ckpt.maybe_save(step + 1, lambda: {"model": model, "optimizer": optim, "scheduler": sched}, step=trainer,
-                        extra=lambda o=order, c=cursor: {"order": o.cpu(), "cursor": c, "gen": gen.get_state()})
-    recent = trainer.metrics_rows()[-log_every:]  # the rows survive a resume (they are in the checkpoint)
+        ckpt.maybe_save(
+            step + 1,
+            lambda: {"model": model, "optimizer": optim, "scheduler": sched},
+            step=trainer,
+            extra=lambda o=order, c=cursor: {"order": o.cpu(), "cursor": c, "gen": gen.get_state()},
+        )
+    recent = trainer.metrics_rows()[
+        -log_every:
+    ]  # the rows survive a resume (they are in the checkpoint)
     mean_loss = sum(r["loss"] for r in recent) / len(recent)
     mean_acc = sum(r.get("accuracy", 0.0) for r in recent) / len(recent)
     model.eval().save(ctx.out_dir / Artifact.VALUE_MODEL)
-    perf = write_training_report(ctx.out_dir, trainer, micro_batch=micro, accumulation_steps=n_micro,
-                                 gradient_checkpointing=checkpointing, title=ctx.task.id)
-    return {"steps": steps, "batch_size": batch, "micro_batch_size": micro, "records": data["records"],
-            "unique_sequences": n, "targets": data["states"], "final_loss": round(mean_loss, 5),
-            "final_acc": round(mean_acc, 4), "init": init, "train_s": round(time.perf_counter() - t0, 2),
-            "value_head": model.head_type, **diagnostics,
-            **{k: perf[k] for k in ("precision", "samples_per_s", "peak_memory_mb")}}
+    perf = write_training_report(
+        ctx.out_dir,
+        trainer,
+        micro_batch=micro,
+        accumulation_steps=n_micro,
+        gradient_checkpointing=checkpointing,
+        title=ctx.task.id,
+    )
+    return {
+        "steps": steps,
+        "batch_size": batch,
+        "micro_batch_size": micro,
+        "records": data["records"],
+        "unique_sequences": n,
+        "targets": data["states"],
+        "final_loss": round(mean_loss, 5),
+        "final_acc": round(mean_acc, 4),
+        "init": init,
+        "train_s": round(time.perf_counter() - t0, 2),
+        "value_head": model.head_type,
+        **diagnostics,
+        **{k: perf[k] for k in ("precision", "samples_per_s", "peak_memory_mb")},
+    }

@@ -66,17 +66,34 @@ def train(ctx: StageContext) -> dict:
 
     algo = ctx.algo_cfg
     if algo.loss_type not in ("mle", "bce", "mse"):
-        raise ValueError(f"algos.QSharp-HF.loss_type={algo.loss_type!r}: Q#-HF trains mle (or bce | mse)")
+        raise ValueError(
+            f"algos.QSharp-HF.loss_type={algo.loss_type!r}: Q#-HF trains mle (or bce | mse)"
+        )
     records = read_jsonl(ctx.input("data"), Artifact.RECORDS)
     scorer = load_reward_scorer(ctx, ctx.input("reward_model"))
-    scores = scorer.score([r["prompt"] for r in records], [r["prefix"] + r["rollout"] for r in records])
+    scores = scorer.score(
+        [r["prompt"] for r in records], [r["prefix"] + r["rollout"] for r in records]
+    )
     proxy = to_value_range(scores, float(algo.V_min), float(algo.V_max))
     true = [r["reward"] for r in records]
     n = max(1, len(records))
     # diagnostics only: how the proxy ranks what the task's reward says (never trained on)
-    mean_correct = sum(p for p, t in zip(proxy, true) if t > 0.5) / max(1, sum(t > 0.5 for t in true))
-    mean_wrong = sum(p for p, t in zip(proxy, true) if t <= 0.5) / max(1, sum(t <= 0.5 for t in true))
-    ctx.logger.info("proxy relabelled %d records: mean mapped reward %.3f (true-correct %.3f, true-wrong %.3f)",
-                    len(records), sum(proxy) / n, mean_correct, mean_wrong)
+    mean_correct = sum(p for p, t in zip(proxy, true) if t > 0.5) / max(
+        1, sum(t > 0.5 for t in true)
+    )
+    mean_wrong = sum(p for p, t in zip(proxy, true) if t <= 0.5) / max(
+        1, sum(t <= 0.5 for t in true)
+    )
+    ctx.logger.info(
+        "proxy relabelled %d records: mean mapped reward %.3f (true-correct %.3f, true-wrong %.3f)",
+        len(records),
+        sum(proxy) / n,
+        mean_correct,
+        mean_wrong,
+    )
     result = train_value(ctx, training_items(records, reward_targets(proxy, algo, ctx.task.algo)))
-    return {**result, "proxy_mean_correct": round(mean_correct, 4), "proxy_mean_wrong": round(mean_wrong, 4)}
+    return {
+        **result,
+        "proxy_mean_correct": round(mean_correct, 4),
+        "proxy_mean_wrong": round(mean_wrong, 4),
+    }

@@ -49,22 +49,52 @@ ALGORITHMS: dict[str, Algorithm] = {
     for a in (
         Algorithm("reference", ("evaluate",), single_round=True),
         # value-guided decoding (pita/algos/qsharp.py, pita_algo.py, qsharp_hf.py)
-        Algorithm("PITA", _VALUE_ROUND, {"collect": "pita.algos.pita_algo:collect",
-                                         "train": "pita.algos.pita_algo:train"}, guided=True),
-        Algorithm("QSharp", _VALUE_ROUND, {"collect": "pita.algos.qsharp:collect",
-                                           "train": "pita.algos.qsharp:train"}, guided=True),
-        Algorithm("QSharp-HF", _HF_ROUND, {"collect": "pita.algos.qsharp_hf:collect",
-                                           "reward_model": _REWARD_MODEL,
-                                           "train": "pita.algos.qsharp_hf:train"}, guided=True),
+        Algorithm(
+            "PITA",
+            _VALUE_ROUND,
+            {"collect": "pita.algos.pita_algo:collect", "train": "pita.algos.pita_algo:train"},
+            guided=True,
+        ),
+        Algorithm(
+            "QSharp",
+            _VALUE_ROUND,
+            {"collect": "pita.algos.qsharp:collect", "train": "pita.algos.qsharp:train"},
+            guided=True,
+        ),
+        Algorithm(
+            "QSharp-HF",
+            _HF_ROUND,
+            {
+                "collect": "pita.algos.qsharp_hf:collect",
+                "reward_model": _REWARD_MODEL,
+                "train": "pita.algos.qsharp_hf:train",
+            },
+            guided=True,
+        ),
         # policy-optimisation baselines with TRL (pita/algos/dpo.py, grpo.py)
         # DPO is plain DPO (`sft_weight: 0`, as the papers ran it); RPO is the same trainer with
         # an SFT term on the chosen responses (`sft_weight: 1`, TRL's sigmoid+sft): two rows so
         # that neither is reported under the other's name
-        Algorithm("DPO", _VALUE_ROUND, {"collect": "pita.algos.dpo:collect", "train": "pita.algos.dpo:train"}),
-        Algorithm("RPO", _VALUE_ROUND, {"collect": "pita.algos.dpo:collect", "train": "pita.algos.dpo:train"}),
+        Algorithm(
+            "DPO",
+            _VALUE_ROUND,
+            {"collect": "pita.algos.dpo:collect", "train": "pita.algos.dpo:train"},
+        ),
+        Algorithm(
+            "RPO",
+            _VALUE_ROUND,
+            {"collect": "pita.algos.dpo:collect", "train": "pita.algos.dpo:train"},
+        ),
         Algorithm("GRPO", ("train", "evaluate"), {"train": "pita.algos.grpo:train"}),
-        Algorithm("GRPO-HF", _HF_ROUND, {"collect": "pita.algos.dpo:collect", "reward_model": _REWARD_MODEL,
-                                         "train": "pita.algos.grpo:train_hf"}),
+        Algorithm(
+            "GRPO-HF",
+            _HF_ROUND,
+            {
+                "collect": "pita.algos.dpo:collect",
+                "reward_model": _REWARD_MODEL,
+                "train": "pita.algos.grpo:train_hf",
+            },
+        ),
     )
 }
 ALGO_NAMES: tuple[str, ...] = tuple(ALGORITHMS)
@@ -98,7 +128,9 @@ STAGE_OUTPUTS: dict[str, tuple[str, ...]] = {
 }
 
 
-def lookup(algo: str, stage: str, overrides: Mapping[str, Mapping[str, str]] | None = None) -> str | None:
+def lookup(
+    algo: str, stage: str, overrides: Mapping[str, Mapping[str, str]] | None = None
+) -> str | None:
     """The dotted path for (algo, stage), or None if no implementation is registered.
 
     Precedence: an override for this algorithm, an override for `any`, the algorithm's

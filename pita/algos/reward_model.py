@@ -32,7 +32,9 @@ from pita.runtime.context import StageContext
 HELDOUT_FRACTION = 0.1
 
 
-def split_by_prompt(records: Sequence[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+def split_by_prompt(
+    records: Sequence[dict], fraction: float, seed: int
+) -> tuple[list[dict], list[dict]]:
     """(train, held-out) pairs; held-out prompts (by prompt ids) never appear in training."""
     prompts = sorted({tuple(r["prompt"]) for r in records})
     random.Random(seed).shuffle(prompts)
@@ -70,8 +72,12 @@ def load_reward_scorer(ctx: StageContext, folder: Path | str):
         folder = folder / Artifact.REWARD_MODEL
 
     def load():
-        model = load_reward_model(str(folder), device=ctx.device, attn_impl=ctx.cfg.system.attn_impl)
-        return RewardScorer(model, load_tokenizer(str(folder)), _scorer_batch(ctx), padding_side="right")
+        model = load_reward_model(
+            str(folder), device=ctx.device, attn_impl=ctx.cfg.system.attn_impl
+        )
+        return RewardScorer(
+            model, load_tokenizer(str(folder)), _scorer_batch(ctx), padding_side="right"
+        )
 
     return ctx.models.get(f"rm:{folder}", load)
 
@@ -107,34 +113,68 @@ def train_reward_model(ctx: StageContext) -> dict:
     records = read_pairs(ctx.input("data"))
     train_pairs, heldout = split_by_prompt(records, HELDOUT_FRACTION, ctx.seed)
     if not train_pairs:
-        raise RuntimeError(f"{len(records)} preference pairs: too few to train a reward model; raise "
-                           "data_collection.samples_per_example or the number of training prompts")
-    dataset = Dataset.from_dict({"chosen_ids": [r["prompt"] + r["chosen"] for r in train_pairs],
-                                 "rejected_ids": [r["prompt"] + r["rejected"] for r in train_pairs]})
+        raise RuntimeError(
+            f"{len(records)} preference pairs: too few to train a reward model; raise "
+            "data_collection.samples_per_example or the number of training prompts"
+        )
+    dataset = Dataset.from_dict(
+        {
+            "chosen_ids": [r["prompt"] + r["chosen"] for r in train_pairs],
+            "rejected_ids": [r["prompt"] + r["rejected"] for r in train_pairs],
+        }
+    )
 
     # Model: π_ref's backbone under a fresh scalar head; pooling needs the pad id in the config.
     ref_dir = ctx.reference_model()
     tok = load_tokenizer(ref_dir)
     torch.manual_seed(ctx.seed)
-    model = AutoModelForSequenceClassification.from_pretrained(ref_dir, num_labels=1, dtype=torch.float32,
-                                                               attn_implementation=ctx.cfg.system.attn_impl)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        ref_dir, num_labels=1, dtype=torch.float32, attn_implementation=ctx.cfg.system.attn_impl
+    )
     model.config.pad_token_id = tok.pad_token_id
 
-    args = training_args(ctx, RewardConfig, batch_size=effective_batch(ctx), lr=float(algo.reward_lr),
-                         epochs=int(algo.reward_epochs), max_length=None, disable_dropout=True)
-    trainer = quiet(RewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok,
-                            callbacks=[stage_log_callback(ctx)]))
-    ctx.logger.info("reward model on %d pairs (%d held out) from %d round(s), backbone %s", len(train_pairs),
-                    len(heldout), len(ctx.input("data")), ref_dir)
+    args = training_args(
+        ctx,
+        RewardConfig,
+        batch_size=effective_batch(ctx),
+        lr=float(algo.reward_lr),
+        epochs=int(algo.reward_epochs),
+        max_length=None,
+        disable_dropout=True,
+    )
+    trainer = quiet(
+        RewardTrainer(
+            model=model,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tok,
+            callbacks=[stage_log_callback(ctx)],
+        )
+    )
+    ctx.logger.info(
+        "reward model on %d pairs (%d held out) from %d round(s), backbone %s",
+        len(train_pairs),
+        len(heldout),
+        len(ctx.input("data")),
+        ref_dir,
+    )
     performance = train_with_report(ctx, trainer)
 
     model = trainer.accelerator.unwrap_model(trainer.model).eval()
     save_model(model, tok, ctx.out_dir / Artifact.REWARD_MODEL)
     scorer = RewardScorer(model, tok, _scorer_batch(ctx), padding_side="right")
-    result = {"pairs": len(train_pairs), "heldout_pairs": len(heldout),
-              "train_accuracy": pairwise_accuracy(scorer, train_pairs[:2000]),
-              "heldout_accuracy": pairwise_accuracy(scorer, heldout), "steps": trainer.state.global_step,
-              **last_logged(trainer, "train_loss"), "performance": performance}
-    ctx.logger.info("pairwise accuracy: train %.3f, held-out %.3f", result["train_accuracy"],
-                    result["heldout_accuracy"])
+    result = {
+        "pairs": len(train_pairs),
+        "heldout_pairs": len(heldout),
+        "train_accuracy": pairwise_accuracy(scorer, train_pairs[:2000]),
+        "heldout_accuracy": pairwise_accuracy(scorer, heldout),
+        "steps": trainer.state.global_step,
+        **last_logged(trainer, "train_loss"),
+        "performance": performance,
+    }
+    ctx.logger.info(
+        "pairwise accuracy: train %.3f, held-out %.3f",
+        result["train_accuracy"],
+        result["heldout_accuracy"],
+    )
     return result

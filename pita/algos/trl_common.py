@@ -35,8 +35,12 @@ from typing import Any
 from pita.core.paths import Artifact
 from pita.runtime.context import StageContext
 
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "HF_HUB_DISABLE_TELEMETRY": "1"}
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+}
 
 
 def offline() -> None:
@@ -72,8 +76,13 @@ def load_trainable_lm(ctx: StageContext, path: str):
     trainers patch `forward` and change the weights). Mixed precision is autocast's job."""
     from pita.models.loading import load_causal_lm
 
-    return load_causal_lm(path, dtype="float32", device=ctx.device, attn_impl=ctx.cfg.system.attn_impl,
-                          trust_remote_code=bool(ctx.cfg.model.get("trust_remote_code", False)))
+    return load_causal_lm(
+        path,
+        dtype="float32",
+        device=ctx.device,
+        attn_impl=ctx.cfg.system.attn_impl,
+        trust_remote_code=bool(ctx.cfg.model.get("trust_remote_code", False)),
+    )
 
 
 def save_model(model: Any, tokenizer: Any, folder: Path) -> None:
@@ -94,7 +103,12 @@ def effective_batch(ctx: StageContext, fallback: int = 64) -> int:
     value = ctx.algo_cfg.batch_size
     if isinstance(value, int):
         return value
-    ctx.logger.info("algos.%s.batch_size=%s: training uses an effective batch of %d", ctx.task.algo, value, fallback)
+    ctx.logger.info(
+        "algos.%s.batch_size=%s: training uses an effective batch of %d",
+        ctx.task.algo,
+        value,
+        fallback,
+    )
     return fallback
 
 
@@ -103,7 +117,9 @@ def micro_batches(ctx: StageContext, batch: int) -> tuple[int, int]:
     batch at once for the tiny models built in the run (they have a `reference` input)."""
     from pita.training.loop import micro_batch_plan
 
-    return micro_batch_plan(batch, ctx.cfg.training, ctx.task.batch_scale, whole_batch=ctx.has_input("reference"))
+    return micro_batch_plan(
+        batch, ctx.cfg.training, ctx.task.batch_scale, whole_batch=ctx.has_input("reference")
+    )
 
 
 def precision_flags(ctx: StageContext) -> dict[str, bool]:
@@ -148,14 +164,28 @@ def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
         ctx.logger.info("resumed from checkpoint %s (step %s)", resume, resume.rsplit("-", 1)[-1])
     with scoped_env(env):
         trainer.train(resume_from_checkpoint=resume)
-    return write_training_report(ctx.out_dir, metrics, micro_batch=args.per_device_train_batch_size,
-                                 accumulation_steps=args.gradient_accumulation_steps, world_size=world,
-                                 gradient_checkpointing=bool(ctx.cfg.training.gradient_checkpointing),
-                                 precision=precision_for(ctx), title=ctx.task.id)
+    return write_training_report(
+        ctx.out_dir,
+        metrics,
+        micro_batch=args.per_device_train_batch_size,
+        accumulation_steps=args.gradient_accumulation_steps,
+        world_size=world,
+        gradient_checkpointing=bool(ctx.cfg.training.gradient_checkpointing),
+        precision=precision_for(ctx),
+        title=ctx.task.id,
+    )
 
 
-def training_args(ctx: StageContext, config_cls: type, *, batch_size: int, lr: float, epochs: int = 1,
-                  steps: int = 0, **extra: Any):
+def training_args(
+    ctx: StageContext,
+    config_cls: type,
+    *,
+    batch_size: int,
+    lr: float,
+    epochs: int = 1,
+    steps: int = 0,
+    **extra: Any,
+):
     """A TRL config for this task: effective batch, lr, epochs or steps, and CPU/GPU settings.
 
     `extra` are the trainer-specific fields (beta, num_generations, ...).
@@ -172,12 +202,19 @@ def training_args(ctx: StageContext, config_cls: type, *, batch_size: int, lr: f
         workers = 2 if on_cuda else 0
     # transformers 5 renamed gradient_checkpointing (a deprecated alias that warns) to activation_checkpointing
     names = {f.name for f in dataclasses.fields(config_cls)}
-    checkpointing = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    checkpointing = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in names
+        else "gradient_checkpointing"
+    )
     extra = {checkpointing: bool(tr.gradient_checkpointing), **extra}
     from pita.training.checkpoint import trl_checkpoint_kwargs
     from pita.training.tracking import trl_report_to
 
-    saving = {"output_dir": str(ctx.out_dir / Artifact.TRAINER_SCRATCH), **trl_checkpoint_kwargs(ctx)}
+    saving = {
+        "output_dir": str(ctx.out_dir / Artifact.TRAINER_SCRATCH),
+        **trl_checkpoint_kwargs(ctx),
+    }
     report_to, _ = trl_report_to(ctx)
     args = config_cls(
         per_device_train_batch_size=micro,
@@ -204,10 +241,17 @@ def training_args(ctx: StageContext, config_cls: type, *, batch_size: int, lr: f
         **precision_flags(ctx),
         **extra,
     )
-    ctx.logger.info("%s: effective batch %d = %d micro x %d accumulation, lr %.2e, %s, %s, device %s",
-                    config_cls.__name__, batch_size, micro, accum, lr,
-                    f"{steps} steps" if steps > 0 else f"{epochs} epoch(s)",
-                    "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32", ctx.device)
+    ctx.logger.info(
+        "%s: effective batch %d = %d micro x %d accumulation, lr %.2e, %s, %s, device %s",
+        config_cls.__name__,
+        batch_size,
+        micro,
+        accum,
+        lr,
+        f"{steps} steps" if steps > 0 else f"{epochs} epoch(s)",
+        "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+        ctx.device,
+    )
     return args
 
 
@@ -233,8 +277,12 @@ def stage_log_callback(ctx: StageContext):
     class StageLogCallback(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = {k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))}
-            record = {"step": state.global_step, "max_steps": state.max_steps,
-                      "elapsed_s": round(time.time() - t0, 2), **logs}
+            record = {
+                "step": state.global_step,
+                "max_steps": state.max_steps,
+                "elapsed_s": round(time.time() - t0, 2),
+                **logs,
+            }
             with open(path, "a") as f:
                 f.write(json.dumps(record) + "\n")
             shown = ", ".join(f"{k}={v:.4g}" for k, v in logs.items() if _worth_showing(k))
@@ -245,7 +293,18 @@ def stage_log_callback(ctx: StageContext):
     return StageLogCallback()
 
 
-_SHOWN = ("loss", "reward", "kl", "rewards/", "accuracy", "margin", "logps/", "grad_norm", "entropy", "train_")
+_SHOWN = (
+    "loss",
+    "reward",
+    "kl",
+    "rewards/",
+    "accuracy",
+    "margin",
+    "logps/",
+    "grad_norm",
+    "entropy",
+    "train_",
+)
 
 
 def _worth_showing(key: str) -> bool:

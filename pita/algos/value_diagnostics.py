@@ -37,7 +37,9 @@ MIN_TARGETS = 20
 PLATEAU_PROBE_ACC = 0.54
 
 
-def split_holdout(items: Sequence[tuple], fraction: float, seed: int) -> tuple[list[tuple], list[tuple]]:
+def split_holdout(
+    items: Sequence[tuple], fraction: float, seed: int
+) -> tuple[list[tuple], list[tuple]]:
     """(train, held-out) items, held out by distinct prompt (item[0]); at least one prompt
     stays on each side when there are two or more."""
     if fraction <= 0:
@@ -48,10 +50,14 @@ def split_holdout(items: Sequence[tuple], fraction: float, seed: int) -> tuple[l
     random.Random(seed).shuffle(prompts)
     n_held = min(len(prompts) - 1, max(1, math.ceil(fraction * len(prompts))))
     held = set(prompts[:n_held])
-    return [it for it in items if tuple(it[0]) not in held], [it for it in items if tuple(it[0]) in held]
+    return [it for it in items if tuple(it[0]) not in held], [
+        it for it in items if tuple(it[0]) in held
+    ]
 
 
-def balanced_accuracy_by_position(pred: Any, target: Any, weight: Any, position: Any) -> dict[int, float]:
+def balanced_accuracy_by_position(
+    pred: Any, target: Any, weight: Any, position: Any
+) -> dict[int, float]:
     """{response position: balanced accuracy} from flat tensors (pred: bool, target in
     [0, 1], weight, position); positions with < MIN_TARGETS decided targets are left out."""
 
@@ -97,7 +103,9 @@ def _targets(target: Any) -> Any:
     return (target * (target.new_tensor(range(target.shape[-1])) / (target.shape[-1] - 1))).sum(-1)
 
 
-def heldout_accuracy(model: Any, data: dict, device: Any, *, max_seqs: int = 2048, batch: int = 256) -> dict[int, float]:
+def heldout_accuracy(
+    model: Any, data: dict, device: Any, *, max_seqs: int = 2048, batch: int = 256
+) -> dict[int, float]:
     """Balanced accuracy of `model` by response position on held-out targets `data`
     (`build_targets` output), at most `max_seqs` sequences."""
     import torch
@@ -108,12 +116,16 @@ def heldout_accuracy(model: Any, data: dict, device: Any, *, max_seqs: int = 204
     model.eval()
     with torch.no_grad():
         for s in range(0, n, batch):
-            out, _ = model.action_values(data["ids"][s: s + batch].to(device))
+            out, _ = model.action_values(data["ids"][s : s + batch].to(device))
             preds.append(_predictions(out.float()).cpu())
     model.train(was_training)
     pred = torch.cat(preds)
-    return balanced_accuracy_by_position(pred.flatten(), _targets(data["target"][:n]).flatten(),
-                                         data["weight"][:n].flatten(), _flat_positions(data, n).flatten())
+    return balanced_accuracy_by_position(
+        pred.flatten(),
+        _targets(data["target"][:n]).flatten(),
+        data["weight"][:n].flatten(),
+        _flat_positions(data, n).flatten(),
+    )
 
 
 def _features(model: Any, data: dict, device: Any, max_seqs: int, batch: int = 256) -> dict:
@@ -126,18 +138,31 @@ def _features(model: Any, data: dict, device: Any, max_seqs: int, batch: int = 2
     feats, toks = [], []
     with torch.no_grad():
         for s in range(0, n, batch):
-            x = data["ids"][s: s + batch].to(device)
+            x = data["ids"][s : s + batch].to(device)
             h = model.hidden(x[:, :-1]) if model.head_type == "q" else model.hidden(x)[:, 1:]
             feats.append(h.float().cpu())
             toks.append(x[:, 1:].cpu())
     w = data["weight"][:n]
     sel = w > 0
-    return {"h": torch.cat(feats)[sel], "tok": torch.cat(toks)[sel], "y": _targets(data["target"][:n])[sel],
-            "w": w[sel], "pos": _flat_positions(data, n)[sel]}
+    return {
+        "h": torch.cat(feats)[sel],
+        "tok": torch.cat(toks)[sel],
+        "y": _targets(data["target"][:n])[sel],
+        "w": w[sel],
+        "pos": _flat_positions(data, n)[sel],
+    }
 
 
-def linear_probe(model: Any, train: dict, held: dict, device: Any, *, steps: int, seed: int = 0,
-                 max_seqs: int = 2048) -> dict[int, float]:
+def linear_probe(
+    model: Any,
+    train: dict,
+    held: dict,
+    device: Any,
+    *,
+    steps: int,
+    seed: int = 0,
+    max_seqs: int = 2048,
+) -> dict[int, float]:
     """Fit a fresh linear head (same type as `model`'s) on the frozen backbone's features of
     `train` for `steps` full-batch Adam steps; its held-out balanced accuracy by position.
     Only for single-output heads (bce / mse); returns {} otherwise."""
@@ -161,8 +186,12 @@ def linear_probe(model: Any, train: dict, held: dict, device: Any, *, steps: int
         return (f["h"] * weight[idx]).sum(-1) + bias[idx]
 
     for _ in range(steps):
-        loss = (torch.nn.functional.binary_cross_entropy_with_logits(logits(tr), tr["y"], reduction="none")
-                * tr["w"]).sum() / tr["w"].sum()
+        loss = (
+            torch.nn.functional.binary_cross_entropy_with_logits(
+                logits(tr), tr["y"], reduction="none"
+            )
+            * tr["w"]
+        ).sum() / tr["w"].sum()
         optim.zero_grad()
         loss.backward()
         optim.step()
@@ -178,10 +207,12 @@ def plateau_warning(probe: dict[int, float]) -> str | None:
     best = max(probe.values())
     if best >= PLATEAU_PROBE_ACC:
         return None
-    return (f"frozen-backbone linear probe: held-out balanced accuracy <= {best:.3f} at every response position "
-            f"(chance 0.5, threshold {PLATEAU_PROBE_ACC}): the starting features expose no label linearly; runs "
-            "like this sat on the plateau (value loss ≈ ln 2) on CPU — expect no learning; change the "
-            "initialisation (warm_start, guide_arch), the head (value_head), the data recipe or the optimiser")
+    return (
+        f"frozen-backbone linear probe: held-out balanced accuracy <= {best:.3f} at every response position "
+        f"(chance 0.5, threshold {PLATEAU_PROBE_ACC}): the starting features expose no label linearly; runs "
+        "like this sat on the plateau (value loss ≈ ln 2) on CPU — expect no learning; change the "
+        "initialisation (warm_start, guide_arch), the head (value_head), the data recipe or the optimiser"
+    )
 
 
 def format_positions(acc: dict[int, float]) -> str:

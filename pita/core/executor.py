@@ -39,8 +39,14 @@ RunTask = Callable[[TaskSpec, dict, str, int], TaskOutcome]
 
 
 class Executor(Protocol):
-    def submit(self, task: TaskSpec, devices: Sequence[int], cfg_dict: dict, run_dir: str | Path,
-               attempt: int = 1) -> Future[TaskOutcome]:
+    def submit(
+        self,
+        task: TaskSpec,
+        devices: Sequence[int],
+        cfg_dict: dict,
+        run_dir: str | Path,
+        attempt: int = 1,
+    ) -> Future[TaskOutcome]:
         """Start `task` on `devices`; the future completes with its outcome, never raises."""
         ...
 

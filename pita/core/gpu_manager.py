@@ -44,8 +44,12 @@ def validate_devices_spec(spec: Any) -> None:
     allowed = "allowed: auto | cpu | [0,2] (GPU indices) | fake:N | fake:[80GB,40GB,...]"
     if isinstance(spec, (list, tuple, ListConfig)):
         items = list(spec)
-        if not items or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
-            raise ConfigError(f"{key}={items!r}: GPU indices must be non-negative integers; {allowed}")
+        if not items or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items
+        ):
+            raise ConfigError(
+                f"{key}={items!r}: GPU indices must be non-negative integers; {allowed}"
+            )
         if len(set(items)) != len(items):
             raise ConfigError(f"{key}={items!r}: duplicate GPU index; {allowed}")
         return
@@ -69,6 +73,7 @@ def validate_devices_spec(spec: Any) -> None:
     if spec.startswith("[") or spec.replace(",", "").strip().isdigit():
         raise ConfigError(f"{key}={spec!r}: write indices as a list, e.g. system.devices=[0,2]")
     raise ConfigError(f"{key}={spec!r}: {allowed}")
+
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +140,15 @@ def query_nvml_devices() -> list[Device]:
             procs = []
         devices.append(
             Device(
-                index=i, kind="cuda", name=_as_str(nv.nvmlDeviceGetName(h)),
-                uuid=_as_str(nv.nvmlDeviceGetUUID(h)), total_mb=int(mem.total / 2**20),
-                free_mb=int(mem.free / 2**20), nvml_index=i, utilization=util, processes=procs,
+                index=i,
+                kind="cuda",
+                name=_as_str(nv.nvmlDeviceGetName(h)),
+                uuid=_as_str(nv.nvmlDeviceGetUUID(h)),
+                total_mb=int(mem.total / 2**20),
+                free_mb=int(mem.free / 2**20),
+                nvml_index=i,
+                utilization=util,
+                processes=procs,
             )
         )
     return devices
@@ -147,7 +158,9 @@ def cpu_slot_count(cpu_workers: Any, threads_per_worker: int) -> int:
     """`executor.cpu_workers`: auto = usable cores / threads per worker (at least 1)."""
     if cpu_workers != "auto":
         return int(cpu_workers)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
     return max(1, cores // max(1, threads_per_worker))
 
 
@@ -159,7 +172,10 @@ def _cpu_slots(n: int) -> list[Device]:
     except Exception:
         avail_mb = 8 * 1024
     per = max(1, avail_mb // n)
-    return [Device(index=i, kind="cpu", name="cpu", uuid=f"cpu-{i}", total_mb=per, free_mb=per) for i in range(n)]
+    return [
+        Device(index=i, kind="cpu", name="cpu", uuid=f"cpu-{i}", total_mb=per, free_mb=per)
+        for i in range(n)
+    ]
 
 
 def _fake_devices(body: str) -> list[Device]:
@@ -169,8 +185,14 @@ def _fake_devices(body: str) -> list[Device]:
     else:
         sizes = [parse_device_memory(p) for p in body.strip("[]").split(",") if p.strip()]
     return [
-        Device(index=i, kind="fake", name=f"Fake GPU ({mb / 1024:.0f} GB)", uuid=f"GPU-fake-{i:02d}",
-               total_mb=mb, free_mb=mb)
+        Device(
+            index=i,
+            kind="fake",
+            name=f"Fake GPU ({mb / 1024:.0f} GB)",
+            uuid=f"GPU-fake-{i:02d}",
+            total_mb=mb,
+            free_mb=mb,
+        )
         for i, mb in enumerate(sizes)
     ]
 
@@ -178,7 +200,9 @@ def _fake_devices(body: str) -> list[Device]:
 class GPUManager:
     """The run's devices, their memory, work splitting and pinning environments."""
 
-    def __init__(self, spec: Any = "auto", *, cpu_workers: Any = "auto", threads_per_worker: int = 1):
+    def __init__(
+        self, spec: Any = "auto", *, cpu_workers: Any = "auto", threads_per_worker: int = 1
+    ):
         if hasattr(spec, "_content") or isinstance(spec, (list, tuple)):
             spec = list(spec)
         validate_devices_spec(spec)
@@ -236,7 +260,9 @@ class GPUManager:
         return self.devices
 
     # ---- pinning ---------------------------------------------------------------------------
-    def worker_env(self, device_indices: list[int], base: dict[str, str] | None = None) -> dict[str, str]:
+    def worker_env(
+        self, device_indices: list[int], base: dict[str, str] | None = None
+    ) -> dict[str, str]:
         """The explicit environment of a worker pinned to `device_indices`."""
         env = dict(os.environ if base is None else base)
         devs = [self.devices[i] for i in device_indices]

@@ -24,8 +24,14 @@ class InProcessExecutor:
         self.run_task = run_task
         self.on_shutdown = on_shutdown
 
-    def submit(self, task: TaskSpec, devices: Sequence[int], cfg_dict: dict, run_dir: str | Path,
-               attempt: int = 1) -> Future[TaskOutcome]:
+    def submit(
+        self,
+        task: TaskSpec,
+        devices: Sequence[int],
+        cfg_dict: dict,
+        run_dir: str | Path,
+        attempt: int = 1,
+    ) -> Future[TaskOutcome]:
         future: Future[TaskOutcome] = Future()
         outcome = self.run_task(task, cfg_dict, str(run_dir), attempt)
         outcome.devices = tuple(devices)

@@ -24,9 +24,14 @@ from typing import Any
 log = logging.getLogger("pita.monitor")
 
 
-def _per_device_worker_stats(workers: list[dict[str, Any]], n_devices: int) -> list[dict[str, float]]:
+def _per_device_worker_stats(
+    workers: list[dict[str, Any]], n_devices: int
+) -> list[dict[str, float]]:
     """Sum the CUDA allocator figures the workers report, per run device."""
-    per = [{"allocated_mb": 0.0, "reserved_mb": 0.0, "rss_mb": 0.0, "workers": 0} for _ in range(n_devices)]
+    per = [
+        {"allocated_mb": 0.0, "reserved_mb": 0.0, "rss_mb": 0.0, "workers": 0}
+        for _ in range(n_devices)
+    ]
     for w in workers:
         cuda = w.get("cuda") or []
         for local, dev in enumerate(w.get("devices", [])):
@@ -40,13 +45,17 @@ def _per_device_worker_stats(workers: list[dict[str, Any]], n_devices: int) -> l
     return per
 
 
-def summary_lines(gpu_manager, workers: list[dict[str, Any]], reservations: list[int] | None = None) -> list[str]:
+def summary_lines(
+    gpu_manager, workers: list[dict[str, Any]], reservations: list[int] | None = None
+) -> list[str]:
     devices = gpu_manager.devices
     per = _per_device_worker_stats(workers, len(devices))
     if gpu_manager.kind == "cpu":
         lines = ["Worker Memory Summary:"]
         for d, s in zip(devices, per):
-            lines.append(f"  CPU {d.index}: {s['rss_mb'] / 1024:.2f} GB worker RSS ({s['workers']} worker(s))")
+            lines.append(
+                f"  CPU {d.index}: {s['rss_mb'] / 1024:.2f} GB worker RSS ({s['workers']} worker(s))"
+            )
         return lines
     lines = ["GPU Memory Summary:"]
     for i, (d, s) in enumerate(zip(devices, per)):
@@ -55,10 +64,14 @@ def summary_lines(gpu_manager, workers: list[dict[str, Any]], reservations: list
         if d.kind == "fake":
             reserved = float((reservations or [0] * len(devices))[i])
             note = " (simulated device: reserved = running tasks' estimates)"
-        lines.append(f"  GPU {d.index}: {allocated / 1024:.2f} GB allocated, {reserved / 1024:.2f} GB reserved, "
-                     f"{d.total_mb / 1024:.2f} GB total{note}")
-    utils = [f"GPU {d.index}: {d.utilization}%" if d.utilization is not None else f"GPU {d.index}: n/a"
-             for d in devices]
+        lines.append(
+            f"  GPU {d.index}: {allocated / 1024:.2f} GB allocated, {reserved / 1024:.2f} GB reserved, "
+            f"{d.total_mb / 1024:.2f} GB total{note}"
+        )
+    utils = [
+        f"GPU {d.index}: {d.utilization}%" if d.utilization is not None else f"GPU {d.index}: n/a"
+        for d in devices
+    ]
     lines.append("GPU utilization: " + ", ".join(utils))
     return lines
 
@@ -90,10 +103,21 @@ class Monitor:
         now = round(time.time(), 3)
         records = []
         for d, s in zip(self.gpu.devices, per):
-            records.append({"ts": now, "device": d.index, "kind": d.kind, "name": d.name, "total_mb": d.total_mb,
-                            "free_mb": d.free_mb if d.kind == "cuda" else None, "utilization": d.utilization,
-                            "allocated_mb": s["allocated_mb"], "reserved_mb": s["reserved_mb"],
-                            "worker_rss_mb": round(s["rss_mb"], 1), "workers": s["workers"]})
+            records.append(
+                {
+                    "ts": now,
+                    "device": d.index,
+                    "kind": d.kind,
+                    "name": d.name,
+                    "total_mb": d.total_mb,
+                    "free_mb": d.free_mb if d.kind == "cuda" else None,
+                    "utilization": d.utilization,
+                    "allocated_mb": s["allocated_mb"],
+                    "reserved_mb": s["reserved_mb"],
+                    "worker_rss_mb": round(s["rss_mb"], 1),
+                    "workers": s["workers"],
+                }
+            )
         with open(self.path, "a") as f:
             for r in records:
                 f.write(json.dumps(r) + "\n")

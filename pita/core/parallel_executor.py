@@ -36,7 +36,6 @@ from pita.core.tasks import TaskSpec
 log = logging.getLogger(__name__)
 
 
-
 def estimate_job_priority(job: TaskSpec, cfg: Any = None) -> float:
     """Higher runs first. Default: critical path (work from this task to the DAG's end).
 
@@ -55,16 +54,24 @@ class DeviceState:
 
 
 class Scheduler:
-    def __init__(self, devices: list[DeviceState], max_tasks_per_device: int = 1,
-                 priority: Callable[[TaskSpec], float] = estimate_job_priority, simulated_memory: bool = True,
-                 hold_after: int = 3, large_fraction: float = 0.5):
+    def __init__(
+        self,
+        devices: list[DeviceState],
+        max_tasks_per_device: int = 1,
+        priority: Callable[[TaskSpec], float] = estimate_job_priority,
+        simulated_memory: bool = True,
+        hold_after: int = 3,
+        large_fraction: float = 0.5,
+    ):
         self.devices = devices
         self.max_tasks = max_tasks_per_device
         self.priority = priority
         # Simulated devices (fake/cpu) have no NVML reading: free = total - reservations.
         self.simulated_memory = simulated_memory
         self.hold_after = hold_after  # aging: passed over this often -> the task holds a device
-        self.large_fraction = large_fraction  # above this share of a device a task holds one at once
+        self.large_fraction = (
+            large_fraction  # above this share of a device a task holds one at once
+        )
         self.passed_over: dict[str, int] = {}
         self.held: dict[int, str] = {}  # device -> the task it is held for (last place() call)
 
@@ -110,7 +117,11 @@ class Scheduler:
         self.held = {}
         for task in sorted(ready, key=self.priority, reverse=True):
             per_device_mb = -(-task.mem_mb // task.gpus)
-            candidates = [d for d in self.devices if d.index not in blocked and self._eligible(d, per_device_mb)]
+            candidates = [
+                d
+                for d in self.devices
+                if d.index not in blocked and self._eligible(d, per_device_mb)
+            ]
             if len(candidates) < task.gpus:
                 for index in self._hold_for(task, per_device_mb, blocked):
                     blocked.add(index)
@@ -122,7 +133,9 @@ class Scheduler:
                 if pref:
                     candidates = pref
             # Pack: the device with the fewest tasks, then the most memory left.
-            chosen = sorted(candidates, key=lambda d: (len(d.running), -self.available_mb(d), d.index))[: task.gpus]
+            chosen = sorted(
+                candidates, key=lambda d: (len(d.running), -self.available_mb(d), d.index)
+            )[: task.gpus]
             for d in chosen:
                 d.running[task.id] = per_device_mb
             placements.append((task, sorted(d.index for d in chosen)))
@@ -137,8 +150,9 @@ class Scheduler:
             d.running.pop(task_id, None)
 
 
-def simulate(plan: Plan, scheduler: Scheduler, duration: Callable[[TaskSpec], float] = lambda t: t.work
-             ) -> tuple[dict[str, list[int]], float]:
+def simulate(
+    plan: Plan, scheduler: Scheduler, duration: Callable[[TaskSpec], float] = lambda t: t.work
+) -> tuple[dict[str, list[int]], float]:
     """Event simulation of the schedule (dry run placement): task -> devices, makespan."""
     done: set[str] = set()
     running: list[tuple[float, str]] = []
@@ -177,10 +191,22 @@ class RunSummary:
 class DagRunner:
     """Runs a Plan to completion on an executor (WorkerPool or InProcessExecutor)."""
 
-    def __init__(self, plan: Plan, executor, scheduler: Scheduler, *, cfg_dict: dict, run_dir,
-                 journal=None, max_retries: int = 2, already_done: set[str] | None = None,
-                 round_barrier: bool = False, on_event: Callable[[str, TaskSpec, Any], None] | None = None,
-                 refresh_memory: Callable[[], list[tuple[int, int]]] | None = None, estimator: Any = None):
+    def __init__(
+        self,
+        plan: Plan,
+        executor,
+        scheduler: Scheduler,
+        *,
+        cfg_dict: dict,
+        run_dir,
+        journal=None,
+        max_retries: int = 2,
+        already_done: set[str] | None = None,
+        round_barrier: bool = False,
+        on_event: Callable[[str, TaskSpec, Any], None] | None = None,
+        refresh_memory: Callable[[], list[tuple[int, int]]] | None = None,
+        estimator: Any = None,
+    ):
         self.plan = plan
         self.executor = executor
         self.scheduler = scheduler
@@ -207,7 +233,9 @@ class DagRunner:
     def _ready(self, pending: dict[str, TaskSpec]) -> list[TaskSpec]:
         ready = [t for t in pending.values() if all(d in self.done for d in t.deps)]
         if self.round_barrier and ready:
-            unfinished = [t.round for t in pending.values()] + [t.round for t in self.running.values()]
+            unfinished = [t.round for t in pending.values()] + [
+                t.round for t in self.running.values()
+            ]
             lowest = min(unfinished) if unfinished else 0
             ready = [t for t in ready if t.round <= lowest]
         return ready
@@ -245,7 +273,9 @@ class DagRunner:
                     if pending:  # nothing runnable and nothing running: impossible placements
                         for tid in list(pending):
                             self.summary.failed[tid] = "error: cannot be placed on any device"
-                            self._journal("task_failed", task=tid, failure="error", message="unplaceable")
+                            self._journal(
+                                "task_failed", task=tid, failure="error", message="unplaceable"
+                            )
                         pending.clear()
                     break
                 finished, _ = wait(list(self.running), timeout=0.5, return_when=FIRST_COMPLETED)
@@ -269,8 +299,13 @@ class DagRunner:
         for t in pending.values():
             refined = self.estimator.refine(t)
             if refined is not None and refined[0] != t.mem_mb:
-                log.info("memory estimate of %s: %.2f -> %.2f GB (%s)", t.id, t.mem_mb / 1024, refined[0] / 1024,
-                         refined[1])
+                log.info(
+                    "memory estimate of %s: %.2f -> %.2f GB (%s)",
+                    t.id,
+                    t.mem_mb / 1024,
+                    refined[0] / 1024,
+                    refined[1],
+                )
                 t.mem_mb, t.mem_source = refined
 
     def _handle(self, fut: Future, pending: dict[str, TaskSpec]) -> None:
@@ -280,18 +315,28 @@ class DagRunner:
         if outcome.ok:
             self.done.add(task.id)
             self.summary.done.append(task.id)
-            self._journal("task_done", task=task.id, wall_s=outcome.wall_s, worker_pid=outcome.worker_pid)
+            self._journal(
+                "task_done", task=task.id, wall_s=outcome.wall_s, worker_pid=outcome.worker_pid
+            )
             self.on_event("done", task, outcome)
             self._learn(task, outcome.result or {}, pending)
             return
         attempt = self.attempts[task.id]
-        self._journal("task_failed", task=task.id, failure=outcome.failure, message=outcome.message,
-                      attempt=attempt, worker_pid=outcome.worker_pid)
+        self._journal(
+            "task_failed",
+            task=task.id,
+            failure=outcome.failure,
+            message=outcome.message,
+            attempt=attempt,
+            worker_pid=outcome.worker_pid,
+        )
         if outcome.failure in RETRYABLE and attempt <= self.max_retries:
             if outcome.failure == "oom":
                 task.batch_scale /= 2  # same effective batch, half the micro-batch
             self.summary.retries += 1
-            self._journal("task_retry", task=task.id, attempt=attempt + 1, batch_scale=task.batch_scale)
+            self._journal(
+                "task_retry", task=task.id, attempt=attempt + 1, batch_scale=task.batch_scale
+            )
             self.on_event("retry", task, outcome)
             pending[task.id] = task
             return

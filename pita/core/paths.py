@@ -225,8 +225,10 @@ class TaskPaths:
         missing = [r for r in (*ALWAYS_REQUIRED, *required) if not _listed(files, r)]
         if missing:
             raise ValueError(f"stage did not write its declared output(s): {', '.join(missing)}")
-        atomic_write_json(tmp_dir / MANIFEST, {"task_id": self.task_id, "version": MANIFEST_VERSION,
-                                               "files": files})
+        atomic_write_json(
+            tmp_dir / MANIFEST,
+            {"task_id": self.task_id, "version": MANIFEST_VERSION, "files": files},
+        )
         if self.final.exists():
             shutil.rmtree(self.final)
         os.replace(tmp_dir, self.final)
@@ -252,7 +254,11 @@ class TaskPaths:
             return f"manifest lacks {', '.join(missing)}"
         for rel, entry in files.items():  # sizes first: cheap, and most damage shows there
             p = self.final / rel
-            if not isinstance(entry, dict) or not p.is_file() or p.stat().st_size != entry.get("size"):
+            if (
+                not isinstance(entry, dict)
+                or not p.is_file()
+                or p.stat().st_size != entry.get("size")
+            ):
                 return f"{rel} is missing or has the wrong size"
         for rel, entry in files.items():
             if file_sha256(self.final / rel) != entry.get("sha256"):
@@ -262,4 +268,3 @@ class TaskPaths:
     def is_complete(self, required: Iterable[str] = ()) -> bool:
         """True iff the folder's manifest verifies (see `verify`)."""
         return self.verify(required) is None
-

@@ -17,8 +17,14 @@ log = logging.getLogger("pita.progress")
 
 
 class Progress:
-    def __init__(self, n_tasks: int, device_labels: list[str], already_done: int = 0, live: bool | None = None,
-                 worker_info: Callable[[], list[dict[str, Any]]] = list):
+    def __init__(
+        self,
+        n_tasks: int,
+        device_labels: list[str],
+        already_done: int = 0,
+        live: bool | None = None,
+        worker_info: Callable[[], list[dict[str, Any]]] = list,
+    ):
         self.n_tasks = n_tasks
         self.labels = device_labels
         self.done = already_done
@@ -35,8 +41,11 @@ class Progress:
     def _table(self):
         from rich.table import Table
 
-        table = Table(title=f"pita: {self.done}/{self.n_tasks} tasks done, {len(self.running)} running, "
-                            f"{self.failed} failed, {time.time() - self.t0:.0f}s", expand=False)
+        table = Table(
+            title=f"pita: {self.done}/{self.n_tasks} tasks done, {len(self.running)} running, "
+            f"{self.failed} failed, {time.time() - self.t0:.0f}s",
+            expand=False,
+        )
         table.add_column("device")
         table.add_column("done", justify="right")
         table.add_column("running")
@@ -44,14 +53,20 @@ class Progress:
         latest = self.latest_progress()
         for i, label in enumerate(self.labels):
             tasks = [tid for tid, devs in self.running.items() if i in devs]
-            table.add_row(label, str(self.done_per_device[i]), "\n".join(tasks) or "-",
-                          "\n".join(latest.get(t, "") for t in tasks))
+            table.add_row(
+                label,
+                str(self.done_per_device[i]),
+                "\n".join(tasks) or "-",
+                "\n".join(latest.get(t, "") for t in tasks),
+            )
         return table
 
     def latest_progress(self) -> dict[str, str]:
         """Task id -> the last progress line its worker sent (empty before the first)."""
         try:
-            return {w["task"]: str(w.get("progress") or "") for w in self.worker_info() if w.get("task")}
+            return {
+                w["task"]: str(w.get("progress") or "") for w in self.worker_info() if w.get("task")
+            }
         except Exception:  # the table must never take the run down
             return {}
 
@@ -59,12 +74,20 @@ class Progress:
         if self.live_enabled:
             from rich.live import Live
 
-            self._live = Live(self._table(), refresh_per_second=2, redirect_stdout=True, redirect_stderr=True,
-                              get_renderable=self._table)
+            self._live = Live(
+                self._table(),
+                refresh_per_second=2,
+                redirect_stdout=True,
+                redirect_stderr=True,
+                get_renderable=self._table,
+            )
             self._live.__enter__()
             # Route console log handlers through Live's stdout proxy so lines print above it.
             for h in logging.getLogger().handlers:
-                if type(h) is logging.StreamHandler and h.stream in (sys.__stdout__, sys.__stderr__):
+                if type(h) is logging.StreamHandler and h.stream in (
+                    sys.__stdout__,
+                    sys.__stderr__,
+                ):
                     self._handlers.append((h, h.stream))
                     h.setStream(sys.stdout)
         return self
@@ -86,8 +109,17 @@ class Progress:
             self.done += 1
             for d in devs:
                 self.done_per_device[d] += 1
-            log.info("[%d/%d] done  %s on %s in %.1fs", self.done, self.n_tasks, task.id, where(devs), info.wall_s)
-            for line in info.result.get("run_log_lines", []):  # e.g. a sharded model's layer distribution
+            log.info(
+                "[%d/%d] done  %s on %s in %.1fs",
+                self.done,
+                self.n_tasks,
+                task.id,
+                where(devs),
+                info.wall_s,
+            )
+            for line in info.result.get(
+                "run_log_lines", []
+            ):  # e.g. a sharded model's layer distribution
                 log.info("  %s: %s", task.id, line)
         elif kind == "retry":
             self.running.pop(task.id, None)

@@ -27,8 +27,10 @@ def _ray():
     try:
         import ray
     except ImportError:
-        raise ConfigError('executor.backend=ray: Ray is not installed; pip install "ray[default]" '
-                          "or use executor=local") from None
+        raise ConfigError(
+            'executor.backend=ray: Ray is not installed; pip install "ray[default]" '
+            "or use executor=local"
+        ) from None
     return ray
 
 
@@ -42,13 +44,20 @@ class RayExecutor:
         if not ray.is_initialized():
             address = executor_cfg.ray_address
             try:
-                ray.init(address=None if address in (None, "local") else address, ignore_reinit_error=True,
-                         log_to_driver=False)
+                ray.init(
+                    address=None if address in (None, "local") else address,
+                    ignore_reinit_error=True,
+                    log_to_driver=False,
+                )
             except (ConnectionError, RuntimeError, ValueError) as exc:
-                first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
-                raise ConfigError(f"executor.ray_address={address!r}: no Ray cluster reachable ({first[:160]}); "
-                                  "start one (`ray start --head`) or use executor.ray_address=local for a Ray "
-                                  "on this machine") from None
+                first = next(
+                    (ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__
+                )
+                raise ConfigError(
+                    f"executor.ray_address={address!r}: no Ray cluster reachable ({first[:160]}); "
+                    "start one (`ray start --head`) or use executor.ray_address=local for a Ray "
+                    "on this machine"
+                ) from None
         self.ray = ray
         self._remote = ray.remote(max_retries=0)(run_task) if run_task is not None else None
 
@@ -61,14 +70,22 @@ class RayExecutor:
         """Total MiB of every GPU of the cluster, read with NVML on its own node (one tiny
         Ray task per GPU node, pinned there), in node order; a node whose probe fails
         counts its GPUs as unknown (0), and the caller falls back to uniform slots."""
-        nodes = [n for n in self.ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) > 0]
+        nodes = [
+            n
+            for n in self.ray.nodes()
+            if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) > 0
+        ]
         if not nodes:
             return []
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         probe = self.ray.remote(num_cpus=0, num_gpus=0, max_retries=0)(nvml_total_mb)
-        refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
-                for n in nodes]
+        refs = [
+            probe.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+            ).remote()
+            for n in nodes
+        ]
         sizes: list[int] = []
         for node, ref in zip(nodes, refs):
             try:
@@ -79,10 +96,14 @@ class RayExecutor:
             sizes += (totals + [0] * n_gpus)[:n_gpus]
         return sizes
 
-    def submit(self, task: TaskSpec, devices, cfg_dict: dict, run_dir: str | Path, attempt: int = 1) -> Future:
+    def submit(
+        self, task: TaskSpec, devices, cfg_dict: dict, run_dir: str | Path, attempt: int = 1
+    ) -> Future:
         kind, _ = self.slots()
         options: dict[str, Any] = {"num_gpus": task.gpus} if kind == "gpu" else {"num_cpus": 1}
-        ref = self._remote.options(**options).remote(task.to_dict(), cfg_dict, str(run_dir), attempt)
+        ref = self._remote.options(**options).remote(
+            task.to_dict(), cfg_dict, str(run_dir), attempt
+        )
         future: Future = Future()
 
         def _done(inner: Future) -> None:
@@ -114,8 +135,13 @@ def nvml_total_mb() -> list[int]:
 
         pynvml.nvmlInit()
         try:
-            return [int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total // 2**20)
-                    for i in range(pynvml.nvmlDeviceGetCount())]
+            return [
+                int(
+                    pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total
+                    // 2**20
+                )
+                for i in range(pynvml.nvmlDeviceGetCount())
+            ]
         finally:
             pynvml.nvmlShutdown()
     except Exception:  # noqa: BLE001 - no NVML / no driver on this node

@@ -50,8 +50,13 @@ def max_tasks_per_device(value: Any, kind: str, n_devices: int, cores: int | Non
     return max(1, min(AUTO_MAX_TASKS_PER_GPU, cores // max(1, n_devices)))
 
 
-def thread_budget(kind: str, n_devices: int, tasks_per_device: int, threads_per_worker: int = 1,
-                  cores: int | None = None) -> int:
+def thread_budget(
+    kind: str,
+    n_devices: int,
+    tasks_per_device: int,
+    threads_per_worker: int = 1,
+    cores: int | None = None,
+) -> int:
     """torch threads for one worker: cores ÷ concurrent workers on GPU hosts, else as configured."""
     if kind == "cpu":
         return max(1, int(threads_per_worker))

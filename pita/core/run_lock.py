@@ -34,10 +34,16 @@ class RunLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
-            raise ConfigError(f"run folder {self.path.parent}: in use by {self.holder()}; "
-                              f"wait for that run to end or stop it first") from None
-        info = {"pid": os.getpid(), "host": socket.gethostname(),
-                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:]}
+            raise ConfigError(
+                f"run folder {self.path.parent}: in use by {self.holder()}; "
+                f"wait for that run to end or stop it first"
+            ) from None
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "argv": sys.argv[1:],
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         self._fd = fd

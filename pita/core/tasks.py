@@ -20,7 +20,9 @@ def chain_id(algo: str, dataset: str, family: str) -> str:
     return f"{algo}.{dataset}.{family}"
 
 
-def task_id(algo: str, dataset: str, family: str, round_idx: int, stage: str, shard: int | None = None) -> str:
+def task_id(
+    algo: str, dataset: str, family: str, round_idx: int, stage: str, shard: int | None = None
+) -> str:
     """`QSharp.star_graph.tiny.r1.collect.s03`; the unsharded id names the shards' merge."""
     base = f"{chain_id(algo, dataset, family)}.r{round_idx}.{stage}"
     return base if shard is None else f"{base}.s{shard:02d}"
@@ -49,7 +51,9 @@ class TaskSpec:
     batch_scale: float = 1.0  # halved on each OOM retry (effective batch kept via accumulation)
     dataset_cfg: dict[str, Any] = field(default_factory=dict)
     family_cfg: dict[str, Any] = field(default_factory=dict)
-    outputs: list[str] = field(default_factory=list)  # declared outputs its committed folder must hold
+    outputs: list[str] = field(
+        default_factory=list
+    )  # declared outputs its committed folder must hold
 
     @property
     def chain(self) -> str:

@@ -56,7 +56,6 @@ STOP_GRACE_S = 30.0  # a worker told to stop (or killed) that is still alive aft
 MAX_LOOP_ERRORS = 20  # consecutive errors after which a background thread gives up (run fails)
 
 
-
 @dataclass
 class _Job:
     task: TaskSpec
@@ -75,7 +74,9 @@ class WorkerHandle:
         self.proc = proc
         self.pid = proc.pid
         self.conn = None
-        self.state = "starting"  # starting | idle | busy | stopping | dead (never reused once stopping)
+        self.state = (
+            "starting"  # starting | idle | busy | stopping | dead (never reused once stopping)
+        )
         self.stopping_since = 0.0
         self.job: _Job | None = None
         self.tasks_run = 0
@@ -86,17 +87,33 @@ class WorkerHandle:
 
     def info(self) -> dict[str, Any]:
         return {
-            "worker_id": self.worker_id, "pid": self.pid, "devices": list(self.devices), "state": self.state,
-            "task": self.job.task.id if self.job else None, "tasks_run": self.tasks_run, **self.stats,
+            "worker_id": self.worker_id,
+            "pid": self.pid,
+            "devices": list(self.devices),
+            "state": self.state,
+            "task": self.job.task.id if self.job else None,
+            "tasks_run": self.tasks_run,
+            **self.stats,
         }
 
 
 class WorkerPool:
-    def __init__(self, gpu_manager, *, max_tasks_per_device: int = 1, max_tasks_per_worker: int = 200,
-                 task_timeout_s: float = 7200.0, heartbeat_s: float = 2.0, heartbeat_timeout_s: float = 120.0,
-                 start_timeout_s: float = 60.0, model_cache_size: int = 2, preimport: bool = True,
-                 extra_env: dict[str, str] | None = None, log_dir: Path | None = None,
-                 auth_timeout_s: float = AUTH_TIMEOUT_S):
+    def __init__(
+        self,
+        gpu_manager,
+        *,
+        max_tasks_per_device: int = 1,
+        max_tasks_per_worker: int = 200,
+        task_timeout_s: float = 7200.0,
+        heartbeat_s: float = 2.0,
+        heartbeat_timeout_s: float = 120.0,
+        start_timeout_s: float = 60.0,
+        model_cache_size: int = 2,
+        preimport: bool = True,
+        extra_env: dict[str, str] | None = None,
+        log_dir: Path | None = None,
+        auth_timeout_s: float = AUTH_TIMEOUT_S,
+    ):
         self.gpu = gpu_manager
         self.log_dir = Path(log_dir) if log_dir else None
         self.max_tasks_per_device = max_tasks_per_device
@@ -122,30 +139,53 @@ class WorkerPool:
         self._workers: dict[int, WorkerHandle] = {}
         self._next_id = 0
         self._closed = False
-        self._threads = [self._start_thread("pita-accept", self._accept_loop),
-                         self._start_thread("pita-dispatch", self._dispatch_loop)]
+        self._threads = [
+            self._start_thread("pita-accept", self._accept_loop),
+            self._start_thread("pita-dispatch", self._dispatch_loop),
+        ]
 
     @classmethod
-    def from_config(cls, gpu_manager, executor_cfg, extra_env: dict[str, str] | None = None,
-                    log_dir: Path | None = None) -> WorkerPool:
+    def from_config(
+        cls,
+        gpu_manager,
+        executor_cfg,
+        extra_env: dict[str, str] | None = None,
+        log_dir: Path | None = None,
+    ) -> WorkerPool:
         from pita.core.resources import max_tasks_per_device
 
-        cap = max_tasks_per_device(executor_cfg.max_tasks_per_gpu, gpu_manager.kind, len(gpu_manager.devices))
+        cap = max_tasks_per_device(
+            executor_cfg.max_tasks_per_gpu, gpu_manager.kind, len(gpu_manager.devices)
+        )
         return cls(
-            gpu_manager, max_tasks_per_device=cap,
-            max_tasks_per_worker=executor_cfg.max_tasks_per_worker, task_timeout_s=executor_cfg.task_timeout_s,
-            heartbeat_s=executor_cfg.heartbeat_s, heartbeat_timeout_s=executor_cfg.heartbeat_timeout_s,
-            start_timeout_s=executor_cfg.get("start_timeout_s", 60.0), model_cache_size=executor_cfg.model_cache_size, preimport=executor_cfg.preimport, extra_env=extra_env,
+            gpu_manager,
+            max_tasks_per_device=cap,
+            max_tasks_per_worker=executor_cfg.max_tasks_per_worker,
+            task_timeout_s=executor_cfg.task_timeout_s,
+            heartbeat_s=executor_cfg.heartbeat_s,
+            heartbeat_timeout_s=executor_cfg.heartbeat_timeout_s,
+            start_timeout_s=executor_cfg.get("start_timeout_s", 60.0),
+            model_cache_size=executor_cfg.model_cache_size,
+            preimport=executor_cfg.preimport,
+            extra_env=extra_env,
             log_dir=log_dir,
         )
 
     # ---- public interface ----------------------------------------------------------------
-    def submit(self, task: TaskSpec, devices: list[int] | tuple[int, ...], cfg_dict: dict, run_dir: str | Path,
-               attempt: int = 1) -> Future[TaskOutcome]:
+    def submit(
+        self,
+        task: TaskSpec,
+        devices: list[int] | tuple[int, ...],
+        cfg_dict: dict,
+        run_dir: str | Path,
+        attempt: int = 1,
+    ) -> Future[TaskOutcome]:
         """Run `task` on a worker pinned to exactly `devices`; the future never raises."""
         devices = tuple(devices)
         future: Future = Future()
-        job = _Job(task, future, ("run", task.to_dict(), cfg_dict, str(run_dir), attempt), time.time())
+        job = _Job(
+            task, future, ("run", task.to_dict(), cfg_dict, str(run_dir), attempt), time.time()
+        )
         with self._lock:
             if self._closed:
                 raise RuntimeError("pool is shut down")
@@ -162,7 +202,10 @@ class WorkerPool:
         """Start workers ahead of time so their slow imports overlap other work."""
         with self._lock:
             for devices in device_sets:
-                if not any(w.devices == tuple(devices) and w.state != "dead" for w in self._workers.values()):
+                if not any(
+                    w.devices == tuple(devices) and w.state != "dead"
+                    for w in self._workers.values()
+                ):
                     self._spawn(tuple(devices))
 
     def check(self) -> None:
@@ -200,8 +243,16 @@ class WorkerPool:
                 w.proc.wait(timeout=5)
             with self._lock:
                 if w.job and not w.job.future.done():
-                    w.job.future.set_result(TaskOutcome(w.job.task.id, False, "killed", "run interrupted",
-                                                        worker_pid=w.pid, devices=w.devices))
+                    w.job.future.set_result(
+                        TaskOutcome(
+                            w.job.task.id,
+                            False,
+                            "killed",
+                            "run interrupted",
+                            worker_pid=w.pid,
+                            devices=w.devices,
+                        )
+                    )
                 w.state = "dead"
         with self._lock:
             for w in self._workers.values():
@@ -226,8 +277,12 @@ class WorkerPool:
     # ---- workers ---------------------------------------------------------------------------
     def _idle_worker(self, devices: tuple[int, ...]) -> WorkerHandle | None:
         for w in self._workers.values():
-            if (w.devices == devices and w.job is None and w.state in ("idle", "starting")
-                    and w.proc.poll() is None):
+            if (
+                w.devices == devices
+                and w.job is None
+                and w.state in ("idle", "starting")
+                and w.proc.poll() is None
+            ):
                 return w
         return None
 
@@ -240,17 +295,34 @@ class WorkerPool:
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         worker_id = self._next_id
         self._next_id += 1
-        cmd = [sys.executable, "-m", "pita.runtime.worker", "--address", self._listener.address,
-               "--worker-id", str(worker_id), "--heartbeat-s", str(self.heartbeat_s),
-               "--cache-size", str(self.model_cache_size)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pita.runtime.worker",
+            "--address",
+            self._listener.address,
+            "--worker-id",
+            str(worker_id),
+            "--heartbeat-s",
+            str(self.heartbeat_s),
+            "--cache-size",
+            str(self.model_cache_size),
+        ]
         if self.preimport:
             cmd.append("--preimport")
         out = None
         if self.log_dir is not None:  # a worker's own stdout/stderr (library noise, crashes)
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"worker-{worker_id}.log", "ab")
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=out, stderr=out,
-                                start_new_session=True, cwd=root)
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+            cwd=root,
+        )
         if out is not None:
             out.close()  # the child holds its own descriptor
         proc.stdin.write((self._authkey.hex() + "\n").encode())
@@ -258,8 +330,13 @@ class WorkerPool:
         handle = WorkerHandle(worker_id, devices, proc)
         handle.env_devices = env.get("CUDA_VISIBLE_DEVICES", "")
         self._workers[worker_id] = handle
-        log.debug("started worker %d (pid %d) on devices %s, CUDA_VISIBLE_DEVICES=%r", worker_id, proc.pid,
-                  devices, handle.env_devices)
+        log.debug(
+            "started worker %d (pid %d) on devices %s, CUDA_VISIBLE_DEVICES=%r",
+            worker_id,
+            proc.pid,
+            devices,
+            handle.env_devices,
+        )
         return handle
 
     def _thread_env(self) -> dict[str, str]:
@@ -267,8 +344,12 @@ class WorkerPool:
         from pita.core.resources import thread_budget, thread_env
 
         kind = getattr(self.gpu, "kind", "cpu")
-        n = thread_budget(kind, len(self.gpu.devices), self.max_tasks_per_device,
-                          getattr(self.gpu, "threads_per_worker", 1))
+        n = thread_budget(
+            kind,
+            len(self.gpu.devices),
+            self.max_tasks_per_device,
+            getattr(self.gpu, "threads_per_worker", 1),
+        )
         return thread_env(n) if kind != "cpu" else {}
 
     def _evict_idle_overlapping(self, devices: tuple[int, ...]) -> None:
@@ -315,7 +396,9 @@ class WorkerPool:
             w.state = "busy"
             w.job.started = time.time()
         except (OSError, EOFError) as exc:
-            self._kill(w, TaskOutcome(w.job.task.id, False, "killed", f"could not reach worker: {exc}"))
+            self._kill(
+                w, TaskOutcome(w.job.task.id, False, "killed", f"could not reach worker: {exc}")
+            )
 
     def _finish(self, w: WorkerHandle, outcome: TaskOutcome) -> None:
         job = w.job
@@ -361,7 +444,9 @@ class WorkerPool:
                 time.sleep(0.05)
                 continue
             errors = 0
-            threading.Thread(target=self._admit, args=(conn,), name="pita-auth", daemon=True).start()
+            threading.Thread(
+                target=self._admit, args=(conn,), name="pita-auth", daemon=True
+            ).start()
 
     def _admit(self, conn: Connection) -> None:
         """Authenticate one connection and attach it to its worker, within auth_timeout_s.
@@ -405,7 +490,11 @@ class WorkerPool:
             with self._lock:
                 if self._closed:
                     return
-                conns = {w.conn: w for w in self._workers.values() if w.conn is not None and w.state != "dead"}
+                conns = {
+                    w.conn: w
+                    for w in self._workers.values()
+                    if w.conn is not None and w.state != "dead"
+                }
             try:
                 ready = wait(list(conns), timeout=0.1) if conns else (time.sleep(0.05) or [])
                 with self._lock:
@@ -445,7 +534,9 @@ class WorkerPool:
             if w.tasks_run >= self.max_tasks_per_worker:  # a callback may submit again at once
                 self._retire(w)
             w.job = job
-            self._finish(w, TaskOutcome(task_id, True, result=result, wall_s=result.get("wall_s", 0.0)))
+            self._finish(
+                w, TaskOutcome(task_id, True, result=result, wall_s=result.get("wall_s", 0.0))
+            )
         elif kind == "failed":
             _, task_id, failure, message, stats = msg
             w.stats = stats
@@ -467,9 +558,18 @@ class WorkerPool:
                 if w.conn is not None:
                     self._drain(w)
                 if w.job is not None:
-                    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-                    self._finish(w, TaskOutcome(w.job.task.id, False, "killed",
-                                                f"worker pid {w.pid} died ({how}) during the task"))
+                    how = (
+                        f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                    )
+                    self._finish(
+                        w,
+                        TaskOutcome(
+                            w.job.task.id,
+                            False,
+                            "killed",
+                            f"worker pid {w.pid} died ({how}) during the task",
+                        ),
+                    )
                 w.state = "dead"
                 if w.conn is not None:
                     w.conn.close()
@@ -480,17 +580,41 @@ class WorkerPool:
                 if now - w.stopping_since > STOP_GRACE_S:
                     self._signal_group(w, signal.SIGKILL)
             elif job is not None and job.started and now - job.started > self.task_timeout_s:
-                self._kill(w, TaskOutcome(job.task.id, False, "timeout",
-                                          f"exceeded executor.task_timeout_s={self.task_timeout_s:g}s; killed"))
+                self._kill(
+                    w,
+                    TaskOutcome(
+                        job.task.id,
+                        False,
+                        "timeout",
+                        f"exceeded executor.task_timeout_s={self.task_timeout_s:g}s; killed",
+                    ),
+                )
             elif w.state == "starting" and now - w.started_at > self.start_timeout_s:
-                self._kill(w, TaskOutcome(job.task.id, False, "killed",
-                                          f"worker pid {w.pid} did not connect within "
-                                          f"executor.start_timeout_s={self.start_timeout_s:g}s; killed")
-                           if job is not None else None)
+                self._kill(
+                    w,
+                    TaskOutcome(
+                        job.task.id,
+                        False,
+                        "killed",
+                        f"worker pid {w.pid} did not connect within "
+                        f"executor.start_timeout_s={self.start_timeout_s:g}s; killed",
+                    )
+                    if job is not None
+                    else None,
+                )
             elif w.state == "busy" and now - w.last_seen > self.heartbeat_timeout_s:
-                self._kill(w, TaskOutcome(job.task.id, False, "killed",
-                                          f"no heartbeat for {self.heartbeat_timeout_s:g}s; worker pid {w.pid} "
-                                          f"killed") if job is not None else None)
+                self._kill(
+                    w,
+                    TaskOutcome(
+                        job.task.id,
+                        False,
+                        "killed",
+                        f"no heartbeat for {self.heartbeat_timeout_s:g}s; worker pid {w.pid} "
+                        f"killed",
+                    )
+                    if job is not None
+                    else None,
+                )
 
 
 def _shutdown_socket(conn: Connection) -> None:

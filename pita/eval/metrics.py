@@ -25,7 +25,9 @@ def pass_at_1(rewards: Sequence[float]) -> float:
     return sum(is_correct(r) for r in rewards) / len(rewards) if rewards else float("nan")
 
 
-def maj_at_k(prompt_ids: Sequence[int], answers: Sequence[str], rewards: Sequence[float], seed: int = 0) -> float:
+def maj_at_k(
+    prompt_ids: Sequence[int], answers: Sequence[str], rewards: Sequence[float], seed: int = 0
+) -> float:
     """Correctness of each prompt's majority answer, averaged over prompts."""
     rng = random.Random(seed)
     groups: dict[int, list[tuple[str, float]]] = defaultdict(list)

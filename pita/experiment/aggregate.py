@@ -57,8 +57,14 @@ def find_run_dirs(paths: Iterable[Path | str]) -> list[Path]:
         if RunPaths(p).summary_csv.is_file():
             found.append(p)
             continue
-        found += sorted((c for c in p.iterdir() if RunPaths(c).summary_csv.is_file()),
-                        key=lambda c: (len(c.name), c.name)) if p.is_dir() else []
+        found += (
+            sorted(
+                (c for c in p.iterdir() if RunPaths(c).summary_csv.is_file()),
+                key=lambda c: (len(c.name), c.name),
+            )
+            if p.is_dir()
+            else []
+        )
     return found
 
 
@@ -72,7 +78,9 @@ def config_label(run_dir: Path) -> str:
     keep = []
     for o in OmegaConf.to_container(OmegaConf.load(path)) or []:
         key = str(o).split("=", 1)[0].lstrip("+~")
-        if SEED_KEY.search(key) or key.startswith(("hydra", "executor.", "system.devices", "dry_run")):
+        if SEED_KEY.search(key) or key.startswith(
+            ("hydra", "executor.", "system.devices", "dry_run")
+        ):
             continue
         keep.append(str(o))
     return " ".join(sorted(keep))
@@ -93,8 +101,14 @@ def aggregate_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault(tuple(r.get(k) for k in KEYS), []).append(r)
-    metrics = sorted({k for r in rows for k, v in r.items()
-                      if isinstance(v, float) and k not in NOT_METRICS and k not in KEYS})
+    metrics = sorted(
+        {
+            k
+            for r in rows
+            for k, v in r.items()
+            if isinstance(v, float) and k not in NOT_METRICS and k not in KEYS
+        }
+    )
     out = []
     for key, members in groups.items():
         row: dict[str, Any] = dict(zip(KEYS, key))
@@ -107,9 +121,16 @@ def aggregate_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             row[f"{m}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
             row[f"{m}_min"], row[f"{m}_max"] = min(values), max(values)
         out.append(row)
-    out.sort(key=lambda r: (r["config"], r["dataset"], r["family"],
-                            ALGO_ORDER.index(r["algo"]) if r["algo"] in ALGO_ORDER else 99, r["round"],
-                            -1 if r["eta"] is None else r["eta"]))
+    out.sort(
+        key=lambda r: (
+            r["config"],
+            r["dataset"],
+            r["family"],
+            ALGO_ORDER.index(r["algo"]) if r["algo"] in ALGO_ORDER else 99,
+            r["round"],
+            -1 if r["eta"] is None else r["eta"],
+        )
+    )
     return out
 
 
@@ -123,22 +144,27 @@ def _fmt(v: Any) -> str:
 
 def to_markdown(rows: Sequence[dict[str, Any]]) -> str:
     metrics = [m[:-5] for m in (rows[0] if rows else {}) if m.endswith("_mean")]
-    metrics = [m for m in ("pass@1", "maj@k", "avg_reward", "kl") if m in metrics] + \
-              [m for m in metrics if m not in ("pass@1", "maj@k", "avg_reward", "kl")]
+    metrics = [m for m in ("pass@1", "maj@k", "avg_reward", "kl") if m in metrics] + [
+        m for m in metrics if m not in ("pass@1", "maj@k", "avg_reward", "kl")
+    ]
     show_config = any(r["config"] for r in rows)
     keys = [k for k in KEYS if k != "config" or show_config]
     head = keys + ["n_runs"] + metrics
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         cells = [_fmt(r.get(k)) for k in keys] + [str(r["n_runs"])]
-        cells += [f"{_fmt(r.get(f'{m}_mean'))} ± {_fmt(r.get(f'{m}_std'))}" if f"{m}_mean" in r else "-"
-                  for m in metrics]
+        cells += [
+            f"{_fmt(r.get(f'{m}_mean'))} ± {_fmt(r.get(f'{m}_std'))}" if f"{m}_mean" in r else "-"
+            for m in metrics
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def to_csv(rows: Sequence[dict[str, Any]]) -> str:
-    columns = list(KEYS) + ["n_runs"] + sorted({k for r in rows for k in r} - set(KEYS) - {"n_runs"})
+    columns = (
+        list(KEYS) + ["n_runs"] + sorted({k for r in rows for k in r} - set(KEYS) - {"n_runs"})
+    )
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=columns)
     w.writeheader()
@@ -151,11 +177,16 @@ def plot_frontier(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -
     """avg reward vs KL and pass@1 vs KL; one line per (config, algo, family, round) through
     its η points. Rows are aggregated (`<m>_mean` / `<m>_std`) or a single run's (`<m>`).
     False when no row has a KL."""
+
     def get(r: dict, m: str) -> tuple[float | None, float]:
         if f"{m}_mean" in r:
             return r.get(f"{m}_mean"), r.get(f"{m}_std") or 0.0
         v = r.get(m)
-        return (v if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)) else None), 0.0
+        return (
+            v
+            if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))
+            else None
+        ), 0.0
 
     points = [r for r in rows if get(r, "kl")[0] is not None]
     if not points:
@@ -167,8 +198,17 @@ def plot_frontier(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -
     lines: dict[tuple, list[dict]] = {}
     for r in points:
         lines.setdefault((r.get("config") or "", r["algo"], r["family"], r["round"]), []).append(r)
-    for i, ((config, algo, family, rnd), members) in enumerate(sorted(lines.items(), key=lambda kv: (
-            kv[0][0], ALGO_ORDER.index(kv[0][1]) if kv[0][1] in ALGO_ORDER else 99, kv[0][2], kv[0][3]))):
+    for i, ((config, algo, family, rnd), members) in enumerate(
+        sorted(
+            lines.items(),
+            key=lambda kv: (
+                kv[0][0],
+                ALGO_ORDER.index(kv[0][1]) if kv[0][1] in ALGO_ORDER else 99,
+                kv[0][2],
+                kv[0][3],
+            ),
+        )
+    ):
         members.sort(key=lambda r: get(r, "kl")[0])
         color = f"C{(ALGO_ORDER.index(algo) if algo in ALGO_ORDER else i) % 10}"
         label = f"{algo} {family} r{int(rnd)}" + (f" [{config}]" if config else "")
@@ -178,13 +218,28 @@ def plot_frontier(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -
             keep = [(x, y) for x, y in zip(xs, ys) if y[0] is not None]
             if not keep:
                 continue
-            ax.errorbar([x[0] for x, _ in keep], [y[0] for _, y in keep], xerr=[x[1] for x, _ in keep],
-                        yerr=[y[1] for _, y in keep], marker="o", ms=4, lw=1.2, capsize=2, color=color,
-                        linestyle="-" if len(keep) > 1 else "none", label=label)
+            ax.errorbar(
+                [x[0] for x, _ in keep],
+                [y[0] for _, y in keep],
+                xerr=[x[1] for x, _ in keep],
+                yerr=[y[1] for _, y in keep],
+                marker="o",
+                ms=4,
+                lw=1.2,
+                capsize=2,
+                color=color,
+                linestyle="-" if len(keep) > 1 else "none",
+                label=label,
+            )
             for (x, y), r in zip(keep, [r for r in members if get(r, metric)[0] is not None]):
                 if r.get("eta") is not None:
-                    ax.annotate(f"η={_fmt(r['eta'])}", (x[0], y[0]), fontsize=6, xytext=(3, 3),
-                                textcoords="offset points")
+                    ax.annotate(
+                        f"η={_fmt(r['eta'])}",
+                        (x[0], y[0]),
+                        fontsize=6,
+                        xytext=(3, 3),
+                        textcoords="offset points",
+                    )
     for ax, label in zip(axes, ("avg reward", "pass@1")):
         ax.set_xlabel("KL(π ‖ π_ref)")
         ax.set_ylabel(label)
@@ -197,7 +252,9 @@ def plot_frontier(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -
     return True
 
 
-def aggregate(paths: Iterable[Path | str], out_dir: Path | str | None = None) -> list[dict[str, Any]]:
+def aggregate(
+    paths: Iterable[Path | str], out_dir: Path | str | None = None
+) -> list[dict[str, Any]]:
     """Aggregate the runs at/below `paths` into `out_dir` (default: the first path)."""
     from pita.core.paths import atomic_write_text
 
@@ -212,8 +269,11 @@ def aggregate(paths: Iterable[Path | str], out_dir: Path | str | None = None) ->
     table = to_markdown(rows)
     atomic_write_text(out / "aggregate.md", table)
     for dataset in sorted({r["dataset"] for r in rows}):
-        plot_frontier([r for r in rows if r["dataset"] == dataset], out / "plots" / f"frontier_{dataset}.png",
-                      title=f"{dataset}: mean ± std over {max(r['n_runs'] for r in rows)} run(s)")
+        plot_frontier(
+            [r for r in rows if r["dataset"] == dataset],
+            out / "plots" / f"frontier_{dataset}.png",
+            title=f"{dataset}: mean ± std over {max(r['n_runs'] for r in rows)} run(s)",
+        )
     log.info("Aggregate of %d run(s) (%s):\n%s", len(run_dirs), out / "aggregate.csv", table)
     return rows
 
@@ -258,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--out" in args:
         i = args.index("--out")
         out = args[i + 1]
-        del args[i: i + 2]
+        del args[i : i + 2]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     return 0 if aggregate(args, out) else 1
 

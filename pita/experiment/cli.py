@@ -49,8 +49,14 @@ LOCAL_LAUNCHERS = ("BasicLauncher",)  # Hydra's launcher classes that run jobs i
 LAST_COMPOSE: dict[str, str] = {}
 EXIT_CODE_FILE = "exit_code"  # a remote job's exit code, read by the sweep's end (aggregate.py)
 # Keys a resumed run may change: where and how it runs, never what it computes.
-RESUME_SAFE_PREFIXES = ("system.devices", "system.threads_per_worker", "system.use_parallel_execution",
-                        "executor.", "dry_run", "resume_from")
+RESUME_SAFE_PREFIXES = (
+    "system.devices",
+    "system.threads_per_worker",
+    "system.use_parallel_execution",
+    "executor.",
+    "dry_run",
+    "resume_from",
+)
 
 
 def _first_line(text: str) -> str:
@@ -73,16 +79,20 @@ def format_compose_error(exc: BaseException, overrides: list[str]) -> str:
         key, _, value = odd.partition("=")
         if not key.isascii():
             return f"{key}: keys are ASCII names (see conf/ and pita/experiment/config.py)"
-        return (f"{odd}: not a valid override: a value with non-ASCII characters must be quoted, e.g. "
-                f"'{key}=\"{value}\"'")
+        return (
+            f"{odd}: not a valid override: a value with non-ASCII characters must be quoted, e.g. "
+            f"'{key}=\"{value}\"'"
+        )
     m = re.search(r"Could not override '([^']+)'", text)
     if m:
         return f"{m.group(1)}: unknown key (not in pita's config schema, see conf/ and pita/experiment/config.py)"
     m = re.search(r"Could not find '(hydra/launcher)/([^']+)'", text)
     if m:
         have = sorted(p.stem for p in (CONF_DIR / "hydra" / "launcher").glob("*.yaml"))
-        return (f"hydra/launcher={m.group(2)}: no such launcher; available: basic, {', '.join(have)}, "
-                "submitit_local, submitit_slurm (the submitit ones need: pip install hydra-submitit-launcher)")
+        return (
+            f"hydra/launcher={m.group(2)}: no such launcher; available: basic, {', '.join(have)}, "
+            "submitit_local, submitit_slurm (the submitit ones need: pip install hydra-submitit-launcher)"
+        )
     m = re.search(r"Could not find '([^/']+)/([^']+)'", text)
     if m:
         group, name = m.group(1), m.group(2)
@@ -94,8 +104,10 @@ def format_compose_error(exc: BaseException, overrides: list[str]) -> str:
         detail = _first_line(cause) if cause else _first_line(text)
         return f"{m.group(1)}: {detail}"
     if "mismatched input" in text or "extraneous input" in text or "no viable alternative" in text:
-        return f"{_unparsable(overrides)}: not a valid override (write key=value; quote values with brackets or " \
-               f"commas, e.g. 'system.devices=\"fake:[80GB,40GB]\"')"
+        return (
+            f"{_unparsable(overrides)}: not a valid override (write key=value; quote values with brackets or "
+            f"commas, e.g. 'system.devices=\"fake:[80GB,40GB]\"')"
+        )
     cause = exc.__cause__
     key = getattr(cause, "full_key", None) if cause else None
     if key:
@@ -154,8 +166,9 @@ def _sweep_to_single(overrides: list[str]) -> list[str]:
     return out
 
 
-def compose_config(overrides: list[str], config_name: str | None = None,
-                   config_dir: str | None = None) -> DictConfig:
+def compose_config(
+    overrides: list[str], config_name: str | None = None, config_dir: str | None = None
+) -> DictConfig:
     """Compose the config (pita's conf/ + `--config-dir` + `hydra.searchpath`) with overrides,
     without a run folder, as `@hydra.main` will; raises ConfigError."""
     from hydra._internal.hydra import Hydra
@@ -164,8 +177,11 @@ def compose_config(overrides: list[str], config_name: str | None = None,
     from hydra.types import RunMode
 
     register_configs()
-    overrides = [o for o in overrides if not o.startswith(("hydra.", "+hydra.", "~hydra."))
-                 or o.startswith("hydra.searchpath=")]
+    overrides = [
+        o
+        for o in overrides
+        if not o.startswith(("hydra.", "+hydra.", "~hydra.")) or o.startswith("hydra.searchpath=")
+    ]
     try:
         overrides = _sweep_to_single(overrides)
     except Exception as exc:
@@ -176,9 +192,12 @@ def compose_config(overrides: list[str], config_name: str | None = None,
         search_path.prepend("command-line", f"file://{Path(config_dir).expanduser().resolve()}")
     try:
         hydra = Hydra.create_main_hydra2(task_name="pita", config_search_path=search_path)
-        cfg = hydra.compose_config(config_name or "config", overrides, run_mode=RunMode.RUN,
-                                   with_log_configuration=False)
-        LAST_COMPOSE["launcher"] = str(OmegaConf.select(cfg, "hydra.launcher._target_", default="") or "")
+        cfg = hydra.compose_config(
+            config_name or "config", overrides, run_mode=RunMode.RUN, with_log_configuration=False
+        )
+        LAST_COMPOSE["launcher"] = str(
+            OmegaConf.select(cfg, "hydra.launcher._target_", default="") or ""
+        )
         if "hydra" in cfg:  # as hydra.compose(return_hydra_config=False)
             from omegaconf import open_dict, read_write
 
@@ -202,15 +221,19 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
     try:
         saved = OmegaConf.load(RunPaths(run_dir).saved_config)
     except Exception as exc:
-        raise ConfigError(f"resume_from={resume_dir!r}: saved config unreadable ({_first_line(exc)})") from None
+        raise ConfigError(
+            f"resume_from={resume_dir!r}: saved config unreadable ({_first_line(exc)})"
+        ) from None
     from pita.experiment.config import PitaConfig
 
     cfg = OmegaConf.merge(OmegaConf.structured(PitaConfig), saved)
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
         if not key.startswith(RESUME_SAFE_PREFIXES):
-            raise ConfigError(f"{key}: cannot change on resume (the run's saved config is reused); "
-                              f"allowed: system.devices, executor.*, dry_run")
+            raise ConfigError(
+                f"{key}: cannot change on resume (the run's saved config is reused); "
+                f"allowed: system.devices, executor.*, dry_run"
+            )
         if key == "resume_from":
             continue
         try:
@@ -222,8 +245,13 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
     return cfg, run_dir
 
 
-def preflight(cfg: DictConfig, overrides: list[str] | None = None, *, run_dir: Path | None = None,
-              devices: bool = True) -> None:
+def preflight(
+    cfg: DictConfig,
+    overrides: list[str] | None = None,
+    *,
+    run_dir: Path | None = None,
+    devices: bool = True,
+) -> None:
     """Everything that can be checked before a folder or a process exists: values, the
     devices (NVML only, no CUDA context), the plan (e.g. a task no device can hold) and the
     world (pita/experiment/preflight.py: dataset files, families, hub cache, output folder).
@@ -246,11 +274,16 @@ def preflight(cfg: DictConfig, overrides: list[str] | None = None, *, run_dir: P
         try:
             plan = Plan.load(RunPaths(run_dir).plan)
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"resume_from={str(run_dir)!r}: plan.json is unreadable ({_first_line(exc)}); "
-                              f"start the run afresh") from None
+            raise ConfigError(
+                f"resume_from={str(run_dir)!r}: plan.json is unreadable ({_first_line(exc)}); "
+                f"start the run afresh"
+            ) from None
         check_plan_fits(plan, gpu, cfg)
-    errors = environment_errors(cfg, gpu.kind,
-                                output_dir=run_dir if run_dir is not None else planned_run_dir(cfg, overrides or []))
+    errors = environment_errors(
+        cfg,
+        gpu.kind,
+        output_dir=run_dir if run_dir is not None else planned_run_dir(cfg, overrides or []),
+    )
     if errors:
         raise ConfigError(errors)
 
@@ -292,10 +325,20 @@ def main(argv: list[str] | None = None) -> None:
     if resume == "auto" and not info_only:
         resume, overrides = _resolve_auto_resume(overrides, args)
         implicit = resume is not None
-    run_dir_override = next((o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")), None)
-    if resume in (None, "", "null") and run_dir_override and not args.multirun and not info_only \
-            and RunPaths(run_dir_override).plan.is_file():
-        resume, implicit = run_dir_override, True  # rerunning into an existing run folder finishes that run
+    run_dir_override = next(
+        (o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")), None
+    )
+    if (
+        resume in (None, "", "null")
+        and run_dir_override
+        and not args.multirun
+        and not info_only
+        and RunPaths(run_dir_override).plan.is_file()
+    ):
+        resume, implicit = (
+            run_dir_override,
+            True,
+        )  # rerunning into an existing run folder finishes that run
         overrides = [o for o in overrides if not o.startswith("hydra.run.dir=")]
     if resume not in (None, "", "null") and not info_only:
         rest = [o for o in overrides if not o.startswith("resume_from=")]
@@ -319,9 +362,15 @@ def main(argv: list[str] | None = None) -> None:
         except ConfigError as exc:
             _print_config_error(exc)
             sys.exit(2)
-    os.environ["PITA_COMMAND"] = json.dumps([sys.argv[0], *argv])  # as typed, for run_info.json (jobs too)
+    os.environ["PITA_COMMAND"] = json.dumps(
+        [sys.argv[0], *argv]
+    )  # as typed, for run_info.json (jobs too)
     given = set(args.overrides)
-    sys.argv = [sys.argv[0], *[a for a in argv if a not in given], *overrides]  # Hydra parses sys.argv
+    sys.argv = [
+        sys.argv[0],
+        *[a for a in argv if a not in given],
+        *overrides,
+    ]  # Hydra parses sys.argv
     _hydra_main()
 
 
@@ -330,12 +379,18 @@ def _same_run_overrides(run_dir: str, overrides: list[str], args) -> list[str]:
     to the config `run_dir` was started with (else a ConfigError naming the differences)."""
     composed = compose_config(overrides, args.config_name, args.config_dir)
     saved = OmegaConf.load(RunPaths(run_dir).saved_config)
-    diff = config_differences(saved, composed, RESUME_SAFE_PREFIXES + ("system.use_parallel_execution",))
+    diff = config_differences(
+        saved, composed, RESUME_SAFE_PREFIXES + ("system.use_parallel_execution",)
+    )
     if diff:
-        raise ConfigError(f"resume of {run_dir}: this command line describes another run ("
-                          f"{'; '.join(diff[:4])}{' ...' if len(diff) > 4 else ''}); pass resume_from={run_dir} "
-                          f"alone to finish it, or change experiment.name for a new run")
-    return [o for o in overrides if o.split("=", 1)[0].lstrip("+~").startswith(RESUME_SAFE_PREFIXES)]
+        raise ConfigError(
+            f"resume of {run_dir}: this command line describes another run ("
+            f"{'; '.join(diff[:4])}{' ...' if len(diff) > 4 else ''}); pass resume_from={run_dir} "
+            f"alone to finish it, or change experiment.name for a new run"
+        )
+    return [
+        o for o in overrides if o.split("=", 1)[0].lstrip("+~").startswith(RESUME_SAFE_PREFIXES)
+    ]
 
 
 def _resolve_auto_resume(overrides: list[str], args) -> tuple[str | None, list[str]]:

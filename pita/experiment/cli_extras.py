@@ -41,11 +41,17 @@ def expand_algos(overrides: list[str], names: tuple[str, ...]) -> list[str]:
             out.append(o)
             continue
         raw = m.group("names").strip()
-        chosen = list(names) if raw == "all" else [n.strip().strip("'\"") for n in raw.split(",") if n.strip()]
+        chosen = (
+            list(names)
+            if raw == "all"
+            else [n.strip().strip("'\"") for n in raw.split(",") if n.strip()]
+        )
         bad = [n for n in chosen if n not in names]
         if bad or not chosen:
-            raise ConfigError(f"{o}: {'unknown algorithm ' + ', '.join(map(repr, bad)) if bad else 'empty list'}; "
-                              f"allowed: {', '.join(names)} (e.g. algos=[QSharp,DPO] or algos=all)")
+            raise ConfigError(
+                f"{o}: {'unknown algorithm ' + ', '.join(map(repr, bad)) if bad else 'empty list'}; "
+                f"allowed: {', '.join(names)} (e.g. algos=[QSharp,DPO] or algos=all)"
+            )
         out += [f"algos.{n}.enabled={'true' if n in chosen else 'false'}" for n in names]
     return out
 
@@ -63,7 +69,13 @@ def _fields(node: Any, prefix: str) -> list[tuple[str, str, str]]:
         if dataclasses.is_dataclass(default):
             rows += _fields(type(default), key + ".")
             continue
-        rows.append((key, "" if default is None else json.dumps(default, default=str), f.metadata.get("help", "")))
+        rows.append(
+            (
+                key,
+                "" if default is None else json.dumps(default, default=str),
+                f.metadata.get("help", ""),
+            )
+        )
     return rows
 
 
@@ -72,8 +84,11 @@ def help_text(prog: str = "run_parallel.py") -> str:
 
     cmd = prog if prog == "pita" else f"python {prog}"
     conf = conf_dir()
-    groups = {p.name: sorted(q.stem for q in p.glob("*.yaml")) for p in sorted(conf.iterdir())
-              if p.is_dir() and p.name != "hydra" and any(p.glob("*.yaml"))}
+    groups = {
+        p.name: sorted(q.stem for q in p.glob("*.yaml"))
+        for p in sorted(conf.iterdir())
+        if p.is_dir() and p.name != "hydra" and any(p.glob("*.yaml"))
+    }
     lines = [
         "pita: LLM post-training experiments (PITA, Q#, Q#-HF, DPO, GRPO, GRPO-HF) on every device of a machine.",
         "",
@@ -86,11 +101,15 @@ def help_text(prog: str = "run_parallel.py") -> str:
         "Config groups (choose with group=option):",
     ]
     lines += [f"  {g:12s} {', '.join(opts)}" for g, opts in groups.items()]
-    lines += ["  hydra/launcher  basic, submitit_local, submitit_slurm, slurm, slurm_1gpu", "",
-              "Shortcuts:",
-              "  algos=[QSharp,DPO]          run only these algorithms (algos=all: every one)",
-              "  resume_from=auto            resume the newest unfinished run of experiment.name, else start one",
-              "", "Keys (key  default  help):"]
+    lines += [
+        "  hydra/launcher  basic, submitit_local, submitit_slurm, slurm, slurm_1gpu",
+        "",
+        "Shortcuts:",
+        "  algos=[QSharp,DPO]          run only these algorithms (algos=all: every one)",
+        "  resume_from=auto            resume the newest unfinished run of experiment.name, else start one",
+        "",
+        "Keys (key  default  help):",
+    ]
     rows = [r for r in _fields(PitaConfig, "") if not r[0].startswith("algos")]
     rows += _fields(AlgoConfig, "algos.<NAME>.")
     width = max(len(k) for k, _, _ in rows)
@@ -118,7 +137,12 @@ def run_finished(run_dir: Path) -> bool:
             continue
         if str(event.get("event", "")).startswith("run_"):
             last = event
-    return bool(last and last.get("event") == "run_finished" and not last.get("failed") and not last.get("skipped"))
+    return bool(
+        last
+        and last.get("event") == "run_finished"
+        and not last.get("failed")
+        and not last.get("skipped")
+    )
 
 
 def find_resumable(outputs: Path, experiment: str) -> Path | None:
@@ -129,8 +153,15 @@ def find_resumable(outputs: Path, experiment: str) -> Path | None:
         return None
     from pita.core.paths import RunPaths
 
-    candidates = sorted((p for p in folder.iterdir() if p.is_dir() and RunPaths(p).plan.is_file()
-                         and RunPaths(p).saved_config.is_file()), key=lambda p: p.name, reverse=True)
+    candidates = sorted(
+        (
+            p
+            for p in folder.iterdir()
+            if p.is_dir() and RunPaths(p).plan.is_file() and RunPaths(p).saved_config.is_file()
+        ),
+        key=lambda p: p.name,
+        reverse=True,
+    )
     return candidates[0] if candidates and not run_finished(candidates[0]) else None
 
 
@@ -149,5 +180,8 @@ def config_differences(saved: Any, composed: Any, safe_prefixes: tuple[str, ...]
 
     a = _flatten(OmegaConf.to_container(saved, resolve=True))
     b = _flatten(OmegaConf.to_container(composed, resolve=True))
-    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
-            if not k.startswith(safe_prefixes) and a.get(k) != b.get(k)]
+    return [
+        f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
+        for k in sorted(set(a) | set(b))
+        if not k.startswith(safe_prefixes) and a.get(k) != b.get(k)
+    ]

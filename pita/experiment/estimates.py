@@ -44,11 +44,39 @@ log = logging.getLogger(__name__)
 WORKER_OVERHEAD_MB = 512
 PEAK_MARGIN = 1.10  # a measured peak, plus 10 % (allocator rounding, a longer batch next time)
 SCHEMA_DEFAULT_GB = 0.5  # ModelConfig.memory_gb's default: "nobody said"
-DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
-               "float64": 8, "int8": 1, "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int32": 4, "int64": 8,
-               "bool": 1, "int16": 2}
-SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                     "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+DTYPE_BYTES = {
+    "float32": 4,
+    "float": 4,
+    "fp32": 4,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "float64": 8,
+    "int8": 1,
+    "uint8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int32": 4,
+    "int64": 8,
+    "bool": 1,
+    "int16": 2,
+}
+SAFETENSORS_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "BF16": 2,
+    "F16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 VALUE_ALGOS = ("PITA", "QSharp", "QSharp-HF")
 MB = 2**20
 
@@ -82,7 +110,8 @@ def hub_snapshot(model_id: str) -> Path | None:
     if "/" not in model_id and not re.fullmatch(r"[\w.-]+", model_id):
         return None
     hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
-        os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub")
+        os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub"
+    )
     repo = Path(hub) / ("models--" + model_id.replace("/", "--"))
     ref = repo / "refs" / "main"
     if ref.is_file():
@@ -103,19 +132,35 @@ def _text_config(raw: Mapping[str, Any]) -> Mapping[str, Any]:
 def _namespace(raw: Mapping[str, Any]) -> SimpleNamespace | None:
     """The attributes estimate_from_config reads, from a config.json (GPT-2 names mapped)."""
     c = dict(_text_config(raw))
-    aliases = {"num_hidden_layers": ("n_layer", "num_layers"), "hidden_size": ("n_embd", "d_model"),
-               "num_attention_heads": ("n_head", "num_heads"), "intermediate_size": ("n_inner", "ffn_dim")}
+    aliases = {
+        "num_hidden_layers": ("n_layer", "num_layers"),
+        "hidden_size": ("n_embd", "d_model"),
+        "num_attention_heads": ("n_head", "num_heads"),
+        "intermediate_size": ("n_inner", "ffn_dim"),
+    }
     for key, alts in aliases.items():
         if c.get(key) is None:
             c[key] = next((c[a] for a in alts if c.get(a) is not None), None)
     if c.get("intermediate_size") is None and c.get("hidden_size"):
         c["intermediate_size"] = 4 * int(c["hidden_size"])
-    if not all(c.get(k) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")):
+    if not all(
+        c.get(k) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+    ):
         return None
-    return SimpleNamespace(**{k: c.get(k) for k in (
-        "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-        "intermediate_size", "vocab_size")})
-
+    return SimpleNamespace(
+        **{
+            k: c.get(k)
+            for k in (
+                "num_hidden_layers",
+                "hidden_size",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "intermediate_size",
+                "vocab_size",
+            )
+        }
+    )
 
 
 @dataclass
@@ -128,7 +173,9 @@ class ModelSize:
     what: str  # "config.json of gpt2", "model.reference_arch"
 
 
-def checkpoint_size(model_id: str, dtype: str = "auto", quantization: str | None = None) -> ModelSize | None:
+def checkpoint_size(
+    model_id: str, dtype: str = "auto", quantization: str | None = None
+) -> ModelSize | None:
     """The size of a local or locally cached hub checkpoint, or None when it is not on disk."""
     folder = hub_snapshot(model_id)
     if folder is None or not (folder / "config.json").is_file():
@@ -147,7 +194,9 @@ def checkpoint_size(model_id: str, dtype: str = "auto", quantization: str | None
         params = n_layer * (4 * h * h + 3 * h * int(ns.intermediate_size)) + 2 * vocab * h
         on_disk = 0
     stored = str(_text_config(raw).get("torch_dtype") or raw.get("dtype") or "float32")
-    bytes_per = DTYPE_BYTES.get(dtype if dtype != "auto" else stored, 0) or (on_disk / params if on_disk else 4)
+    bytes_per = DTYPE_BYTES.get(dtype if dtype != "auto" else stored, 0) or (
+        on_disk / params if on_disk else 4
+    )
     if quantization == "8bit":
         bytes_per = 1.0
     elif quantization == "4bit":
@@ -158,15 +207,21 @@ def checkpoint_size(model_id: str, dtype: str = "auto", quantization: str | None
 def tiny_size(arch: Mapping[str, Any], vocab: int, what: str = "model arch") -> ModelSize:
     """A tiny Llama built in the run (pita/models/tiny.py): fp32 weights."""
     d, n_layer = int(arch["d_model"]), int(arch["n_layer"])
-    ns = SimpleNamespace(num_hidden_layers=n_layer, hidden_size=d, num_attention_heads=int(arch["n_head"]),
-                         num_key_value_heads=int(arch["n_head"]), head_dim=None, intermediate_size=4 * d,
-                         vocab_size=vocab)
+    ns = SimpleNamespace(
+        num_hidden_layers=n_layer,
+        hidden_size=d,
+        num_attention_heads=int(arch["n_head"]),
+        num_key_value_heads=int(arch["n_head"]),
+        head_dim=None,
+        intermediate_size=4 * d,
+        vocab_size=vocab,
+    )
     params = n_layer * (4 * d * d + 3 * d * 4 * d) + 2 * vocab * d
     return ModelSize(params, params * 4.0, ns, what)
 
 
 def size_from_name(model_id: str) -> ModelSize | None:
-    """"Llama-3.1-8B" -> 8e9 parameters in bf16; None when the id names no size."""
+    """ "Llama-3.1-8B" -> 8e9 parameters in bf16; None when the id names no size."""
     m = re.search(r"(\d+(?:\.\d+)?)\s*([BbMm])(?![a-zA-Z])", model_id.rsplit("/", 1)[-1])
     if not m:
         return None
@@ -220,7 +275,11 @@ class ModelSizes:
         self._cache: dict[tuple, ModelSize | None] = {}
 
     def get(self, family: Mapping[str, Any], ds: Mapping[str, Any], role: str) -> ModelSize | None:
-        key = (json.dumps(family, sort_keys=True, default=str), json.dumps(ds, sort_keys=True, default=str), role)
+        key = (
+            json.dumps(family, sort_keys=True, default=str),
+            json.dumps(ds, sort_keys=True, default=str),
+            role,
+        )
         if key not in self._cache:
             self._cache[key] = self._read(family, ds, role)
         return self._cache[key]
@@ -240,8 +299,9 @@ class ModelSizes:
         model_id = {"reference": fam.reference, "guide": fam.guide, "reward": fam.reward}[role]
         if not model_id:
             return None
-        return (checkpoint_size(model_id, str(family.get("dtype", "auto")), fam.quantization)
-                or size_from_name(model_id))
+        return checkpoint_size(
+            model_id, str(family.get("dtype", "auto")), fam.quantization
+        ) or size_from_name(model_id)
 
 
 def _roles(algo: str, stage: str, round_idx: int) -> list[tuple[str, str]]:
@@ -299,12 +359,28 @@ def analytic_mb(task: Any, cfg: Any, sizes: ModelSizes) -> tuple[int, str] | Non
                 batch *= int(_get(cfg, "evaluation.num_samples", 1))
             if task.stage == "train":  # GRPO's roll-outs
                 batch = micro * int(algo_cfg.get("num_generations", 8))
-            est = estimate_from_config(size.config, mode="generate", prompt_tokens=prompt, new_tokens=new,
-                                       dtype_bytes=act_bytes, n_params=size.params)
+            est = estimate_from_config(
+                size.config,
+                mode="generate",
+                prompt_tokens=prompt,
+                new_tokens=new,
+                dtype_bytes=act_bytes,
+                n_params=size.params,
+            )
         elif use == "forward":
-            batch = _batch(_get(cfg, "generation.batch_size"), 256) if task.stage != "train" else micro * 2
-            est = estimate_from_config(size.config, mode="forward", prompt_tokens=prompt, new_tokens=new,
-                                       dtype_bytes=act_bytes, n_params=size.params)
+            batch = (
+                _batch(_get(cfg, "generation.batch_size"), 256)
+                if task.stage != "train"
+                else micro * 2
+            )
+            est = estimate_from_config(
+                size.config,
+                mode="forward",
+                prompt_tokens=prompt,
+                new_tokens=new,
+                dtype_bytes=act_bytes,
+                n_params=size.params,
+            )
         else:  # train: the whole batch at once for built-in models, micro-batches for hub models
             if task.stage == "pretrain":
                 batch = int(_get(cfg, "pretrain.batch_size", 256))
@@ -314,10 +390,18 @@ def analytic_mb(task: Any, cfg: Any, sizes: ModelSizes) -> tuple[int, str] | Non
                 batch = micro * (1 if task.algo in VALUE_ALGOS else 2)
             config = size.config
             if task.algo in VALUE_ALGOS and role == "guide":  # a value head, not the vocabulary
-                config = SimpleNamespace(**{**vars(config), "vocab_size": int(algo_cfg.get("num_atoms", 1) or 1)})
-            est = estimate_from_config(config, mode="train", prompt_tokens=prompt, new_tokens=new,
-                                       dtype_bytes=act_bytes, n_params=size.params,
-                                       optimizer_bytes_per_param=8.0)
+                config = SimpleNamespace(
+                    **{**vars(config), "vocab_size": int(algo_cfg.get("num_atoms", 1) or 1)}
+                )
+            est = estimate_from_config(
+                config,
+                mode="train",
+                prompt_tokens=prompt,
+                new_tokens=new,
+                dtype_bytes=act_bytes,
+                n_params=size.params,
+                optimizer_bytes_per_param=8.0,
+            )
         total += est.bytes_for(max(1, int(batch * task.batch_scale)))
     return int(total / MB) + WORKER_OVERHEAD_MB, " + ".join(dict.fromkeys(whats))
 
@@ -327,9 +411,18 @@ def analytic_mb(task: Any, cfg: Any, sizes: ModelSizes) -> tuple[int, str] | Non
 
 def peak_key(task: Any, cfg: Any) -> str:
     """(algo, stage, family, dataset) + a fingerprint of what changes the peak."""
-    settings = {k: _get(cfg, k) for k in ("generation.batch_size", "generation.max_new_tokens",
-                                          "evaluation.batch_size", "evaluation.num_samples", "pretrain.batch_size",
-                                          "training.micro_batch_size", "training.gradient_checkpointing")}
+    settings = {
+        k: _get(cfg, k)
+        for k in (
+            "generation.batch_size",
+            "generation.max_new_tokens",
+            "evaluation.batch_size",
+            "evaluation.num_samples",
+            "pretrain.batch_size",
+            "training.micro_batch_size",
+            "training.gradient_checkpointing",
+        )
+    }
     settings["algo"] = _get(cfg, f"algos.{task.algo}.batch_size")
     blob = json.dumps([task.family_cfg, task.dataset_cfg, settings], sort_keys=True, default=str)
     stage = task.stage.removesuffix("_merge")
@@ -337,7 +430,9 @@ def peak_key(task: Any, cfg: Any) -> str:
 
 
 def peaks_cache_path() -> Path:
-    return Path(os.environ.get("PITA_CACHE_DIR", Path.home() / ".cache" / "pita")) / "task_peaks.json"
+    return (
+        Path(os.environ.get("PITA_CACHE_DIR", Path.home() / ".cache" / "pita")) / "task_peaks.json"
+    )
 
 
 class PeakEstimator:
@@ -354,7 +449,9 @@ class PeakEstimator:
         if cache_path is not None:
             try:
                 data = json.loads(Path(cache_path).read_text())
-                self.peaks = {k: (float(v["peak_mb"]), f"cached peak of {v['task']}") for k, v in data.items()}
+                self.peaks = {
+                    k: (float(v["peak_mb"]), f"cached peak of {v['task']}") for k, v in data.items()
+                }
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 self.peaks = {}
 
@@ -365,7 +462,9 @@ class PeakEstimator:
             return False
         key = peak_key(task, self.cfg)
         mb, source = self.peaks.get(key, (0.0, ""))
-        if source.startswith("peak of") and mb >= peak:  # this run's largest (shards, rounds differ a little)
+        if (
+            source.startswith("peak of") and mb >= peak
+        ):  # this run's largest (shards, rounds differ a little)
             return True
         self.peaks[key] = (peak, f"peak of {task.id}")
         self._save(key, self.peaks[key][0], task.id)
@@ -396,7 +495,11 @@ class PeakEstimator:
         from pita.core.paths import atomic_write_json
 
         try:
-            data = json.loads(Path(self.cache_path).read_text()) if Path(self.cache_path).is_file() else {}
+            data = (
+                json.loads(Path(self.cache_path).read_text())
+                if Path(self.cache_path).is_file()
+                else {}
+            )
         except (OSError, ValueError):
             data = {}
         data[key] = {"peak_mb": round(peak_mb, 1), "task": task_id}
@@ -419,8 +522,14 @@ def family_file_memory_gb(name: str) -> float:
     return SCHEMA_DEFAULT_GB
 
 
-def estimate(task: Any, cfg: Any, *, sizes: ModelSizes | None = None, peaks: PeakEstimator | None = None,
-             device_mb: list[int] | None = None) -> tuple[int, str]:
+def estimate(
+    task: Any,
+    cfg: Any,
+    *,
+    sizes: ModelSizes | None = None,
+    peaks: PeakEstimator | None = None,
+    device_mb: list[int] | None = None,
+) -> tuple[int, str]:
     """(MB, source) of one task: measured peak, else an explicit `model.memory_gb` (the user's
     word: set on the command line or by the experiment), else the checkpoint's size, else
     the family file's memory_gb. `task.mem_mb` arrives as memory_gb × the stage's factor."""
@@ -438,7 +547,9 @@ def estimate(task: Any, cfg: Any, *, sizes: ModelSizes | None = None, peaks: Pea
     analytic = analytic_mb(task, cfg, sizes)
     if analytic is not None:
         return analytic[0], f"size: {analytic[1]}"
-    if name != "tiny" and abs(fam_gb - SCHEMA_DEFAULT_GB) < 1e-9 and device_mb:  # never a flat 0.5 GB
+    if (
+        name != "tiny" and abs(fam_gb - SCHEMA_DEFAULT_GB) < 1e-9 and device_mb
+    ):  # never a flat 0.5 GB
         return max(device_mb), "unknown size: a whole device (set model.memory_gb)"
     return task.mem_mb, f"model.memory_gb={fam_gb:g}"
 
@@ -448,4 +559,6 @@ def fill_estimates(plan: Any, cfg: Any, device_mb: list[int] | None = None) -> N
     sizes = ModelSizes()
     peaks = PeakEstimator(cfg, peaks_cache_path())
     for task in plan.tasks.values():
-        task.mem_mb, task.mem_source = estimate(task, cfg, sizes=sizes, peaks=peaks, device_mb=device_mb)
+        task.mem_mb, task.mem_source = estimate(
+            task, cfg, sizes=sizes, peaks=peaks, device_mb=device_mb
+        )

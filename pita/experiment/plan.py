@@ -36,7 +36,9 @@ def _group_cfg(cfg: DictConfig, group: str, name: str) -> dict[str, Any]:
     from pita.experiment.config import DatasetConfig, ModelConfig, dataset_keys
 
     selected = cfg[group]
-    clean = dataset_keys if group == "dataset" else (lambda c: OmegaConf.to_container(c, resolve=True))
+    clean = (
+        dataset_keys if group == "dataset" else (lambda c: OmegaConf.to_container(c, resolve=True))
+    )
     if selected.name == name:
         return clean(selected)
     path = CONF_DIR / group / f"{name}.yaml"
@@ -75,8 +77,11 @@ INPUT_RULES: tuple[tuple[str, tuple[str, ...], Callable[[ChainRound], Any]], ...
     # round r's roll-ins come from π_ref guided by round r-1's value model / policy
     ("guide", ("collect",), lambda c: c.prev_train),
     # every round trains on the data of all rounds so far
-    ("data", ("reward_model", "train"),
-     lambda c: c.collected + [c.produced["collect"]] if "collect" in c.produced else None),
+    (
+        "data",
+        ("reward_model", "train"),
+        lambda c: c.collected + [c.produced["collect"]] if "collect" in c.produced else None,
+    ),
     # warm start from the previous round
     ("previous", ("reward_model", "train"), lambda c: c.prev_train),
     # -HF variants: the proxy reward model trained in this round
@@ -112,18 +117,34 @@ class Planner:
         """The dotted path of (algo, stage), checked to be importable (without importing it)."""
         dotted = lookup(algo, stage, self.cfg.executor.stage_overrides or {})
         if dotted is None or not is_importable(dotted):
-            key = f"algos.{algo}.enabled=true" if algo in self.cfg.algos else f"executor.stage_overrides.{algo}"
-            raise ConfigError(f"{key}: stage {stage!r} of {algo} is not available "
-                              f"({dotted or 'no implementation registered'}); disable {algo} or provide it "
-                              f"with executor.stage_overrides")
+            key = (
+                f"algos.{algo}.enabled=true"
+                if algo in self.cfg.algos
+                else f"executor.stage_overrides.{algo}"
+            )
+            raise ConfigError(
+                f"{key}: stage {stage!r} of {algo} is not available "
+                f"({dotted or 'no implementation registered'}); disable {algo} or provide it "
+                f"with executor.stage_overrides"
+            )
         return dotted
 
     def add_pretrain(self, common: dict[str, Any], mem_mb: int) -> str:
         """A family built in the run (model.name=tiny) is pretrained once per dataset."""
         tid = f"pretrain.{common['dataset']}.{common['family']}"
-        self.plan.add(TaskSpec(id=tid, algo=ANY, round=0, stage="pretrain", fn=self.function(ANY, "pretrain"),
-                               gpus=self.data_parallel_gang(), mem_mb=mem_mb, work=STAGE_WORK["pretrain"],
-                               **common))
+        self.plan.add(
+            TaskSpec(
+                id=tid,
+                algo=ANY,
+                round=0,
+                stage="pretrain",
+                fn=self.function(ANY, "pretrain"),
+                gpus=self.data_parallel_gang(),
+                mem_mb=mem_mb,
+                work=STAGE_WORK["pretrain"],
+                **common,
+            )
+        )
         return tid
 
     def data_parallel_gang(self) -> int:
@@ -140,22 +161,61 @@ class Planner:
         algo, r = spec["algo"], spec["round"]
         tid = task_id(algo, spec["dataset"], spec["family"], r, stage)
         if stage not in SHARDABLE:
-            self.plan.add(TaskSpec(id=tid, stage=stage, fn=self.function(algo, stage), deps=deps,
-                                   work=STAGE_WORK[stage], **spec))
+            self.plan.add(
+                TaskSpec(
+                    id=tid,
+                    stage=stage,
+                    fn=self.function(algo, stage),
+                    deps=deps,
+                    work=STAGE_WORK[stage],
+                    **spec,
+                )
+            )
             return tid
         n = len(self.shard_ranges)
-        shard_ids = [self.plan.add(TaskSpec(
-            id=task_id(algo, spec["dataset"], spec["family"], r, stage, s), stage=stage,
-            fn=self.function(algo, stage), deps=deps, shard=s, num_shards=n, shard_range=tuple(rng),
-            preferred_device=s % self.n_devices, work=STAGE_WORK[stage] / n, **spec)).id
-            for s, rng in enumerate(self.shard_ranges)]
-        merge_spec = {**spec, "inputs": {**spec["inputs"], "shards": shard_ids}, "mem_mb": 0, "gpus": 1}
-        self.plan.add(TaskSpec(id=tid, stage=f"{stage}_merge", fn=self.function(algo, f"{stage}_merge"),
-                               deps=shard_ids, work=MERGE_WORK, **merge_spec))
+        shard_ids = [
+            self.plan.add(
+                TaskSpec(
+                    id=task_id(algo, spec["dataset"], spec["family"], r, stage, s),
+                    stage=stage,
+                    fn=self.function(algo, stage),
+                    deps=deps,
+                    shard=s,
+                    num_shards=n,
+                    shard_range=tuple(rng),
+                    preferred_device=s % self.n_devices,
+                    work=STAGE_WORK[stage] / n,
+                    **spec,
+                )
+            ).id
+            for s, rng in enumerate(self.shard_ranges)
+        ]
+        merge_spec = {
+            **spec,
+            "inputs": {**spec["inputs"], "shards": shard_ids},
+            "mem_mb": 0,
+            "gpus": 1,
+        }
+        self.plan.add(
+            TaskSpec(
+                id=tid,
+                stage=f"{stage}_merge",
+                fn=self.function(algo, f"{stage}_merge"),
+                deps=shard_ids,
+                work=MERGE_WORK,
+                **merge_spec,
+            )
+        )
         return tid
 
-    def add_chain(self, algo: str, common: dict[str, Any], base_inputs: dict[str, Any],
-                  mem_mb: Callable[[str], int], gpus: int) -> None:
+    def add_chain(
+        self,
+        algo: str,
+        common: dict[str, Any],
+        base_inputs: dict[str, Any],
+        mem_mb: Callable[[str], int],
+        gpus: int,
+    ) -> None:
         """Every round of one (algo, dataset, family) chain; no edge leaves the chain."""
         spec_algo = ALGORITHMS[algo]
         n_rounds = 1 if spec_algo.single_round else int(self.cfg.rounds_of_training)
@@ -164,19 +224,28 @@ class Planner:
             chain.produced = {}
             for stage in spec_algo.round_stages:
                 inputs = stage_inputs(stage, chain, base_inputs)
-                spec = dict(algo=algo, round=r, inputs=inputs, gpus=gpus, mem_mb=mem_mb(stage), **common)
+                spec = dict(
+                    algo=algo, round=r, inputs=inputs, gpus=gpus, mem_mb=mem_mb(stage), **common
+                )
                 chain.produced[stage] = self.add_stage(stage, spec, _deps_of(inputs))
             if "collect" in chain.produced:
                 chain.collected.append(chain.produced["collect"])
             chain.prev_train = chain.produced.get("train", chain.prev_train)
 
 
-def plan_experiment(cfg: DictConfig, n_devices: int, *, device_mb: list[int] | None = None,
-                    distribute=None) -> Plan:
+def plan_experiment(
+    cfg: DictConfig, n_devices: int, *, device_mb: list[int] | None = None, distribute=None
+) -> Plan:
     """Build the task DAG. `distribute(n_parts)` gives shard fractions weighted by device."""
-    n_shards = n_devices if cfg.executor.max_shards == 0 else min(n_devices, cfg.executor.max_shards)
+    n_shards = (
+        n_devices if cfg.executor.max_shards == 0 else min(n_devices, cfg.executor.max_shards)
+    )
     n_shards = max(1, n_shards)
-    shard_ranges = distribute(n_shards) if distribute else [(i / n_shards, (i + 1) / n_shards) for i in range(n_shards)]
+    shard_ranges = (
+        distribute(n_shards)
+        if distribute
+        else [(i / n_shards, (i + 1) / n_shards) for i in range(n_shards)]
+    )
     planner = Planner(cfg, n_devices, [tuple(r) for r in shard_ranges])
     algos = enabled_algos(cfg)
     for ds_name in list(cfg.experiment.datasets) or [cfg.dataset.name]:
@@ -193,7 +262,9 @@ def plan_experiment(cfg: DictConfig, n_devices: int, *, device_mb: list[int] | N
             if _built_in_run(fam_name, fam_cfg):
                 base_inputs["reference"] = planner.add_pretrain(common, mem_mb("pretrain"))
             for algo in algos:
-                planner.add_chain(algo, common, base_inputs, mem_mb, int(fam_cfg.get("gpus_per_task", 1)))
+                planner.add_chain(
+                    algo, common, base_inputs, mem_mb, int(fam_cfg.get("gpus_per_task", 1))
+                )
     plan = planner.plan
     for t in plan.tasks.values():  # what its committed folder must hold (resume checks it)
         t.outputs = list(STAGE_OUTPUTS.get(t.fn, ()))
@@ -235,12 +306,15 @@ def check_resources(plan: Plan, n_devices: int, device_mb: list[int] | None) -> 
     """Refuse, before anything starts, a task no set of devices could ever hold."""
     for t in plan.tasks.values():
         if t.gpus > n_devices:
-            raise ConfigError(f"model.gpus_per_task={t.gpus}: task {t.id} needs {t.gpus} devices but this run "
-                              f"has {n_devices}; lower it or add devices (system.devices)")
+            raise ConfigError(
+                f"model.gpus_per_task={t.gpus}: task {t.id} needs {t.gpus} devices but this run "
+                f"has {n_devices}; lower it or add devices (system.devices)"
+            )
         if device_mb:
             best = sum(sorted(device_mb, reverse=True)[: t.gpus])
             if t.mem_mb > best:
                 raise ConfigError(
                     f"model.memory_gb: task {t.id} needs ~{t.mem_mb / 1024:.1f} GB on {t.gpus} device(s) but the "
                     f"largest {'gang' if t.gpus > 1 else 'device'} has {best / 1024:.1f} GB; raise "
-                    f"model.gpus_per_task, use a quantized alias (-8bit/-4bit) or a smaller model")
+                    f"model.gpus_per_task, use a quantized alias (-8bit/-4bit) or a smaller model"
+                )

@@ -42,7 +42,9 @@ def absolutize_paths(cfg: DictConfig, cwd: Path | None = None) -> list[str]:
     return changed
 
 
-def environment_errors(cfg: DictConfig, gpu_kind: str, *, output_dir: Path | None = None) -> list[str]:
+def environment_errors(
+    cfg: DictConfig, gpu_kind: str, *, output_dir: Path | None = None
+) -> list[str]:
     """Every preflight problem, as one-line messages (empty: go)."""
     errors = _jsonl_errors(cfg)
     families = _families(cfg)
@@ -69,7 +71,9 @@ def _jsonl_errors(cfg: DictConfig) -> list[str]:
         for f in files:
             problem = _first_lines_problem(f)
             if problem:
-                errors.append(f"dataset.{key}={value!r}: {problem}; each line must be one JSON object")
+                errors.append(
+                    f"dataset.{key}={value!r}: {problem}; each line must be one JSON object"
+                )
                 break
     return errors
 
@@ -117,21 +121,27 @@ def _families(cfg: DictConfig) -> list[tuple[str, str, Any]]:
     return out
 
 
-def _family_errors(cfg: DictConfig, families: list[tuple[str, str, Any]], gpu_kind: str) -> list[str]:
+def _family_errors(
+    cfg: DictConfig, families: list[tuple[str, str, Any]], gpu_kind: str
+) -> list[str]:
     from pita.datasets import REGISTRY
 
     errors = []
     for key, name, fam in families:
         if fam.quantization and gpu_kind != "cuda":
-            errors.append(f"{key}={name!r}: -{fam.quantization} aliases load with bitsandbytes on CUDA GPUs, "
-                          f"but this run's devices are {gpu_kind}; drop the -{fam.quantization} suffix")
+            errors.append(
+                f"{key}={name!r}: -{fam.quantization} aliases load with bitsandbytes on CUDA GPUs, "
+                f"but this run's devices are {gpu_kind}; drop the -{fam.quantization} suffix"
+            )
     datasets = list(cfg.experiment.datasets) or [cfg.dataset.name]
     hub = [d for d in datasets if REGISTRY.get(_dataset_task(cfg, d)) == "hub"]
     builtin = [name for _, name, fam in families if fam.is_builtin]
     if hub and builtin:
-        errors.append(f"dataset={hub[0]!r} with model={builtin[0]!r}: a hub task is tokenized by its model "
-                      f"family's tokenizer, and {builtin[0]!r} is built in the run for the synthetic tasks "
-                      f"(goal_walk, star_graph); use a hub family (e.g. model=gpt2) or a synthetic dataset")
+        errors.append(
+            f"dataset={hub[0]!r} with model={builtin[0]!r}: a hub task is tokenized by its model "
+            f"family's tokenizer, and {builtin[0]!r} is built in the run for the synthetic tasks "
+            f"(goal_walk, star_graph); use a hub family (e.g. model=gpt2) or a synthetic dataset"
+        )
     return errors
 
 
@@ -145,7 +155,9 @@ def _dataset_task(cfg: DictConfig, name: str) -> str:
 
 
 def hub_offline() -> bool:
-    return any(os.environ.get(v, "").lower() in _TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(
+        os.environ.get(v, "").lower() in _TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def hub_reachable(timeout_s: float = HUB_PROBE_S) -> bool:
@@ -192,8 +204,10 @@ def _offline_model_errors(families: list[tuple[str, str, Any]]) -> list[str]:
         except Exception:  # noqa: BLE001 - a malformed id is not in any cache
             cached = False
         if not cached:
-            errors.append(f"{key}={repo!r}: not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
-                          f"{why}; download it first (huggingface-cli download {repo}) or set {key} to a local folder")
+            errors.append(
+                f"{key}={repo!r}: not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                f"{why}; download it first (huggingface-cli download {repo}) or set {key} to a local folder"
+            )
     if not errors and not offline:
         os.environ["HF_HUB_OFFLINE"] = "1"  # workers inherit it: no minutes of retries each
     return errors
@@ -209,17 +223,23 @@ def output_dir_errors(target: Path, key: str = "hydra.run.dir") -> list[str]:
     while not anchor.exists() and anchor != anchor.parent:
         anchor = anchor.parent
     if not anchor.is_dir():
-        return [f"{key}={str(target)!r}: {anchor} is a file, not a folder; run from another folder or set {key}"]
+        return [
+            f"{key}={str(target)!r}: {anchor} is a file, not a folder; run from another folder or set {key}"
+        ]
     try:
         fd, probe = tempfile.mkstemp(dir=anchor, prefix=".pita-write-test-")
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        return [f"{key}={str(target)!r}: cannot write in {anchor} ({exc.strerror}); run from a writable folder "
-                f"or set {key}=<writable folder>"]
+        return [
+            f"{key}={str(target)!r}: cannot write in {anchor} ({exc.strerror}); run from a writable folder "
+            f"or set {key}=<writable folder>"
+        ]
     free_mb = shutil.disk_usage(anchor).free // 2**20
     if free_mb < MIN_FREE_MB:
-        return [f"{key}={str(target)!r}: only {free_mb} MB free in {anchor}; at least {MIN_FREE_MB} MB needed"]
+        return [
+            f"{key}={str(target)!r}: only {free_mb} MB free in {anchor}; at least {MIN_FREE_MB} MB needed"
+        ]
     return []
 
 

@@ -22,8 +22,20 @@ from pita.core.paths import Artifact, RunPaths, atomic_write_text
 
 log = logging.getLogger("pita.report")
 
-COLUMNS = ["algo", "dataset", "family", "round", "eta", "n_prompts", "samples", "pass@1", "maj@k", "avg_reward",
-           "kl", "wall_s"]
+COLUMNS = [
+    "algo",
+    "dataset",
+    "family",
+    "round",
+    "eta",
+    "n_prompts",
+    "samples",
+    "pass@1",
+    "maj@k",
+    "avg_reward",
+    "kl",
+    "wall_s",
+]
 ALGO_ORDER = list(ALGO_NAMES)  # the registry table's order
 
 
@@ -41,13 +53,23 @@ def collect_rows(plan: Plan, run_dir: Path) -> list[dict]:
         metrics = paths.task(t.id).final / Artifact.METRICS
         if not metrics.is_file():
             continue
-        chain_wall = sum(w for tid, w in walls.items()
-                         if plan.tasks[tid].chain == t.chain and plan.tasks[tid].round <= t.round)
+        chain_wall = sum(
+            w
+            for tid, w in walls.items()
+            if plan.tasks[tid].chain == t.chain and plan.tasks[tid].round <= t.round
+        )
         for row in json.loads(metrics.read_text()):
             row["wall_s"] = round(chain_wall, 1)
             rows.append(row)
-    rows.sort(key=lambda r: (r["dataset"], r["family"], ALGO_ORDER.index(r["algo"]) if r["algo"] in ALGO_ORDER
-                             else 99, r["round"], -1 if r["eta"] is None else r["eta"]))
+    rows.sort(
+        key=lambda r: (
+            r["dataset"],
+            r["family"],
+            ALGO_ORDER.index(r["algo"]) if r["algo"] in ALGO_ORDER else 99,
+            r["round"],
+            -1 if r["eta"] is None else r["eta"],
+        )
+    )
     return rows
 
 
@@ -55,7 +77,9 @@ def _fmt(value) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        return "nan" if math.isnan(value) else f"{value:.4g}" if abs(value) < 1000 else f"{value:.1f}"
+        return (
+            "nan" if math.isnan(value) else f"{value:.4g}" if abs(value) < 1000 else f"{value:.1f}"
+        )
     return str(value)
 
 
@@ -81,10 +105,18 @@ def plot_accuracy(rows: list[dict], path: Path) -> None:
             labels.append(f"{r['algo']} r{r['round']}{eta}")
             values.append(r["pass@1"])
             kls.append(r["kl"])
-        bars = ax.bar(range(len(values)), values, color=[f"C{ALGO_ORDER.index(r['algo']) % 10}" for r in sub])
+        bars = ax.bar(
+            range(len(values)), values, color=[f"C{ALGO_ORDER.index(r['algo']) % 10}" for r in sub]
+        )
         for bar, kl in zip(bars, kls):
-            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height() + 0.01, f"KL {_fmt(kl)}", ha="center",
-                    fontsize=6, rotation=90)
+            ax.text(
+                bar.get_x() + bar.get_width() / 2,
+                bar.get_height() + 0.01,
+                f"KL {_fmt(kl)}",
+                ha="center",
+                fontsize=6,
+                rotation=90,
+            )
         ax.set_xticks(range(len(labels)), labels, rotation=75, fontsize=7)
         ax.set_ylim(0, 1.15)
         ax.set_ylabel("pass@1")
@@ -110,9 +142,18 @@ def plot_gpu_memory(monitor_file: Path, path: Path) -> None:
     for dev in sorted({s["device"] for s in samples}):
         pts = [s for s in samples if s["device"] == dev]
         cpu = pts[0]["kind"] == "cpu"
-        ys = [(s["worker_rss_mb"] if cpu else s["reserved_mb"] or (s["total_mb"] - (s["free_mb"] or s["total_mb"])))
-              / 1024 for s in pts]
-        ax.plot([s["ts"] - t0 for s in pts], ys, marker=".", label=f"{'CPU' if cpu else 'GPU'} {dev}")
+        ys = [
+            (
+                s["worker_rss_mb"]
+                if cpu
+                else s["reserved_mb"] or (s["total_mb"] - (s["free_mb"] or s["total_mb"]))
+            )
+            / 1024
+            for s in pts
+        ]
+        ax.plot(
+            [s["ts"] - t0 for s in pts], ys, marker=".", label=f"{'CPU' if cpu else 'GPU'} {dev}"
+        )
     ax.set_xlabel("seconds")
     ax.set_ylabel("GB (worker RSS on CPU, reserved on GPU)")
     ax.legend(fontsize=7)
@@ -142,8 +183,11 @@ def write_report(cfg, plan: Plan, run_dir: Path) -> list[dict]:
     from pita.experiment.aggregate import plot_frontier
 
     for dataset in sorted({r["dataset"] for r in rows}):  # reward–KL / pass@1–KL across η
-        plot_frontier([r for r in rows if r["dataset"] == dataset], paths.plots / f"frontier_{dataset}.png",
-                      title=f"{dataset} ({run_dir.name})")
+        plot_frontier(
+            [r for r in rows if r["dataset"] == dataset],
+            paths.plots / f"frontier_{dataset}.png",
+            title=f"{dataset} ({run_dir.name})",
+        )
     log_results(cfg, rows, run_dir)
     log.info("Results (%s):\n%s", paths.results / "summary.csv", table)
     return rows
@@ -163,7 +207,13 @@ def log_results(cfg, rows: list[dict], run_dir: Path) -> None:
     try:
         for r in rows:
             eta = "" if r.get("eta") is None else f"/eta={_fmt(r['eta'])}"
-            tracker.log({f"results/{r['dataset']}/{r['family']}/{r['algo']}{eta}/{m}": r[m]
-                         for m in RESULT_METRICS if isinstance(r.get(m), (int, float))}, int(r["round"]))
+            tracker.log(
+                {
+                    f"results/{r['dataset']}/{r['family']}/{r['algo']}{eta}/{m}": r[m]
+                    for m in RESULT_METRICS
+                    if isinstance(r.get(m), (int, float))
+                },
+                int(r["round"]),
+            )
     finally:
         tracker.close()

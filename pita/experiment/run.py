@@ -45,7 +45,9 @@ def make_gpu_manager(cfg: DictConfig) -> GPUManager:
     spec = cfg.system.devices
     if cfg.system.gpu_mode == "cpu":
         spec = "cpu"
-    gpu = GPUManager(spec, cpu_workers=cfg.executor.cpu_workers, threads_per_worker=cfg.system.threads_per_worker)
+    gpu = GPUManager(
+        spec, cpu_workers=cfg.executor.cpu_workers, threads_per_worker=cfg.system.threads_per_worker
+    )
     if cfg.system.gpu_mode == "single_gpu" and gpu.is_gpu:
         gpu.devices = gpu.devices[:1]
     return gpu
@@ -82,23 +84,33 @@ def make_scheduler(cfg: DictConfig, gpu: GPUManager) -> Scheduler:
 
 
 def build_plan(cfg: DictConfig, gpu: GPUManager) -> Plan:
-    return plan_experiment(cfg, len(gpu.devices), device_mb=[d.total_mb for d in gpu.devices],
-                           distribute=ParallelDataGenerator(gpu).shard_fractions)
+    return plan_experiment(
+        cfg,
+        len(gpu.devices),
+        device_mb=[d.total_mb for d in gpu.devices],
+        distribute=ParallelDataGenerator(gpu).shard_fractions,
+    )
 
 
 def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
     scheduler = make_scheduler(cfg, gpu)
     placement, makespan = simulate(plan, scheduler)
-    print(f"Plan: {len(plan.tasks)} tasks on {len(gpu.devices)} device(s) "
-          f"({gpu.kind}, up to {scheduler.max_tasks} task(s) per device while memory allows); "
-          f"dry run, nothing started.")
+    print(
+        f"Plan: {len(plan.tasks)} tasks on {len(gpu.devices)} device(s) "
+        f"({gpu.kind}, up to {scheduler.max_tasks} task(s) per device while memory allows); "
+        f"dry run, nothing started."
+    )
     for line in gpu.describe():
         print("  " + line)
-    print(f"{'task':58s} {'device':9s} {'mem GB':>7s} {'prio':>6s}  {'estimate from':40s} depends on")
+    print(
+        f"{'task':58s} {'device':9s} {'mem GB':>7s} {'prio':>6s}  {'estimate from':40s} depends on"
+    )
     for t in plan.tasks.values():
         devs = "+".join(str(d) for d in placement.get(t.id, [])) or "-"
         deps = ", ".join(t.deps) if len(t.deps) <= 2 else f"{t.deps[0]} (+{len(t.deps) - 1})"
-        print(f"{t.id:58s} {devs:9s} {t.mem_mb / 1024:7.2f} {t.priority:6.1f}  {t.mem_source[:40]:40s} {deps}")
+        print(
+            f"{t.id:58s} {devs:9s} {t.mem_mb / 1024:7.2f} {t.priority:6.1f}  {t.mem_source[:40]:40s} {deps}"
+        )
     print(f"Estimated makespan: {makespan:.1f} work units (critical path first).")
 
 
@@ -107,8 +119,10 @@ def check_plan_fits(plan: Plan, gpu: GPUManager, cfg: DictConfig) -> None:
     try:
         check_resources(plan, len(gpu.devices), [d.total_mb for d in gpu.devices])
     except ConfigError as exc:
-        raise ConfigError(f"system.devices={cfg.system.devices!r} on resume ({len(gpu.devices)} device(s)): "
-                          f"{exc.messages[0]}") from None
+        raise ConfigError(
+            f"system.devices={cfg.system.devices!r} on resume ({len(gpu.devices)} device(s)): "
+            f"{exc.messages[0]}"
+        ) from None
 
 
 def warn_stage_overrides(cfg: DictConfig) -> None:
@@ -117,8 +131,13 @@ def warn_stage_overrides(cfg: DictConfig) -> None:
     itself only locates the module, without importing it or its packages)."""
     for algo, stages in (cfg.executor.stage_overrides or {}).items():
         for stage, target in stages.items():
-            log.warning("executor.stage_overrides.%s.%s=%s: config is code, workers will import and run "
-                        "this function instead of the registered stage", algo, stage, target)
+            log.warning(
+                "executor.stage_overrides.%s.%s=%s: config is code, workers will import and run "
+                "this function instead of the registered stage",
+                algo,
+                stage,
+                target,
+            )
 
 
 def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
@@ -143,13 +162,22 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
         return _run_locked(cfg, run_dir, paths, gpu, plan, resumed, absolutized)
 
 
-def _run_locked(cfg: DictConfig, run_dir: Path, paths: RunPaths, gpu: GPUManager, plan: Plan,
-                resumed: bool, absolutized: list[str]) -> int:
+def _run_locked(
+    cfg: DictConfig,
+    run_dir: Path,
+    paths: RunPaths,
+    gpu: GPUManager,
+    plan: Plan,
+    resumed: bool,
+    absolutized: list[str],
+) -> int:
     if resumed:
         remove_stale_tmp(run_dir)
     else:
         atomic_write_json(paths.plan, plan.to_json())
-        if absolutized or not paths.saved_config.exists():  # Hydra writes it; tests get it here; resume
+        if (
+            absolutized or not paths.saved_config.exists()
+        ):  # Hydra writes it; tests get it here; resume
             paths.saved_config.parent.mkdir(parents=True, exist_ok=True)
             paths.saved_config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
     from pita.experiment import run_info
@@ -157,13 +185,20 @@ def _run_locked(cfg: DictConfig, run_dir: Path, paths: RunPaths, gpu: GPUManager
     run_info.write(run_dir, gpu, resumed=resumed)  # git commit, packages, devices, command
     done = completed_tasks(plan, run_dir) if resumed else set()
     journal = Journal(paths.journal)
-    journal.append("run_resumed" if resumed else "run_started", tasks=len(plan.tasks), already_done=len(done))
+    journal.append(
+        "run_resumed" if resumed else "run_started", tasks=len(plan.tasks), already_done=len(done)
+    )
     log.info("Run folder: %s", run_dir)
     warn_stage_overrides(cfg)
     log.info("Devices (%s): %d", gpu.kind, len(gpu.devices))
     for line in gpu.describe():
         log.info("  %s", line)
-    log.info("Plan: %d tasks, %d already done%s", len(plan.tasks), len(done), " (resumed)" if resumed else "")
+    log.info(
+        "Plan: %d tasks, %d already done%s",
+        len(plan.tasks),
+        len(done),
+        " (resumed)" if resumed else "",
+    )
 
     from pita.core.monitor import Monitor
     from pita.core.progress import Progress
@@ -172,19 +207,42 @@ def _run_locked(cfg: DictConfig, run_dir: Path, paths: RunPaths, gpu: GPUManager
     executor = make_executor(cfg, gpu, run_dir)
     executor.warm_up([(d.index,) for d in gpu.devices][: len(plan.tasks) - len(done)])
     scheduler = make_scheduler(cfg, gpu)
-    monitor = Monitor(gpu, executor, paths.gpu_monitor, cfg.executor.monitor_interval_s,
-                      reservations=lambda: [sum(d.running.values()) for d in scheduler.devices]).start()
-    progress = Progress(len(plan.tasks), [d.label for d in gpu.devices], len(done), worker_info=executor.workers,
-                        live=None if cfg.executor.progress else False)
+    monitor = Monitor(
+        gpu,
+        executor,
+        paths.gpu_monitor,
+        cfg.executor.monitor_interval_s,
+        reservations=lambda: [sum(d.running.values()) for d in scheduler.devices],
+    ).start()
+    progress = Progress(
+        len(plan.tasks),
+        [d.label for d in gpu.devices],
+        len(done),
+        worker_info=executor.workers,
+        live=None if cfg.executor.progress else False,
+    )
     from pita.experiment.estimates import PeakEstimator, peaks_cache_path
 
     estimator = PeakEstimator(cfg, peaks_cache_path() if gpu.kind == "cuda" else None)
     estimator.learn_from_run(run_dir, plan.tasks, done)
-    runner = DagRunner(plan, executor, scheduler, cfg_dict=cfg_dict, run_dir=str(run_dir), journal=journal,
-                       max_retries=cfg.executor.max_retries, already_done=done, on_event=progress.event,
-                       refresh_memory=lambda: _measured_memory(gpu, executor), estimator=estimator)
-    log.info("Packing: up to %d task(s) per device while their memory estimates fit (executor.max_tasks_per_gpu=%s)",
-             scheduler.max_tasks, cfg.executor.max_tasks_per_gpu)
+    runner = DagRunner(
+        plan,
+        executor,
+        scheduler,
+        cfg_dict=cfg_dict,
+        run_dir=str(run_dir),
+        journal=journal,
+        max_retries=cfg.executor.max_retries,
+        already_done=done,
+        on_event=progress.event,
+        refresh_memory=lambda: _measured_memory(gpu, executor),
+        estimator=estimator,
+    )
+    log.info(
+        "Packing: up to %d task(s) per device while their memory estimates fit (executor.max_tasks_per_gpu=%s)",
+        scheduler.max_tasks,
+        cfg.executor.max_tasks_per_gpu,
+    )
     interrupted = False
     lost: str | None = None
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -195,7 +253,9 @@ def _run_locked(cfg: DictConfig, run_dir: Path, paths: RunPaths, gpu: GPUManager
     except KeyboardInterrupt:
         interrupted = True
         summary = runner.summary
-    except ExecutorBroken as exc:  # a pool thread stopped: fail now, loudly, rather than wait forever
+    except (
+        ExecutorBroken
+    ) as exc:  # a pool thread stopped: fail now, loudly, rather than wait forever
         lost = str(exc)
         summary = runner.summary
     finally:
@@ -208,30 +268,50 @@ def _run_locked(cfg: DictConfig, run_dir: Path, paths: RunPaths, gpu: GPUManager
                 pass
         executor.shutdown(kill=interrupted or lost is not None)
     if lost is not None:
-        journal.append("run_failed", reason=lost, done=len(runner.done), wall_s=round(time.time() - t0, 2))
+        journal.append(
+            "run_failed", reason=lost, done=len(runner.done), wall_s=round(time.time() - t0, 2)
+        )
         journal.close()
-        log.error("Run stopped: %s. Finished tasks are kept; resume with:\n"
-                  "  python run_parallel.py resume_from=%s", lost, run_dir)
+        log.error(
+            "Run stopped: %s. Finished tasks are kept; resume with:\n"
+            "  python run_parallel.py resume_from=%s",
+            lost,
+            run_dir,
+        )
         return EXIT_FAILED
-    journal.append("run_interrupted" if interrupted else "run_finished", done=len(runner.done),
-                   failed=len(summary.failed), skipped=len(summary.skipped), wall_s=round(time.time() - t0, 2))
+    journal.append(
+        "run_interrupted" if interrupted else "run_finished",
+        done=len(runner.done),
+        failed=len(summary.failed),
+        skipped=len(summary.skipped),
+        wall_s=round(time.time() - t0, 2),
+    )
     journal.close()
     if interrupted:
-        log.warning("Interrupted: workers stopped, journal flushed. Resume with:\n"
-                    "  python run_parallel.py resume_from=%s", run_dir)
+        log.warning(
+            "Interrupted: workers stopped, journal flushed. Resume with:\n"
+            "  python run_parallel.py resume_from=%s",
+            run_dir,
+        )
         return EXIT_INTERRUPTED
 
     _report(cfg, plan, run_dir)
     if summary.failed or summary.skipped:
-        log.error("%d task(s) failed, %d skipped because a dependency failed:", len(summary.failed),
-                  len(summary.skipped))
+        log.error(
+            "%d task(s) failed, %d skipped because a dependency failed:",
+            len(summary.failed),
+            len(summary.skipped),
+        )
         for tid, why in summary.failed.items():
             log.error("  %s: %s", tid, why)
             tail = TaskPaths(run_dir, tid).failed(runner.attempts.get(tid, 1)) / Artifact.LOG
             if tail.is_file():
                 lines = tail.read_text(errors="replace").splitlines()
                 log.error("    log: %s (last line: %s)", tail, lines[-1] if lines else "")
-        log.error("Fix the cause, then finish the run with: python run_parallel.py resume_from=%s", run_dir)
+        log.error(
+            "Fix the cause, then finish the run with: python run_parallel.py resume_from=%s",
+            run_dir,
+        )
         return EXIT_FAILED
     log.info("All %d tasks done in %.1fs.", len(plan.tasks), time.time() - t0)
     return EXIT_OK
@@ -240,7 +320,10 @@ def _run_locked(cfg: DictConfig, run_dir: Path, paths: RunPaths, gpu: GPUManager
 def _measured_memory(gpu: GPUManager, executor) -> list[tuple[int, int]]:
     """Per device: NVML free MB, and MB held by this run's worker processes."""
     ours = set(executor.worker_pids())
-    return [(d.free_mb, sum(p["used_mb"] for p in d.processes if p["pid"] in ours)) for d in gpu.refresh()]
+    return [
+        (d.free_mb, sum(p["used_mb"] for p in d.processes if p["pid"] in ours))
+        for d in gpu.refresh()
+    ]
 
 
 def _raise_interrupt(signum, frame):  # SIGTERM behaves like Ctrl-C: stop, flush, exit 130

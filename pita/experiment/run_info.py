@@ -21,11 +21,34 @@ from typing import Any
 
 from pita.core.paths import RunPaths, atomic_write_json
 
-PACKAGES = ("pita", "torch", "transformers", "trl", "accelerate", "datasets", "tokenizers", "safetensors",
-            "hydra-core", "omegaconf", "nvidia-ml-py", "ray", "tensorboard", "wandb", "mlflow", "math-verify",
-            "hydra-submitit-launcher", "numpy")
-ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_NODELIST",
-            "SLURM_RESTART_COUNT")
+PACKAGES = (
+    "pita",
+    "torch",
+    "transformers",
+    "trl",
+    "accelerate",
+    "datasets",
+    "tokenizers",
+    "safetensors",
+    "hydra-core",
+    "omegaconf",
+    "nvidia-ml-py",
+    "ray",
+    "tensorboard",
+    "wandb",
+    "mlflow",
+    "math-verify",
+    "hydra-submitit-launcher",
+    "numpy",
+)
+ENV_KEYS = (
+    "CUDA_VISIBLE_DEVICES",
+    "SLURM_JOB_ID",
+    "SLURM_ARRAY_JOB_ID",
+    "SLURM_ARRAY_TASK_ID",
+    "SLURM_NODELIST",
+    "SLURM_RESTART_COUNT",
+)
 
 
 def git_state(source: Path | None = None) -> dict[str, Any]:
@@ -36,7 +59,9 @@ def git_state(source: Path | None = None) -> dict[str, Any]:
 
     def git(*args: str) -> str | None:
         try:
-            out = subprocess.run(["git", "-C", str(source), *args], capture_output=True, text=True, timeout=10)
+            out = subprocess.run(
+                ["git", "-C", str(source), *args], capture_output=True, text=True, timeout=10
+            )
         except (OSError, subprocess.SubprocessError):
             return None
         return out.stdout.strip() if out.returncode == 0 else None
@@ -45,8 +70,12 @@ def git_state(source: Path | None = None) -> dict[str, Any]:
     if commit is None:
         return {}
     status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": commit, "dirty": bool(status), "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
-            "source": str(source)}
+    return {
+        "commit": commit,
+        "dirty": bool(status),
+        "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
+        "source": str(source),
+    }
 
 
 def package_versions() -> dict[str, str]:
@@ -80,7 +109,11 @@ def collect(gpu: Any = None, argv: list[str] | None = None) -> dict[str, Any]:
         "env": {k: os.environ[k] for k in ENV_KEYS if k in os.environ},
     }
     if gpu is not None:
-        info["devices"] = {"kind": gpu.kind, "count": len(gpu.devices), "inventory": list(gpu.describe())}
+        info["devices"] = {
+            "kind": gpu.kind,
+            "count": len(gpu.devices),
+            "inventory": list(gpu.describe()),
+        }
     return info
 
 

@@ -145,8 +145,14 @@ def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
     return tok.clamp_(max=probs.shape[-1] - 1)
 
 
-def rule_scores(logits: torch.Tensor, offsets: torch.Tensor | None = None, *, temperature: float = 1.0,
-                top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+def rule_scores(
+    logits: torch.Tensor,
+    offsets: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> torch.Tensor:
     """Raw logits [..., V] -> the scores the sampling rule draws from (steps 1-4 of the
     module docstring: top-k candidates, offsets, temperature, nucleus); -inf off the support."""
     scores = logits
@@ -404,8 +410,12 @@ def sequence_logprobs(
                 ).logits[:, -(r_max + 1) : -1]
                 for b, i in enumerate(idx):  # fp32 log-softmax one row at a time: bounded memory
                     length = len(responses[i])
-                    row = rule_scores(logits[b, :length].float(), temperature=temperature, top_k=top_k,
-                                      top_p=top_p).log_softmax(dim=-1)
+                    row = rule_scores(
+                        logits[b, :length].float(),
+                        temperature=temperature,
+                        top_k=top_k,
+                        top_p=top_p,
+                    ).log_softmax(dim=-1)
                     result[i] = row.gather(-1, resp_ids[b, :length, None]).squeeze(-1).tolist()
                 del logits
     finally:

@@ -39,8 +39,18 @@ log = logging.getLogger(__name__)
 GiB = 2**30
 
 # Bytes per parameter by dtype name (weights only; quantized formats keep a few tensors wider).
-BYTES_PER_PARAM = {"float32": 4.0, "fp32": 4.0, "bfloat16": 2.0, "bf16": 2.0, "float16": 2.0, "fp16": 2.0,
-                   "8bit": 1.0, "int8": 1.0, "4bit": 0.5, "int4": 0.5}
+BYTES_PER_PARAM = {
+    "float32": 4.0,
+    "fp32": 4.0,
+    "bfloat16": 2.0,
+    "bf16": 2.0,
+    "float16": 2.0,
+    "fp16": 2.0,
+    "8bit": 1.0,
+    "int8": 1.0,
+    "4bit": 0.5,
+    "int4": 0.5,
+}
 
 
 # --- arithmetic ------------------------------------------------------------------------------
@@ -52,12 +62,16 @@ def _gib(n_bytes: float) -> str:
     return f"{hundredths // 100}GiB" if hundredths % 100 == 0 else f"{hundredths / 100:.2f}GiB"
 
 
-def max_memory_for_gang(free_bytes_per_device: Sequence[int], reserve_fraction: float = 0.1) -> dict[int, str]:
+def max_memory_for_gang(
+    free_bytes_per_device: Sequence[int], reserve_fraction: float = 0.1
+) -> dict[int, str]:
     """`{0: "64.8GiB", 1: "70.2GiB", ...}`: what accelerate may put on each gang device,
     its free memory minus `reserve_fraction` (activations, CUDA context, fragmentation)."""
     if not 0 <= reserve_fraction < 1:
         raise ValueError(f"reserve_fraction={reserve_fraction}: must be in [0, 1)")
-    return {i: _gib(max(0, b) * (1 - reserve_fraction)) for i, b in enumerate(free_bytes_per_device)}
+    return {
+        i: _gib(max(0, b) * (1 - reserve_fraction)) for i, b in enumerate(free_bytes_per_device)
+    }
 
 
 def model_bytes(num_params: float, dtype: str = "bfloat16") -> int:
@@ -68,7 +82,9 @@ def model_bytes(num_params: float, dtype: str = "bfloat16") -> int:
     return int(num_params * BYTES_PER_PARAM[key])
 
 
-def gpus_needed(model_bytes: float, device_bytes: int | Sequence[int], overhead: float = 1.2) -> int:
+def gpus_needed(
+    model_bytes: float, device_bytes: int | Sequence[int], overhead: float = 1.2
+) -> int:
     """The fewest GPUs whose memory holds `model_bytes × overhead`.
 
     `device_bytes`: one GPU's memory (all alike) or each GPU's free memory (the largest are
@@ -84,9 +100,11 @@ def gpus_needed(model_bytes: float, device_bytes: int | Sequence[int], overhead:
         total += b
         if total >= need:
             return k
-    raise ValueError(f"a model of {model_bytes / GiB:.1f} GiB (x{overhead} overhead = {need / GiB:.1f} GiB) does not "
-                     f"fit on all {len(device_bytes)} GPUs together ({total / GiB:.1f} GiB free); use a quantized "
-                     "alias (-8bit / -4bit) or more GPUs")
+    raise ValueError(
+        f"a model of {model_bytes / GiB:.1f} GiB (x{overhead} overhead = {need / GiB:.1f} GiB) does not "
+        f"fit on all {len(device_bytes)} GPUs together ({total / GiB:.1f} GiB free); use a quantized "
+        "alias (-8bit / -4bit) or more GPUs"
+    )
 
 
 @dataclass
@@ -94,7 +112,9 @@ class GangPlacement:
     """Where each model of a stage goes on its gang."""
 
     devices: dict[str, int | str]  # name -> gang-local GPU index, or "auto" (sharded)
-    auto_max_memory: dict[str, dict[int, str]] = field(default_factory=dict)  # for each "auto" model
+    auto_max_memory: dict[str, dict[int, str]] = field(
+        default_factory=dict
+    )  # for each "auto" model
     free_after: list[int] = field(default_factory=list)
 
     def log_lines(self) -> list[str]:
@@ -108,8 +128,9 @@ class GangPlacement:
         return lines
 
 
-def plan_gang_placement(models: Sequence[tuple[str, int]], free_bytes: Sequence[int],
-                        headroom: float = 1.1) -> GangPlacement:
+def plan_gang_placement(
+    models: Sequence[tuple[str, int]], free_bytes: Sequence[int], headroom: float = 1.1
+) -> GangPlacement:
     """`place_models_on_gang` with the details: each sharded model's `max_memory` (its share
     of every device in proportion to the device's free memory, × `headroom`, capped at what
     is free) and the free memory left on each device."""
@@ -130,7 +151,8 @@ def plan_gang_placement(models: Sequence[tuple[str, int]], free_bytes: Sequence[
         if size > total:
             raise ValueError(
                 f"model {name!r} needs {size / GiB:.1f} GiB but the gang has {total / GiB:.1f} GiB free "
-                f"over {len(free)} GPU(s); raise model.gpus_per_task or use a quantized alias (-8bit / -4bit)")
+                f"over {len(free)} GPU(s); raise model.gpus_per_task or use a quantized alias (-8bit / -4bit)"
+            )
         shares = [min(f, math.ceil(size * f / total * headroom)) for f in free]
         placement.devices[name] = "auto"
         placement.auto_max_memory[name] = {i: _gib(s) for i, s in enumerate(shares) if s > 0}
@@ -140,7 +162,9 @@ def plan_gang_placement(models: Sequence[tuple[str, int]], free_bytes: Sequence[
     return placement
 
 
-def place_models_on_gang(models: Sequence[tuple[str, int]], free_bytes: Sequence[int]) -> dict[str, int | str]:
+def place_models_on_gang(
+    models: Sequence[tuple[str, int]], free_bytes: Sequence[int]
+) -> dict[str, int | str]:
     """`{name: gpu index | "auto"}` for the models (name, bytes) of one stage.
 
     Largest first, each to the GPU with the most free memory left; a model larger than any
@@ -153,8 +177,9 @@ def place_models_on_gang(models: Sequence[tuple[str, int]], free_bytes: Sequence
 # --- device maps from configs ----------------------------------------------------------------
 
 
-def layer_distribution(device_map: Mapping[str, Any], num_layers: int | None = None,
-                       layers_prefix: str | None = None) -> dict[Any, int]:
+def layer_distribution(
+    device_map: Mapping[str, Any], num_layers: int | None = None, layers_prefix: str | None = None
+) -> dict[Any, int]:
     """`{device: number of transformer blocks}` of a device map.
 
     With `num_layers` and `layers_prefix` (e.g. "model.layers") every block is resolved
@@ -179,7 +204,10 @@ def layer_distribution(device_map: Mapping[str, Any], num_layers: int | None = N
 
 def _ordered(counts: dict[Any, int]) -> dict[Any, int]:
     gpus = sorted(k for k in counts if isinstance(k, int))
-    return {**{k: counts[k] for k in gpus}, **{k: v for k, v in counts.items() if not isinstance(k, int)}}
+    return {
+        **{k: counts[k] for k in gpus},
+        **{k: v for k, v in counts.items() if not isinstance(k, int)},
+    }
 
 
 def _device_label(dev: Any) -> str:
@@ -190,7 +218,9 @@ def _device_label(dev: Any) -> str:
 
 def layer_distribution_line(distribution: Mapping[Any, int]) -> str:
     """`Layer distribution: GPU 0: 16 layers, GPU 1: 16 layers` (for run.log / the task log)."""
-    parts = [f"{_device_label(d)}: {n} layer{'s' if n != 1 else ''}" for d, n in distribution.items()]
+    parts = [
+        f"{_device_label(d)}: {n} layer{'s' if n != 1 else ''}" for d, n in distribution.items()
+    ]
     return "Layer distribution: " + ", ".join(parts)
 
 
@@ -214,8 +244,10 @@ class DevicePlacement:
         for dev, n_bytes in self.bytes_per_device.items():
             budget = self.max_memory.get(dev)
             of = f" of {budget / GiB:.2f} GiB allowed" if budget else ""
-            lines.append(f"{_device_label(dev)}: {self.layers.get(dev, 0)} layers, "
-                         f"{n_bytes / GiB:.2f} GiB of weights{of}")
+            lines.append(
+                f"{_device_label(dev)}: {self.layers.get(dev, 0)} layers, "
+                f"{n_bytes / GiB:.2f} GiB of weights{of}"
+            )
         return lines
 
 
@@ -254,12 +286,18 @@ def _empty_model(model_name_or_config: Any, trust_remote_code: bool, dtype: Any)
     if not isinstance(config, PretrainedConfig):
         from pita.models.loading import _from_pretrained
 
-        config = _from_pretrained(AutoConfig, "config of", str(model_name_or_config),
-                                  trust_remote_code=trust_remote_code)
+        config = _from_pretrained(
+            AutoConfig, "config of", str(model_name_or_config), trust_remote_code=trust_remote_code
+        )
     archs = getattr(config, "architectures", None) or []
-    auto_cls = AutoModelForSequenceClassification if any("SequenceClassification" in a for a in archs) \
+    auto_cls = (
+        AutoModelForSequenceClassification
+        if any("SequenceClassification" in a for a in archs)
         else AutoModelForCausalLM
-    build_dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float16
+    )
+    build_dtype = (
+        dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float16
+    )
     with init_empty_weights():
         model = auto_cls.from_config(config, dtype=build_dtype, trust_remote_code=trust_remote_code)
     model.tie_weights()  # from_config on meta leaves tied embeddings untied: count them once
@@ -279,9 +317,16 @@ def _blocks(model: Any, no_split: Sequence[str]) -> tuple[str | None, int]:
     return best
 
 
-def infer_placement(model_name_or_config: Any, max_memory: Mapping[Any, Any], dtype: Any = "bfloat16",
-                    no_split_module_classes: Sequence[str] | None = None, *, balanced: bool = True,
-                    allow_offload: bool = False, trust_remote_code: bool = False) -> DevicePlacement:
+def infer_placement(
+    model_name_or_config: Any,
+    max_memory: Mapping[Any, Any],
+    dtype: Any = "bfloat16",
+    no_split_module_classes: Sequence[str] | None = None,
+    *,
+    balanced: bool = True,
+    allow_offload: bool = False,
+    trust_remote_code: bool = False,
+) -> DevicePlacement:
     """The device map of a model over `max_memory` ({gpu index: "40GiB", ...}; integer ids
     work without CUDA: only sizes are computed), with its layer and byte distribution.
 
@@ -296,9 +341,15 @@ def infer_placement(model_name_or_config: Any, max_memory: Mapping[Any, Any], dt
 
     torch_dtype = _torch_dtype(dtype)
     model = _empty_model(model_name_or_config, trust_remote_code, torch_dtype)
-    no_split = list(no_split_module_classes if no_split_module_classes is not None
-                    else (getattr(model, "_no_split_modules", None) or []))
-    budget = {k: convert_file_size_to_int(v) if isinstance(v, str) else int(v) for k, v in max_memory.items()}
+    no_split = list(
+        no_split_module_classes
+        if no_split_module_classes is not None
+        else (getattr(model, "_no_split_modules", None) or [])
+    )
+    budget = {
+        k: convert_file_size_to_int(v) if isinstance(v, str) else int(v)
+        for k, v in max_memory.items()
+    }
     if not budget:
         raise ValueError("max_memory is empty: give at least one device")
     accel_log = logging.getLogger("accelerate.utils.modeling")
@@ -307,10 +358,18 @@ def infer_placement(model_name_or_config: Any, max_memory: Mapping[Any, Any], dt
     try:
         per_device = dict(budget)
         if balanced and sum(1 for k in budget if isinstance(k, int)) > 1:
-            per_device = get_balanced_memory(model, max_memory=budget, no_split_module_classes=no_split,
-                                             dtype=torch_dtype, low_zero=False)
-        device_map = dict(infer_auto_device_map(model, max_memory=per_device, no_split_module_classes=no_split,
-                                                dtype=torch_dtype))
+            per_device = get_balanced_memory(
+                model,
+                max_memory=budget,
+                no_split_module_classes=no_split,
+                dtype=torch_dtype,
+                low_zero=False,
+            )
+        device_map = dict(
+            infer_auto_device_map(
+                model, max_memory=per_device, no_split_module_classes=no_split, dtype=torch_dtype
+            )
+        )
     finally:
         accel_log.setLevel(quiet)
     offloaded = sorted({str(d) for d in device_map.values() if not isinstance(d, int)})
@@ -321,23 +380,43 @@ def infer_placement(model_name_or_config: Any, max_memory: Mapping[Any, Any], dt
             f"the model ({total / GiB:.1f} GiB in {dtype}) does not fit in max_memory "
             f"({', '.join(f'{k}: {v / GiB:.1f} GiB' for k, v in budget.items())}): part would go to "
             f"{' and '.join(offloaded)}; raise model.gpus_per_task, use a quantized alias (-8bit / -4bit) "
-            "or pass allow_offload=True")
+            "or pass allow_offload=True"
+        )
     bytes_per_device: dict[Any, int] = {}
     for key, dev in device_map.items():
         bytes_per_device[dev] = bytes_per_device.get(dev, 0) + int(sizes.get(key, 0))
     prefix, n_layers = _blocks(model, no_split)
-    layers = layer_distribution(device_map, n_layers, prefix) if prefix is not None else layer_distribution(device_map)
-    return DevicePlacement(device_map=device_map, layers=layers, bytes_per_device=_ordered(bytes_per_device),
-                           max_memory=budget, num_layers=n_layers, total_bytes=total)
+    layers = (
+        layer_distribution(device_map, n_layers, prefix)
+        if prefix is not None
+        else layer_distribution(device_map)
+    )
+    return DevicePlacement(
+        device_map=device_map,
+        layers=layers,
+        bytes_per_device=_ordered(bytes_per_device),
+        max_memory=budget,
+        num_layers=n_layers,
+        total_bytes=total,
+    )
 
 
-def device_map_for(model_name_or_config: Any, max_memory: Mapping[Any, Any], dtype: Any = "bfloat16",
-                   no_split_module_classes: Sequence[str] | None = None, **kwargs: Any) -> dict[str, Any]:
+def device_map_for(
+    model_name_or_config: Any,
+    max_memory: Mapping[Any, Any],
+    dtype: Any = "bfloat16",
+    no_split_module_classes: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> dict[str, Any]:
     """The `device_map` of `infer_placement` (pass it to `from_pretrained` / `load_causal_lm`)."""
-    return infer_placement(model_name_or_config, max_memory, dtype, no_split_module_classes, **kwargs).device_map
+    return infer_placement(
+        model_name_or_config, max_memory, dtype, no_split_module_classes, **kwargs
+    ).device_map
 
 
-def estimate_model_bytes(model_name_or_config: Any, dtype: Any = "bfloat16", trust_remote_code: bool = False) -> int:
+def estimate_model_bytes(
+    model_name_or_config: Any, dtype: Any = "bfloat16", trust_remote_code: bool = False
+) -> int:
     """Weight bytes of a model from its config (meta device: nothing is allocated)."""
     from accelerate.utils import compute_module_sizes
 
@@ -358,17 +437,32 @@ def free_bytes_on_gang() -> list[int]:
     return [int(torch.cuda.mem_get_info(i)[0]) for i in range(torch.cuda.device_count())]
 
 
-def gang_placement(name_or_config: Any, free_bytes: Sequence[int], *, dtype: Any = "bfloat16",
-                   quantization: str | None = None, reserve_fraction: float = 0.1,
-                   trust_remote_code: bool = False) -> DevicePlacement:
+def gang_placement(
+    name_or_config: Any,
+    free_bytes: Sequence[int],
+    *,
+    dtype: Any = "bfloat16",
+    quantization: str | None = None,
+    reserve_fraction: float = 0.1,
+    trust_remote_code: bool = False,
+) -> DevicePlacement:
     """Where `load_on_gang` puts a model on a gang whose GPUs have `free_bytes` free:
     `max_memory_for_gang` per device, then a balanced map (no CPU / disk offload)."""
     max_memory = max_memory_for_gang(free_bytes, reserve_fraction)
-    return infer_placement(name_or_config, max_memory, quantization or dtype, trust_remote_code=trust_remote_code)
+    return infer_placement(
+        name_or_config, max_memory, quantization or dtype, trust_remote_code=trust_remote_code
+    )
 
 
-def load_on_gang(name_or_path: str, *, dtype: str = "auto", quantization: str | None = None,
-                 reserve_fraction: float = 0.1, logger: logging.Logger | None = None, **load_kwargs: Any) -> Any:
+def load_on_gang(
+    name_or_path: str,
+    *,
+    dtype: str = "auto",
+    quantization: str | None = None,
+    reserve_fraction: float = 0.1,
+    logger: logging.Logger | None = None,
+    **load_kwargs: Any,
+) -> Any:
     """A causal LM sharded over every GPU pinned to this worker (one GPU: just that GPU).
 
     The map comes from `gang_placement` (the GPUs' free memory) and the layer distribution
@@ -381,15 +475,28 @@ def load_on_gang(name_or_path: str, *, dtype: str = "auto", quantization: str | 
     logger = logger or log
     free = free_bytes_on_gang()
     if not free:
-        return load_causal_lm(name_or_path, dtype=dtype, device="cpu", quantization=quantization, **load_kwargs)
-    placement = gang_placement(name_or_path, free, dtype=resolve_dtype(dtype, "cuda"), quantization=quantization,
-                               reserve_fraction=reserve_fraction,
-                               trust_remote_code=bool(load_kwargs.get("trust_remote_code", False)))
+        return load_causal_lm(
+            name_or_path, dtype=dtype, device="cpu", quantization=quantization, **load_kwargs
+        )
+    placement = gang_placement(
+        name_or_path,
+        free,
+        dtype=resolve_dtype(dtype, "cuda"),
+        quantization=quantization,
+        reserve_fraction=reserve_fraction,
+        trust_remote_code=bool(load_kwargs.get("trust_remote_code", False)),
+    )
     lines = [placement.log_line(), *placement.log_lines()]
     for line in lines:
         logger.info("%s: %s", name_or_path, line)
-    model = load_causal_lm(name_or_path, dtype=dtype, device="cuda", device_map=placement.device_map,
-                           quantization=quantization, **load_kwargs)
+    model = load_causal_lm(
+        name_or_path,
+        dtype=dtype,
+        device="cuda",
+        device_map=placement.device_map,
+        quantization=quantization,
+        **load_kwargs,
+    )
     model.pita_placement_lines = lines
     return model
 
@@ -399,8 +506,15 @@ def placement_lines(model: Any, name: str) -> list[str]:
     return [f"{name}: {line}" for line in getattr(model, "pita_placement_lines", [])]
 
 
-def load_stage_lm(name_or_path: str, *, family: str, family_cfg: Mapping[str, Any], device: str,
-                  attn_impl: str = "eager", logger: logging.Logger | None = None) -> Any:
+def load_stage_lm(
+    name_or_path: str,
+    *,
+    family: str,
+    family_cfg: Mapping[str, Any],
+    device: str,
+    attn_impl: str = "eager",
+    logger: logging.Logger | None = None,
+) -> Any:
     """A stage's causal LM (π_ref, a trained policy) as the family says: its dtype, the
     quantization of a -8bit / -4bit alias, and with `model.device_map=auto` sharded over the
     worker's gang through `load_on_gang` (per-GPU `max_memory`, layer distribution logged)."""
@@ -408,8 +522,12 @@ def load_stage_lm(name_or_path: str, *, family: str, family_cfg: Mapping[str, An
     from pita.models.loading import load_causal_lm
 
     spec = resolve_family(family, family_cfg)
-    kwargs = dict(dtype=family_cfg.get("dtype") or spec.dtype, quantization=spec.quantization,
-                  attn_impl=attn_impl, trust_remote_code=spec.trust_remote_code)
+    kwargs = dict(
+        dtype=family_cfg.get("dtype") or spec.dtype,
+        quantization=spec.quantization,
+        attn_impl=attn_impl,
+        trust_remote_code=spec.trust_remote_code,
+    )
     if family_cfg.get("device_map") == "auto":
         return load_on_gang(str(name_or_path), logger=logger, **kwargs)
     return load_causal_lm(str(name_or_path), device=device, **kwargs)

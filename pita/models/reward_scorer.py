@@ -141,12 +141,17 @@ def text_scorer(scorer: RewardScorer, tokenizer: Any):
     return score
 
 
-def load_text_scorer(path: str, *, device: str = "cpu", dtype: str = "auto", batch_size: int = 32,
-                     trust_remote_code: bool = False):
+def load_text_scorer(
+    path: str,
+    *,
+    device: str = "cpu",
+    dtype: str = "auto",
+    batch_size: int = 32,
+    trust_remote_code: bool = False,
+):
     """`text_scorer` of a sequence-classification checkpoint (a family's `model.reward`)."""
     from pita.models.loading import load_reward_model, load_tokenizer
 
     model = load_reward_model(path, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     tok = load_tokenizer(path, trust_remote_code=trust_remote_code, padding_side="right")
     return text_scorer(RewardScorer(model, tok, batch_size, padding_side="right"), tok)
-

@@ -72,8 +72,17 @@ class ValueModel(nn.Module):
     """Backbone (any HF base model returning `last_hidden_state`) + a Q-type (per-vocabulary)
     or V-type (scalar, read at the candidate's position) head; see the module docstring."""
 
-    def __init__(self, backbone: nn.Module, vocab_size: int, *, num_atoms: int = 1,
-                 v_min: float = 0.0, v_max: float = 1.0, loss_type: str = "bce", head_type: str = "q"):
+    def __init__(
+        self,
+        backbone: nn.Module,
+        vocab_size: int,
+        *,
+        num_atoms: int = 1,
+        v_min: float = 0.0,
+        v_max: float = 1.0,
+        loss_type: str = "bce",
+        head_type: str = "q",
+    ):
         super().__init__()
         if head_type not in HEAD_TYPES:
             raise ValueError(f"value_head={head_type!r}: allowed: {' | '.join(HEAD_TYPES)}")
@@ -96,11 +105,22 @@ class ValueModel(nn.Module):
             return torch.tensor([self.v_max], device=device)
         return torch.linspace(self.v_min, self.v_max, self.num_outputs, device=device)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, past_key_values: Any = None,
-                use_cache: bool = False, last_only: bool = False) -> ValueOutput:
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            past_key_values=past_key_values, use_cache=use_cache)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool = False,
+        last_only: bool = False,
+    ) -> ValueOutput:
+        out = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+        )
         hidden = out.last_hidden_state
         if last_only:  # decoding: only the newest position is scored
             hidden = hidden[:, -1:]
@@ -108,8 +128,12 @@ class ValueModel(nn.Module):
         values = self.head(hidden).view(*hidden.shape[:2], width, self.num_outputs)
         return ValueOutput(values, out.past_key_values if use_cache else None)
 
-    def action_values(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      alt: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def action_values(
+        self,
+        ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        alt: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Training read-out: ([B, T−1, M] value of token t+1 in state ids[:, :t+1], the same
         for the competing tokens `alt` [B, T−1] or None). Q-type: one forward of ids[:, :-1],
         rows of the head gathered; V-type: one forward of ids, the head read at positions
@@ -118,14 +142,23 @@ class ValueModel(nn.Module):
         if self.head_type == "q":
             mask = attention_mask[:, :-1] if attention_mask is not None else None
             hidden = self.hidden(ids[:, :-1], mask)
-            return self.values_at(hidden, ids[:, 1:]), (self.values_at(hidden, alt) if alt is not None else None)
+            return self.values_at(hidden, ids[:, 1:]), (
+                self.values_at(hidden, alt) if alt is not None else None
+            )
         if alt is not None:
-            raise ValueError("value_head=v cannot score competing tokens (loss_type=bradley_terry): use value_head=q")
+            raise ValueError(
+                "value_head=v cannot score competing tokens (loss_type=bradley_terry): use value_head=q"
+            )
         hidden = self.hidden(ids, attention_mask)[:, 1:]
         return self.head(hidden).view(*hidden.shape[:2], self.num_outputs), None
 
-    def score_candidates(self, cache: Any, candidates: torch.Tensor, attention_mask: torch.Tensor,
-                         next_position: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def score_candidates(
+        self,
+        cache: Any,
+        candidates: torch.Tensor,
+        attention_mask: torch.Tensor,
+        next_position: torch.Tensor,
+    ) -> tuple[torch.Tensor, Any]:
         """V-type decoding: the values [B, k, M] of k candidate tokens per row, appended to
         each row's prefix, in ONE batched forward of [B·k, 1] tokens over the prefix's KV
         cache repeated k times (row b's candidates are rows b·k..b·k+k−1).
@@ -136,14 +169,22 @@ class ValueModel(nn.Module):
         row b·k+j ends with candidate j (guidance keeps the sampled one's row)."""
         b, k = candidates.shape
         cache.batch_repeat_interleave(k)
-        mask = torch.cat([attention_mask, attention_mask.new_ones((b, 1))], dim=-1).repeat_interleave(k, dim=0)
-        out = self.backbone(input_ids=candidates.reshape(b * k, 1), attention_mask=mask,
-                            position_ids=next_position.reshape(b, 1).repeat_interleave(k, dim=0),
-                            past_key_values=cache, use_cache=True)
+        mask = torch.cat(
+            [attention_mask, attention_mask.new_ones((b, 1))], dim=-1
+        ).repeat_interleave(k, dim=0)
+        out = self.backbone(
+            input_ids=candidates.reshape(b * k, 1),
+            attention_mask=mask,
+            position_ids=next_position.reshape(b, 1).repeat_interleave(k, dim=0),
+            past_key_values=cache,
+            use_cache=True,
+        )
         values = self.head(out.last_hidden_state[:, -1]).view(b, k, self.num_outputs)
         return values, out.past_key_values
 
-    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The backbone's last hidden states [B, T, d] (training; no cache)."""
         return self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
@@ -153,20 +194,33 @@ class ValueModel(nn.Module):
         [B, T, V, M]. Small task vocabularies (V·M <= SMALL_HEAD): the dense head and a gather
         of its output, one GEMM instead of a gather of B·T·M·d weights and its scatter-add
         backward."""
-        if self.vocab_size * self.num_outputs <= SMALL_HEAD:  # task vocabularies: one matmul, then pick
-            every = self.head(hidden).view(*hidden.shape[:2], self.vocab_size, self.num_outputs)  # [B, T, V, M]
+        if (
+            self.vocab_size * self.num_outputs <= SMALL_HEAD
+        ):  # task vocabularies: one matmul, then pick
+            every = self.head(hidden).view(
+                *hidden.shape[:2], self.vocab_size, self.num_outputs
+            )  # [B, T, V, M]
             index = actions[..., None, None].expand(*actions.shape, 1, self.num_outputs)
             return every.gather(2, index).squeeze(2)
-        weight = self.head.weight.view(self.vocab_size, self.num_outputs, -1)[actions]  # [B, T, M, d]
+        weight = self.head.weight.view(self.vocab_size, self.num_outputs, -1)[
+            actions
+        ]  # [B, T, M, d]
         bias = self.head.bias.view(self.vocab_size, self.num_outputs)[actions]  # [B, T, M]
         return torch.einsum("btd,btmd->btm", hidden, weight) + bias
 
     # --- checkpoints ---------------------------------------------------------------------
 
     def config_dict(self) -> dict:
-        return {"format": "pita-value-model/1", "backbone": self.backbone.config.to_dict(),
-                "vocab_size": self.vocab_size, "num_atoms": self.num_outputs, "V_min": self.v_min,
-                "V_max": self.v_max, "loss_type": self.loss_type, "head_type": self.head_type}
+        return {
+            "format": "pita-value-model/1",
+            "backbone": self.backbone.config.to_dict(),
+            "vocab_size": self.vocab_size,
+            "num_atoms": self.num_outputs,
+            "V_min": self.v_min,
+            "V_max": self.v_max,
+            "loss_type": self.loss_type,
+            "head_type": self.head_type,
+        }
 
     def save(self, folder: str | Path) -> Path:
         from safetensors.torch import save_file
@@ -179,7 +233,9 @@ class ValueModel(nn.Module):
         return folder
 
     @classmethod
-    def load(cls, folder: str | Path, device: str | torch.device = "cpu", attn_impl: str | None = None) -> ValueModel:
+    def load(
+        cls, folder: str | Path, device: str | torch.device = "cpu", attn_impl: str | None = None
+    ) -> ValueModel:
         from safetensors.torch import load_file
 
         folder = Path(folder)
@@ -198,8 +254,15 @@ class ValueModel(nn.Module):
         if attn_impl is not None:
             config._attn_implementation = attn_impl
         backbone = AutoModel.from_config(config).to(torch.float32)
-        return cls(backbone, cfg["vocab_size"], num_atoms=cfg["num_atoms"], v_min=cfg["V_min"],
-                   v_max=cfg["V_max"], loss_type=cfg.get("loss_type", "bce"), head_type=cfg.get("head_type", "q"))
+        return cls(
+            backbone,
+            cfg["vocab_size"],
+            num_atoms=cfg["num_atoms"],
+            v_min=cfg["V_min"],
+            v_max=cfg["V_max"],
+            loss_type=cfg.get("loss_type", "bce"),
+            head_type=cfg.get("head_type", "q"),
+        )
 
 
 def head_atoms(loss_type: str, num_atoms: int) -> int:
@@ -207,8 +270,16 @@ def head_atoms(loss_type: str, num_atoms: int) -> int:
     return int(num_atoms) if loss_type == "mle" else 1
 
 
-def build_value_model(reference: nn.Module, family_cfg: dict, algo_cfg: Any, *, vocab_size: int,
-                      seed: int = 0, attn_impl: str = "eager", logger: Any = None) -> ValueModel:
+def build_value_model(
+    reference: nn.Module,
+    family_cfg: dict,
+    algo_cfg: Any,
+    *,
+    vocab_size: int,
+    seed: int = 0,
+    attn_impl: str = "eager",
+    logger: Any = None,
+) -> ValueModel:
     """A fresh value model for a family: `model=tiny` builds a Llama with `guide_arch`
     sizes (warm-started from `reference` when `algo_cfg.warm_start`); other families load
     the base model of `family_cfg['guide']` (a hub id or local folder)."""
@@ -216,8 +287,13 @@ def build_value_model(reference: nn.Module, family_cfg: dict, algo_cfg: Any, *, 
 
     family = resolve_family(family_cfg.get("name", "tiny"), family_cfg)
     n_out = head_atoms(algo_cfg.loss_type, algo_cfg.num_atoms)
-    kw = dict(num_atoms=n_out, v_min=algo_cfg.V_min, v_max=algo_cfg.V_max, loss_type=algo_cfg.loss_type,
-              head_type=str(algo_cfg.get("value_head", "q")))
+    kw = dict(
+        num_atoms=n_out,
+        v_min=algo_cfg.V_min,
+        v_max=algo_cfg.V_max,
+        loss_type=algo_cfg.loss_type,
+        head_type=str(algo_cfg.get("value_head", "q")),
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if family.is_builtin:
@@ -227,29 +303,43 @@ def build_value_model(reference: nn.Module, family_cfg: dict, algo_cfg: Any, *, 
 
             arch = family_cfg["guide_arch"]
             ref_cfg = reference.config
-            config = tiny_llama_config(vocab_size, n_layer=arch["n_layer"], d_model=arch["d_model"],
-                                       n_head=arch["n_head"], max_position=ref_cfg.max_position_embeddings,
-                                       pad_token_id=ref_cfg.pad_token_id, eos_token_id=ref_cfg.eos_token_id,
-                                       attn_impl=attn_impl)
+            config = tiny_llama_config(
+                vocab_size,
+                n_layer=arch["n_layer"],
+                d_model=arch["d_model"],
+                n_head=arch["n_head"],
+                max_position=ref_cfg.max_position_embeddings,
+                pad_token_id=ref_cfg.pad_token_id,
+                eos_token_id=ref_cfg.eos_token_id,
+                attn_impl=attn_impl,
+            )
             model = LlamaModel(config).to(torch.float32)
             vm = ValueModel(model, vocab_size, **kw)
             if algo_cfg.warm_start:
                 copied = warm_start_from(vm, reference)
                 if logger is not None:
-                    logger.info("value model warm-started from the reference: %s", copied or "nothing (widths differ)")
+                    logger.info(
+                        "value model warm-started from the reference: %s",
+                        copied or "nothing (widths differ)",
+                    )
         else:
             from transformers import AutoModel
 
             from pita.models.loading import check_shared_vocab, load_tokenizer, resolve_dtype
 
             # offsets are added id by id: guide and reference must share the tokenizer
-            check_shared_vocab(load_tokenizer(family.guide, trust_remote_code=family.trust_remote_code),
-                               load_tokenizer(family.reference, trust_remote_code=family.trust_remote_code),
-                               f"model.name={family_cfg.get('name')}: guide {family.guide} vs reference "
-                               f"{family.reference}")
-            backbone = AutoModel.from_pretrained(family.guide, dtype=resolve_dtype("float32"),
-                                                 trust_remote_code=family.trust_remote_code,
-                                                 attn_implementation=attn_impl)
+            check_shared_vocab(
+                load_tokenizer(family.guide, trust_remote_code=family.trust_remote_code),
+                load_tokenizer(family.reference, trust_remote_code=family.trust_remote_code),
+                f"model.name={family_cfg.get('name')}: guide {family.guide} vs reference "
+                f"{family.reference}",
+            )
+            backbone = AutoModel.from_pretrained(
+                family.guide,
+                dtype=resolve_dtype("float32"),
+                trust_remote_code=family.trust_remote_code,
+                attn_implementation=attn_impl,
+            )
             vm = ValueModel(backbone, vocab_size, **kw)
     return vm
 
@@ -263,7 +353,9 @@ def warm_start_from(vm: ValueModel, reference: nn.Module) -> list[str]:
 
     def copy(dst: nn.Module, src: nn.Module, name: str) -> None:
         dst_state, src_state = dst.state_dict(), src.state_dict()
-        if dst_state.keys() == src_state.keys() and all(dst_state[k].shape == src_state[k].shape for k in dst_state):
+        if dst_state.keys() == src_state.keys() and all(
+            dst_state[k].shape == src_state[k].shape for k in dst_state
+        ):
             dst.load_state_dict(src_state)
             copied.append(name)
 

@@ -17,11 +17,21 @@ from pita.runtime.context import StageContext
 
 
 def cache_path() -> Path:
-    return Path(os.environ.get("PITA_CACHE_DIR", Path.home() / ".cache" / "pita")) / "batch_sizes.json"
+    return (
+        Path(os.environ.get("PITA_CACHE_DIR", Path.home() / ".cache" / "pita")) / "batch_sizes.json"
+    )
 
 
-def generation_batch_size(ctx: StageContext, value: Any, *, model=None, prompts: list[list[int]] | None = None,
-                          max_new_tokens: int = 0, fallback: int = 64, extra_models=()) -> int:
+def generation_batch_size(
+    ctx: StageContext,
+    value: Any,
+    *,
+    model=None,
+    prompts: list[list[int]] | None = None,
+    max_new_tokens: int = 0,
+    fallback: int = 64,
+    extra_models=(),
+) -> int:
     """Prompts per generate() call for `value` (int or auto); `extra_models` are the other
     models the stage holds on the same device (a guide), counted as resident."""
     if isinstance(value, int):
@@ -31,17 +41,31 @@ def generation_batch_size(ctx: StageContext, value: Any, *, model=None, prompts:
     factory = None
     if model is not None and prompts:
         longest = max(prompts, key=len)
-        factory = generation_probe(model, longest, max_new_tokens, {"do_sample": True},
-                                   extra_models=list(extra_models), logger=ctx.logger)
-    size = resolve_batch_size(value, stage_kind="generate", fallback=fallback, measure_fn_factory=factory,
-                              cache_path=cache_path(), cache_key={"stage": ctx.task.stage},
-                              safety_margin=ctx.cfg.batch_size_safety_margin,
-                              cap=max(1, len(prompts) if prompts else 4096), logger=ctx.logger)
+        factory = generation_probe(
+            model,
+            longest,
+            max_new_tokens,
+            {"do_sample": True},
+            extra_models=list(extra_models),
+            logger=ctx.logger,
+        )
+    size = resolve_batch_size(
+        value,
+        stage_kind="generate",
+        fallback=fallback,
+        measure_fn_factory=factory,
+        cache_path=cache_path(),
+        cache_key={"stage": ctx.task.stage},
+        safety_margin=ctx.cfg.batch_size_safety_margin,
+        cap=max(1, len(prompts) if prompts else 4096),
+        logger=ctx.logger,
+    )
     return max(1, int(size * ctx.task.batch_scale))
 
 
-def training_micro_batch(ctx: StageContext, *, model, batch: int, seq_tokens: int, make_batch, loss_fn,
-                         fallback: int) -> int:
+def training_micro_batch(
+    ctx: StageContext, *, model, batch: int, seq_tokens: int, make_batch, loss_fn, fallback: int
+) -> int:
     """Micro-batch of a training stage whose `algos.<NAME>.batch_size` is auto.
 
     The effective batch is an algorithm setting; memory limits the micro-batch, so the
@@ -51,9 +75,18 @@ def training_micro_batch(ctx: StageContext, *, model, batch: int, seq_tokens: in
     """
     from pita.runtime.batch_size import resolve_batch_size, training_probe
 
-    factory = training_probe(model, make_batch=make_batch, seq_tokens=seq_tokens, loss_fn=loss_fn,
-                             logger=ctx.logger)
-    size = resolve_batch_size("auto", stage_kind="train", fallback=fallback, measure_fn_factory=factory,
-                              cache_path=cache_path(), cache_key={"stage": ctx.task.stage, "algo": ctx.task.algo},
-                              safety_margin=ctx.cfg.batch_size_safety_margin, cap=batch, logger=ctx.logger)
+    factory = training_probe(
+        model, make_batch=make_batch, seq_tokens=seq_tokens, loss_fn=loss_fn, logger=ctx.logger
+    )
+    size = resolve_batch_size(
+        "auto",
+        stage_kind="train",
+        fallback=fallback,
+        measure_fn_factory=factory,
+        cache_path=cache_path(),
+        cache_key={"stage": ctx.task.stage, "algo": ctx.task.algo},
+        safety_margin=ctx.cfg.batch_size_safety_margin,
+        cap=batch,
+        logger=ctx.logger,
+    )
     return max(1, min(batch, int(size * ctx.task.batch_scale)))

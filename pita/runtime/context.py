@@ -61,7 +61,9 @@ class StageContext:
     device: str = "cpu"  # "cuda" (the worker's pinned devices) or "cpu"
     models: ModelCache = field(default_factory=ModelCache)
     heartbeat: Callable[[str], None] = lambda msg: None
-    chain_merged: bool = False  # cfg already carries the task's dataset/family (the worker caches it)
+    chain_merged: bool = (
+        False  # cfg already carries the task's dataset/family (the worker caches it)
+    )
 
     def __post_init__(self) -> None:
         if not self.chain_merged:
@@ -95,8 +97,12 @@ class StageContext:
         folder = Path(guide_dir)
         if (folder / Artifact.VALUE_MODEL).is_dir():
             folder = folder / Artifact.VALUE_MODEL
-        return self.models.get(f"value:{folder}", lambda: ValueModel.load(
-            folder, device=self.device, attn_impl=self.cfg.system.attn_impl))
+        return self.models.get(
+            f"value:{folder}",
+            lambda: ValueModel.load(
+                folder, device=self.device, attn_impl=self.cfg.system.attn_impl
+            ),
+        )
 
     def load_model(self, name_or_path: Path | str) -> Any:
         """A causal LM (a save_pretrained folder or a hub id) on this task's device, through
@@ -105,9 +111,17 @@ class StageContext:
         distribution kept for run.log, see `placement.placement_lines`)."""
         from pita.models.placement import load_stage_lm
 
-        return self.models.get(f"lm:{name_or_path}", lambda: load_stage_lm(
-            str(name_or_path), family=self.task.family, family_cfg=self.cfg.model, device=self.device,
-            attn_impl=self.cfg.system.attn_impl, logger=self.logger))
+        return self.models.get(
+            f"lm:{name_or_path}",
+            lambda: load_stage_lm(
+                str(name_or_path),
+                family=self.task.family,
+                family_cfg=self.cfg.model,
+                device=self.device,
+                attn_impl=self.cfg.system.attn_impl,
+                logger=self.logger,
+            ),
+        )
 
     def build_task(self) -> Any:
         """The chain's task (`cfg.dataset`) in π_ref's tokenizer. A task scored by a reward
@@ -122,12 +136,21 @@ class StageContext:
 
         family = resolve_family(self.task.family, self.cfg.model)
         if not family.reward:
-            raise ValueError(f"dataset {task.name} is scored by a reward model: set model.reward=<a "
-                             f"sequence-classification checkpoint> (family {self.task.family} has none)")
+            raise ValueError(
+                f"dataset {task.name} is scored by a reward model: set model.reward=<a "
+                f"sequence-classification checkpoint> (family {self.task.family} has none)"
+            )
         batch = self.cfg.data_collection.reward_batch_size
-        task.scorer = self.models.get(f"rm-text:{family.reward}", lambda: load_text_scorer(
-            family.reward, device=self.device, dtype=self.cfg.model.get("dtype", "auto"),
-            batch_size=batch if isinstance(batch, int) else 32, trust_remote_code=family.trust_remote_code))
+        task.scorer = self.models.get(
+            f"rm-text:{family.reward}",
+            lambda: load_text_scorer(
+                family.reward,
+                device=self.device,
+                dtype=self.cfg.model.get("dtype", "auto"),
+                batch_size=batch if isinstance(batch, int) else 32,
+                trust_remote_code=family.trust_remote_code,
+            ),
+        )
         return task
 
     def has_input(self, name: str) -> bool:
@@ -143,7 +166,9 @@ class StageContext:
         """A per-task seed: the run seed mixed with the task id (stable across resumes)."""
         import zlib
 
-        return (int(self.cfg.experiment.seed) * 1_000_003 + zlib.crc32(self.task.id.encode())) % (2**31)
+        return (int(self.cfg.experiment.seed) * 1_000_003 + zlib.crc32(self.task.id.encode())) % (
+            2**31
+        )
 
 
 def chain_config(cfg: DictConfig | dict, task: TaskSpec) -> DictConfig:

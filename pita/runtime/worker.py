@@ -88,7 +88,11 @@ def peak_memory_mb() -> float:
     torch = sys.modules.get("torch")
     try:
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            return round(max(torch.cuda.max_memory_reserved(i) for i in range(torch.cuda.device_count())) / 2**20, 1)
+            return round(
+                max(torch.cuda.max_memory_reserved(i) for i in range(torch.cuda.device_count()))
+                / 2**20,
+                1,
+            )
     except Exception:  # noqa: BLE001
         pass
     return 0.0
@@ -117,8 +121,17 @@ def _task_logger(task_id: str, log_path: Path) -> logging.Logger:
     return logger
 
 
-def execute_task(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, device: str, models,
-                 heartbeat=lambda msg: None, reraise_interrupt: bool = False) -> tuple[bool, str | None, str, dict]:
+def execute_task(
+    task,
+    cfg_dict: dict,
+    run_dir: str | Path,
+    attempt: int,
+    *,
+    device: str,
+    models,
+    heartbeat=lambda msg: None,
+    reraise_interrupt: bool = False,
+) -> tuple[bool, str | None, str, dict]:
     """Run one stage function and commit its folder; shared by workers and in-process runs.
 
     Returns (ok, failure class, one-line message, result). On success the task folder is
@@ -136,18 +149,35 @@ def execute_task(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, dev
     logger = _task_logger(task.id, tmp / Artifact.LOG)
     t0 = time.time()
     try:
-        logger.info("task %s (attempt %d) on %s, CUDA_VISIBLE_DEVICES=%r, pid %d", task.id, attempt, device,
-                    os.environ.get("CUDA_VISIBLE_DEVICES"), os.getpid())
+        logger.info(
+            "task %s (attempt %d) on %s, CUDA_VISIBLE_DEVICES=%r, pid %d",
+            task.id,
+            attempt,
+            device,
+            os.environ.get("CUDA_VISIBLE_DEVICES"),
+            os.getpid(),
+        )
         fn = resolve_function(task.fn)
         reset_peak_memory()
-        ctx = StageContext(task=task, cfg=_stage_config(cfg_dict, task), run_dir=Path(run_dir), out_dir=tmp,
-                           logger=logger, device=device, models=models, heartbeat=heartbeat, chain_merged=True)
+        ctx = StageContext(
+            task=task,
+            cfg=_stage_config(cfg_dict, task),
+            run_dir=Path(run_dir),
+            out_dir=tmp,
+            logger=logger,
+            device=device,
+            models=models,
+            heartbeat=heartbeat,
+            chain_merged=True,
+        )
         result = fn(ctx) or {}
         wall = round(time.time() - t0, 3)
         result = {"task_id": task.id, "wall_s": wall, "attempt": attempt, **result}
         bad = non_finite_numbers(result)
         if bad:  # a NaN metric is a failed task, not a row of the results table
-            raise FloatingPointError(f"non-finite value(s) in the stage's result: {', '.join(bad[:5])}")
+            raise FloatingPointError(
+                f"non-finite value(s) in the stage's result: {', '.join(bad[:5])}"
+            )
         peak = peak_memory_mb()
         if peak:
             result["peak_gpu_mb"] = peak
@@ -155,16 +185,23 @@ def execute_task(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, dev
         logger.info("done in %.2fs", wall)
         _close(logger)
         paths.commit(tmp, required=task.outputs)
-        shutil.rmtree(paths.checkpoints, ignore_errors=True)  # in-task checkpoints: no longer needed
+        shutil.rmtree(
+            paths.checkpoints, ignore_errors=True
+        )  # in-task checkpoints: no longer needed
         return True, None, "", result
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, classified
-        failure = "interrupted" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else classify_exception(exc)
+        failure = (
+            "interrupted"
+            if isinstance(exc, (KeyboardInterrupt, SystemExit))
+            else classify_exception(exc)
+        )
         if not logger.handlers:  # the commit itself failed (a declared output is missing)
             logger = _task_logger(task.id, tmp / Artifact.LOG)
         logger.error("failed (%s): %s\n%s", failure, exc, traceback.format_exc())
         _close(logger)
-        (tmp / Artifact.ERROR).write_text(json.dumps(
-            {"failure": failure, "message": str(exc), "type": type(exc).__name__}))
+        (tmp / Artifact.ERROR).write_text(
+            json.dumps({"failure": failure, "message": str(exc), "type": type(exc).__name__})
+        )
         failed_dir = paths.failed(attempt)
         shutil.rmtree(failed_dir, ignore_errors=True)
         os.replace(tmp, failed_dir)
@@ -174,7 +211,10 @@ def execute_task(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, dev
         return False, failure, (message[0][:500] if message else ""), {}
 
 
-_CONFIG_CACHE: dict = {"source": None, "by_chain": {}}  # last plain dict; its DictConfig per (dataset, family)
+_CONFIG_CACHE: dict = {
+    "source": None,
+    "by_chain": {},
+}  # last plain dict; its DictConfig per (dataset, family)
 
 
 def _stage_config(cfg_dict: dict, task) -> Any:
@@ -192,8 +232,15 @@ def _stage_config(cfg_dict: dict, task) -> Any:
     return _CONFIG_CACHE["by_chain"][key]
 
 
-def run_task_here(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, models=None,
-                  reraise_interrupt: bool = False):
+def run_task_here(
+    task,
+    cfg_dict: dict,
+    run_dir: str | Path,
+    attempt: int,
+    *,
+    models=None,
+    reraise_interrupt: bool = False,
+):
     """Run `task` in this process and return a `TaskOutcome` (the `RunTask` the in-process
     and Ray executors are given). The device follows CUDA_VISIBLE_DEVICES."""
     from pita.core.executor import TaskOutcome
@@ -204,10 +251,18 @@ def run_task_here(task, cfg_dict: dict, run_dir: str | Path, attempt: int, *, mo
         task = TaskSpec.from_dict(task)
     device = "cuda" if os.environ.get("CUDA_VISIBLE_DEVICES") else "cpu"
     t0 = time.time()
-    ok, failure, message, result = execute_task(task, cfg_dict, run_dir, attempt, device=device,
-                                                models=models if models is not None else ModelCache(1),
-                                                reraise_interrupt=reraise_interrupt)
-    return TaskOutcome(task.id, ok, failure, message, result, round(time.time() - t0, 3), os.getpid())
+    ok, failure, message, result = execute_task(
+        task,
+        cfg_dict,
+        run_dir,
+        attempt,
+        device=device,
+        models=models if models is not None else ModelCache(1),
+        reraise_interrupt=reraise_interrupt,
+    )
+    return TaskOutcome(
+        task.id, ok, failure, message, result, round(time.time() - t0, 3), os.getpid()
+    )
 
 
 class InProcessRunner:
@@ -220,7 +275,9 @@ class InProcessRunner:
         self.models = ModelCache(model_cache_size)
 
     def __call__(self, task, cfg_dict: dict, run_dir: str, attempt: int):
-        return run_task_here(task, cfg_dict, run_dir, attempt, models=self.models, reraise_interrupt=True)
+        return run_task_here(
+            task, cfg_dict, run_dir, attempt, models=self.models, reraise_interrupt=True
+        )
 
 
 def _close(logger: logging.Logger) -> None:
@@ -289,8 +346,15 @@ class Worker:
         self.current, self.progress = task.id, ""
         self.channel.send(("started", task.id))
         try:
-            ok, failure, message, result = execute_task(task, cfg_dict, run_dir, attempt, device=self.device,
-                                                        models=self.models, heartbeat=self._set_progress)
+            ok, failure, message, result = execute_task(
+                task,
+                cfg_dict,
+                run_dir,
+                attempt,
+                device=self.device,
+                models=self.models,
+                heartbeat=self._set_progress,
+            )
         finally:
             self.current = None
         if ok:

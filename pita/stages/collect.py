@@ -34,7 +34,11 @@ def collect_merge(ctx: StageContext) -> dict:
                         counts[src.name] = counts.get(src.name, 0) + 1
             result = json.loads((shard / Artifact.RESULT).read_text())
             for key, value in result.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "attempt":
+                if (
+                    isinstance(value, (int, float))
+                    and not isinstance(value, bool)
+                    and key != "attempt"
+                ):
                     totals[key] = totals.get(key, 0) + value
     finally:
         for h in handles.values():

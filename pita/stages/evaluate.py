@@ -74,7 +74,9 @@ class EvalPolicy:
     model: Any
     rule: SamplingRule
     hook_factory: Callable | None = None
-    is_reference: bool = False  # the sampled distribution is π_ref^rule itself (KL 0, no extra forward)
+    is_reference: bool = (
+        False  # the sampled distribution is π_ref^rule itself (KL 0, no extra forward)
+    )
 
 
 def generation_rule(ctx: StageContext) -> SamplingRule:
@@ -84,14 +86,20 @@ def generation_rule(ctx: StageContext) -> SamplingRule:
 
 def guided_rule(ctx: StageContext, algo: str) -> SamplingRule:
     gen = ctx.cfg.generation
-    return SamplingRule(int(ctx.cfg.algos[algo].guidance.top_k), float(gen.temperature), float(gen.top_p))
+    return SamplingRule(
+        int(ctx.cfg.algos[algo].guidance.top_k), float(gen.temperature), float(gen.top_p)
+    )
 
 
 def reference_rules(ctx: StageContext) -> list[SamplingRule]:
     """The generation rule, then each distinct rule of an enabled guided algorithm."""
     rules = [generation_rule(ctx)]
     for algo in GUIDED:
-        if algo in ctx.cfg.algos and ctx.cfg.algos[algo].enabled and guided_rule(ctx, algo) not in rules:
+        if (
+            algo in ctx.cfg.algos
+            and ctx.cfg.algos[algo].enabled
+            and guided_rule(ctx, algo) not in rules
+        ):
             rules.append(guided_rule(ctx, algo))
     return rules
 
@@ -105,11 +113,19 @@ def eval_policies(ctx: StageContext, ref) -> list[EvalPolicy]:
         from pita.algos.guidance import guided_hook_factory
 
         guide_dir, rule = ctx.input("policy"), guided_rule(ctx, algo)
-        return [EvalPolicy(float(eta), ref, rule,
-                           hook_factory=guided_hook_factory(ctx, guide_dir, float(eta)) if eta > 0 else None,
-                           is_reference=not eta > 0)
-                for eta in ctx.cfg.evaluation.etas]
-    return [EvalPolicy(None, ctx.load_model(ctx.input("policy") / Artifact.MODEL), generation_rule(ctx))]
+        return [
+            EvalPolicy(
+                float(eta),
+                ref,
+                rule,
+                hook_factory=guided_hook_factory(ctx, guide_dir, float(eta)) if eta > 0 else None,
+                is_reference=not eta > 0,
+            )
+            for eta in ctx.cfg.evaluation.etas
+        ]
+    return [
+        EvalPolicy(None, ctx.load_model(ctx.input("policy") / Artifact.MODEL), generation_rule(ctx))
+    ]
 
 
 def evaluate_shard(ctx: StageContext) -> dict:
@@ -137,33 +153,66 @@ def evaluate_shard(ctx: StageContext) -> dict:
     examples = [all_examples[i] for i in prompt_index]
     gen = ctx.cfg.generation
     max_new = int(gen.max_new_tokens or task.max_new_tokens)
-    bs = generation_batch_size(ctx, ctx.cfg.evaluation.batch_size, model=ref, prompts=prompts,
-                               max_new_tokens=max_new)
+    bs = generation_batch_size(
+        ctx, ctx.cfg.evaluation.batch_size, model=ref, prompts=prompts, max_new_tokens=max_new
+    )
     n_records = 0
     policies = eval_policies(ctx, ref)
     with open(ctx.out_dir / Artifact.SAMPLES, "w") as f:
         for policy in policies:
             generator = torch.Generator(device="cpu").manual_seed(ctx.seed)
-            out = generate(policy.model, prompts, max_new_tokens=max_new, batch_size=bs,
-                           pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, do_sample=True,
-                           generator=generator, offset_hook_factory=policy.hook_factory, **policy.rule.kwargs())
+            out = generate(
+                policy.model,
+                prompts,
+                max_new_tokens=max_new,
+                batch_size=bs,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+                do_sample=True,
+                generator=generator,
+                offset_hook_factory=policy.hook_factory,
+                **policy.rule.kwargs(),
+            )
             if policy.is_reference:  # sampled from π_ref^rule itself
                 ref_lp = out.logprobs
             else:  # log π_ref^rule of the samples: one teacher-forced forward per batch
-                ref_lp = sequence_logprobs(ref, prompts, out.responses, batch_size=bs, pad_token_id=tok.pad_token_id,
-                                           **policy.rule.kwargs())
+                ref_lp = sequence_logprobs(
+                    ref,
+                    prompts,
+                    out.responses,
+                    batch_size=bs,
+                    pad_token_id=tok.pad_token_id,
+                    **policy.rule.kwargs(),
+                )
             rewards = task.rewards(examples, out.responses)
             answers = task.answers(examples, out.responses)
             for j in range(len(prompts)):
-                f.write(json.dumps({"eta": policy.eta, "sampling": policy.rule.label, "example": prompt_index[j],
-                                    "response": out.responses[j], "reward": rewards[j], "answer": answers[j],
-                                    "kl": sum(out.logprobs[j]) - sum(ref_lp[j])}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "eta": policy.eta,
+                            "sampling": policy.rule.label,
+                            "example": prompt_index[j],
+                            "response": out.responses[j],
+                            "reward": rewards[j],
+                            "answer": answers[j],
+                            "kl": sum(out.logprobs[j]) - sum(ref_lp[j]),
+                        }
+                    )
+                    + "\n"
+                )
             n_records += len(prompts)
-            ctx.logger.info("eta=%s (%s): %d samples, mean reward %.4f", policy.eta, policy.rule.label, len(prompts),
-                            sum(rewards) / len(rewards))
+            ctx.logger.info(
+                "eta=%s (%s): %d samples, mean reward %.4f",
+                policy.eta,
+                policy.rule.label,
+                len(prompts),
+                sum(rewards) / len(rewards),
+            )
             ctx.heartbeat(f"eta={policy.eta} done")
-    lines = placement_lines(ref, "reference") + [line for p in policies if p.model is not ref
-                                                 for line in placement_lines(p.model, "policy")]
+    lines = placement_lines(ref, "reference") + [
+        line for p in policies if p.model is not ref for line in placement_lines(p.model, "policy")
+    ]
     return {"prompts": len(indices), "records": n_records, "run_log_lines": lines}
 
 
@@ -191,18 +240,31 @@ def evaluate_merge(ctx: StageContext) -> dict:
         recs.sort(key=lambda r: r["example"])
         rewards = [r["reward"] for r in recs]
         row = {
-            "algo": ctx.task.algo, "dataset": ctx.task.dataset, "family": ctx.task.family, "round": ctx.task.round,
-            "eta": eta, "n_prompts": len({r["example"] for r in recs}), "samples": len(recs),
+            "algo": ctx.task.algo,
+            "dataset": ctx.task.dataset,
+            "family": ctx.task.family,
+            "round": ctx.task.round,
+            "eta": eta,
+            "n_prompts": len({r["example"] for r in recs}),
+            "samples": len(recs),
             "pass@1": pass_at_1(rewards),
-            "maj@k": maj_at_k([r["example"] for r in recs], [r["answer"] for r in recs], rewards,
-                              seed=int(ctx.cfg.experiment.seed)),
-            "avg_reward": mean(rewards), "kl": mean([r["kl"] for r in recs]), "sampling": sampling,
+            "maj@k": maj_at_k(
+                [r["example"] for r in recs],
+                [r["answer"] for r in recs],
+                rewards,
+                seed=int(ctx.cfg.experiment.seed),
+            ),
+            "avg_reward": mean(rewards),
+            "kl": mean([r["kl"] for r in recs]),
+            "sampling": sampling,
             "eval_wall_s": round(wall, 2),
         }
         extra = getattr(task, "extra_metrics", None)
         if extra is not None:
             row.update(extra([examples[r["example"]] for r in recs], [r["response"] for r in recs]))
-        oracle = _oracle(task, [examples[i] for i in sorted({r["example"] for r in recs})], ctx.task.algo, eta)
+        oracle = _oracle(
+            task, [examples[i] for i in sorted({r["example"] for r in recs})], ctx.task.algo, eta
+        )
         if oracle is not None:
             row["optimum_pass@1"] = oracle
         rows.append(row)

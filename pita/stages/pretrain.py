@@ -115,11 +115,20 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     torch.manual_seed(ctx.seed)
     rng = random.Random(ctx.seed)  # the same stream on every rank: same batches, then sharded
     sample = task.pretrain_batch(random.Random(0), 1)[0]
-    model = build_tiny_llama(len(tok), n_layer=arch["n_layer"], d_model=arch["d_model"], n_head=arch["n_head"],
-                             max_position=max(64, 2 * (len(sample[0]) + task.max_new_tokens)),
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=ctx.seed,
-                             attn_impl=ctx.cfg.system.attn_impl)
-    device = torch.device(training_device(ctx.cfg.system.gpu_mode, ctx.device).device)  # system.gpu_mode
+    model = build_tiny_llama(
+        len(tok),
+        n_layer=arch["n_layer"],
+        d_model=arch["d_model"],
+        n_head=arch["n_head"],
+        max_position=max(64, 2 * (len(sample[0]) + task.max_new_tokens)),
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        seed=ctx.seed,
+        attn_impl=ctx.cfg.system.attn_impl,
+    )
+    device = torch.device(
+        training_device(ctx.cfg.system.gpu_mode, ctx.device).device
+    )  # system.gpu_mode
     model.to(device).train()
     checkpointing = enable_gradient_checkpointing(model, tr.gradient_checkpointing, ctx.logger)
     compiled = compile_model(model, tr.compile, tr.compile_mode, logger=ctx.logger)
@@ -127,10 +136,17 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     optim = torch.optim.AdamW(model.parameters(), lr=pcfg.lr, weight_decay=tr.weight_decay)
     sched = get_cosine_schedule_with_warmup(optim, pcfg.warmup_steps, pcfg.steps)
     # Figures are read back every 50 steps (the log interval), not every step: no host sync.
-    step = TrainStep.from_context(ctx, net, optim, scheduler=sched, device=device, compile_status=compiled,
-                                  sync_every=50)
-    ctx.logger.info("pretrain: effective batch %d = micro %d x %d accumulation x %d rank(s), %s",
-                    per_rank * world, micro, n_micro, world, step.precision.name)
+    step = TrainStep.from_context(
+        ctx, net, optim, scheduler=sched, device=device, compile_status=compiled, sync_every=50
+    )
+    ctx.logger.info(
+        "pretrain: effective batch %d = micro %d x %d accumulation x %d rank(s), %s",
+        per_rank * world,
+        micro,
+        n_micro,
+        world,
+        step.precision.name,
+    )
     cuda = device.type == "cuda"
 
     # In-task checkpoints (training.checkpoint_every): a retry continues where the dead attempt stopped.
@@ -158,32 +174,66 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
             yield ids, mask, labels, counts, n_tokens, n_targets, rng_after
 
     stream = prefetch(batches()) if cuda else batches()
-    for i, (ids, mask, labels, counts, n_tokens, n_targets, rng_after) in enumerate(stream, start=start):
-        batch = {"input_ids": ids.to(device, non_blocking=True), "attention_mask": mask.to(device, non_blocking=True),
-                 "labels": labels.to(device, non_blocking=True)}
+    for i, (ids, mask, labels, counts, n_tokens, n_targets, rng_after) in enumerate(
+        stream, start=start
+    ):
+        batch = {
+            "input_ids": ids.to(device, non_blocking=True),
+            "attention_mask": mask.to(device, non_blocking=True),
+            "labels": labels.to(device, non_blocking=True),
+        }
         micro_batches = split_batch(batch, micro)
         # The model's loss is a mean over a micro-batch's target tokens: weight each by its
         # share of the batch's tokens, so the accumulated gradient is the whole batch's.
-        step.run(micro_batches, lambda mb: net(**mb).loss,
-                 weights=token_weights(counts, total=n_targets, world_size=world),
-                 samples=pcfg.batch_size, tokens=n_tokens)
+        step.run(
+            micro_batches,
+            lambda mb: net(**mb).loss,
+            weights=token_weights(counts, total=n_targets, world_size=world),
+            samples=pcfg.batch_size,
+            tokens=n_tokens,
+        )
         if (i + 1) % 50 == 0 or i == pcfg.steps - 1:
             last = step.metrics_rows()[-1]
-            ctx.logger.info("step %d/%d loss %.4f lr %.2e", i + 1, pcfg.steps, last["loss"], step.lr())
+            ctx.logger.info(
+                "step %d/%d loss %.4f lr %.2e", i + 1, pcfg.steps, last["loss"], step.lr()
+            )
             ctx.heartbeat(f"step {i + 1}/{pcfg.steps}")
-        ckpt.maybe_save(i + 1, lambda: {"model": model, "optimizer": optim, "scheduler": sched}, step=step,
-                        extra=lambda state=rng_after: {"rng": state})
+        ckpt.maybe_save(
+            i + 1,
+            lambda: {"model": model, "optimizer": optim, "scheduler": sched},
+            step=step,
+            extra=lambda state=rng_after: {"rng": state},
+        )
 
     if dist is not None and not dist.is_main:
         return {}  # rank 0 writes the model and the report
     model.eval()
     model.save_pretrained(ctx.out_dir / Artifact.MODEL)
     task.save_tokenizer(str(ctx.out_dir / Artifact.MODEL))
-    perf = write_training_report(ctx.out_dir, step, micro_batch=micro, accumulation_steps=n_micro, world_size=world,
-                                 gradient_checkpointing=checkpointing, title=ctx.task.id)
+    perf = write_training_report(
+        ctx.out_dir,
+        step,
+        micro_batch=micro,
+        accumulation_steps=n_micro,
+        world_size=world,
+        gradient_checkpointing=checkpointing,
+        title=ctx.task.id,
+    )
     step.flush()
     losses = step.metrics.series("loss")[1][-20:]
-    return {"steps": pcfg.steps, "final_loss": sum(losses) / len(losses),
-            "parameters": sum(p.numel() for p in model.parameters()),
-            **{k: perf[k] for k in ("precision", "compile", "effective_batch", "samples_per_s", "tokens_per_s",
-                                    "peak_memory_mb")}}
+    return {
+        "steps": pcfg.steps,
+        "final_loss": sum(losses) / len(losses),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        **{
+            k: perf[k]
+            for k in (
+                "precision",
+                "compile",
+                "effective_batch",
+                "samples_per_s",
+                "tokens_per_s",
+                "peak_memory_mb",
+            )
+        },
+    }

@@ -46,8 +46,15 @@ def checkpoint_dir(ctx: Any) -> Path:
 
 
 class Checkpointer:
-    def __init__(self, folder: Path | str, every_steps: int = 0, every_minutes: float = 0.0, *,
-                 writer: bool = True, logger: logging.Logger | None = None):
+    def __init__(
+        self,
+        folder: Path | str,
+        every_steps: int = 0,
+        every_minutes: float = 0.0,
+        *,
+        writer: bool = True,
+        logger: logging.Logger | None = None,
+    ):
         self.folder = Path(folder)
         self.every_steps = int(every_steps)
         self.every_s = float(every_minutes) * 60.0
@@ -59,8 +66,13 @@ class Checkpointer:
     @classmethod
     def from_context(cls, ctx: Any, *, writer: bool = True) -> Checkpointer:
         tr = ctx.cfg.training
-        return cls(checkpoint_dir(ctx), int(tr.get("checkpoint_every", 0) or 0),
-                   float(tr.get("checkpoint_every_minutes", 0.0) or 0.0), writer=writer, logger=ctx.logger)
+        return cls(
+            checkpoint_dir(ctx),
+            int(tr.get("checkpoint_every", 0) or 0),
+            float(tr.get("checkpoint_every_minutes", 0.0) or 0.0),
+            writer=writer,
+            logger=ctx.logger,
+        )
 
     @property
     def enabled(self) -> bool:
@@ -69,7 +81,9 @@ class Checkpointer:
     def latest(self) -> tuple[int, Path] | None:
         if not self.folder.is_dir():
             return None
-        found = [(int(m.group(1)), p) for p in self.folder.iterdir() if (m := _STEP_RE.match(p.name))]
+        found = [
+            (int(m.group(1)), p) for p in self.folder.iterdir() if (m := _STEP_RE.match(p.name))
+        ]
         return max(found) if found else None
 
     # -- restore --------------------------------------------------------------------------
@@ -107,23 +121,41 @@ class Checkpointer:
             return True
         return self.every_s > 0 and time.monotonic() - self._last_save >= self.every_s
 
-    def maybe_save(self, n: int, objects: Callable[[], dict[str, Any]], *, step: Any = None,
-                   extra: Callable[[], dict[str, Any]] | None = None) -> bool:
+    def maybe_save(
+        self,
+        n: int,
+        objects: Callable[[], dict[str, Any]],
+        *,
+        step: Any = None,
+        extra: Callable[[], dict[str, Any]] | None = None,
+    ) -> bool:
         """Save after optimizer step `n` when due (`objects()` / `extra()` are only built then)."""
         if not self.writer or not self.due(n):
             return False
         self.save(n, objects(), step=step, extra=extra() if extra else {})
         return True
 
-    def save(self, n: int, objects: dict[str, Any], *, step: Any = None, extra: dict[str, Any] | None = None) -> Path:
+    def save(
+        self,
+        n: int,
+        objects: dict[str, Any],
+        *,
+        step: Any = None,
+        extra: dict[str, Any] | None = None,
+    ) -> Path:
         import torch
 
         if step is not None and hasattr(step, "flush"):
             step.flush()  # steps not read back yet (training.sync_every) belong in the checkpoint
-        state: dict[str, Any] = {name: obj.state_dict() for name, obj in objects.items() if obj is not None}
+        state: dict[str, Any] = {
+            name: obj.state_dict() for name, obj in objects.items() if obj is not None
+        }
         state["torch_rng"] = torch.get_rng_state()
-        state["cuda_rng"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and \
-            torch.cuda.is_initialized() else None
+        state["cuda_rng"] = (
+            torch.cuda.get_rng_state_all()
+            if torch.cuda.is_available() and torch.cuda.is_initialized()
+            else None
+        )
         state["extra"] = extra or {}
         if step is not None:
             state["train_step"] = step.step
@@ -166,8 +198,11 @@ def trl_checkpoint_kwargs(ctx: Any) -> dict[str, Any]:
     minutes = float(ctx.cfg.training.get("checkpoint_every_minutes", 0.0) or 0.0)
     if every <= 0 and minutes <= 0:
         return {"save_strategy": "no"}
-    kwargs: dict[str, Any] = {"output_dir": str(checkpoint_dir(ctx)), "save_total_limit": None,
-                              "save_only_model": False}
+    kwargs: dict[str, Any] = {
+        "output_dir": str(checkpoint_dir(ctx)),
+        "save_total_limit": None,
+        "save_only_model": False,
+    }
     if every > 0:
         kwargs.update(save_strategy="steps", save_steps=every)
     else:  # time only: TimeCheckpointCallback asks for the saves
@@ -178,7 +213,11 @@ def trl_checkpoint_kwargs(ctx: Any) -> dict[str, Any]:
 def _trl_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     if not folder.is_dir():
         return []
-    return sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := re.match(r"^checkpoint-(\d+)$", p.name)))
+    return sorted(
+        (int(m.group(1)), p)
+        for p in folder.iterdir()
+        if (m := re.match(r"^checkpoint-(\d+)$", p.name))
+    )
 
 
 def last_trl_checkpoint(ctx: Any) -> str | None:

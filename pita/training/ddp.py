@@ -106,17 +106,34 @@ def wrap_model(model: torch.nn.Module, dist: DistContext | None) -> torch.nn.Mod
 # --- launching -------------------------------------------------------------------------------
 
 
-def _rank_main(rank: int, train_fn: Callable[..., Any], world_size: int, backend: str, port: int,
-               device_type: str, threads: int, timeout_s: float, args: tuple, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size))
+def _rank_main(
+    rank: int,
+    train_fn: Callable[..., Any],
+    world_size: int,
+    backend: str,
+    port: int,
+    device_type: str,
+    threads: int,
+    timeout_s: float,
+    args: tuple,
+    queue: Any,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
     if threads > 0:
         torch.set_num_threads(threads)
     device = "cpu"
     if device_type == "cuda":
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
-    dist_mod.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    dist_mod.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+    )
     try:
         ctx = DistContext(rank, world_size, device, backend, queue)
         result = train_fn(ctx, *args)
@@ -126,16 +143,29 @@ def _rank_main(rank: int, train_fn: Callable[..., Any], world_size: int, backend
     except BaseException as exc:
         # When a rank fails its peers fail too ("connection closed by peer"): the parent
         # reports the earliest error, the cause.
-        queue.put(("error", rank, (time.time(), f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500])))
+        queue.put(
+            (
+                "error",
+                rank,
+                (time.time(), f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500]),
+            )
+        )
         raise
     finally:
         dist_mod.destroy_process_group()
 
 
-def run_data_parallel(train_fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
-                      backend: str | None = None, *, device_type: str | None = None,
-                      on_message: Callable[[str, int, Any], None] | None = None,
-                      threads_per_rank: int | None = None, timeout_s: float = 1800.0) -> list[Any]:
+def run_data_parallel(
+    train_fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    backend: str | None = None,
+    *,
+    device_type: str | None = None,
+    on_message: Callable[[str, int, Any], None] | None = None,
+    threads_per_rank: int | None = None,
+    timeout_s: float = 1800.0,
+) -> list[Any]:
     """Run `train_fn(dist, *args)` on `world_size` local processes; their results by rank.
 
     `device_type` "cuda" puts rank r on cuda:r (NCCL); "cpu" uses gloo; None = cuda when
@@ -145,21 +175,48 @@ def run_data_parallel(train_fn: Callable[..., Any], world_size: int, args: Seque
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: must be >= 1")
     if device_type is None:
-        device_type = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "cpu"
+        device_type = (
+            "cuda"
+            if torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+            else "cpu"
+        )
     if device_type == "cuda" and torch.cuda.device_count() < world_size:
-        raise DataParallelError(f"data_parallel over {world_size} ranks needs {world_size} GPUs; "
-                                f"this task sees {torch.cuda.device_count()}")
+        raise DataParallelError(
+            f"data_parallel over {world_size} ranks needs {world_size} GPUs; "
+            f"this task sees {torch.cuda.device_count()}"
+        )
     if backend is None:
         backend = "nccl" if device_type == "cuda" and dist_mod.is_nccl_available() else "gloo"
     if threads_per_rank is None:
-        threads_per_rank = max(1, torch.get_num_threads() // world_size) if device_type == "cpu" else 0
+        threads_per_rank = (
+            max(1, torch.get_num_threads() // world_size) if device_type == "cpu" else 0
+        )
     port = free_port()
     queue = mp.get_context("spawn").Queue()
-    log.info("data parallel: %d ranks, backend %s on %s, rendezvous 127.0.0.1:%d", world_size, backend,
-             device_type, port)
+    log.info(
+        "data parallel: %d ranks, backend %s on %s, rendezvous 127.0.0.1:%d",
+        world_size,
+        backend,
+        device_type,
+        port,
+    )
     procs = mp.start_processes(
-        _rank_main, nprocs=world_size, join=False, start_method="spawn",
-        args=(train_fn, world_size, backend, port, device_type, threads_per_rank, timeout_s, tuple(args), queue))
+        _rank_main,
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+        args=(
+            train_fn,
+            world_size,
+            backend,
+            port,
+            device_type,
+            threads_per_rank,
+            timeout_s,
+            tuple(args),
+            queue,
+        ),
+    )
     results: dict[int, Any] = {}
     errors: dict[int, tuple[float, str]] = {}
 
@@ -167,7 +224,9 @@ def run_data_parallel(train_fn: Callable[..., Any], world_size: int, args: Seque
         deadline = time.monotonic() + block_s
         while True:
             try:
-                kind, rank, payload = queue.get(timeout=max(0.0, deadline - time.monotonic()) or 0.01)
+                kind, rank, payload = queue.get(
+                    timeout=max(0.0, deadline - time.monotonic()) or 0.01
+                )
             except queue_mod.Empty:
                 return
             if kind == "result":
@@ -191,8 +250,10 @@ def run_data_parallel(train_fn: Callable[..., Any], world_size: int, args: Seque
             rank, message = exc.error_index, lines[-1] if lines else str(exc)
         raise DataParallelError(f"rank {rank} of {world_size} failed: {message}") from exc
     except mp.ProcessExitedException as exc:
-        raise DataParallelError(f"rank {exc.error_index} of {world_size} exited (code {exc.exit_code}, "
-                                f"signal {exc.signal_name}) without a result") from exc
+        raise DataParallelError(
+            f"rank {exc.error_index} of {world_size} exited (code {exc.exit_code}, "
+            f"signal {exc.signal_name}) without a result"
+        ) from exc
     drain(0.5)
     missing = [r for r in range(world_size) if r not in results]
     if missing:
@@ -250,9 +311,16 @@ def _stage_rank(dist: DistContext, body: Callable[..., Any], snapshot: dict[str,
     logger.setLevel(logging.INFO if dist.is_main else logging.WARNING)  # rank 0 speaks for all
     logger.addHandler(_QueueLogHandler(dist))
     heartbeat = (lambda msg: dist.send("heartbeat", msg)) if dist.is_main else (lambda msg: None)
-    ctx = StageContext(task=TaskSpec.from_dict(snapshot["task"]), cfg=OmegaConf.create(snapshot["cfg"]),
-                       run_dir=Path(snapshot["run_dir"]), out_dir=Path(snapshot["out_dir"]), logger=logger,
-                       device=dist.device, models=ModelCache(1), heartbeat=heartbeat)
+    ctx = StageContext(
+        task=TaskSpec.from_dict(snapshot["task"]),
+        cfg=OmegaConf.create(snapshot["cfg"]),
+        run_dir=Path(snapshot["run_dir"]),
+        out_dir=Path(snapshot["out_dir"]),
+        logger=logger,
+        device=dist.device,
+        models=ModelCache(1),
+        heartbeat=heartbeat,
+    )
     return body(ctx, dist)
 
 
@@ -269,8 +337,12 @@ def run_stage(ctx: StageContext, body: Callable[..., Any], world_size: int | Non
     if world <= 1:
         return body(ctx, None)
     ctx.logger.info("training.parallel_strategy=data_parallel: DDP over %d ranks", world)
-    snapshot = {"task": ctx.task.to_dict(), "cfg": OmegaConf.to_container(ctx.cfg, resolve=True),
-                "run_dir": str(ctx.run_dir), "out_dir": str(ctx.out_dir)}
+    snapshot = {
+        "task": ctx.task.to_dict(),
+        "cfg": OmegaConf.to_container(ctx.cfg, resolve=True),
+        "run_dir": str(ctx.run_dir),
+        "out_dir": str(ctx.out_dir),
+    }
 
     def on_message(kind: str, rank: int, payload: Any) -> None:
         if kind == "log":
@@ -281,8 +353,13 @@ def run_stage(ctx: StageContext, body: Callable[..., Any], world_size: int | Non
 
     device_type = torch.device(ctx.device).type
     try:
-        return run_data_parallel(_stage_rank, world, args=(body, snapshot), device_type=device_type,
-                                 on_message=on_message)[0]
+        return run_data_parallel(
+            _stage_rank,
+            world,
+            args=(body, snapshot),
+            device_type=device_type,
+            on_message=on_message,
+        )[0]
     except DataParallelError:
         ctx.logger.error("data parallel task failed:\n%s", traceback.format_exc(limit=3))
         raise

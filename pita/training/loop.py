@@ -55,8 +55,9 @@ log = logging.getLogger(__name__)
 # --- batch arithmetic ----------------------------------------------------------------------
 
 
-def accumulation_plan(batch_size: int, micro_batch_size: int, accumulation_steps: int = 0,
-                      batch_scale: float = 1.0) -> tuple[int, int]:
+def accumulation_plan(
+    batch_size: int, micro_batch_size: int, accumulation_steps: int = 0, batch_scale: float = 1.0
+) -> tuple[int, int]:
     """(micro-batch, accumulation steps) with micro × steps == batch_size exactly.
 
     `accumulation_steps > 0` fixes the number of steps (micro = batch / steps); otherwise
@@ -76,8 +77,9 @@ def accumulation_plan(batch_size: int, micro_batch_size: int, accumulation_steps
     return micro, batch_size // micro
 
 
-def micro_batch_plan(batch_size: int, training: Any, batch_scale: float = 1.0, *,
-                     whole_batch: bool) -> tuple[int, int]:
+def micro_batch_plan(
+    batch_size: int, training: Any, batch_scale: float = 1.0, *, whole_batch: bool
+) -> tuple[int, int]:
     """THE micro-batch rule of every training stage (pretrain, value training, TRL stages).
 
     `training.accumulation_steps > 0` fixes the number of steps. Otherwise a stage whose
@@ -101,10 +103,12 @@ def split_batch(batch: Any, micro: int) -> list[Any]:
     if isinstance(batch, tuple):
         parts = [split_batch(v, micro) for v in batch]
         return [tuple(p[i] for p in parts) for i in range(len(parts[0]))]
-    return [batch[i: i + micro] for i in range(0, len(batch), micro)]
+    return [batch[i : i + micro] for i in range(0, len(batch), micro)]
 
 
-def token_weights(counts: Sequence[int], total: int | None = None, world_size: int = 1) -> list[float]:
+def token_weights(
+    counts: Sequence[int], total: int | None = None, world_size: int = 1
+) -> list[float]:
     """Weights of micro-batch losses that are means over `counts[i]` tokens, so their sum is
     the mean over the whole batch (`total` tokens; over all ranks when data parallel: DDP
     averages the ranks' gradients, hence the factor `world_size`)."""
@@ -161,12 +165,21 @@ def _one_line(exc: BaseException) -> str:
 
 def _compile_error(exc: BaseException) -> bool:
     """An exception raised by dynamo / inductor / a compile backend (not by the model)."""
-    names = [type(exc).__module__] + [type(e).__module__ for e in (exc.__cause__, exc.__context__) if e]
+    names = [type(exc).__module__] + [
+        type(e).__module__ for e in (exc.__cause__, exc.__context__) if e
+    ]
     return any(n.startswith(("torch._dynamo", "torch._inductor", "torch.fx")) for n in names)
 
 
-def compile_model(model: torch.nn.Module, enabled: bool, mode: str = "default", *, example: Any = None,
-                  backend: Any = "inductor", logger: logging.Logger | None = None) -> CompileStatus:
+def compile_model(
+    model: torch.nn.Module,
+    enabled: bool,
+    mode: str = "default",
+    *,
+    example: Any = None,
+    backend: Any = "inductor",
+    logger: logging.Logger | None = None,
+) -> CompileStatus:
     """`torch.compile` the model in place (`nn.Module.compile`: the same object, so its
     state_dict and `save_pretrained` are unchanged).
 
@@ -212,22 +225,34 @@ def _probe_loss(out: Any) -> torch.Tensor:
         return out.loss
     if isinstance(out, torch.Tensor):
         return out.float().mean()
-    first = out[0] if isinstance(out, (tuple, list)) else next(v for v in out.values() if isinstance(v, torch.Tensor))
+    first = (
+        out[0]
+        if isinstance(out, (tuple, list))
+        else next(v for v in out.values() if isinstance(v, torch.Tensor))
+    )
     return first.float().mean()
 
 
-def enable_gradient_checkpointing(model: torch.nn.Module, enabled: bool,
-                                  logger: logging.Logger | None = None) -> bool:
+def enable_gradient_checkpointing(
+    model: torch.nn.Module, enabled: bool, logger: logging.Logger | None = None
+) -> bool:
     """Recompute activations in backward (transformers' `activation_checkpointing_enable`,
     `gradient_checkpointing_enable` before 5.x) when asked and supported; True if enabled."""
     if not enabled:
         return False
-    if not (getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_enable")):
-        (logger or log).warning("training.gradient_checkpointing=true ignored: %s does not support it",
-                                type(model).__name__)
+    if not (
+        getattr(model, "supports_gradient_checkpointing", False)
+        and hasattr(model, "gradient_checkpointing_enable")
+    ):
+        (logger or log).warning(
+            "training.gradient_checkpointing=true ignored: %s does not support it",
+            type(model).__name__,
+        )
         return False
     if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if getattr(model, "config", None) is not None:
@@ -236,7 +261,9 @@ def enable_gradient_checkpointing(model: torch.nn.Module, enabled: bool,
     return True
 
 
-def dataloader_kwargs(num_workers: int, pin_memory: bool, device: str | torch.device) -> dict[str, Any]:
+def dataloader_kwargs(
+    num_workers: int, pin_memory: bool, device: str | torch.device
+) -> dict[str, Any]:
     """DataLoader kwargs: `num_workers=-1` = auto = min(4, this worker's share of the cores - 1)
     (`PITA_DATALOADER_WORKERS`, set by the pool when workers share a GPU host; else the
     host's cores); pinned memory only when the batches go to a CUDA device (pinning for
@@ -246,7 +273,11 @@ def dataloader_kwargs(num_workers: int, pin_memory: bool, device: str | torch.de
         if budget.isdigit():
             num_workers = min(4, int(budget))
         else:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            cores = (
+                len(os.sched_getaffinity(0))
+                if hasattr(os, "sched_getaffinity")
+                else (os.cpu_count() or 1)
+            )
             num_workers = max(0, min(4, cores - 1))
     cuda = torch.device(device).type == "cuda"
     kwargs: dict[str, Any] = {"num_workers": num_workers, "pin_memory": bool(pin_memory and cuda)}
@@ -275,7 +306,9 @@ class TrainingMetrics:
         self.device = torch.device(device)
         self.rows: list[dict[str, float]] = []
         self._peak_rss = 0
-        self.tracker = tracker  # pita.training.tracking.Tracker: every row goes to logger.backend too
+        self.tracker = (
+            tracker  # pita.training.tracking.Tracker: every row goes to logger.backend too
+        )
         self.start()
 
     @property
@@ -301,8 +334,14 @@ class TrainingMetrics:
             self._sample_rss()
         if self.tracker is not None and "step" in self.rows[-1]:
             last = self.rows[-1]
-            self.tracker.log({(f"perf/{k}" if k in _PERF_KEYS else f"train/{k}"): v for k, v in last.items()
-                              if k != "step"}, int(last["step"]))
+            self.tracker.log(
+                {
+                    (f"perf/{k}" if k in _PERF_KEYS else f"train/{k}"): v
+                    for k, v in last.items()
+                    if k != "step"
+                },
+                int(last["step"]),
+            )
 
     def close_tracker(self) -> None:
         """Flush and close the tracker (the training report calls it once training ends)."""
@@ -357,12 +396,28 @@ class StepResult:
 class TrainStep:
     """One optimizer step over a list of micro-batches (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, *,
-                 scheduler: Any = None, max_grad_norm: float = 0.0, clear_cache_interval: int = 0,
-                 device: str | torch.device = "cpu", compile_status: CompileStatus | None = None,
-                 metrics: TrainingMetrics | None = None, logger: logging.Logger | None = None,
-                 sync_every: int = 1, tracker: Any = None):
-        self.model, self.optimizer, self.precision, self.scheduler = model, optimizer, precision, scheduler
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        precision: Precision,
+        *,
+        scheduler: Any = None,
+        max_grad_norm: float = 0.0,
+        clear_cache_interval: int = 0,
+        device: str | torch.device = "cpu",
+        compile_status: CompileStatus | None = None,
+        metrics: TrainingMetrics | None = None,
+        logger: logging.Logger | None = None,
+        sync_every: int = 1,
+        tracker: Any = None,
+    ):
+        self.model, self.optimizer, self.precision, self.scheduler = (
+            model,
+            optimizer,
+            precision,
+            scheduler,
+        )
         self.sync_every = max(1, int(sync_every))
         self._pending: list[tuple] = []  # steps not read back yet (sync_every > 1)
         self._window_t0: float | None = None
@@ -376,21 +431,43 @@ class TrainStep:
         self.step = 0
 
     @classmethod
-    def from_context(cls, ctx: StageContext, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                     scheduler: Any = None, precision: Precision | None = None, device: Any = None,
-                     compile_status: CompileStatus | None = None, sync_every: int = 1) -> TrainStep:
+    def from_context(
+        cls,
+        ctx: StageContext,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        scheduler: Any = None,
+        precision: Precision | None = None,
+        device: Any = None,
+        compile_status: CompileStatus | None = None,
+        sync_every: int = 1,
+    ) -> TrainStep:
         """A TrainStep configured from `training.*` / `system.*` of a StageContext; its
         metrics go to the task's `logger.backend` too (rank 0 of a gang only)."""
         from pita.training.tracking import Tracker, for_task
 
         device = device or ctx.device
         if precision is None:
-            precision = choose_precision(str(ctx.cfg.training.precision_type), bool(ctx.cfg.training.mixed_precision),
-                                         device, logger=ctx.logger)
-        return cls(model, optimizer, precision, scheduler=scheduler, max_grad_norm=ctx.cfg.training.max_grad_norm,
-                   clear_cache_interval=ctx.cfg.system.clear_cache_interval, device=device,
-                   compile_status=compile_status, logger=ctx.logger, sync_every=sync_every,
-                   tracker=for_task(ctx) if _is_main_rank() else Tracker())
+            precision = choose_precision(
+                str(ctx.cfg.training.precision_type),
+                bool(ctx.cfg.training.mixed_precision),
+                device,
+                logger=ctx.logger,
+            )
+        return cls(
+            model,
+            optimizer,
+            precision,
+            scheduler=scheduler,
+            max_grad_norm=ctx.cfg.training.max_grad_norm,
+            clear_cache_interval=ctx.cfg.system.clear_cache_interval,
+            device=device,
+            compile_status=compile_status,
+            logger=ctx.logger,
+            sync_every=sync_every,
+            tracker=for_task(ctx) if _is_main_rank() else Tracker(),
+        )
 
     # -- the pieces, for loops that need them one by one --------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -408,7 +485,9 @@ class TrainStep:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
             norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
-            grad_norm = norm.detach() if self.sync_every > 1 else float(norm)  # no host sync when lazy
+            grad_norm = (
+                norm.detach() if self.sync_every > 1 else float(norm)
+            )  # no host sync when lazy
         scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -427,9 +506,15 @@ class TrainStep:
         return float(self.optimizer.param_groups[0]["lr"])
 
     # -- the whole step ---------------------------------------------------------------------------
-    def run(self, micro_batches: Sequence[Any], loss_fn: Callable[[Any], Any], *,
-            weights: Sequence[float] | None = None, samples: int | None = None,
-            tokens: int | None = None) -> StepResult:
+    def run(
+        self,
+        micro_batches: Sequence[Any],
+        loss_fn: Callable[[Any], Any],
+        *,
+        weights: Sequence[float] | None = None,
+        samples: int | None = None,
+        tokens: int | None = None,
+    ) -> StepResult:
         """Accumulate the gradients of every micro-batch, then take one optimizer step.
 
         `loss_fn(micro_batch)` returns the micro-batch's mean loss, or (loss, {"accuracy": ..})
@@ -455,7 +540,9 @@ class TrainStep:
         grad_norm, skipped = self.optimizer_step()
         loss, extras = _mean_over_ranks(loss, extras)
         if self.sync_every > 1:  # read back later, in one transfer for the whole window
-            self._pending.append((self.step, loss.detach(), grad_norm, extras, samples, tokens, self.lr()))
+            self._pending.append(
+                (self.step, loss.detach(), grad_norm, extras, samples, tokens, self.lr())
+            )
             if len(self._pending) >= self.sync_every:
                 self.flush()
             return StepResult(self.step, float("nan"), None, 0.0, skipped, {})
@@ -463,8 +550,16 @@ class TrainStep:
         loss_value = float(loss)  # .item() waits for the device: the step time below is real
         extras = {k: float(v) for k, v in extras.items()}
         dt = time.perf_counter() - t0
-        self.metrics.record(step=self.step, loss=loss_value, step_time_s=dt, samples=samples, tokens=tokens,
-                            lr=self.lr(), grad_norm=grad_norm, **extras)
+        self.metrics.record(
+            step=self.step,
+            loss=loss_value,
+            step_time_s=dt,
+            samples=samples,
+            tokens=tokens,
+            lr=self.lr(),
+            grad_norm=grad_norm,
+            **extras,
+        )
         return StepResult(self.step, loss_value, grad_norm, dt, skipped, extras)
 
     def flush(self) -> None:
@@ -482,9 +577,20 @@ class TrainStep:
         for step, _loss, grad_norm, extras, samples, tokens, lr in self._pending:
             loss_value = next(values)
             gn = next(values) if isinstance(grad_norm, torch.Tensor) else grad_norm
-            ex = {k: (next(values) if isinstance(v, torch.Tensor) else float(v)) for k, v in extras.items()}
-            self.metrics.record(step=step, loss=loss_value, step_time_s=dt, samples=samples, tokens=tokens,
-                                lr=lr, grad_norm=gn, **ex)
+            ex = {
+                k: (next(values) if isinstance(v, torch.Tensor) else float(v))
+                for k, v in extras.items()
+            }
+            self.metrics.record(
+                step=step,
+                loss=loss_value,
+                step_time_s=dt,
+                samples=samples,
+                tokens=tokens,
+                lr=lr,
+                grad_norm=gn,
+                **ex,
+            )
         self._pending.clear()
         self._window_t0 = None
 
@@ -493,8 +599,12 @@ class TrainStep:
         self.flush()
         return self.metrics.rows
 
-    def _accumulate(self, micro_batches: Sequence[Any], loss_fn: Callable[[Any], Any],
-                    weights: Sequence[float] | None) -> tuple[torch.Tensor, dict[str, float]]:
+    def _accumulate(
+        self,
+        micro_batches: Sequence[Any],
+        loss_fn: Callable[[Any], Any],
+        weights: Sequence[float] | None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         n = len(micro_batches)
         weights = list(weights) if weights is not None else [1.0 / n] * n
         if len(weights) != n:
@@ -504,7 +614,11 @@ class TrainStep:
         for i, (mb, w) in enumerate(zip(micro_batches, weights)):
             # DDP: all-reduce the gradients once, after the last micro-batch.
             last = i == n - 1
-            sync = self.model.no_sync() if hasattr(self.model, "no_sync") and not last else contextlib.nullcontext()
+            sync = (
+                self.model.no_sync()
+                if hasattr(self.model, "no_sync") and not last
+                else contextlib.nullcontext()
+            )
             with sync:
                 with self.autocast():
                     out = loss_fn(mb)
@@ -523,7 +637,9 @@ def _is_main_rank() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def _mean_over_ranks(loss: torch.Tensor, extras: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
+def _mean_over_ranks(
+    loss: torch.Tensor, extras: dict[str, float]
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Data parallel: the logged loss / extras are the whole batch's (mean over ranks of the
     ranks' weighted sums), not rank 0's share. One tiny all-reduce per step."""
     import torch.distributed as dist
@@ -531,9 +647,15 @@ def _mean_over_ranks(loss: torch.Tensor, extras: dict[str, float]) -> tuple[torc
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return loss, extras
     keys = sorted(extras)
-    packed = torch.stack([loss.detach().float(), *(torch.as_tensor(extras[k], dtype=torch.float32,
-                                                                   device=loss.device).reshape(())
-                                                   for k in keys)])
+    packed = torch.stack(
+        [
+            loss.detach().float(),
+            *(
+                torch.as_tensor(extras[k], dtype=torch.float32, device=loss.device).reshape(())
+                for k in keys
+            ),
+        ]
+    )
     dist.all_reduce(packed)
     packed /= dist.get_world_size()
     return packed[0], {k: float(v) for k, v in zip(keys, packed[1:].tolist())}

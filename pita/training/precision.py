@@ -89,7 +89,9 @@ def choose_precision(
     `compute_capability` ((8, 0), 8.0 or "8.0") simulates a GPU; None asks the device.
     """
     if precision_type not in PRECISION_TYPES:
-        raise ValueError(f"training.precision_type={precision_type!r}: allowed: {' | '.join(PRECISION_TYPES)}")
+        raise ValueError(
+            f"training.precision_type={precision_type!r}: allowed: {' | '.join(PRECISION_TYPES)}"
+        )
     log = logger or logging.getLogger(__name__)
     cuda = _is_cuda(device)
     cc = _capability(device, compute_capability) if cuda else None
@@ -101,19 +103,28 @@ def choose_precision(
     if not cuda or cc is None:
         where = "cpu" if not cuda else "cuda requested but CUDA is not available"
         if mixed_precision and precision_type in ("fp16", "bf16"):
-            return fp32(f"training.precision_type={precision_type} ignored on {where}: "
-                        "mixed precision runs on CUDA only", warn=True)
+            return fp32(
+                f"training.precision_type={precision_type} ignored on {where}: "
+                "mixed precision runs on CUDA only",
+                warn=True,
+            )
         return fp32(f"no mixed precision on {where}")
     if not mixed_precision:
         return fp32("training.mixed_precision=false")
     if precision_type == "fp32":
         return fp32("training.precision_type=fp32")
 
-    name, reason = precision_type, f"training.precision_type={precision_type} on compute capability {cc:.1f}"
+    name, reason = (
+        precision_type,
+        f"training.precision_type={precision_type} on compute capability {cc:.1f}",
+    )
     if precision_type == "auto":
         name = "bf16" if cc >= 8.0 else "fp16"
         reason = f"auto on compute capability {cc:.1f}: " + (
-            "bf16 (Ampere or newer)" if name == "bf16" else "fp16 with a GradScaler (no bf16 below 8.0)")
+            "bf16 (Ampere or newer)"
+            if name == "bf16"
+            else "fp16 with a GradScaler (no bf16 below 8.0)"
+        )
     elif precision_type == "bf16" and cc < 8.0:
         name = "fp16"
         reason = f"training.precision_type=bf16 needs compute capability >= 8.0 (this GPU: {cc:.1f}); fp16 with a GradScaler"
@@ -123,22 +134,38 @@ def choose_precision(
     return p
 
 
-def precision_for(ctx: StageContext, device: str | None = None, compute_capability: Any = None) -> Precision:
+def precision_for(
+    ctx: StageContext, device: str | None = None, compute_capability: Any = None
+) -> Precision:
     """`choose_precision` from a StageContext's `training.*` keys, logged to its task log."""
     tr = ctx.cfg.training
-    return choose_precision(str(tr.precision_type), bool(tr.mixed_precision), device or ctx.device,
-                            compute_capability, logger=ctx.logger)
+    return choose_precision(
+        str(tr.precision_type),
+        bool(tr.mixed_precision),
+        device or ctx.device,
+        compute_capability,
+        logger=ctx.logger,
+    )
 
 
-def trl_precision_kwargs(training_cfg: Any, device: str | torch.device, compute_capability: Any = None,
-                         logger: logging.Logger | None = None) -> dict[str, bool]:
+def trl_precision_kwargs(
+    training_cfg: Any,
+    device: str | torch.device,
+    compute_capability: Any = None,
+    logger: logging.Logger | None = None,
+) -> dict[str, bool]:
     """`{"bf16": .., "fp16": ..}` for a TRL / transformers TrainingArguments.
 
     Always pass both explicitly: TRL's configs default to bf16=True, which must be False on
     the CPU (and on GPUs older than compute capability 8.0).
     """
-    p = choose_precision(str(training_cfg.precision_type), bool(training_cfg.mixed_precision), device,
-                         compute_capability, logger=logger)
+    p = choose_precision(
+        str(training_cfg.precision_type),
+        bool(training_cfg.mixed_precision),
+        device,
+        compute_capability,
+        logger=logger,
+    )
     return p.trl_kwargs()
 
 
@@ -148,7 +175,9 @@ class DeviceChoice(NamedTuple):
     reason: str
 
 
-def training_device(gpu_mode: str, device: str | torch.device = "cpu", cuda_count: int | None = None) -> DeviceChoice:
+def training_device(
+    gpu_mode: str, device: str | torch.device = "cpu", cuda_count: int | None = None
+) -> DeviceChoice:
     """What `system.gpu_mode` means for a task whose worker runs on `device` (ctx.device).
 
     cpu: the CPU even on a GPU worker. single_gpu: the first pinned GPU only. multi_gpu and
@@ -160,13 +189,19 @@ def training_device(gpu_mode: str, device: str | torch.device = "cpu", cuda_coun
     if gpu_mode == "cpu":
         return DeviceChoice("cpu", 1, "system.gpu_mode=cpu")
     if cuda_count is None:
-        cuda_count = torch.cuda.device_count() if _is_cuda(device) and torch.cuda.is_available() else 0
+        cuda_count = (
+            torch.cuda.device_count() if _is_cuda(device) and torch.cuda.is_available() else 0
+        )
     if not _is_cuda(device) or cuda_count == 0:
-        return DeviceChoice("cpu", 1, f"system.gpu_mode={gpu_mode} but this task has no CUDA device; cpu")
+        return DeviceChoice(
+            "cpu", 1, f"system.gpu_mode={gpu_mode} but this task has no CUDA device; cpu"
+        )
     index = torch.device(device).index  # a DDP rank's own GPU stays its own
     first = f"cuda:{index if index is not None else 0}"
     if gpu_mode == "single_gpu":
         note = f" (1 of the {cuda_count} pinned GPUs)" if cuda_count > 1 else ""
         return DeviceChoice(first, 1, f"system.gpu_mode=single_gpu{note}")
-    note = " (only one GPU pinned to this task)" if gpu_mode == "multi_gpu" and cuda_count == 1 else ""
+    note = (
+        " (only one GPU pinned to this task)" if gpu_mode == "multi_gpu" and cuda_count == 1 else ""
+    )
     return DeviceChoice(first, cuda_count, f"system.gpu_mode={gpu_mode}: {cuda_count} GPU(s){note}")

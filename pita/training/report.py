@@ -27,10 +27,19 @@ PLOT_NAME = "training_metrics.png"
 SUMMARY_NAME = "performance_summary.txt"
 
 
-def write_training_report(out_dir: str | Path, source: TrainStep | TrainingMetrics, *, micro_batch: int,
-                          accumulation_steps: int, world_size: int = 1, gradient_checkpointing: bool = False,
-                          precision: Precision | None = None, compile_status: CompileStatus | str | None = None,
-                          title: str = "", extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def write_training_report(
+    out_dir: str | Path,
+    source: TrainStep | TrainingMetrics,
+    *,
+    micro_batch: int,
+    accumulation_steps: int,
+    world_size: int = 1,
+    gradient_checkpointing: bool = False,
+    precision: Precision | None = None,
+    compile_status: CompileStatus | str | None = None,
+    title: str = "",
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Write `training_metrics.png` and `performance_summary.txt` into `out_dir`; return
     the summary as a JSON-able dict.
 
@@ -77,16 +86,26 @@ def trainer_metrics_callback(metrics: TrainingMetrics, samples_per_step: int):
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
-            metrics.record(step=state.global_step, step_time_s=time.perf_counter() - self.t0,
-                           samples=samples_per_step)
+            metrics.record(
+                step=state.global_step,
+                step_time_s=time.perf_counter() - self.t0,
+                samples=samples_per_step,
+            )
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not metrics.rows or not logs:
                 return
             row = metrics.rows[-1]
-            for key, name in (("loss", "loss"), ("accuracy", "accuracy"), ("rewards/accuracies", "accuracy"),
-                              ("learning_rate", "lr"), ("grad_norm", "grad_norm"), ("reward", "reward"),
-                              ("kl", "kl"), ("rewards/margins", "reward_margin")):
+            for key, name in (
+                ("loss", "loss"),
+                ("accuracy", "accuracy"),
+                ("rewards/accuracies", "accuracy"),
+                ("learning_rate", "lr"),
+                ("grad_norm", "grad_norm"),
+                ("reward", "reward"),
+                ("kl", "kl"),
+                ("rewards/margins", "reward_margin"),
+            ):
                 if isinstance(logs.get(key), (int, float)):
                     row[name] = float(logs[key])
             if isinstance(logs.get("num_tokens"), (int, float)):  # cumulative in TRL's logs
@@ -101,7 +120,11 @@ def _fmt(value: Any, unit: str = "") -> str:
 
 
 def _summary_text(s: dict[str, Any], device: Any, reason: str, title: str) -> str:
-    first = " (first step excluded: warm-up / compilation)" if s["throughput_excludes_first_step"] else ""
+    first = (
+        " (first step excluded: warm-up / compilation)"
+        if s["throughput_excludes_first_step"]
+        else ""
+    )
     lines = [
         f"Training performance summary{': ' + title if title else ''}",
         f"device: {device}",
@@ -115,9 +138,23 @@ def _summary_text(s: dict[str, Any], device: Any, reason: str, title: str) -> st
         f"throughput: {_fmt(s['samples_per_s'], ' samples/s')}, {_fmt(s['tokens_per_s'], ' tokens/s')}{first}",
         f"peak memory: {_fmt(s['peak_memory_mb'], ' MB')} ({s['peak_memory_kind']})",
     ]
-    known = {"precision", "compile", "gradient_checkpointing", "micro_batch", "accumulation_steps", "world_size",
-             "effective_batch", "steps", "train_time_s", "mean_step_time_s", "samples_per_s", "tokens_per_s",
-             "peak_memory_mb", "peak_memory_kind", "throughput_excludes_first_step"}
+    known = {
+        "precision",
+        "compile",
+        "gradient_checkpointing",
+        "micro_batch",
+        "accumulation_steps",
+        "world_size",
+        "effective_batch",
+        "steps",
+        "train_time_s",
+        "mean_step_time_s",
+        "samples_per_s",
+        "tokens_per_s",
+        "peak_memory_mb",
+        "peak_memory_kind",
+        "throughput_excludes_first_step",
+    }
     lines += [f"{k}: {v}" for k, v in s.items() if k not in known]
     return "\n".join(lines) + "\n"
 
@@ -125,11 +162,23 @@ def _summary_text(s: dict[str, Any], device: Any, reason: str, title: str) -> st
 def _plot(path: Path, metrics: TrainingMetrics, title: str) -> None:
     from matplotlib.figure import Figure
 
-    panels = [("loss", "loss"), ("reward", "reward"), ("kl", "KL(π‖π_ref)"), ("reward_margin", "reward margin"),
-              ("accuracy", "accuracy"), ("step_time_s", "step time (s)")]
+    panels = [
+        ("loss", "loss"),
+        ("reward", "reward"),
+        ("kl", "KL(π‖π_ref)"),
+        ("reward_margin", "reward margin"),
+        ("accuracy", "accuracy"),
+        ("step_time_s", "step time (s)"),
+    ]
     panels = [(k, label) for k, label in panels if metrics.series(k)[0]] or [("loss", "loss")]
-    positions = sorted({int(k[len("heldout_pos"):]) for row in metrics.rows for k in row
-                        if k.startswith("heldout_pos")})
+    positions = sorted(
+        {
+            int(k[len("heldout_pos") :])
+            for row in metrics.rows
+            for k in row
+            if k.startswith("heldout_pos")
+        }
+    )
     n_panels = len(panels) + bool(positions)
     fig = Figure(figsize=(4.2 * n_panels, 3.4), layout="constrained")
     axes = fig.subplots(1, n_panels, squeeze=False)[0]

@@ -32,8 +32,11 @@ from pathlib import Path
 from typing import Any
 
 BACKENDS = ("none", "tensorboard", "wandb", "mlflow", "csv")
-_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
-             "mlflow": ("mlflow", "mlflow")}
+_PACKAGES = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "mlflow": ("mlflow", "mlflow"),
+}
 
 
 def missing_package(backend: str) -> str | None:
@@ -78,8 +81,11 @@ class Tracker:
 
 
 def _numeric(metrics: Mapping[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+    return {
+        k: float(v)
+        for k, v in metrics.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"
+    }
 
 
 class TensorBoardTracker(Tracker):
@@ -122,8 +128,11 @@ class CsvTracker(Tracker):
             self._pruned = True
             if self.path.is_file():
                 with open(self.path, newline="") as f:
-                    self.rows = [{k: float(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)
-                                 if float(r["step"]) <= self.start_step]
+                    self.rows = [
+                        {k: float(v) for k, v in r.items() if v != ""}
+                        for r in csv.DictReader(f)
+                        if float(r["step"]) <= self.start_step
+                    ]
         self.rows.append({"step": float(step), **_numeric(metrics)})
         self._write()
 
@@ -132,7 +141,9 @@ class CsvTracker(Tracker):
 
         columns = ["step"] + sorted({k for r in self.rows for k in r} - {"step"})
         lines = [",".join(columns)]
-        lines += [",".join("" if r.get(c) is None else repr(r[c]) for c in columns) for r in self.rows]
+        lines += [
+            ",".join("" if r.get(c) is None else repr(r[c]) for c in columns) for r in self.rows
+        ]
         atomic_write_text(self.path, "\n".join(lines) + "\n")
 
 
@@ -144,8 +155,14 @@ class WandbTracker(Tracker):
         import wandb
 
         folder.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=str(cfg.get("project") or "pita"), name=name, group=group,
-                              dir=str(folder), mode=str(cfg.get("mode") or "offline"), reinit="create_new")
+        self.run = wandb.init(
+            project=str(cfg.get("project") or "pita"),
+            name=name,
+            group=group,
+            dir=str(folder),
+            mode=str(cfg.get("mode") or "offline"),
+            reinit="create_new",
+        )
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         self.run.log(_numeric(metrics), step=step)
@@ -193,7 +210,9 @@ def open_tracker(cfg: Any, run_dir: str | Path, name: str) -> Tracker:
         return CsvTracker(log_dir(run_dir, backend) / f"{name}.csv")
     experiment = str(cfg.experiment.name) if hasattr(cfg, "experiment") else "pita"
     if backend == "wandb":
-        return WandbTracker(log_dir(run_dir, backend), name, group=f"{experiment}/{Path(run_dir).name}", cfg=lcfg)
+        return WandbTracker(
+            log_dir(run_dir, backend), name, group=f"{experiment}/{Path(run_dir).name}", cfg=lcfg
+        )
     if backend == "mlflow":
         return MlflowTracker(mlflow_uri(lcfg, run_dir), experiment, name)
     raise ValueError(f"logger.backend={backend!r}: allowed: {' | '.join(BACKENDS)}")
@@ -224,15 +243,24 @@ def trl_report_to(ctx: Any) -> tuple[list[str] | str, dict[str, str]]:
         raise RuntimeError(f"logger.backend={backend}: the package is not installed; {need}")
     experiment = str(ctx.cfg.experiment.name)
     if backend == "tensorboard":
-        return ["tensorboard"], {"TENSORBOARD_LOGGING_DIR": str(log_dir(ctx.run_dir, backend) / name)}
+        return ["tensorboard"], {
+            "TENSORBOARD_LOGGING_DIR": str(log_dir(ctx.run_dir, backend) / name)
+        }
     if backend == "wandb":
         folder = log_dir(ctx.run_dir, backend)
         folder.mkdir(parents=True, exist_ok=True)
-        return ["wandb"], {"WANDB_MODE": str(lcfg.get("mode") or "offline"), "WANDB_DIR": str(folder),
-                           "WANDB_PROJECT": str(lcfg.get("project") or "pita"),
-                           "WANDB_RUN_GROUP": f"{experiment}/{Path(ctx.run_dir).name}", "WANDB_NAME": name}
-    return ["mlflow"], {"MLFLOW_TRACKING_URI": mlflow_uri(lcfg, ctx.run_dir), "MLFLOW_EXPERIMENT_NAME": experiment,
-                        "MLFLOW_RUN_NAME": name}
+        return ["wandb"], {
+            "WANDB_MODE": str(lcfg.get("mode") or "offline"),
+            "WANDB_DIR": str(folder),
+            "WANDB_PROJECT": str(lcfg.get("project") or "pita"),
+            "WANDB_RUN_GROUP": f"{experiment}/{Path(ctx.run_dir).name}",
+            "WANDB_NAME": name,
+        }
+    return ["mlflow"], {
+        "MLFLOW_TRACKING_URI": mlflow_uri(lcfg, ctx.run_dir),
+        "MLFLOW_EXPERIMENT_NAME": experiment,
+        "MLFLOW_RUN_NAME": name,
+    }
 
 
 class scoped_env:

@@ -161,5 +161,3 @@ class BatchSizeCache:
                 yield
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
-
-

@@ -359,5 +359,3 @@ def training_probe(
         )()
 
     return factory
-
-

@@ -132,5 +132,3 @@ def resolve_batch_size(
     finally:
         if setup.close is not None:
             setup.close()
-
-

@@ -428,5 +428,3 @@ def power_binary_search(
     br = _Bracket(measure, float(budget_bytes), int(cap), log, max_probes)
     _power_binary(br, rel_tol)
     return _finish(br, "power_binary", reduction, log)
-
-
