@@ -27,16 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))
 
 from bench.run_analysis import packing  # noqa: E402
+from pita.core.tasks import TASK_STAGES  # noqa: E402
 
-STAGES = (
-    "pretrain",
-    "collect",
-    "collect_merge",
-    "reward_model",
-    "train",
-    "evaluate",
-    "evaluate_merge",
-)
+STAGES = TASK_STAGES  # every stage a task can have
 
 
 def run_once(max_tasks: str, device_gb: float, sleep: float, cwd: Path) -> dict:

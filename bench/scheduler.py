@@ -55,22 +55,14 @@ from pita.core.dag import Plan, critical_path_priorities  # noqa: E402
 from pita.core.errors import ConfigError  # noqa: E402
 from pita.core.journal import Journal  # noqa: E402
 from pita.core.parallel_executor import DagRunner  # noqa: E402
-from pita.core.tasks import TaskSpec  # noqa: E402
+from pita.core.tasks import TASK_STAGES, TaskSpec  # noqa: E402
 from pita.core.worker_pool import WorkerPool  # noqa: E402
 from pita.experiment.cli import compose_config  # noqa: E402
 from pita.experiment.config import validate  # noqa: E402
 from pita.experiment.run import build_plan, make_gpu_manager, make_scheduler  # noqa: E402
 
 WORKLOAD = "bench.workload:timed_stage"
-STAGES = (
-    "pretrain",
-    "collect",
-    "collect_merge",
-    "reward_model",
-    "train",
-    "evaluate",
-    "evaluate_merge",
-)
+STAGES = TASK_STAGES  # every stage a task can have
 STAGE_S = {
     "pretrain": 0.8,
     "collect": 0.3,

@@ -11,18 +11,11 @@ from pathlib import Path
 import pytest
 
 from pita.algos.registry import ALGO_NAMES
+from pita.core.tasks import TASK_STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 ALGOS = ALGO_NAMES  # the registry table
-STAGES = (
-    "pretrain",
-    "collect",
-    "collect_merge",
-    "reward_model",
-    "train",
-    "evaluate",
-    "evaluate_merge",
-)
+STAGES = TASK_STAGES  # every stage a task can have
 
 
 def sleep_overrides(fn: str = "tests.fault_stages:sleep_stage") -> list[str]:

@@ -14,19 +14,11 @@ from pita.core.dag import Plan
 from pita.core.executor import TaskOutcome
 from pita.core.parallel_executor import DagRunner, DeviceState, Scheduler
 from pita.core.resources import host_cores, max_tasks_per_device, thread_budget, thread_env
-from pita.core.tasks import TaskSpec
+from pita.core.tasks import TASK_STAGES, TaskSpec
 from pita.experiment import estimates
 from tests.conftest import journal, only, run_cli, run_dirs
 
-STAGES = (
-    "pretrain",
-    "collect",
-    "collect_merge",
-    "reward_model",
-    "train",
-    "evaluate",
-    "evaluate_merge",
-)
+STAGES = TASK_STAGES  # every stage a task can have
 FAKE_8GB = 8 * 1024
 
 

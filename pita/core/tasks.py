@@ -14,6 +14,8 @@ from typing import Any
 
 STAGES = ("pretrain", "collect", "reward_model", "train", "evaluate")
 SHARDABLE = ("collect", "evaluate")
+# Every stage a task can have: a shardable stage also has a "<stage>_merge" task.
+TASK_STAGES = tuple(x for st in STAGES for x in ((st, f"{st}_merge") if st in SHARDABLE else (st,)))
 
 
 def chain_id(algo: str, dataset: str, family: str) -> str:
