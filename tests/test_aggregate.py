@@ -8,22 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from pita.experiment.report import COLUMNS
 from tests.conftest import only, run_cli
 
-HEADER = [
-    "algo",
-    "dataset",
-    "family",
-    "round",
-    "eta",
-    "n_prompts",
-    "samples",
-    "pass@1",
-    "maj@k",
-    "avg_reward",
-    "kl",
-    "wall_s",
-]
+HEADER = COLUMNS  # the results contract (docs/DESIGN.md §6)
 
 
 def _job(folder: Path, seed: int, rows: list[list], extra_override: str = "") -> Path:

@@ -39,29 +39,27 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from pita.models.placement import BYTES_PER_PARAM
+
 log = logging.getLogger(__name__)
 
 WORKER_OVERHEAD_MB = 512
 PEAK_MARGIN = 1.10  # a measured peak, plus 10 % (allocator rounding, a longer batch next time)
 SCHEMA_DEFAULT_GB = 0.5  # ModelConfig.memory_gb's default: "nobody said"
+# Bytes per element by dtype name: placement's weight table (the same numbers the gang
+# placement uses) plus the other names a config.json may store.
 DTYPE_BYTES = {
-    "float32": 4,
+    **BYTES_PER_PARAM,
     "float": 4,
-    "fp32": 4,
-    "bfloat16": 2,
-    "bf16": 2,
-    "float16": 2,
-    "fp16": 2,
     "half": 2,
     "float64": 8,
-    "int8": 1,
     "uint8": 1,
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
+    "int16": 2,
     "int32": 4,
     "int64": 8,
     "bool": 1,
-    "int16": 2,
 }
 SAFETENSORS_BYTES = {
     "F64": 8,
@@ -103,23 +101,18 @@ def safetensors_parameters(folder: Path) -> tuple[int, int]:
 
 
 def hub_snapshot(model_id: str) -> Path | None:
-    """A local folder, or the local hub cache's snapshot of `model_id` (never downloads)."""
+    """A local folder, or the local hub cache's snapshot of `model_id` (never downloads):
+    huggingface_hub's own cache lookup, as preflight uses it."""
     p = Path(os.path.expanduser(model_id))
     if p.is_dir():
         return p
-    if "/" not in model_id and not re.fullmatch(r"[\w.-]+", model_id):
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(model_id, "config.json")
+    except Exception:  # noqa: BLE001 - an id the hub would reject is in no cache
         return None
-    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
-        os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub"
-    )
-    repo = Path(hub) / ("models--" + model_id.replace("/", "--"))
-    ref = repo / "refs" / "main"
-    if ref.is_file():
-        snap = repo / "snapshots" / ref.read_text().strip()
-        if (snap / "config.json").is_file():
-            return snap
-    snaps = sorted((repo / "snapshots").glob("*/config.json")) if repo.is_dir() else []
-    return snaps[-1].parent if snaps else None
+    return Path(cached).parent if isinstance(cached, str) else None
 
 
 def _text_config(raw: Mapping[str, Any]) -> Mapping[str, Any]:
