@@ -67,6 +67,10 @@ BAD = [
     ),
     (["algos.QSharp.enabled=true", "algos.QSharp.lr_schedule=linear"], "algos.QSharp.lr_schedule="),
     (
+        ["algos.QSharp.enabled=true", "algos.QSharp.warm_start_layers=-2"],
+        "algos.QSharp.warm_start_layers=",
+    ),
+    (
         ["algos.QSharp.enabled=true", "algos.QSharp.holdout_fraction=1"],
         "algos.QSharp.holdout_fraction=",
     ),

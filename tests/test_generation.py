@@ -167,6 +167,45 @@ def test_rows_stop_at_eos_and_are_truncated(model):
                 assert tok == PAD
 
 
+def test_sparse_eos_checks_run_extra_steps_but_return_the_same_rows(model, prompts, monkeypatch):
+    """On an accelerator the loop reads "all finished?" back every EOS_CHECK_EVERY steps;
+    the padding steps it runs after the last EOS must not change any row (forced here on
+    CPU, one batch so the generator's stream is the same up to the last real step)."""
+    from pita.models import generation
+
+    class RisingEos:  # pushes EOS a little more every step, so every row stops early
+        def __init__(self):
+            self.step = 0
+
+        def __call__(self, step_ids, attention_mask, position_ids, logits):
+            self.step += 1
+            off = torch.zeros_like(logits)
+            off[:, EOS] = 0.6 * self.step
+            return off
+
+    kw = dict(
+        max_new_tokens=20,
+        batch_size=len(prompts),
+        do_sample=True,
+        temperature=2.0,
+        offset_hook_factory=RisingEos,
+    )
+    first = _gen(model, prompts, generator=torch.Generator().manual_seed(5), **kw)
+    lengths = [len(r) for r in first.responses]
+    assert max(lengths) < 20, "some row must stop early for this test to mean anything"
+    monkeypatch.setattr(generation, "eos_check_every", lambda device: 8)
+    calls, handle = _count_forwards(model)
+    try:
+        sparse = _gen(model, prompts, generator=torch.Generator().manual_seed(5), **kw)
+    finally:
+        handle.remove()
+    assert sparse.responses == first.responses
+    _close(sparse.logprobs, first.logprobs)
+    _close(sparse.base_logprobs, first.base_logprobs)
+    assert max(lengths) % 8 != 0  # so the sparse loop really ran padding steps
+    assert len(calls) == min(20, -(-max(lengths) // 8) * 8)  # ran on to the next check
+
+
 def test_force_full_length_ignores_eos(model):
     prompts = [[BOS, 7, 8], [BOS], [BOS, 9]]
     calls, handle = _count_forwards(model)

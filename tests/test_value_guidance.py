@@ -218,6 +218,28 @@ def test_value_model_save_load_and_warm_start(tmp_path):
     assert (tmp_path / "value_model" / "model.safetensors").is_file()
 
 
+def test_warm_start_layers_copies_only_the_bottom_blocks():
+    """`warm_start_layers=1` (the bottom half of a 2-block reference) copies embeddings, block
+    0 and the final norm; block 1 keeps its own initialisation (issue 15's comparison)."""
+    ref = build_tiny_llama(
+        V, n_layer=2, d_model=32, n_head=4, pad_token_id=PAD, eos_token_id=EOS, seed=1
+    )
+    fam = {"name": "tiny", "guide_arch": {"n_layer": 2, "d_model": 32, "n_head": 4}}
+    algo = OmegaConf.create(
+        {"loss_type": "bce", "num_atoms": 1, "V_min": 0.0, "V_max": 1.0}
+        | {"warm_start": True, "warm_start_layers": 1}
+    )
+    vm = build_value_model(ref, fam, algo, vocab_size=V)
+
+    def up(layers, i):
+        return layers[i].mlp.up_proj.weight
+
+    assert torch.equal(vm.backbone.embed_tokens.weight, ref.model.embed_tokens.weight)
+    assert torch.equal(up(vm.backbone.layers, 0), up(ref.model.layers, 0))
+    assert not torch.equal(up(vm.backbone.layers, 1), up(ref.model.layers, 1))
+    assert torch.equal(vm.backbone.norm.weight, ref.model.norm.weight)
+
+
 # --- losses -------------------------------------------------------------------------------
 
 

@@ -117,8 +117,13 @@ class _Recorder:
         return off
 
 
-@pytest.mark.parametrize("mode", ["bernoulli", "expectation_clamped"])
-def test_v_hook_offsets_equal_recomputation_during_decoding(mode):
+@pytest.mark.parametrize(
+    "mode, generation_top_k",
+    [("bernoulli", None), ("expectation_clamped", None), ("bernoulli", 3)],
+)
+def test_v_hook_offsets_equal_recomputation_during_decoding(mode, generation_top_k):
+    """Also with `generation_top_k` (the generator's top-k is known to lie inside the hook's,
+    so the hook skips its per-token "was the fed token a candidate?" check)."""
     vm = _v_model()
     ref = build_tiny_llama(
         V, n_layer=1, d_model=32, n_head=4, pad_token_id=PAD, eos_token_id=EOS, seed=1
@@ -127,7 +132,10 @@ def test_v_hook_offsets_equal_recomputation_during_decoding(mode):
     hooks: list[_Recorder] = []
 
     def factory():
-        hooks.append(_Recorder(CandidateGuidanceHook(vm, 3.0, mode, top_k=3, stats=stats)))
+        hook = CandidateGuidanceHook(
+            vm, 3.0, mode, top_k=3, stats=stats, generation_top_k=generation_top_k
+        )
+        hooks.append(_Recorder(hook))
         return hooks[-1]
 
     gen = torch.Generator().manual_seed(0)

@@ -145,9 +145,20 @@ class CandidateGuidanceHook:
     sampled candidate's row of that cache for the next step (see the module docstring)."""
 
     def __init__(
-        self, model: ValueModel, eta: float, mode: str, top_k: int, stats: HookStats | None = None
+        self,
+        model: ValueModel,
+        eta: float,
+        mode: str,
+        top_k: int,
+        stats: HookStats | None = None,
+        *,
+        generation_top_k: int | None = None,
     ):
         self.model, self.eta, self.mode, self.top_k = model, float(eta), mode, int(top_k)
+        # The generator samples among its own top-k of the same logits: when that set lies
+        # inside ours, every fed token is a candidate (or padding) and the per-token check
+        # below, a host round trip on a GPU, can be skipped.
+        self.fed_is_candidate = generation_top_k is not None and 0 < generation_top_k <= self.top_k
         self.stats = stats if stats is not None else HookStats()
         self.cache = None  # B·k rows after a step: row b·k + j ends with candidate j of row b
         self.candidates: torch.Tensor | None = None  # [B, k] of the previous step
@@ -199,7 +210,7 @@ class CandidateGuidanceHook:
                 finished = (
                     step_ids[:, -1].eq(self.pad_id) if self.pad_id is not None else hit.new_zeros(b)
                 )
-                if not bool(
+                if not self.fed_is_candidate and not bool(
                     (hit.any(dim=-1) | finished).all()
                 ):  # exact fallback: drop the candidate, feed the token
                     self.cache.crop(-1)
@@ -219,10 +230,19 @@ class CandidateGuidanceHook:
         return off.to(logits.device)
 
 
-def hook_factory(model: ValueModel, eta: float, mode: str, top_k: int = 0) -> Callable[[], Any]:
+def hook_factory(
+    model: ValueModel,
+    eta: float,
+    mode: str,
+    top_k: int = 0,
+    *,
+    generation_top_k: int | None = None,
+) -> Callable[[], Any]:
     """A factory for `generate(offset_hook_factory=...)`; `factory.stats` counts its work.
     η = 0 returns no hook at all, so sampling is exactly π_ref's. `top_k`: the candidates a
-    V-type head scores (the generator's top-k; 0 = the whole vocabulary)."""
+    V-type head scores (the generator's top-k; 0 = the whole vocabulary).
+    `generation_top_k`: the top-k the generator samples with, when the caller knows it
+    (lets the V-type hook skip a per-token host check; see CandidateGuidanceHook)."""
     if mode not in MODES:
         raise ValueError(f"guidance.mode={mode!r}: allowed: {', '.join(MODES)}")
     stats = HookStats()
@@ -231,7 +251,9 @@ def hook_factory(model: ValueModel, eta: float, mode: str, top_k: int = 0) -> Ca
         if eta == 0:
             return None
         if model.head_type == "v":
-            return CandidateGuidanceHook(model, eta, mode, top_k, stats)
+            return CandidateGuidanceHook(
+                model, eta, mode, top_k, stats, generation_top_k=generation_top_k
+            )
         return ValueGuidanceHook(model, eta, mode, stats)
 
     factory.stats = stats  # type: ignore[attr-defined]
@@ -242,7 +264,9 @@ def hook_factory(model: ValueModel, eta: float, mode: str, top_k: int = 0) -> Ca
 def guided_hook_factory(ctx: Any, guide_dir: str | Path, eta: float) -> Callable[[], Any]:
     """The offset-hook factory of a chain's guide (a train folder with `value_model/`) at
     strength η, with the mode of `algos.<NAME>.guidance.mode`; the value model comes
-    through the worker's model LRU (`ctx.models`)."""
+    through the worker's model LRU (`ctx.models`). Its callers (evaluate, collect) sample
+    guided decoding with the generator's top-k = `guidance.top_k`."""
     model = ctx.load_value_model(guide_dir)
     guidance = ctx.algo_cfg.guidance
-    return hook_factory(model, float(eta), str(guidance.mode), int(guidance.top_k))
+    top_k = int(guidance.top_k)
+    return hook_factory(model, float(eta), str(guidance.mode), top_k, generation_top_k=top_k)

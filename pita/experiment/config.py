@@ -292,6 +292,11 @@ class AlgoConfig:
     warm_start: bool = _help(
         "Copy the reference's embeddings/first block into the value model.", True
     )
+    warm_start_layers: int = _help(
+        "With warm_start: how many of the reference's blocks, bottom first, are copied "
+        "(-1 = every block whose shape matches; 0 = embeddings and final norm only).",
+        -1,
+    )
     value_head: str = _help(
         "q (one value per vocabulary entry, read at the prefix) | v (candidate appended, "
         "scalar read at its own position: the official Q# classifier)",
@@ -761,6 +766,13 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
             f"algos.{name}.value_head",
             algo.value_head,
             "v cannot train loss_type=bradley_terry (it scores one token per forward): use q",
+        )
+        _check(
+            e,
+            algo.warm_start_layers >= -1,
+            f"algos.{name}.warm_start_layers",
+            algo.warm_start_layers,
+            "allowed: -1 (every block) or a count of bottom blocks >= 0",
         )
         _check(
             e,

@@ -25,8 +25,9 @@ How a batch is decoded:
   5. sample with the generator (inverse CDF on uniform draws), or argmax when greedy;
 
 - a row that emits EOS is finished: it receives ``pad_token_id`` afterwards, its response
-  is cut after the EOS (EOS included), and the loop stops once every row is finished or
-  ``max_new_tokens`` is reached (``force_full_length`` ignores EOS, for worst-case memory
+  is cut after the EOS (EOS included), and the loop stops once every row is finished
+  (checked every ``EOS_CHECK_EVERY`` steps on an accelerator) or ``max_new_tokens`` is
+  reached (``force_full_length`` ignores EOS, for worst-case memory
   probes).
 
 Per step only the sampled token's two log-probs are kept, never a [B, V] tensor.
@@ -133,9 +134,16 @@ def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
     """One draw per row by inverse CDF; the generator may live on another device than
     ``probs`` (only B uniforms cross), which keeps a CPU generator reproducible on GPU."""
     rand_device = generator.device if generator is not None else probs.device
+    crosses = rand_device.type == "cpu" and probs.device.type == "cuda"
+    # a pinned source lets the copy run asynchronously: no host round trip per token
     u = torch.rand(
-        probs.shape[0], 1, generator=generator, device=rand_device, dtype=torch.float64
-    ).to(probs.device)
+        probs.shape[0],
+        1,
+        generator=generator,
+        device=rand_device,
+        dtype=torch.float64,
+        pin_memory=crosses,
+    ).to(probs.device, non_blocking=crosses)
     cdf = probs.double().cumsum(dim=-1)
     total = cdf[:, -1:]
     # u < 1, but u * total may round up to total; stay strictly below so the draw lands on
@@ -189,6 +197,20 @@ def select_tokens(
 
 
 # --- generation ---------------------------------------------------------------------------
+
+
+EOS_CHECK_EVERY = 8
+"""On an accelerator the decode loop reads "is every row finished?" back only every this
+many steps: each read stalls the host until the device has drained its queue, so reading
+per token serialises kernel launches with execution (tiny models are launch-bound). The
+price is at most EOS_CHECK_EVERY - 1 wasted steps per batch, whose tokens are padding and
+are cut by the row lengths. On CPU the read is free and the loop stops at once, so CPU
+outputs (and the generator's stream) are exactly as with a per-token check."""
+
+
+def eos_check_every(device: torch.device) -> int:
+    """Steps between reads of "is every row finished?" (see EOS_CHECK_EVERY)."""
+    return 1 if device.type == "cpu" else EOS_CHECK_EVERY
 
 
 def _left_pad(
@@ -298,6 +320,7 @@ def _generate_batch(
 ) -> tuple[list[list[int]], list[list[float]], list[list[float]], list[int]]:
     """Decode one left-padded batch; returns per-row tokens, log-probs and lengths."""
     device = eos.device
+    check_every = eos_check_every(device)
     step_ids, attn = _left_pad(rows, pad_token_id, device)
     pos = position_ids_from_mask(attn)
     n_rows = len(rows)
@@ -337,7 +360,7 @@ def _generate_batch(
             hit = ~finished & torch.isin(tok, eos)
             lengths = torch.where(hit, t + 1, lengths)
             finished |= hit
-            if bool(finished.all()):
+            if (t + 1) % check_every == 0 and bool(finished.all()):
                 break
         if t + 1 < max_new_tokens:
             step_ids = tok.unsqueeze(-1)

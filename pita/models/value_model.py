@@ -316,7 +316,9 @@ def build_value_model(
             model = LlamaModel(config).to(torch.float32)
             vm = ValueModel(model, vocab_size, **kw)
             if algo_cfg.warm_start:
-                copied = warm_start_from(vm, reference)
+                copied = warm_start_from(
+                    vm, reference, layers=int(algo_cfg.get("warm_start_layers", -1))
+                )
                 if logger is not None:
                     logger.info(
                         "value model warm-started from the reference: %s",
@@ -344,9 +346,13 @@ def build_value_model(
     return vm
 
 
-def warm_start_from(vm: ValueModel, reference: nn.Module) -> list[str]:
-    """Copy the reference's embeddings, first block(s) and final norm into `vm`'s backbone
-    where the shapes match; returns what was copied."""
+def warm_start_from(vm: ValueModel, reference: nn.Module, *, layers: int = -1) -> list[str]:
+    """Copy the reference's embeddings, its bottom `layers` blocks (-1: all of them) and
+    final norm into `vm`'s backbone where the shapes match; returns what was copied.
+
+    Why a choice: issue 15 compares a full copy of π_ref (its edge-lookup heads are what the
+    V-type head reuses) with a bottom-half copy (generic token features without π_ref's
+    top-layer "Clever Hans" read-out) and scratch (`warm_start: false`)."""
     ref_base = getattr(reference, "model", reference)
     bb = vm.backbone
     copied = []
@@ -360,7 +366,8 @@ def warm_start_from(vm: ValueModel, reference: nn.Module) -> list[str]:
             copied.append(name)
 
     copy(bb.embed_tokens, ref_base.embed_tokens, "embed_tokens")
-    for i in range(min(len(bb.layers), len(ref_base.layers))):
+    n_blocks = min(len(bb.layers), len(ref_base.layers))
+    for i in range(n_blocks if layers < 0 else min(layers, n_blocks)):
         copy(bb.layers[i], ref_base.layers[i], f"layers.{i}")
     copy(bb.norm, ref_base.norm, "norm")
     return copied
