@@ -37,6 +37,8 @@ def test_smoke_experiment_end_to_end(tmp_path):
     ]
     assert any(r["algo"] == "reference" for r in rows)
     assert (run_dir / "results" / "summary.md").is_file()
+    matched = (run_dir / "results" / "matched_kl.md").read_text()  # smoke sweeps η = 0, 5
+    assert "QSharp pass@1" in matched and "PITA pass@1" in matched
     assert (run_dir / "results" / "plots" / "accuracy.png").stat().st_size > 1000
     assert "| algo |" in proc.stdout  # the table is printed at the end
     assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "plan.json").is_file()

@@ -8,6 +8,8 @@ folder with `results/summary.csv`. `aggregate(run_dirs, out_dir)` reads them and
   `<metric>_min` / `<metric>_max`; `aggregate.md` shows `mean ± std`. `config` is what
   the jobs' overrides set apart from seeds (empty when only seeds vary), so a sweep over
   `seed × lr` gives one group per lr, each averaged over its seeds.
+- `matched_kl.csv` / `matched_kl.md`: the guided algorithms' mean pass@1 read at common
+  KL levels along their η curves (pita/experiment/matched_kl.py), when two have curves.
 - `plots/frontier_<dataset>.png`: avg reward against KL(π‖π_ref) and pass@1 against KL,
   one line per (algorithm, family, round) through its η values, with ±std error bars: the
   figure these papers are read by. `plot_frontier` draws the same for a single run.
@@ -31,6 +33,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from pita.algos.registry import ALGO_NAMES
 from pita.core.paths import RunPaths
 
 log = logging.getLogger("pita.aggregate")
@@ -38,7 +41,7 @@ log = logging.getLogger("pita.aggregate")
 KEYS = ("config", "algo", "dataset", "family", "round", "eta")
 NOT_METRICS = {"algo", "dataset", "family", "round", "eta", "n_prompts", "samples"}
 SEED_KEY = re.compile(r"(^|\.)seed$")
-ALGO_ORDER = ["reference", "PITA", "QSharp", "QSharp-HF", "DPO", "GRPO", "GRPO-HF"]
+ALGO_ORDER = list(ALGO_NAMES)  # the registry table's order
 
 
 def _number(text: str) -> float | str | None:
@@ -275,6 +278,11 @@ def aggregate(
             title=f"{dataset}: mean ± std over {max(r['n_runs'] for r in rows)} run(s)",
         )
     log.info("Aggregate of %d run(s) (%s):\n%s", len(run_dirs), out / "aggregate.csv", table)
+    from pita.experiment.matched_kl import write_matched_kl
+
+    matched = write_matched_kl(rows, out)
+    if matched is not None:
+        log.info("Guided rows at matched KL, means (%s):\n%s", out / "matched_kl.md", matched)
     return rows
 
 

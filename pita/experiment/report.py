@@ -190,6 +190,11 @@ def write_report(cfg, plan: Plan, run_dir: Path) -> list[dict]:
         )
     log_results(cfg, rows, run_dir)
     log.info("Results (%s):\n%s", paths.results / "summary.csv", table)
+    from pita.experiment.matched_kl import write_matched_kl
+
+    matched = write_matched_kl(rows, paths.results)
+    if matched is not None:
+        log.info("Guided rows at matched KL (%s):\n%s", paths.results / "matched_kl.md", matched)
     return rows
 
 
