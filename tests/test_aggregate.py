@@ -105,3 +105,28 @@ def test_real_seed_sweep_ends_with_one_aggregate_table(tmp_path):
     table = (sweep / "aggregate.md").read_text()
     assert "| reference | goal_walk | tiny | 0 | 0 | 2 |" in table
     assert (sweep / "plots" / "frontier_goal_walk.png").is_file()
+
+
+def test_aggregate_writes_the_matched_kl_table_of_the_means(tmp_path):
+    """Two guided algorithms with an η curve in every job: `matched_kl.md` reads the mean
+    curves (Q# mean KL at η 5 is 1.0 with mean pass@1 0.6; PITA's 2.0 and 0.8)."""
+    from pita.experiment.aggregate import aggregate
+
+    sweep = tmp_path / "multirun" / "2026-01-01_00-00-00"
+    for i in range(2):
+        d = i / 10  # job 0 and job 1 straddle the means
+        _job(
+            sweep / str(i),
+            i,
+            [
+                ["QSharp", "goal_walk", "tiny", 0, 0.0, 40, 80, 0.2, 0.2, 0.2, 0.0, 1.0],
+                ["QSharp", "goal_walk", "tiny", 0, 5.0, 40, 80, 0.5 + 2 * d, 0, 0, 0.9 + 2 * d, 1],
+                ["PITA", "goal_walk", "tiny", 0, 0.0, 40, 80, 0.2, 0.2, 0.2, 0.0, 1.0],
+                ["PITA", "goal_walk", "tiny", 0, 5.0, 40, 80, 0.7 + 2 * d, 0, 0, 1.9 + 2 * d, 1],
+            ],
+        )
+    aggregate([sweep])
+    table = (sweep / "matched_kl.md").read_text()
+    # at KL 1.0: Q#'s own mean point (0.6); PITA read between (0, 0.2) and (2.0, 0.8): 0.5
+    assert "| goal_walk | tiny | 0 | 1 | 0.5 | 0.6 |" in table
+    assert "| goal_walk | tiny | 0 | 2 | 0.8 | - |" in table  # past Q#'s largest KL
