@@ -26,6 +26,7 @@ from __future__ import annotations
 import ast
 import fnmatch
 import functools
+import importlib
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -148,15 +149,26 @@ def _test_problem(file: str, name: str) -> str | None:
 # ---- the config, composed with Hydra ------------------------------------------------------
 
 
+def _register_schema() -> None:
+    """Register pita's structured config with Hydra, wherever the schema module lives."""
+    for name in ("pita.experiment.cli", "pita.core.schema", "pita.experiment.config"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "register_configs"):
+            module.register_configs()
+            return
+    raise AssertionError("no register_configs() in pita.experiment.cli or the schema module")
+
+
 @functools.cache
 def _compose(overrides: tuple[str, ...] = ()):
     """The composed config (with `hydra.*`), or None if these overrides do not compose."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from pita.experiment import cli
-
-    cli.register_configs()
+    _register_schema()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF), version_base=None):
