@@ -135,15 +135,18 @@ def _module_problem(dotted: str, attr: str | None) -> str | None:
     return "no such module"
 
 
+@functools.cache
+def _functions_in(path: Path) -> frozenset[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef)
+    return frozenset(n.name for n in ast.walk(tree) if isinstance(n, kinds))
+
+
 def _test_problem(file: str, name: str) -> str | None:
     path = ROOT / file
     if not path.is_file():
         return "no such file"
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    defs = {
-        n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-    }
-    return None if name.split("::")[-1] in defs else "no such test"
+    return None if name.split("::")[-1] in _functions_in(path) else "no such test"
 
 
 # ---- the config, composed with Hydra ------------------------------------------------------
