@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from pita.core.safe_files import UnsafeFile, read_control_text
+
 
 class Artifact:
     """The names of the files and folders inside a task folder, in one place.
@@ -241,7 +243,9 @@ class TaskPaths:
         declared outputs (a manifest edited to drop a file, or `"files": {}`, is caught).
         """
         try:
-            manifest = json.loads(self.manifest.read_text())
+            manifest = json.loads(read_control_text(self.manifest))
+        except UnsafeFile as exc:
+            return f"manifest not trusted ({exc})"
         except (OSError, ValueError):
             return "no readable manifest"
         if not isinstance(manifest, dict) or manifest.get("task_id") != self.task_id:

@@ -26,6 +26,7 @@ from pita.core.parallel_generation import ParallelDataGenerator
 from pita.core.paths import Artifact, RunPaths, TaskPaths, atomic_write_json
 from pita.core.resume import completed_tasks, remove_stale_tmp
 from pita.core.run_lock import RunLock
+from pita.core.safe_files import check_folder
 from pita.experiment.config import validate
 from pita.experiment.plan import check_resources, plan_experiment
 
@@ -157,6 +158,9 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
         print_dry_run(plan, cfg, gpu)
         return EXIT_OK
 
+    trust_group = bool(cfg.system.get("trust_group", False))
+    for folder in (run_dir, paths.tasks):  # a folder others can write steers what resume trusts
+        check_folder(folder, trust_group)
     run_dir.mkdir(parents=True, exist_ok=True)
     with RunLock(run_dir):  # one orchestrator per run folder (a second one exits 2)
         return _run_locked(cfg, run_dir, paths, gpu, plan, resumed, absolutized)

@@ -1,0 +1,171 @@
+"""Red-team cases (issue 21): each plants a real attack in a real run folder and checks
+that nothing executes, no file outside the run changes, and each refusal is one line
+with exit 2. Run as another user where a case needs one (root only, else skipped)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+
+import pytest
+
+from pita.core.errors import ConfigError
+from pita.core.journal import Journal, read_events, replay
+from pita.core.paths import TaskPaths
+from pita.core.run_lock import RunLock, lock_holder_pid
+from pita.core.safe_files import UnsafeFile, check_folder, read_control
+from tests.conftest import journal, run_cli, run_dirs, sleep_overrides
+from tests.test_faults import BASE, REF
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """One finished reference-only run with sleep stages (the orchestrator is under test)."""
+    cwd = tmp_path_factory.mktemp("hostile")
+    done = run_cli([*BASE, *REF, "experiment.name=hostile", *sleep_overrides()], cwd)
+    assert done.returncode == 0, done.stdout + done.stderr
+    [run_dir] = run_dirs(cwd, "hostile")
+    return cwd, run_dir
+
+
+def _copy_run(finished_run, tmp_path):
+    cwd, run_dir = finished_run
+    copy = tmp_path / "outputs" / "hostile" / run_dir.name
+    shutil.copytree(run_dir, copy, symlinks=True)
+    return copy
+
+
+def _one_line_exit_2(proc) -> str:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    return line
+
+
+# --- symlinks and special files in a run folder -------------------------------------------
+
+
+def test_symlinked_lock_does_not_overwrite_its_target(finished_run, tmp_path):
+    run_dir = _copy_run(finished_run, tmp_path)
+    victim = tmp_path / "important.txt"
+    victim.write_text("precious\n")
+    (run_dir / ".lock").unlink()
+    (run_dir / ".lock").symlink_to(victim)
+    proc = run_cli(["resume_from=" + str(run_dir), "executor.progress=false"], tmp_path)
+    line = _one_line_exit_2(proc)
+    assert "symbolic link" in line and ".lock" in line
+    assert victim.read_text() == "precious\n"
+
+
+def test_symlinked_journal_is_refused(finished_run, tmp_path):
+    run_dir = _copy_run(finished_run, tmp_path)
+    victim = tmp_path / "important.txt"
+    victim.write_text("precious\n")
+    (run_dir / "journal.jsonl").unlink()
+    (run_dir / "journal.jsonl").symlink_to(victim)
+    proc = run_cli(["resume_from=" + str(run_dir), "executor.progress=false"], tmp_path)
+    line = _one_line_exit_2(proc)
+    assert "journal.jsonl" in line and "symbolic link" in line
+    assert victim.read_text() == "precious\n"
+
+
+def test_lock_that_is_a_folder_is_one_line(tmp_path):
+    (tmp_path / ".lock").mkdir()
+    with pytest.raises(UnsafeFile, match="not a regular file"):
+        RunLock(tmp_path).acquire()
+
+
+def test_manifest_linked_to_dev_zero_is_not_read(tmp_path):
+    task = TaskPaths(tmp_path, "t")
+    task.final.mkdir(parents=True)
+    task.manifest.symlink_to("/dev/zero")
+    assert "not trusted" in task.verify()
+    task.manifest.unlink()
+    with open(task.manifest, "wb") as f:  # a huge regular manifest: refused by its size
+        f.truncate(17 * 2**20)
+    assert "not trusted" in task.verify()
+
+
+def test_fifo_control_file_does_not_hang(tmp_path):
+    os.mkfifo(tmp_path / "plan.json")
+    with pytest.raises(UnsafeFile, match="not a regular file"):
+        read_control(tmp_path / "plan.json")
+
+
+def test_world_writable_run_folder_is_refused(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    folder.chmod(0o777)
+    with pytest.raises(UnsafeFile, match="writable by every user"):
+        check_folder(folder)
+
+
+# --- the run lock ----------------------------------------------------------------------------
+
+
+def test_lock_is_private_and_fixes_an_old_mode(tmp_path):
+    lock = tmp_path / ".lock"
+    lock.write_text("{}")
+    lock.chmod(0o644)  # what an older pita left: any user could open it and flock it
+    with RunLock(tmp_path):
+        assert stat.S_IMODE(lock.stat().st_mode) == 0o600
+
+
+def test_holder_is_read_from_the_kernel_not_the_text(tmp_path):
+    if not os.path.exists("/proc/locks"):
+        pytest.skip("no /proc/locks on this system")
+    with RunLock(tmp_path):
+        assert lock_holder_pid(tmp_path / ".lock") == os.getpid()
+        # stale text from a dead holder must not be reported
+        (tmp_path / ".lock").write_text(json.dumps({"pid": 1, "host": "x", "started": "old"}))
+        with pytest.raises(ConfigError, match=rf"in use by pid {os.getpid()} on "):
+            RunLock(tmp_path).acquire()
+
+
+# --- the journal --------------------------------------------------------------------------------
+
+
+def test_journal_survives_garbage_and_a_torn_line(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    path.write_bytes(
+        b'{"event": "task_done", "task": "a"}\n'
+        b"[1, 2, 3]\n"  # JSON, not an object
+        b'"just a string"\n'
+        b"\xff\xfe not utf-8\n"
+        b'{"event": "task_done", "task": "b"'  # torn by a full disk: no newline
+    )
+    j = Journal(path)
+    j.append("task_done", task="c")
+    j.close()
+    assert set(replay(path)) == {"a", "c"}  # the torn line stays torn, the next is whole
+    assert [e["task"] for e in read_events(path)] == ["a", "c"]
+
+
+# --- another user (root only) -------------------------------------------------------------------
+
+
+def _as_nobody(path):
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    os.chown(path, nobody.pw_uid, nobody.pw_gid)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create another user's files")
+def test_journal_owned_by_another_user_is_refused(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    path.write_text('{"event": "task_done", "task": "a"}\n')
+    _as_nobody(path)
+    with pytest.raises(UnsafeFile, match="owned by uid"):
+        Journal(path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create another user's files")
+def test_run_folder_owned_by_another_user_is_refused(finished_run, tmp_path):
+    run_dir = _copy_run(finished_run, tmp_path)
+    _as_nobody(run_dir)
+    proc = run_cli(["resume_from=" + str(run_dir), "executor.progress=false"], tmp_path)
+    line = _one_line_exit_2(proc)
+    assert "owned by uid" in line
+    assert journal(run_dir)[-1]["event"] == "run_finished"  # nothing appended
