@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -22,9 +23,10 @@ from tests.test_faults import BASE, REF
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    """One finished reference-only run with sleep stages (the orchestrator is under test)."""
+    """One finished reference-only run of the smoke experiment (real stages, ~10 s)."""
     cwd = tmp_path_factory.mktemp("hostile")
-    done = run_cli([*BASE, *REF, "experiment.name=hostile", *sleep_overrides()], cwd)
+    args = ["experiment=smoke", "algos=[reference]", "executor.progress=false"]
+    done = run_cli([*args, "experiment.name=hostile"], cwd)
     assert done.returncode == 0, done.stdout + done.stderr
     [run_dir] = run_dirs(cwd, "hostile")
     return cwd, run_dir
@@ -169,3 +171,92 @@ def test_run_folder_owned_by_another_user_is_refused(finished_run, tmp_path):
     line = _one_line_exit_2(proc)
     assert "owned by uid" in line
     assert journal(run_dir)[-1]["event"] == "run_finished"  # nothing appended
+
+
+# --- leftovers of a SIGKILLed orchestrator --------------------------------------------------
+
+
+def test_sigkilled_run_socket_folder_is_removed_by_the_next(tmp_path, markers):
+    import signal
+    import tempfile
+
+    from pita.core.worker_pool import SOCKET_DIR_PREFIX, remove_dead_socket_dirs
+    from tests.test_faults import _start, _wait_for
+
+    victim = "pretrain.goal_walk.tiny"
+    env = {
+        "PITA_TEST_MARKERS": str(markers),
+        "PITA_TEST_SLOW_TASK": victim,
+        "PITA_TEST_SLOW_S": "60",
+    }
+    first = _start([*BASE, *REF, "experiment.name=socks", *sleep_overrides()], tmp_path, env)
+    _wait_for(markers / f"{victim}.started")
+    [left] = list(Path(tempfile.gettempdir()).glob(f"{SOCKET_DIR_PREFIX}{first.pid}-*"))
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=30)
+    assert left.is_dir()  # SIGKILL: nobody cleaned up
+    assert left.name in remove_dead_socket_dirs()
+    assert not left.exists()
+
+
+# --- the report, the logs, the modes of committed files --------------------------------------
+
+
+def test_report_that_cannot_be_written_is_exit_1_then_resume_finishes_it(finished_run, tmp_path):
+    from pita.experiment.cli_extras import run_finished
+
+    run_dir = _copy_run(finished_run, tmp_path)
+    summary = run_dir / "results" / "summary.csv"
+    summary.unlink()
+    summary.mkdir()  # the report cannot replace it (root ignores a read-only mode)
+    proc = run_cli(["resume_from=" + str(run_dir), "executor.progress=false"], tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "writing the report failed: " in proc.stdout + proc.stderr
+    assert not run_finished(run_dir)  # resume_from=auto will finish it
+    summary.rmdir()
+    proc = run_cli(["resume_from=" + str(run_dir), "executor.progress=false"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert summary.is_file() and run_finished(run_dir)
+    assert journal(run_dir)[-1]["event"] == "run_finished" and journal(run_dir)[-1]["report"]
+
+
+def test_report_killed_after_run_finished_is_finished_by_resume_auto(finished_run, tmp_path):
+    run_dir = _copy_run(finished_run, tmp_path)
+    lines = (run_dir / "journal.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["event"] == "run_finished"
+    (run_dir / "journal.jsonl").write_text("\n".join(lines[:-1]) + "\n")  # killed mid-report
+    shutil.rmtree(run_dir / "results")
+    proc = run_cli(
+        ["experiment=smoke", "algos=[reference]", "executor.progress=false", "resume_from=auto"]
+        + ["experiment.name=hostile"],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert run_dirs(tmp_path, "hostile") == [run_dir]  # no new run started
+    assert (run_dir / "results" / "summary.csv").is_file()
+    assert "config is code" not in proc.stdout + proc.stderr  # no override runs on this resume
+
+
+def test_logs_that_is_not_a_folder_is_refused_before_anything_starts(finished_run, tmp_path):
+    run_dir = _copy_run(finished_run, tmp_path)
+    before = (run_dir / "journal.jsonl").read_text()
+    shutil.rmtree(run_dir / "logs", ignore_errors=True)
+    (run_dir / "logs").write_text("not a folder")
+    proc = run_cli(["resume_from=" + str(run_dir), "executor.progress=false"], tmp_path)
+    assert "logs is not a folder" in _one_line_exit_2(proc)
+    assert (run_dir / "journal.jsonl").read_text() == before
+
+
+def test_committed_files_follow_the_umask(tmp_path):
+    task = TaskPaths(tmp_path, "t")
+    tmp = task.tmp(1)
+    (tmp / "model").mkdir(parents=True)
+    for name in ("result.json", "log.txt", "model/model.safetensors"):
+        (tmp / name).write_text("{}")
+        (tmp / name).chmod(0o600)  # what safetensors writes
+    task.commit(tmp)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    mode = stat.S_IMODE((task.final / "model" / "model.safetensors").stat().st_mode)
+    assert mode == 0o666 & ~mask

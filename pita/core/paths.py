@@ -82,6 +82,17 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def follow_umask(folder: Path) -> None:
+    """Give every file and folder under `folder` the mode a plain open() / mkdir() would:
+    libraries that write 0600 (safetensors, tempfile) would lock a teammate out of a
+    shared run's resume. Links are left alone (never followed)."""
+    mask = current_umask()
+    for p in [folder, *folder.rglob("*")]:
+        if p.is_symlink():
+            continue
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
+
+
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
@@ -219,6 +230,7 @@ class TaskPaths:
         complete; a leftover final folder (from an attempt that died after committing) is
         replaced.
         """
+        follow_umask(tmp_dir)
         files = {
             str(p.relative_to(tmp_dir)): {"size": p.stat().st_size, "sha256": file_sha256(p)}
             for p in sorted(tmp_dir.rglob("*"))
