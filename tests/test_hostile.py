@@ -260,3 +260,26 @@ def test_committed_files_follow_the_umask(tmp_path):
     os.umask(mask)
     mode = stat.S_IMODE((task.final / "model" / "model.safetensors").stat().st_mode)
     assert mode == 0o666 & ~mask
+
+
+# --- sizes without a ceiling -------------------------------------------------------------------
+
+
+def test_three_hundred_fake_devices_are_refused_at_once():
+    from pita.core.gpu_manager import MAX_FAKE_DEVICES, validate_devices_spec
+
+    spec = "fake:[" + ",".join(["8GB"] * 300) + "]"
+    with pytest.raises(ConfigError, match=f"up to {MAX_FAKE_DEVICES} sizes"):
+        validate_devices_spec(spec)
+
+
+def test_unreachable_ray_address_fails_within_the_deadline():
+    import socket
+
+    from pita.core.ray_executor import probe_ray_address
+
+    with socket.socket() as s:  # a port nobody listens on: bind, never listen
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        with pytest.raises(ConfigError, match=r"^executor.ray_address='127.0.0.1:\d+': no Ray"):
+            probe_ray_address(f"127.0.0.1:{port}", timeout_s=2)
