@@ -283,3 +283,20 @@ def test_unreachable_ray_address_fails_within_the_deadline():
         port = s.getsockname()[1]
         with pytest.raises(ConfigError, match=r"^executor.ray_address='127.0.0.1:\d+': no Ray"):
             probe_ray_address(f"127.0.0.1:{port}", timeout_s=2)
+
+
+# --- aggregate over hand-edited or damaged runs ---------------------------------------------------
+
+
+def test_aggregate_survives_inf_nan_mixed_keys_and_bad_yaml(tmp_path):
+    from pita.experiment.aggregate import main
+    from tests.test_aggregate import _job
+
+    sweep = tmp_path / "sweep"
+    row = ["QSharp", "goal_walk", "tiny", 0, 5.0, 40, 80, 0.5, 0.5, 0.5, 0.4, 1.0]
+    _job(sweep / "0", 0, [row, ["QSharp", "goal_walk", "tiny", 0, 5.0, 40, 80, "inf", "nan"]])
+    _job(sweep / "1", 1, [row, ["QSharp", "goal_walk", "tiny", "x", "eta?", 40, 80, 0.1]])
+    (sweep / "1" / ".hydra" / "overrides.yaml").write_text("- [unclosed\n  : : :\n")
+    assert main([str(sweep)]) == 0
+    table = (sweep / "aggregate.md").read_text()
+    assert "inf" not in table and "nan" not in table.lower().replace("n_runs", "")
