@@ -45,7 +45,16 @@ class Plan:
 
     @classmethod
     def load(cls, path: Path) -> Plan:
-        return cls.from_json(json.loads(Path(path).read_text()))
+        """The plan a run saved; a file pita did not write is a ConfigError (exit 2)."""
+        from pita.core.errors import ConfigError
+        from pita.core.safe_files import read_control_text
+
+        try:
+            return cls.from_json(json.loads(read_control_text(path)))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(
+                f"{path}: not a plan pita wrote ({type(exc).__name__}: {exc})"
+            ) from None
 
 
 def critical_path_priorities(plan: Plan) -> None:

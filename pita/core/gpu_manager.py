@@ -29,6 +29,9 @@ from pita.core.errors import ConfigError
 _DEVICE_MEM_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GB|GiB|MB|MiB)?\s*$", re.IGNORECASE)
 
 
+MAX_FAKE_DEVICES = 64  # a simulated node: more than any machine pita plans for
+
+
 def parse_device_memory(text: str) -> int:
     """'80GB' -> MiB. Raises ValueError on anything else."""
     m = _DEVICE_MEM_RE.match(str(text))
@@ -59,7 +62,7 @@ def validate_devices_spec(spec: Any) -> None:
         return
     if spec.startswith("fake:"):
         body = spec[5:].strip()
-        if body.isdigit() and 1 <= int(body) <= 64:
+        if body.isdigit() and 1 <= int(body) <= MAX_FAKE_DEVICES:
             return
         if body.startswith("[") and body.endswith("]"):
             parts = [p for p in body[1:-1].split(",") if p.strip()]
@@ -67,9 +70,12 @@ def validate_devices_spec(spec: Any) -> None:
                 sizes = [parse_device_memory(p) for p in parts]
             except ValueError as exc:
                 raise ConfigError(f"{key}={spec!r}: bad memory size {exc}; {allowed}") from None
-            if sizes and all(s > 0 for s in sizes):
+            if 0 < len(sizes) <= MAX_FAKE_DEVICES and all(s > 0 for s in sizes):
                 return
-        raise ConfigError(f"{key}={spec!r}: fake devices need a count 1..64 or sizes; {allowed}")
+        raise ConfigError(
+            f"{key}={spec!r}: fake devices need a count 1..{MAX_FAKE_DEVICES} or up to "
+            f"{MAX_FAKE_DEVICES} sizes; {allowed}"
+        )
     if spec.startswith("[") or spec.replace(",", "").strip().isdigit():
         raise ConfigError(f"{key}={spec!r}: write indices as a list, e.g. system.devices=[0,2]")
     raise ConfigError(f"{key}={spec!r}: {allowed}")

@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from pita.core.safe_files import UnsafeFile, read_control_text
+
 
 class Artifact:
     """The names of the files and folders inside a task folder, in one place.
@@ -78,6 +80,17 @@ def atomic_write_text(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def follow_umask(folder: Path) -> None:
+    """Give every file and folder under `folder` the mode a plain open() / mkdir() would:
+    libraries that write 0600 (safetensors, tempfile) would lock a teammate out of a
+    shared run's resume. Links are left alone (never followed)."""
+    mask = current_umask()
+    for p in [folder, *folder.rglob("*")]:
+        if p.is_symlink():
+            continue
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -217,6 +230,7 @@ class TaskPaths:
         complete; a leftover final folder (from an attempt that died after committing) is
         replaced.
         """
+        follow_umask(tmp_dir)
         files = {
             str(p.relative_to(tmp_dir)): {"size": p.stat().st_size, "sha256": file_sha256(p)}
             for p in sorted(tmp_dir.rglob("*"))
@@ -241,7 +255,9 @@ class TaskPaths:
         declared outputs (a manifest edited to drop a file, or `"files": {}`, is caught).
         """
         try:
-            manifest = json.loads(self.manifest.read_text())
+            manifest = json.loads(read_control_text(self.manifest))
+        except UnsafeFile as exc:
+            return f"manifest not trusted ({exc})"
         except (OSError, ValueError):
             return "no readable manifest"
         if not isinstance(manifest, dict) or manifest.get("task_id") != self.task_id:

@@ -14,6 +14,7 @@ Install: `pip install "ray[default]"`; start a cluster (`ray start --head` ...),
 
 from __future__ import annotations
 
+import socket
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,28 @@ def _ray():
     return ray
 
 
+RAY_PROBE_TIMEOUT_S = 5.0
+
+
+def probe_ray_address(address: str | None, timeout_s: float = RAY_PROBE_TIMEOUT_S) -> None:
+    """Refuse an explicit `host:port` (or `ray://host:port`) that does not accept a TCP
+    connection within `timeout_s`: ray.init would retry it for many minutes."""
+    if address in (None, "", "local", "auto"):
+        return
+    hostport = str(address).split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        return  # not host:port: let ray.init judge it
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"executor.ray_address={address!r}: no Ray cluster reachable ({host}:{port}: "
+            f"{exc.strerror or type(exc).__name__} within {timeout_s:.0f} s); start one "
+            "(`ray start --head`) or use executor.ray_address=local for a Ray on this machine"
+        ) from None
+
+
 class RayExecutor:
     """The `Executor` interface on top of `ray.remote`. `run_task` is the body of each Ray
     task (pita.runtime.worker.run_task_here: the same code path as a local worker); Ray
@@ -43,6 +66,7 @@ class RayExecutor:
         ray = _ray()
         if not ray.is_initialized():
             address = executor_cfg.ray_address
+            probe_ray_address(address)
             try:
                 ray.init(
                     address=None if address in (None, "local") else address,

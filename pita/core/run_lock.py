@@ -2,10 +2,15 @@
 run or resume.
 
 Two `resume_from=` of one folder would both redo every remaining task and commit over
-each other. The lock is taken before the plan, the journal or any worker exists; a
-second orchestrator gets a ConfigError (exit 2) naming the holder: pid, host, start time.
-The kernel drops the lock when its holder dies, even by SIGKILL, so a crashed run never
-leaves a stale lock behind; the file's text is only a description of the last holder.
+each other. The lock is taken before anything is written in the folder (Hydra's `.hydra/`
+included: pita/experiment/cli.py); a second orchestrator gets a ConfigError (exit 2)
+naming the holder. The kernel drops the lock when its holder dies, even by SIGKILL, so a
+crashed run never leaves a stale lock behind.
+
+The file is opened like every control file (`safe_files.open_control`: no symlink, a
+regular file of yours) and is 0600, so nobody else can open it to `flock` it and block
+your resume. The holder is read from the kernel's lock table (`/proc/locks`), not from
+the file's text, which only describes the last holder.
 """
 
 from __future__ import annotations
@@ -20,6 +25,33 @@ from pathlib import Path
 
 from pita.core.errors import ConfigError
 from pita.core.paths import RunPaths
+from pita.core.safe_files import open_control
+
+
+def lock_holder_pid(path: Path, locks_table: Path = Path("/proc/locks")) -> int | None:
+    """The pid holding a `flock` on `path`, read from the kernel's lock table (Linux)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+        table = locks_table.read_text()
+    except OSError:
+        return None
+    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in table.splitlines():
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF" ("->" marks a waiter)
+        if "->" in fields or len(fields) < 6 or fields[1] != "FLOCK":
+            continue
+        if fields[5] == ident and fields[4].isdigit():
+            return int(fields[4])
+    return None
+
+
+def _process_start(pid: int) -> str | None:
+    try:
+        started = os.stat(f"/proc/{pid}").st_mtime
+    except OSError:
+        return None
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
 
 
 class RunLock:
@@ -29,7 +61,7 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        fd = open_control(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -38,6 +70,7 @@ class RunLock:
                 f"run folder {self.path.parent}: in use by {self.holder()}; "
                 f"wait for that run to end or stop it first"
             ) from None
+        os.fchmod(fd, 0o600)  # an older pita made it 0644: any user could flock it
         info = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -50,12 +83,23 @@ class RunLock:
         return self
 
     def holder(self) -> str:
-        """'pid 123 on host since 2026-11-23 20:00:00', from the lock file's text."""
-        try:
-            info = json.loads(self.path.read_text())
-            return f"pid {info['pid']} on {info['host']} since {info['started']}"
-        except (OSError, ValueError, KeyError, TypeError):
+        """'pid 123 on host since 2026-11-23 20:00:00': the pid from the kernel's lock
+        table; host and start from the file's text only when its pid is that holder."""
+        pid = lock_holder_pid(self.path)
+        if pid is None:
             return "another pita process"
+        try:
+            fd = open_control(self.path, os.O_RDONLY)
+            try:
+                info = json.loads(os.read(fd, 4096).decode(errors="replace"))
+            finally:
+                os.close(fd)
+            if isinstance(info, dict) and info.get("pid") == pid:
+                return f"pid {pid} on {info['host']} since {info['started']}"
+        except (OSError, ValueError, KeyError, ConfigError):
+            pass
+        since = _process_start(pid)
+        return f"pid {pid} on {socket.gethostname()}" + (f" since {since}" if since else "")
 
     def release(self) -> None:
         if self._fd is not None:

@@ -27,6 +27,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -133,7 +134,8 @@ class WorkerPool:
         # the Listener itself: its accept() runs the challenge inline, so one silent client
         # would block every later worker; each connection is authenticated on its own thread.
         # backlog: 8 workers connecting at once overflow the default backlog of 1.
-        self._sock_dir = tempfile.mkdtemp(prefix="pita-chan-")
+        remove_dead_socket_dirs()  # a SIGKILLed orchestrator could not remove its own
+        self._sock_dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
         self._listener = Listener(os.path.join(self._sock_dir, "c"), family="AF_UNIX", backlog=64)
         self._lock = threading.RLock()
         self._workers: dict[int, WorkerHandle] = {}
@@ -615,6 +617,28 @@ class WorkerPool:
                     if job is not None
                     else None,
                 )
+
+
+SOCKET_DIR_PREFIX = "pita-chan-"
+
+
+def remove_dead_socket_dirs(tmp: str | None = None) -> list[str]:
+    """Delete this user's `pita-chan-<pid>-*` socket folders whose orchestrator is dead."""
+    removed = []
+    root = Path(tmp or tempfile.gettempdir())
+    for folder in root.glob(f"{SOCKET_DIR_PREFIX}*-*"):
+        pid = folder.name[len(SOCKET_DIR_PREFIX) :].split("-", 1)[0]
+        try:
+            st = folder.lstat()
+            if not pid.isdigit() or st.st_uid != os.geteuid() or not stat.S_ISDIR(st.st_mode):
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder.name)
+        except OSError:
+            continue
+    return removed
 
 
 def _shutdown_socket(conn: Connection) -> None:

@@ -78,8 +78,15 @@ def config_label(run_dir: Path) -> str:
         return ""
     from omegaconf import OmegaConf
 
+    try:
+        overrides = OmegaConf.to_container(OmegaConf.load(path)) or []
+    except Exception as exc:  # a hand-edited or torn overrides.yaml: say so, keep going
+        log.warning("%s: unreadable (%s); its runs are grouped as one config", path, exc)
+        return f"<unreadable {path.name}>"
+    if not isinstance(overrides, list):
+        return f"<unreadable {path.name}>"
     keep = []
-    for o in OmegaConf.to_container(OmegaConf.load(path)) or []:
+    for o in overrides:
         key = str(o).split("=", 1)[0].lstrip("+~")
         if SEED_KEY.search(key) or key.startswith(
             ("hydra", "executor.", "system.devices", "dry_run")
@@ -97,6 +104,14 @@ def read_rows(run_dir: Path) -> list[dict[str, Any]]:
         r["config"] = label
         r["run"] = str(run_dir)
     return rows
+
+
+def _sortable(value: Any) -> tuple[int, float, str]:
+    """Numbers before text, each in its own order: a hand-edited csv with `eta` = "x" in
+    one run must not make the sort compare str with float."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return (0, float(value), "")
+    return (1, 0.0, str(value))
 
 
 def aggregate_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -117,7 +132,7 @@ def aggregate_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = dict(zip(KEYS, key))
         row["n_runs"] = len({m["run"] for m in members})
         for m in metrics:
-            values = [x[m] for x in members if isinstance(x.get(m), float) and not math.isnan(x[m])]
+            values = [x[m] for x in members if isinstance(x.get(m), float) and math.isfinite(x[m])]
             if not values:
                 continue
             row[f"{m}_mean"] = statistics.fmean(values)
@@ -126,12 +141,12 @@ def aggregate_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append(row)
     out.sort(
         key=lambda r: (
-            r["config"],
-            r["dataset"],
-            r["family"],
+            _sortable(r["config"]),
+            _sortable(r["dataset"]),
+            _sortable(r["family"]),
             ALGO_ORDER.index(r["algo"]) if r["algo"] in ALGO_ORDER else 99,
-            r["round"],
-            -1 if r["eta"] is None else r["eta"],
+            _sortable(r["round"]),
+            _sortable(-1 if r["eta"] is None else r["eta"]),
         )
     )
     return out

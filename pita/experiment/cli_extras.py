@@ -123,25 +123,22 @@ def help_text(prog: str = "run_parallel.py") -> str:
 
 
 def run_finished(run_dir: Path) -> bool:
-    """True when the run's journal ends with a clean `run_finished` (no failed task)."""
+    """True when the run's journal ends with a clean `run_finished`: no failed task, and
+    the report written (it is journaled after the report)."""
+    from pita.core.journal import read_events
     from pita.core.paths import RunPaths
 
-    journal = RunPaths(run_dir).journal
-    if not journal.is_file():
+    try:
+        events = read_events(RunPaths(run_dir).journal)
+    except OSError:
         return False
-    last = None
-    for line in journal.read_text(errors="replace").splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if str(event.get("event", "")).startswith("run_"):
-            last = event
+    last = next((e for e in reversed(events) if str(e.get("event", "")).startswith("run_")), None)
     return bool(
         last
         and last.get("event") == "run_finished"
         and not last.get("failed")
         and not last.get("skipped")
+        and last.get("report", True) is not False  # a failed report is finished by a resume
     )
 
 

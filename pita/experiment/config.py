@@ -61,6 +61,9 @@ class SystemConfig:
         "false runs every task in this process (debugging, pdb).", True
     )
     threads_per_worker: int = _help("torch threads per CPU worker.", 1)
+    trust_group: bool = _help(
+        "Use a run folder owned by a teammate of one of your groups (resume a shared run).", False
+    )
 
 
 @dataclass

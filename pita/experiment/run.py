@@ -10,6 +10,7 @@ ran), 2 bad config, 130 interrupted (resumable).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from pita.core.parallel_generation import ParallelDataGenerator
 from pita.core.paths import Artifact, RunPaths, TaskPaths, atomic_write_json
 from pita.core.resume import completed_tasks, remove_stale_tmp
 from pita.core.run_lock import RunLock
+from pita.core.safe_files import check_folder
 from pita.experiment.config import validate
 from pita.experiment.plan import check_resources, plan_experiment
 
@@ -114,6 +116,14 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
     print(f"Estimated makespan: {makespan:.1f} work units (critical path first).")
 
 
+def check_writable(folder: Path) -> None:
+    """A folder pita will write into exists as a writable folder, or can be created."""
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        raise ConfigError(f"{folder} is not a folder; move it away")
+    if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"{folder} is not writable; fix its permissions (chmod u+w)")
+
+
 def check_plan_fits(plan: Plan, gpu: GPUManager, cfg: DictConfig) -> None:
     """A resumed run's saved plan onto (maybe other) devices: refuse a task none can hold."""
     try:
@@ -125,18 +135,22 @@ def check_plan_fits(plan: Plan, gpu: GPUManager, cfg: DictConfig) -> None:
         ) from None
 
 
-def warn_stage_overrides(cfg: DictConfig) -> None:
+def warn_stage_overrides(cfg: DictConfig, plan: Plan, done: set[str] = frozenset()) -> None:
     """Config is code: each `executor.stage_overrides` entry names a function that the
-    workers import and run. Say so in run.log, one WARNING per entry (the orchestrator
-    itself only locates the module, without importing it or its packages)."""
+    workers import and run. Say so in run.log, one WARNING per entry that some task still
+    to run uses (a resumed run whose overridden tasks are all done runs none of them)."""
     for algo, stages in (cfg.executor.stage_overrides or {}).items():
         for stage, target in stages.items():
+            pending = [t for t in plan.tasks.values() if t.fn == target and t.id not in done]
+            if not pending:
+                continue
             log.warning(
                 "executor.stage_overrides.%s.%s=%s: config is code, workers will import and run "
-                "this function instead of the registered stage",
+                "this function instead of the registered stage (%d task(s))",
                 algo,
                 stage,
                 target,
+                len(pending),
             )
 
 
@@ -153,10 +167,15 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
     if resumed:
         check_plan_fits(plan, gpu, cfg)
     if cfg.dry_run:
-        warn_stage_overrides(cfg)
+        warn_stage_overrides(cfg, plan)
         print_dry_run(plan, cfg, gpu)
         return EXIT_OK
 
+    trust_group = bool(cfg.system.get("trust_group", False))
+    for folder in (run_dir, paths.tasks):  # a folder others can write steers what resume trusts
+        check_folder(folder, trust_group)
+    for folder in (paths.logs, paths.results, paths.workers):  # fail now, not after the run
+        check_writable(folder)
     run_dir.mkdir(parents=True, exist_ok=True)
     with RunLock(run_dir):  # one orchestrator per run folder (a second one exits 2)
         return _run_locked(cfg, run_dir, paths, gpu, plan, resumed, absolutized)
@@ -189,7 +208,7 @@ def _run_locked(
         "run_resumed" if resumed else "run_started", tasks=len(plan.tasks), already_done=len(done)
     )
     log.info("Run folder: %s", run_dir)
-    warn_stage_overrides(cfg)
+    warn_stage_overrides(cfg, plan, done)
     log.info("Devices (%s): %d", gpu.kind, len(gpu.devices))
     for line in gpu.describe():
         log.info("  %s", line)
@@ -279,15 +298,15 @@ def _run_locked(
             run_dir,
         )
         return EXIT_FAILED
-    journal.append(
-        "run_interrupted" if interrupted else "run_finished",
-        done=len(runner.done),
-        failed=len(summary.failed),
-        skipped=len(summary.skipped),
-        wall_s=round(time.time() - t0, 2),
-    )
-    journal.close()
+    end = {
+        "done": len(runner.done),
+        "failed": len(summary.failed),
+        "skipped": len(summary.skipped),
+        "wall_s": round(time.time() - t0, 2),
+    }
     if interrupted:
+        journal.append("run_interrupted", **end)
+        journal.close()
         log.warning(
             "Interrupted: workers stopped, journal flushed. Resume with:\n"
             "  python run_parallel.py resume_from=%s",
@@ -295,7 +314,18 @@ def _run_locked(
         )
         return EXIT_INTERRUPTED
 
-    _report(cfg, plan, run_dir)
+    # run_finished is journaled after the report: a report killed midway leaves a run that
+    # resume_from=auto finishes (it redoes no task, it writes the report)
+    reported = _report(cfg, plan, run_dir)
+    journal.append("run_finished", **end, report=reported)
+    journal.close()
+    if not reported:
+        log.error(
+            "The tasks are kept; fix the cause, then write the report with: "
+            "python run_parallel.py resume_from=%s",
+            run_dir,
+        )
+        return EXIT_FAILED
     if summary.failed or summary.skipped:
         log.error(
             "%d task(s) failed, %d skipped because a dependency failed:",
@@ -330,11 +360,16 @@ def _raise_interrupt(signum, frame):  # SIGTERM behaves like Ctrl-C: stop, flush
     raise KeyboardInterrupt
 
 
-def _report(cfg: DictConfig, plan: Plan, run_dir: Path) -> None:
-    """Results table and plots from the evaluate tasks (pita/experiment/report.py)."""
+def _report(cfg: DictConfig, plan: Plan, run_dir: Path) -> bool:
+    """Results table and plots from the evaluate tasks (pita/experiment/report.py).
+    False (one ERROR line, the traceback at DEBUG in run.log) when it could not be
+    written: the run then exits 1, never 0 with an old or missing summary."""
     from pita.experiment.report import write_report
 
     try:
         write_report(cfg, plan, run_dir)
-    except Exception as exc:  # a failed plot must not hide the results of a finished run
-        log.exception("writing the report failed: %s", exc)
+    except Exception as exc:
+        log.debug("report traceback", exc_info=True)
+        log.error("writing the report failed: %s: %s", type(exc).__name__, exc)
+        return False
+    return True

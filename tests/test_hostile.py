@@ -1,0 +1,302 @@
+"""Red-team cases (issue 21): each plants a real attack in a real run folder and checks
+that nothing executes, no file outside the run changes, and each refusal is one line
+with exit 2. Run as another user where a case needs one (root only, else skipped)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+
+from pita.core.errors import ConfigError
+from pita.core.journal import Journal, read_events, replay
+from pita.core.paths import TaskPaths
+from pita.core.run_lock import RunLock, lock_holder_pid
+from pita.core.safe_files import UnsafeFile, check_folder, read_control
+from tests.conftest import journal, run_cli, run_dirs, sleep_overrides
+from tests.test_faults import BASE, REF
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """One finished reference-only run of the smoke experiment (real stages, ~10 s)."""
+    cwd = tmp_path_factory.mktemp("hostile")
+    args = ["experiment=smoke", "algos=[reference]", "executor.progress=false"]
+    done = run_cli([*args, "experiment.name=hostile"], cwd)
+    assert done.returncode == 0, done.stdout + done.stderr
+    [run_dir] = run_dirs(cwd, "hostile")
+    return cwd, run_dir
+
+
+def _copy_run(finished_run, tmp_path):
+    cwd, run_dir = finished_run
+    copy = tmp_path / "outputs" / "hostile" / run_dir.name
+    shutil.copytree(run_dir, copy, symlinks=True)
+    return copy
+
+
+def _one_line_exit_2(proc) -> str:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    return line
+
+
+# --- symlinks and special files in a run folder -------------------------------------------
+
+
+def test_symlinked_lock_does_not_overwrite_its_target(finished_run, tmp_path):
+    run_dir = _copy_run(finished_run, tmp_path)
+    victim = tmp_path / "important.txt"
+    victim.write_text("precious\n")
+    (run_dir / ".lock").unlink()
+    (run_dir / ".lock").symlink_to(victim)
+    proc = run_cli(["resume_from=" + str(run_dir), "executor.progress=false"], tmp_path)
+    line = _one_line_exit_2(proc)
+    assert "symbolic link" in line and ".lock" in line
+    assert victim.read_text() == "precious\n"
+
+
+def test_symlinked_journal_is_refused(finished_run, tmp_path):
+    run_dir = _copy_run(finished_run, tmp_path)
+    victim = tmp_path / "important.txt"
+    victim.write_text("precious\n")
+    (run_dir / "journal.jsonl").unlink()
+    (run_dir / "journal.jsonl").symlink_to(victim)
+    proc = run_cli(["resume_from=" + str(run_dir), "executor.progress=false"], tmp_path)
+    line = _one_line_exit_2(proc)
+    assert "journal.jsonl" in line and "symbolic link" in line
+    assert victim.read_text() == "precious\n"
+
+
+def test_lock_that_is_a_folder_is_one_line(tmp_path):
+    (tmp_path / ".lock").mkdir()
+    with pytest.raises(UnsafeFile, match="not a regular file"):
+        RunLock(tmp_path).acquire()
+
+
+def test_manifest_linked_to_dev_zero_is_not_read(tmp_path):
+    task = TaskPaths(tmp_path, "t")
+    task.final.mkdir(parents=True)
+    task.manifest.symlink_to("/dev/zero")
+    assert "not trusted" in task.verify()
+    task.manifest.unlink()
+    with open(task.manifest, "wb") as f:  # a huge regular manifest: refused by its size
+        f.truncate(17 * 2**20)
+    assert "not trusted" in task.verify()
+
+
+def test_fifo_control_file_does_not_hang(tmp_path):
+    os.mkfifo(tmp_path / "plan.json")
+    with pytest.raises(UnsafeFile, match="not a regular file"):
+        read_control(tmp_path / "plan.json")
+
+
+def test_world_writable_run_folder_is_refused(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    folder.chmod(0o777)
+    with pytest.raises(UnsafeFile, match="writable by every user"):
+        check_folder(folder)
+
+
+# --- the run lock ----------------------------------------------------------------------------
+
+
+def test_lock_is_private_and_fixes_an_old_mode(tmp_path):
+    lock = tmp_path / ".lock"
+    lock.write_text("{}")
+    lock.chmod(0o644)  # what an older pita left: any user could open it and flock it
+    with RunLock(tmp_path):
+        assert stat.S_IMODE(lock.stat().st_mode) == 0o600
+
+
+def test_holder_is_read_from_the_kernel_not_the_text(tmp_path):
+    if not os.path.exists("/proc/locks"):
+        pytest.skip("no /proc/locks on this system")
+    with RunLock(tmp_path):
+        assert lock_holder_pid(tmp_path / ".lock") == os.getpid()
+        # stale text from a dead holder must not be reported
+        (tmp_path / ".lock").write_text(json.dumps({"pid": 1, "host": "x", "started": "old"}))
+        with pytest.raises(ConfigError, match=rf"in use by pid {os.getpid()} on "):
+            RunLock(tmp_path).acquire()
+
+
+# --- the journal --------------------------------------------------------------------------------
+
+
+def test_journal_survives_garbage_and_a_torn_line(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    path.write_bytes(
+        b'{"event": "task_done", "task": "a"}\n'
+        b"[1, 2, 3]\n"  # JSON, not an object
+        b'"just a string"\n'
+        b"\xff\xfe not utf-8\n"
+        b'{"event": "task_done", "task": "b"'  # torn by a full disk: no newline
+    )
+    j = Journal(path)
+    j.append("task_done", task="c")
+    j.close()
+    assert set(replay(path)) == {"a", "c"}  # the torn line stays torn, the next is whole
+    assert [e["task"] for e in read_events(path)] == ["a", "c"]
+
+
+# --- another user (root only) -------------------------------------------------------------------
+
+
+def _as_nobody(path):
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    os.chown(path, nobody.pw_uid, nobody.pw_gid)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create another user's files")
+def test_journal_owned_by_another_user_is_refused(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    path.write_text('{"event": "task_done", "task": "a"}\n')
+    _as_nobody(path)
+    with pytest.raises(UnsafeFile, match="owned by uid"):
+        Journal(path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create another user's files")
+def test_run_folder_owned_by_another_user_is_refused(finished_run, tmp_path):
+    run_dir = _copy_run(finished_run, tmp_path)
+    _as_nobody(run_dir)
+    proc = run_cli(["resume_from=" + str(run_dir), "executor.progress=false"], tmp_path)
+    line = _one_line_exit_2(proc)
+    assert "owned by uid" in line
+    assert journal(run_dir)[-1]["event"] == "run_finished"  # nothing appended
+
+
+# --- leftovers of a SIGKILLed orchestrator --------------------------------------------------
+
+
+def test_sigkilled_run_socket_folder_is_removed_by_the_next(tmp_path, markers):
+    import signal
+    import tempfile
+
+    from pita.core.worker_pool import SOCKET_DIR_PREFIX, remove_dead_socket_dirs
+    from tests.test_faults import _start, _wait_for
+
+    victim = "pretrain.goal_walk.tiny"
+    env = {
+        "PITA_TEST_MARKERS": str(markers),
+        "PITA_TEST_SLOW_TASK": victim,
+        "PITA_TEST_SLOW_S": "60",
+    }
+    first = _start([*BASE, *REF, "experiment.name=socks", *sleep_overrides()], tmp_path, env)
+    _wait_for(markers / f"{victim}.started")
+    [left] = list(Path(tempfile.gettempdir()).glob(f"{SOCKET_DIR_PREFIX}{first.pid}-*"))
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=30)
+    assert left.is_dir()  # SIGKILL: nobody cleaned up
+    assert left.name in remove_dead_socket_dirs()
+    assert not left.exists()
+
+
+# --- the report, the logs, the modes of committed files --------------------------------------
+
+
+def test_report_that_cannot_be_written_is_exit_1_then_resume_finishes_it(finished_run, tmp_path):
+    from pita.experiment.cli_extras import run_finished
+
+    run_dir = _copy_run(finished_run, tmp_path)
+    summary = run_dir / "results" / "summary.csv"
+    summary.unlink()
+    summary.mkdir()  # the report cannot replace it (root ignores a read-only mode)
+    proc = run_cli(["resume_from=" + str(run_dir), "executor.progress=false"], tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "writing the report failed: " in proc.stdout + proc.stderr
+    assert not run_finished(run_dir)  # resume_from=auto will finish it
+    summary.rmdir()
+    proc = run_cli(["resume_from=" + str(run_dir), "executor.progress=false"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert summary.is_file() and run_finished(run_dir)
+    assert journal(run_dir)[-1]["event"] == "run_finished" and journal(run_dir)[-1]["report"]
+
+
+def test_report_killed_after_run_finished_is_finished_by_resume_auto(finished_run, tmp_path):
+    run_dir = _copy_run(finished_run, tmp_path)
+    lines = (run_dir / "journal.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["event"] == "run_finished"
+    (run_dir / "journal.jsonl").write_text("\n".join(lines[:-1]) + "\n")  # killed mid-report
+    shutil.rmtree(run_dir / "results")
+    proc = run_cli(
+        ["experiment=smoke", "algos=[reference]", "executor.progress=false", "resume_from=auto"]
+        + ["experiment.name=hostile"],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert run_dirs(tmp_path, "hostile") == [run_dir]  # no new run started
+    assert (run_dir / "results" / "summary.csv").is_file()
+    assert "config is code" not in proc.stdout + proc.stderr  # no override runs on this resume
+
+
+def test_logs_that_is_not_a_folder_is_refused_before_anything_starts(finished_run, tmp_path):
+    run_dir = _copy_run(finished_run, tmp_path)
+    before = (run_dir / "journal.jsonl").read_text()
+    shutil.rmtree(run_dir / "logs", ignore_errors=True)
+    (run_dir / "logs").write_text("not a folder")
+    proc = run_cli(["resume_from=" + str(run_dir), "executor.progress=false"], tmp_path)
+    assert "logs is not a folder" in _one_line_exit_2(proc)
+    assert (run_dir / "journal.jsonl").read_text() == before
+
+
+def test_committed_files_follow_the_umask(tmp_path):
+    task = TaskPaths(tmp_path, "t")
+    tmp = task.tmp(1)
+    (tmp / "model").mkdir(parents=True)
+    for name in ("result.json", "log.txt", "model/model.safetensors"):
+        (tmp / name).write_text("{}")
+        (tmp / name).chmod(0o600)  # what safetensors writes
+    task.commit(tmp)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    mode = stat.S_IMODE((task.final / "model" / "model.safetensors").stat().st_mode)
+    assert mode == 0o666 & ~mask
+
+
+# --- sizes without a ceiling -------------------------------------------------------------------
+
+
+def test_three_hundred_fake_devices_are_refused_at_once():
+    from pita.core.gpu_manager import MAX_FAKE_DEVICES, validate_devices_spec
+
+    spec = "fake:[" + ",".join(["8GB"] * 300) + "]"
+    with pytest.raises(ConfigError, match=f"up to {MAX_FAKE_DEVICES} sizes"):
+        validate_devices_spec(spec)
+
+
+def test_unreachable_ray_address_fails_within_the_deadline():
+    import socket
+
+    from pita.core.ray_executor import probe_ray_address
+
+    with socket.socket() as s:  # a port nobody listens on: bind, never listen
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        with pytest.raises(ConfigError, match=r"^executor.ray_address='127.0.0.1:\d+': no Ray"):
+            probe_ray_address(f"127.0.0.1:{port}", timeout_s=2)
+
+
+# --- aggregate over hand-edited or damaged runs ---------------------------------------------------
+
+
+def test_aggregate_survives_inf_nan_mixed_keys_and_bad_yaml(tmp_path):
+    from pita.experiment.aggregate import main
+    from tests.test_aggregate import _job
+
+    sweep = tmp_path / "sweep"
+    row = ["QSharp", "goal_walk", "tiny", 0, 5.0, 40, 80, 0.5, 0.5, 0.5, 0.4, 1.0]
+    _job(sweep / "0", 0, [row, ["QSharp", "goal_walk", "tiny", 0, 5.0, 40, 80, "inf", "nan"]])
+    _job(sweep / "1", 1, [row, ["QSharp", "goal_walk", "tiny", "x", "eta?", 40, 80, 0.1]])
+    (sweep / "1" / ".hydra" / "overrides.yaml").write_text("- [unclosed\n  : : :\n")
+    assert main([str(sweep)]) == 0
+    table = (sweep / "aggregate.md").read_text()
+    assert "inf" not in table and "nan" not in table.lower().replace("n_runs", "")
