@@ -63,7 +63,7 @@ def test_aggregate_mean_std_per_algo_dataset_family_round_eta(tmp_path):
     g = next(r for r in rows if r["algo"] == "GRPO")
     assert g["eta"] is None and g["pass@1_std"] == 0.0
     table = (sweep / "aggregate.md").read_text()
-    assert "| QSharp | goal_walk | tiny | 0 | 5 | 3 | 0.6 ± 0.1 |" in table
+    assert "| QSharp | goal_walk | tiny | 0 | 5 | - | 3 | 0.6 ± 0.1 |" in table  # sampling: -
     assert (sweep / "aggregate.csv").is_file() and (
         sweep / "plots" / "frontier_goal_walk.png"
     ).is_file()
@@ -103,7 +103,7 @@ def test_real_seed_sweep_ends_with_one_aggregate_table(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     sweep = next((tmp_path / "outputs" / "smoke" / "multirun").iterdir())
     table = (sweep / "aggregate.md").read_text()
-    assert "| reference | goal_walk | tiny | 0 | 0 | 2 |" in table
+    assert "| reference | goal_walk | tiny | 0 | 0 | full, T=1 | 2 |" in table
     assert (sweep / "plots" / "frontier_goal_walk.png").is_file()
 
 
@@ -128,5 +128,40 @@ def test_aggregate_writes_the_matched_kl_table_of_the_means(tmp_path):
     aggregate([sweep])
     table = (sweep / "matched_kl.md").read_text()
     # at KL 1.0: Q#'s own mean point (0.6); PITA read between (0, 0.2) and (2.0, 0.8): 0.5
-    assert "| goal_walk | tiny | 0 | 1 | 0.5 | 0.6 |" in table
-    assert "| goal_walk | tiny | 0 | 2 | 0.8 | - |" in table  # past Q#'s largest KL
+    assert "| goal_walk | tiny | 0 | - | 1 | 0.5 | 0.6 |" in table  # sampling: -
+    assert "| goal_walk | tiny | 0 | - | 2 | 0.8 | - |" in table  # past Q#'s largest KL
+
+
+def _job_with_sampling(folder: Path, seed: int, rows: list[tuple[float, str]]) -> Path:
+    """A job whose summary has the `sampling` column (reference rows: pass@1, rule)."""
+    _job(folder, seed, [])
+    with open(folder / "results" / "summary.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([*HEADER, "sampling"])
+        for acc, rule in rows:
+            cells = ["reference", "goal_walk", "tiny", 0, 0.0, 40, 80, acc]
+            w.writerow(cells + [""] * (len(HEADER) - len(cells)) + [rule])
+    return folder
+
+
+def test_two_reference_rules_are_never_pooled(tmp_path):
+    """Issue 22: full and top-2 reference rows of one run stay two rows, each over 3 runs."""
+    from pita.experiment.aggregate import aggregate, main
+
+    sweep = tmp_path / "multirun" / "ts"
+    full, top2 = [0.50, 0.52, 0.54], [1.0, 0.98, 0.96]
+    for i in range(3):
+        _job_with_sampling(sweep / str(i), i, [(full[i], "full, T=1"), (top2[i], "top-2, T=1")])
+    rows = aggregate([sweep])
+    by_rule = {r["sampling"]: r for r in rows}
+    assert set(by_rule) == {"full, T=1", "top-2, T=1"} and len(rows) == 2
+    assert by_rule["full, T=1"]["n_runs"] == 3 and by_rule["top-2, T=1"]["n_runs"] == 3
+    assert by_rule["full, T=1"]["pass@1_mean"] == pytest.approx(statistics.fmean(full))
+    assert by_rule["top-2, T=1"]["pass@1_mean"] == pytest.approx(statistics.fmean(top2))
+    # the command by hand writes a folder of its own, never over the sweep's aggregate.md
+    own = (sweep / "aggregate.md").read_text()
+    assert main([str(sweep)]) == 0
+    assert (sweep / "aggregate.md").read_text() == own
+    [by_hand] = sweep.glob("aggregate-*/aggregate.md")
+    assert by_hand.read_text() == own
+    assert main([str(sweep), "--out", str(sweep)]) == 2

@@ -297,6 +297,6 @@ def test_aggregate_survives_inf_nan_mixed_keys_and_bad_yaml(tmp_path):
     _job(sweep / "0", 0, [row, ["QSharp", "goal_walk", "tiny", 0, 5.0, 40, 80, "inf", "nan"]])
     _job(sweep / "1", 1, [row, ["QSharp", "goal_walk", "tiny", "x", "eta?", 40, 80, 0.1]])
     (sweep / "1" / ".hydra" / "overrides.yaml").write_text("- [unclosed\n  : : :\n")
-    assert main([str(sweep)]) == 0
-    table = (sweep / "aggregate.md").read_text()
+    assert main([str(sweep), "--out", str(tmp_path / "agg")]) == 0
+    table = (tmp_path / "agg" / "aggregate.md").read_text()
     assert "inf" not in table and "nan" not in table.lower().replace("n_runs", "")

@@ -3,7 +3,8 @@
 After a sweep (`python run_parallel.py -m dataset.seed=0,1,2`) every job has its own run
 folder with `results/summary.csv`. `aggregate(run_dirs, out_dir)` reads them and writes
 
-- `aggregate.csv` / `aggregate.md`: one row per (config, algo, dataset, family, round, η)
+- `aggregate.csv` / `aggregate.md`: one row per (config, algo, dataset, family, round, η,
+  sampling rule)
   with `n_runs` and, per metric, `<metric>_mean`, `<metric>_std` (sample std, ddof=1) and
   `<metric>_min` / `<metric>_max`; `aggregate.md` shows `mean ± std`. `config` is what
   the jobs' overrides set apart from seeds (empty when only seeds vary), so a sweep over
@@ -16,7 +17,8 @@ folder with `results/summary.csv`. `aggregate(run_dirs, out_dir)` reads them and
 
 `AggregateCallback` is a Hydra callback (conf/config.yaml registers it): at the end of a
 multirun it aggregates the sweep folder (`outputs/<name>/multirun/<timestamp>/`).
-By hand: `python -m pita.experiment.aggregate outputs/goal_walk/multirun/<ts> [more run dirs]`.
+By hand: `python -m pita.experiment.aggregate outputs/goal_walk/multirun/<ts> [more run dirs]
+[--out DIR]` (default: a new `aggregate-<time>/` folder inside the first path).
 Orchestrator side: csv + matplotlib, no torch.
 """
 
@@ -38,8 +40,10 @@ from pita.core.paths import RunPaths
 
 log = logging.getLogger("pita.aggregate")
 
-KEYS = ("config", "algo", "dataset", "family", "round", "eta")
-NOT_METRICS = {"algo", "dataset", "family", "round", "eta", "n_prompts", "samples"}
+# every column that tells rows apart: two reference rows (full and top-2 sampling) of one
+# run are two rows, never pooled into one with a doubled n_runs
+KEYS = ("config", "algo", "dataset", "family", "round", "eta", "sampling")
+NOT_METRICS = {"algo", "dataset", "family", "round", "eta", "sampling", "n_prompts", "samples"}
 SEED_KEY = re.compile(r"(^|\.)seed$")
 ALGO_ORDER = list(ALGO_NAMES)  # the registry table's order
 
@@ -147,6 +151,7 @@ def aggregate_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             ALGO_ORDER.index(r["algo"]) if r["algo"] in ALGO_ORDER else 99,
             _sortable(r["round"]),
             _sortable(-1 if r["eta"] is None else r["eta"]),
+            _sortable(r.get("sampling")),
         )
     )
     return out
@@ -332,17 +337,39 @@ class AggregateCallback(_HydraCallback):
             log.exception("aggregating %s failed: %s", sweep_dir, exc)
 
 
+def default_out_dir(first: Path) -> Path:
+    """Where `python -m pita.experiment.aggregate` writes without --out: a new folder of its
+    own beside the runs, so the sweep's own aggregate.md is never replaced."""
+    import time
+
+    return first / f"aggregate-{time.strftime('%Y-%m-%d_%H-%M-%S')}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
-        print("usage: python -m pita.experiment.aggregate SWEEP_OR_RUN_DIR [MORE ...] [--out DIR]")
+        print(
+            "usage: python -m pita.experiment.aggregate SWEEP_OR_RUN_DIR [MORE ...] [--out DIR]\n"
+            "  writes aggregate.{csv,md}, matched_kl.{csv,md} and plots/ into DIR\n"
+            "  (default: a new SWEEP_OR_RUN_DIR/aggregate-<time>/; never over a sweep's own files)"
+        )
         return 0 if args else 2
     out = None
     if "--out" in args:
         i = args.index("--out")
-        out = args[i + 1]
+        if i + 1 >= len(args):
+            print("error: --out needs a folder", file=sys.stderr)
+            return 2
+        out = Path(args[i + 1])
         del args[i : i + 2]
+    if out is not None and (out / "aggregate.md").exists() and find_run_dirs([out]):
+        print(
+            f"error: --out {out} holds the sweep's own aggregate.md; choose another folder",
+            file=sys.stderr,
+        )
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    out = out if out is not None else default_out_dir(Path(args[0]))
     return 0 if aggregate(args, out) else 1
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from pita.algos.registry import ALGO_NAMES, GUIDED
 
-GROUP = ("dataset", "family", "round")
+GROUP = ("dataset", "family", "round", "sampling")  # curves under one sampling rule only
 METRIC = "pass@1"
 
 
@@ -37,7 +37,7 @@ def _value(row: dict[str, Any], metric: str) -> float | None:
 
 
 def curves(rows: Sequence[dict[str, Any]]) -> dict[tuple, dict[str, list[tuple[float, float]]]]:
-    """{(config, dataset, family, round): {algo: [(kl, pass@1), ...] sorted by kl}} of the
+    """{(config, dataset, family, round, sampling): {algo: [(kl, pass@1), ...] sorted by kl}} of the
     guided algorithms' rows."""
     out: dict[tuple, dict[str, list[tuple[float, float]]]] = {}
     for r in rows:
