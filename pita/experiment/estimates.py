@@ -263,23 +263,28 @@ def _batch(value: Any, fallback: int) -> int:
 
 
 class ModelSizes:
-    """Sizes of a family's models, read once per (family, dataset)."""
+    """Sizes of a family's checkpoints (reference | guide | reward), read once per (family,
+    dataset)."""
 
     def __init__(self) -> None:
         self._cache: dict[tuple, ModelSize | None] = {}
 
-    def get(self, family: Mapping[str, Any], ds: Mapping[str, Any], role: str) -> ModelSize | None:
+    def get(
+        self, family: Mapping[str, Any], ds: Mapping[str, Any], checkpoint: str
+    ) -> ModelSize | None:
         key = (
             json.dumps(family, sort_keys=True, default=str),
             json.dumps(ds, sort_keys=True, default=str),
-            role,
+            checkpoint,
         )
         if key not in self._cache:
-            self._cache[key] = self._read(family, ds, role)
+            self._cache[key] = self._read(family, ds, checkpoint)
         return self._cache[key]
 
     @staticmethod
-    def _read(family: Mapping[str, Any], ds: Mapping[str, Any], role: str) -> ModelSize | None:
+    def _read(
+        family: Mapping[str, Any], ds: Mapping[str, Any], checkpoint: str
+    ) -> ModelSize | None:
         from pita.models.catalog import resolve_family
 
         try:
@@ -287,10 +292,12 @@ class ModelSizes:
         except ValueError:
             return None
         if fam.is_builtin:
-            arch = family.get("reference_arch" if role == "reference" else "guide_arch")
-            key = "reference_arch" if role == "reference" else "guide_arch"
+            key = "reference_arch" if checkpoint == "reference" else "guide_arch"
+            arch = family.get(key)
             return tiny_size(arch, tiny_vocab(ds), f"model.{key}") if arch else None
-        model_id = {"reference": fam.reference, "guide": fam.guide, "reward": fam.reward}[role]
+        model_id = {"reference": fam.reference, "guide": fam.guide, "reward": fam.reward}[
+            checkpoint
+        ]
         if not model_id:
             return None
         return checkpoint_size(
