@@ -1,4 +1,5 @@
-"""The one table of algorithms: their names, the stages of a round, and the function of each.
+"""The one table of algorithms: their names, the stages of a round, and each stage's function,
+outputs and models.
 
 Everything that needs to know "which algorithms exist" reads `ALGORITHMS`: the config
 schema (`algos.<NAME>` must be a row), the planner (stages of a round, which function
@@ -154,7 +155,9 @@ ALGORITHMS: dict[str, Algorithm] = {
                 **_REWARD_OUTPUTS,
                 "collect": (Artifact.RECORDS, Artifact.PAIRS),
             },
-            # the reward model counted as the value model is (as the estimate always had it)
+            # the reward model counted as the estimate always counted it here (a value-sized
+            # head, one sequence per example); GRPO-HF's row counts the same reward model
+            # with the vocabulary and pairs. Kept apart so that no plan changes.
             models={**_VALUE_MODELS, "reward_model": (Held("reward", "train", atoms_head=True),)},
         ),
         # policy-optimisation baselines with TRL (pita/algos/dpo.py, grpo.py)
