@@ -91,7 +91,7 @@ def name_branches(root: Path = PITA) -> list[str]:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             why = _branch(node)
             if why:
-                found.setdefault(node.lineno, why)
+                found.setdefault(getattr(node, "lineno", 0), why)
         rel = path.relative_to(root.parent)
         hits += [f"{rel}:{line}: {why}" for line, why in sorted(found.items())]
     return hits

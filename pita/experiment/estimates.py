@@ -183,7 +183,7 @@ def checkpoint_size(
     ns = _namespace(raw)
     if params == 0 and ns is None:
         return None
-    if params == 0:  # no safetensors (a .bin checkpoint): count from the shapes
+    if params == 0 and ns is not None:  # no safetensors (a .bin checkpoint): count from the shapes
         h, n_layer, vocab = int(ns.hidden_size), int(ns.num_hidden_layers), int(ns.vocab_size)
         params = n_layer * (4 * h * h + 3 * h * int(ns.intermediate_size)) + 2 * vocab * h
         on_disk = 0
