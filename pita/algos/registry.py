@@ -1,9 +1,13 @@
-"""The one table of algorithms: their names, the stages of a round, and the function of each.
+"""The one table of algorithms: their names, the stages of a round, and each stage's function,
+outputs and models.
 
 Everything that needs to know "which algorithms exist" reads `ALGORITHMS`: the config
 schema (`algos.<NAME>` must be a row), the planner (stages of a round, which function
-runs each), evaluate (which rows are guided decoding), the report (row order) and the
-tests. Adding an algorithm = one row here + `conf/algo/<name>.yaml` + its defaults line
+runs each, what each leaves in its task folder), the memory estimates (which models each
+stage holds), evaluate (which rows are guided decoding, which is π_ref itself), the report
+(row order) and the tests. Nothing outside `pita/algos/` branches on an algorithm's name
+(tests/test_registry.py checks): a decision that depends on the algorithm reads a field of
+its row. Adding an algorithm = one row here + `conf/algo/<name>.yaml` + its defaults line
 in `conf/config.yaml` (a test checks the two agree).
 
 Functions are dotted paths, imported only in workers: this module imports nothing
@@ -21,6 +25,32 @@ from pita.core.paths import Artifact
 # The wildcard algorithm name: stage_overrides.any.<stage>, and shared tasks (pretrain).
 ANY = "any"
 
+# The models a stage can hold (`Held.model`). The estimate sizes each from a checkpoint of
+# the family (pita/experiment/estimates.py CHECKPOINT_OF): the policy and π_ref from the
+# reference, the value model and the proxy reward model from the guide.
+MODEL_ROLES = ("policy", "reference", "value", "reward")
+# What the stage does with it: sample from it, score with it (no grad), train it (gradients
+# + AdamW state), or only keep its weights resident.
+MODEL_USES = ("generate", "forward", "train", "weights")
+
+
+@dataclass(frozen=True)
+class Held:
+    """One model a stage holds and what it does with it: what its memory estimate counts."""
+
+    model: str  # one of MODEL_ROLES
+    use: str  # one of MODEL_USES
+    from_round: int = 0  # held from this round on (round 0's roll-ins have no guide yet)
+    atoms_head: bool = False  # its head has `algos.<NAME>.num_atoms` outputs, not the vocabulary
+    sequences: int = 1  # sequences per example of a training micro-batch (2: a preference pair)
+
+    def __post_init__(self) -> None:
+        if self.model not in MODEL_ROLES or self.use not in MODEL_USES:
+            raise ValueError(
+                f"Held({self.model!r}, {self.use!r}): model must be one of {MODEL_ROLES}, "
+                f"use one of {MODEL_USES}"
+            )
+
 
 @dataclass(frozen=True)
 class Algorithm:
@@ -29,6 +59,14 @@ class Algorithm:
     functions: Mapping[str, str] = field(default_factory=dict)  # stage -> "module:function"
     guided: bool = False  # evaluated as π_ref guided by the round's value model, at every η
     single_round: bool = False  # planned once, whatever rounds_of_training says (reference)
+    # What each of its own functions leaves in its task folder besides result.json and
+    # log.txt (stage -> Artifact names; a name is a file, or a folder holding at least one
+    # file). Shared stages declare theirs in SHARED_OUTPUTS.
+    outputs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # The models each stage of a round holds (stage -> Held...): what the memory estimate of
+    # its tasks counts. A stage without an entry gets no size-based estimate.
+    models: Mapping[str, tuple[Held, ...]] = field(default_factory=dict)
+    is_reference: bool = False  # evaluates π_ref itself, once per sampling rule (no training)
 
 
 # Stages every chain shares unless an algorithm names its own function.
@@ -39,27 +77,69 @@ SHARED_FUNCTIONS: dict[str, str] = {
     "collect_merge": "pita.stages.collect:collect_merge",
 }
 
+# What the shared functions leave in their folders (as Algorithm.outputs).
+SHARED_OUTPUTS: dict[str, tuple[str, ...]] = {
+    "pretrain": (Artifact.MODEL,),
+    "evaluate": (Artifact.SAMPLES,),
+    "evaluate_merge": (Artifact.METRICS,),
+    "collect_merge": (Artifact.STATS,),
+}
+# The models of the shared stages outside any round (as Algorithm.models).
+SHARED_MODELS: dict[str, tuple[Held, ...]] = {"pretrain": (Held("reference", "train"),)}
+
 _VALUE_ROUND = ("collect", "train", "evaluate")
 _HF_ROUND = ("collect", "reward_model", "train", "evaluate")
 _REWARD_MODEL = "pita.algos.reward_model:train_reward_model"
+
+_VALUE_OUTPUTS = {"collect": (Artifact.RECORDS,), "train": (Artifact.VALUE_MODEL,)}
+_POLICY_OUTPUTS = {"collect": (Artifact.PAIRS,), "train": (Artifact.MODEL,)}
+_REWARD_OUTPUTS = {"reward_model": (Artifact.REWARD_MODEL,)}
+
+# Value-guided rows: roll-ins from π_ref (guided by the previous round's value model from
+# round 1 on), a value model trained beside π_ref's resident weights, evaluation of π_ref
+# guided by the value model.
+_VALUE_MODELS: dict[str, tuple[Held, ...]] = {
+    "collect": (Held("reference", "generate"), Held("value", "forward", from_round=1)),
+    "train": (Held("reference", "weights"), Held("value", "train", atoms_head=True)),
+    "evaluate": (Held("reference", "generate"), Held("value", "forward")),
+}
+# Policy-optimisation rows: roll-ins from π_ref, the policy trained on preference pairs
+# against a frozen π_ref, evaluation of the trained policy.
+_POLICY_MODELS: dict[str, tuple[Held, ...]] = {
+    "collect": (Held("reference", "generate"),),
+    "train": (Held("policy", "train", sequences=2), Held("reference", "forward", sequences=2)),
+    "evaluate": (Held("policy", "generate"),),
+}
+# GRPO's train also samples its groups from the policy.
+_GRPO_TRAIN = (*_POLICY_MODELS["train"], Held("policy", "generate"))
 
 # Insertion order is the report's row order.
 ALGORITHMS: dict[str, Algorithm] = {
     a.name: a
     for a in (
-        Algorithm("reference", ("evaluate",), single_round=True),
+        Algorithm(
+            "reference",
+            ("evaluate",),
+            single_round=True,
+            models={"evaluate": (Held("reference", "generate"),)},
+            is_reference=True,
+        ),
         # value-guided decoding (pita/algos/qsharp.py, pita_algo.py, qsharp_hf.py)
         Algorithm(
             "PITA",
             _VALUE_ROUND,
             {"collect": "pita.algos.pita_algo:collect", "train": "pita.algos.pita_algo:train"},
             guided=True,
+            outputs=_VALUE_OUTPUTS,
+            models=_VALUE_MODELS,
         ),
         Algorithm(
             "QSharp",
             _VALUE_ROUND,
             {"collect": "pita.algos.qsharp:collect", "train": "pita.algos.qsharp:train"},
             guided=True,
+            outputs=_VALUE_OUTPUTS,
+            models=_VALUE_MODELS,
         ),
         Algorithm(
             "QSharp-HF",
@@ -70,6 +150,15 @@ ALGORITHMS: dict[str, Algorithm] = {
                 "train": "pita.algos.qsharp_hf:train",
             },
             guided=True,
+            outputs={
+                **_VALUE_OUTPUTS,
+                **_REWARD_OUTPUTS,
+                "collect": (Artifact.RECORDS, Artifact.PAIRS),
+            },
+            # the reward model counted as the estimate always counted it here (a value-sized
+            # head, one sequence per example); GRPO-HF's row counts the same reward model
+            # with the vocabulary and pairs. Kept apart so that no plan changes.
+            models={**_VALUE_MODELS, "reward_model": (Held("reward", "train", atoms_head=True),)},
         ),
         # policy-optimisation baselines with TRL (pita/algos/dpo.py, grpo.py)
         # DPO is plain DPO (`sft_weight: 0`, as the papers ran it); RPO is the same trainer with
@@ -79,13 +168,23 @@ ALGORITHMS: dict[str, Algorithm] = {
             "DPO",
             _VALUE_ROUND,
             {"collect": "pita.algos.dpo:collect", "train": "pita.algos.dpo:train"},
+            outputs=_POLICY_OUTPUTS,
+            models=_POLICY_MODELS,
         ),
         Algorithm(
             "RPO",
             _VALUE_ROUND,
             {"collect": "pita.algos.dpo:collect", "train": "pita.algos.dpo:train"},
+            outputs=_POLICY_OUTPUTS,
+            models=_POLICY_MODELS,
         ),
-        Algorithm("GRPO", ("train", "evaluate"), {"train": "pita.algos.grpo:train"}),
+        Algorithm(
+            "GRPO",
+            ("train", "evaluate"),
+            {"train": "pita.algos.grpo:train"},
+            outputs={"train": (Artifact.MODEL,)},
+            models={"train": _GRPO_TRAIN, "evaluate": _POLICY_MODELS["evaluate"]},
+        ),
         Algorithm(
             "GRPO-HF",
             _HF_ROUND,
@@ -94,37 +193,23 @@ ALGORITHMS: dict[str, Algorithm] = {
                 "reward_model": _REWARD_MODEL,
                 "train": "pita.algos.grpo:train_hf",
             },
+            outputs={**_POLICY_OUTPUTS, **_REWARD_OUTPUTS},
+            models={
+                **_POLICY_MODELS,
+                "reward_model": (Held("reward", "train", sequences=2),),
+                # GRPO's, plus the proxy reward model scoring the groups
+                "train": (*_GRPO_TRAIN, Held("reward", "forward", sequences=2)),
+            },
         ),
     )
 }
 ALGO_NAMES: tuple[str, ...] = tuple(ALGORITHMS)
 GUIDED: tuple[str, ...] = tuple(name for name, a in ALGORITHMS.items() if a.guided)
+REFERENCE: tuple[str, ...] = tuple(name for name, a in ALGORITHMS.items() if a.is_reference)
 
 # Tasks outside any algorithm's chain (test_parallel_setup.py's device check).
 EXTRA_FUNCTIONS: dict[tuple[str, str], str] = {
     ("diagnostic", "device_check"): "pita.stages.diagnostic:device_check",
-}
-
-# What each stage function leaves in its task folder besides result.json and log.txt (a
-# name is a file, or a folder holding at least one file). The worker refuses to commit a
-# folder without them and resume redoes a folder whose manifest lacks one. A function
-# plugged in with executor.stage_overrides declares nothing.
-STAGE_OUTPUTS: dict[str, tuple[str, ...]] = {
-    "pita.stages.pretrain:pretrain": (Artifact.MODEL,),
-    "pita.stages.evaluate:evaluate_shard": (Artifact.SAMPLES,),
-    "pita.stages.evaluate:evaluate_merge": (Artifact.METRICS,),
-    "pita.stages.collect:collect_merge": (Artifact.STATS,),
-    "pita.algos.qsharp:collect": (Artifact.RECORDS,),
-    "pita.algos.qsharp:train": (Artifact.VALUE_MODEL,),
-    "pita.algos.pita_algo:collect": (Artifact.RECORDS,),
-    "pita.algos.pita_algo:train": (Artifact.VALUE_MODEL,),
-    "pita.algos.qsharp_hf:collect": (Artifact.RECORDS, Artifact.PAIRS),
-    "pita.algos.qsharp_hf:train": (Artifact.VALUE_MODEL,),
-    _REWARD_MODEL: (Artifact.REWARD_MODEL,),
-    "pita.algos.dpo:collect": (Artifact.PAIRS,),
-    "pita.algos.dpo:train": (Artifact.MODEL,),
-    "pita.algos.grpo:train": (Artifact.MODEL,),
-    "pita.algos.grpo:train_hf": (Artifact.MODEL,),
 }
 
 
@@ -143,6 +228,30 @@ def lookup(
         return EXTRA_FUNCTIONS[(algo, stage)]
     own = ALGORITHMS[algo].functions.get(stage) if algo in ALGORITHMS else None
     return own or SHARED_FUNCTIONS.get(stage)
+
+
+def stage_outputs(
+    algo: str, stage: str, overrides: Mapping[str, Mapping[str, str]] | None = None
+) -> tuple[str, ...]:
+    """What the task folder of (algo, stage) must hold besides result.json and log.txt: the
+    worker refuses to commit a folder without them and resume redoes a folder whose manifest
+    lacks one. A function plugged in with executor.stage_overrides declares nothing."""
+    dotted = lookup(algo, stage, overrides)
+    if dotted is None or dotted != lookup(algo, stage) or (algo, stage) in EXTRA_FUNCTIONS:
+        return ()
+    row = ALGORITHMS.get(algo)
+    if row is not None and stage in row.functions:
+        return tuple(row.outputs.get(stage, ()))
+    return SHARED_OUTPUTS.get(stage, ())
+
+
+def stage_models(algo: str, stage: str, round_idx: int) -> tuple[Held, ...]:
+    """The models a task of (algo, stage) holds in round `round_idx` (the estimate's input)."""
+    row = ALGORITHMS.get(algo)
+    held = row.models.get(stage) if row is not None else None
+    if held is None:
+        held = SHARED_MODELS.get(stage, ())
+    return tuple(h for h in held if round_idx >= h.from_round)
 
 
 def is_importable(dotted: str) -> bool:

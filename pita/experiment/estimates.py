@@ -8,9 +8,10 @@ mean something. Each task's `mem_mb` comes from the first of these that is known
    (a finished task's `result.json` has `peak_gpu_mb`, torch's `max_memory_reserved`), or
    in the peaks cache next to the batch-size cache (`$PITA_CACHE_DIR/task_peaks.json`,
    keyed with a fingerprint of the family, dataset and batch settings);
-2. **checkpoint size**: parameters × dtype bytes read from `config.json` and the
-   safetensors headers of a local folder or the local hub cache (json + struct: no torch,
-   no download), plus KV cache / activations for the configured batch and lengths, plus
+2. **checkpoint size** of the models the stage holds (its algorithm's row in
+   pita/algos/registry.py declares which, and what the stage does with each): parameters ×
+   dtype bytes read from `config.json` and the safetensors headers of a local folder or the
+   local hub cache (json + struct: no torch, no download), plus KV cache / activations for the configured batch and lengths, plus
    gradients and AdamW state for training stages (`pita.runtime.batch_size.search.estimate_from_config`,
    the same formula the batch-size probe starts from). The tiny family's models are built
    in the run: their size comes from `model.reference_arch` / `guide_arch`;
@@ -37,8 +38,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
+from pita.algos.registry import Held, stage_models
 from pita.models.placement import BYTES_PER_PARAM
 
 log = logging.getLogger(__name__)
@@ -75,7 +77,6 @@ SAFETENSORS_BYTES = {
     "F8_E4M3": 1,
     "F8_E5M2": 1,
 }
-VALUE_ALGOS = ("PITA", "QSharp", "QSharp-HF")
 MB = 2**20
 
 
@@ -182,7 +183,7 @@ def checkpoint_size(
     ns = _namespace(raw)
     if params == 0 and ns is None:
         return None
-    if params == 0:  # no safetensors (a .bin checkpoint): count from the shapes
+    if params == 0 and ns is not None:  # no safetensors (a .bin checkpoint): count from the shapes
         h, n_layer, vocab = int(ns.hidden_size), int(ns.num_hidden_layers), int(ns.vocab_size)
         params = n_layer * (4 * h * h + 3 * h * int(ns.intermediate_size)) + 2 * vocab * h
         on_disk = 0
@@ -262,23 +263,28 @@ def _batch(value: Any, fallback: int) -> int:
 
 
 class ModelSizes:
-    """Sizes of a family's models, read once per (family, dataset)."""
+    """Sizes of a family's checkpoints (reference | guide | reward), read once per (family,
+    dataset)."""
 
     def __init__(self) -> None:
         self._cache: dict[tuple, ModelSize | None] = {}
 
-    def get(self, family: Mapping[str, Any], ds: Mapping[str, Any], role: str) -> ModelSize | None:
+    def get(
+        self, family: Mapping[str, Any], ds: Mapping[str, Any], checkpoint: str
+    ) -> ModelSize | None:
         key = (
             json.dumps(family, sort_keys=True, default=str),
             json.dumps(ds, sort_keys=True, default=str),
-            role,
+            checkpoint,
         )
         if key not in self._cache:
-            self._cache[key] = self._read(family, ds, role)
+            self._cache[key] = self._read(family, ds, checkpoint)
         return self._cache[key]
 
     @staticmethod
-    def _read(family: Mapping[str, Any], ds: Mapping[str, Any], role: str) -> ModelSize | None:
+    def _read(
+        family: Mapping[str, Any], ds: Mapping[str, Any], checkpoint: str
+    ) -> ModelSize | None:
         from pita.models.catalog import resolve_family
 
         try:
@@ -286,10 +292,12 @@ class ModelSizes:
         except ValueError:
             return None
         if fam.is_builtin:
-            arch = family.get("reference_arch" if role == "reference" else "guide_arch")
-            key = "reference_arch" if role == "reference" else "guide_arch"
+            key = "reference_arch" if checkpoint == "reference" else "guide_arch"
+            arch = family.get(key)
             return tiny_size(arch, tiny_vocab(ds), f"model.{key}") if arch else None
-        model_id = {"reference": fam.reference, "guide": fam.guide, "reward": fam.reward}[role]
+        model_id = {"reference": fam.reference, "guide": fam.guide, "reward": fam.reward}[
+            checkpoint
+        ]
         if not model_id:
             return None
         return checkpoint_size(
@@ -297,105 +305,85 @@ class ModelSizes:
         ) or size_from_name(model_id)
 
 
-def _roles(algo: str, stage: str, round_idx: int) -> list[tuple[str, str]]:
-    """(role, use) of the models a stage holds: use is generate | train | forward | weights."""
-    value = algo in VALUE_ALGOS
-    if stage == "pretrain":
-        return [("reference", "train")]
-    if stage in ("collect", "evaluate"):
-        guided = value and (stage == "evaluate" or round_idx > 0)
-        return [("reference", "generate")] + ([("guide", "forward")] if guided else [])
-    if stage == "reward_model":
-        return [("guide", "train")]
-    if stage == "train":
-        if value:
-            return [("reference", "weights"), ("guide", "train")]
-        roles = [("reference", "train"), ("reference", "forward")]
-        if algo.startswith("GRPO"):
-            roles.append(("reference", "generate"))
-        if algo.endswith("-HF"):
-            roles.append(("guide", "forward"))
-        return roles
-    return []
+# Which checkpoint of the family each model a stage holds (registry MODEL_ROLES) is sized
+# from: a policy starts as π_ref; the value and proxy reward models are the guide's size.
+CHECKPOINT_OF = {
+    "policy": "reference",
+    "reference": "reference",
+    "value": "guide",
+    "reward": "guide",
+}
+
+
+def _batch_of(task: Any, cfg: Any, held: Held, builtin: bool) -> int:
+    """How many sequences the held model processes at once in this task, before batch_scale."""
+    algo_cfg = _get(cfg, f"algos.{task.algo}", {}) or {}
+    micro = int(_get(cfg, "training.micro_batch_size", 4))
+    if held.use == "generate":
+        if task.stage == "train":  # roll-outs sampled inside training (GRPO's groups)
+            return micro * int(algo_cfg.get("num_generations", 8))
+        if task.stage == "evaluate":
+            batch = _batch(_get(cfg, "evaluation.batch_size"), 512)
+            return batch * int(_get(cfg, "evaluation.num_samples", 1))
+        return _batch(_get(cfg, "generation.batch_size"), 256)
+    if held.use == "forward":
+        if task.stage == "train":
+            return micro * held.sequences
+        return _batch(_get(cfg, "generation.batch_size"), 256)
+    # train: the whole batch at once for built-in models, micro-batches for hub models
+    if task.stage == "pretrain":
+        return int(_get(cfg, "pretrain.batch_size", 256))
+    if builtin:
+        return _batch(algo_cfg.get("batch_size"), 256)
+    return micro * held.sequences
+
+
+def _activation_bytes(
+    task: Any, cfg: Any, held: Held, size: ModelSize, builtin: bool, lengths: tuple[int, int]
+) -> float:
+    """What the held model adds over its weights: KV cache / activations, gradients and AdamW."""
+    from pita.runtime.batch_size.search import StageMode, estimate_from_config
+
+    config = size.config
+    if held.atoms_head:  # a value head: num_atoms outputs, not the vocabulary
+        atoms = int((_get(cfg, f"algos.{task.algo}", {}) or {}).get("num_atoms", 1) or 1)
+        config = SimpleNamespace(**{**vars(config), "vocab_size": atoms})
+    est = estimate_from_config(
+        config,
+        mode=cast(StageMode, held.use),  # never "weights": the caller counts those
+        prompt_tokens=lengths[0],
+        new_tokens=lengths[1],
+        dtype_bytes=4 if builtin else 2,
+        n_params=size.params,
+        optimizer_bytes_per_param=8.0 if held.use == "train" else None,
+    )
+    batch = _batch_of(task, cfg, held, builtin)
+    return est.bytes_for(max(1, int(batch * task.batch_scale)))
 
 
 def analytic_mb(task: Any, cfg: Any, sizes: ModelSizes) -> tuple[int, str] | None:
-    """Weights + KV cache / activations + optimizer state of the task's models, in MB."""
-    from pita.runtime.batch_size.search import estimate_from_config
-
-    roles = _roles(task.algo, task.stage, task.round)
-    if not roles:
+    """Weights + KV cache / activations + optimizer state of the models the task's stage
+    holds (its algorithm's row in pita/algos/registry.py says which), in MB."""
+    held = stage_models(task.algo, task.stage, task.round)
+    if not held:
         return None
     family, ds = task.family_cfg, task.dataset_cfg
     builtin = str(family.get("name")) == "tiny"
-    prompt, new = sequence_lengths(ds, cfg)
-    algo_cfg = _get(cfg, f"algos.{task.algo}", {}) or {}
-    micro = int(_get(cfg, "training.micro_batch_size", 4))
+    lengths = sequence_lengths(ds, cfg)
     total = 0.0
     counted: set[str] = set()
     whats: list[str] = []
-    for role, use in roles:
-        size = sizes.get(family, ds, role)
+    for h in held:
+        checkpoint = CHECKPOINT_OF[h.model]
+        size = sizes.get(family, ds, checkpoint)
         if size is None:
             return None
-        if role not in counted:  # a model's weights are held once
+        if checkpoint not in counted:  # a checkpoint's weights are counted once
             total += size.weight_bytes
-            counted.add(role)
+            counted.add(checkpoint)
             whats.append(size.what)
-        if use == "weights" or size.config is None:
-            continue
-        act_bytes = 4 if builtin else 2
-        if use == "generate":
-            key = "evaluation.batch_size" if task.stage == "evaluate" else "generation.batch_size"
-            batch = _batch(_get(cfg, key), 512 if task.stage == "evaluate" else 256)
-            if task.stage == "evaluate":
-                batch *= int(_get(cfg, "evaluation.num_samples", 1))
-            if task.stage == "train":  # GRPO's roll-outs
-                batch = micro * int(algo_cfg.get("num_generations", 8))
-            est = estimate_from_config(
-                size.config,
-                mode="generate",
-                prompt_tokens=prompt,
-                new_tokens=new,
-                dtype_bytes=act_bytes,
-                n_params=size.params,
-            )
-        elif use == "forward":
-            batch = (
-                _batch(_get(cfg, "generation.batch_size"), 256)
-                if task.stage != "train"
-                else micro * 2
-            )
-            est = estimate_from_config(
-                size.config,
-                mode="forward",
-                prompt_tokens=prompt,
-                new_tokens=new,
-                dtype_bytes=act_bytes,
-                n_params=size.params,
-            )
-        else:  # train: the whole batch at once for built-in models, micro-batches for hub models
-            if task.stage == "pretrain":
-                batch = int(_get(cfg, "pretrain.batch_size", 256))
-            elif builtin:
-                batch = _batch(algo_cfg.get("batch_size"), 256)
-            else:
-                batch = micro * (1 if task.algo in VALUE_ALGOS else 2)
-            config = size.config
-            if task.algo in VALUE_ALGOS and role == "guide":  # a value head, not the vocabulary
-                config = SimpleNamespace(
-                    **{**vars(config), "vocab_size": int(algo_cfg.get("num_atoms", 1) or 1)}
-                )
-            est = estimate_from_config(
-                config,
-                mode="train",
-                prompt_tokens=prompt,
-                new_tokens=new,
-                dtype_bytes=act_bytes,
-                n_params=size.params,
-                optimizer_bytes_per_param=8.0,
-            )
-        total += est.bytes_for(max(1, int(batch * task.batch_scale)))
+        if h.use != "weights" and size.config is not None:
+            total += _activation_bytes(task, cfg, h, size, builtin, lengths)
     return int(total / MB) + WORKER_OVERHEAD_MB, " + ".join(dict.fromkeys(whats))
 
 

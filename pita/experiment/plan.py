@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pita.algos.registry import ALGORITHMS, ANY, STAGE_OUTPUTS, is_importable, lookup
+from pita.algos.registry import ALGORITHMS, ANY, is_importable, lookup, stage_outputs
 from pita.core.dag import Plan, critical_path_priorities
 from pita.core.errors import ConfigError
 from pita.core.tasks import SHARDABLE, TaskSpec, task_id
@@ -266,8 +266,9 @@ def plan_experiment(
                     algo, common, base_inputs, mem_mb, int(fam_cfg.get("gpus_per_task", 1))
                 )
     plan = planner.plan
+    overrides = cfg.executor.stage_overrides or {}
     for t in plan.tasks.values():  # what its committed folder must hold (resume checks it)
-        t.outputs = list(STAGE_OUTPUTS.get(t.fn, ()))
+        t.outputs = list(stage_outputs(t.algo, t.stage, overrides))
     from pita.experiment.estimates import fill_estimates
 
     fill_estimates(plan, cfg, device_mb)  # measured peak > checkpoint size > model.memory_gb

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pita.algos.registry import GUIDED
+from pita.algos.registry import GUIDED, REFERENCE
 from pita.core.paths import Artifact, atomic_write_json
 from pita.runtime.batching import generation_batch_size
 from pita.runtime.context import StageContext
@@ -107,7 +107,7 @@ def reference_rules(ctx: StageContext) -> list[SamplingRule]:
 def eval_policies(ctx: StageContext, ref) -> list[EvalPolicy]:
     """The rows this chain's evaluation samples (see the module docstring)."""
     algo = ctx.task.algo
-    if algo == "reference":
+    if algo in REFERENCE:
         return [EvalPolicy(0.0, ref, rule, is_reference=True) for rule in reference_rules(ctx)]
     if algo in GUIDED:
         from pita.algos.guidance import guided_hook_factory
@@ -279,7 +279,7 @@ def _oracle(task, examples, algo: str, eta) -> float | None:
     reference, the KL-regularised optimum p·e^η / (1 − p + p·e^η) for guided η."""
     if not hasattr(task, "optimal_pass_at_1"):
         return None
-    if algo == "reference":
+    if algo in REFERENCE:
         return task.reference_pass_at_1(examples)
     if algo in GUIDED and eta is not None:
         return task.optimal_pass_at_1(float(eta), examples)
