@@ -133,15 +133,11 @@ def precision_flags(ctx: StageContext) -> dict[str, bool]:
 def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
     """trainer.train(), then the task's training_metrics.png and performance_summary.txt
     (the same report as the hand-written training loops); returns the summary."""
-    from pita.training.checkpoint import (
-        checkpoint_commit_callback,
-        last_trl_checkpoint,
-        time_checkpoint_callback,
-    )
+    from pita.runtime.kit import last_trl_checkpoint, precision_for, task_tracker, trl_report_to
+    from pita.training.checkpoint import checkpoint_commit_callback, time_checkpoint_callback
     from pita.training.loop import TrainingMetrics
-    from pita.training.precision import precision_for
     from pita.training.report import trainer_metrics_callback, write_training_report
-    from pita.training.tracking import for_task, logger_cfg, scoped_env, trl_callback, trl_report_to
+    from pita.training.tracking import logger_cfg, scoped_env, trl_callback
 
     args = trainer.args
     world = max(1, int(getattr(args, "world_size", 1) or 1))
@@ -153,7 +149,7 @@ def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
         if type(cb).__name__ == "TensorBoardCallback" and "TENSORBOARD_LOGGING_DIR" in env:
             cb.logging_dir = env["TENSORBOARD_LOGGING_DIR"]
     if str(logger_cfg(ctx.cfg).get("backend")) == "csv":  # not a TRL integration: our tracker
-        trainer.add_callback(trl_callback(for_task(ctx)))
+        trainer.add_callback(trl_callback(task_tracker(ctx)))
     minutes = float(ctx.cfg.training.get("checkpoint_every_minutes", 0.0) or 0.0)
     if args.save_strategy != "no" and minutes > 0:
         trainer.add_callback(time_checkpoint_callback(minutes))
@@ -208,8 +204,7 @@ def training_args(
         else "gradient_checkpointing"
     )
     extra = {checkpointing: bool(tr.gradient_checkpointing), **extra}
-    from pita.training.checkpoint import trl_checkpoint_kwargs
-    from pita.training.tracking import trl_report_to
+    from pita.runtime.kit import trl_checkpoint_kwargs, trl_report_to
 
     saving = {
         "output_dir": str(ctx.out_dir / Artifact.TRAINER_SCRATCH),
