@@ -14,6 +14,8 @@
 - The effective batch `algos.<NAME>.batch_size` is kept; it is cut into micro-batches with
   gradient accumulation (`micro_batches`: `training.micro_batch_size` × the task's
   `batch_scale` for hub models, the whole batch for the tiny models built in the run).
+- `train_and_save`: the stage's ending (train with the report, save the model, the
+  result's common part), the same for DPO, GRPO, GRPO-HF and the reward model.
 - `StageLogCallback`: TRL's log lines go to the task's `log.txt`, to `train_log.jsonl`
   in the task folder and to the worker's heartbeat.
 - `offline()`: the hub is never contacted (HF_HUB_OFFLINE and friends), so a missing file
@@ -172,6 +174,27 @@ def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
     )
 
 
+def train_and_save(
+    ctx: StageContext, trainer: Any, tokenizer: Any, artifact: str, logged: tuple[str, ...]
+) -> tuple[Any, dict[str, Any]]:
+    """The ending every TRL stage shares: `train_with_report` (resuming from the task's
+    newest committed checkpoint; training_metrics.png, performance_summary.txt), then the
+    trained model, unwrapped, with its tokenizer saved to `out_dir/<artifact>` (the task
+    folder is committed atomically by the worker; the Trainer's empty scratch folder is
+    removed, its checkpoints go with the task's checkpoint folder once committed).
+
+    Returns (the trained model in eval mode, the common part of the stage's result:
+    `steps`, the last logged value of each `logged` key, `performance`)."""
+    performance = train_with_report(ctx, trainer)
+    model = trainer.accelerator.unwrap_model(trainer.model).eval()
+    save_model(model, tokenizer, ctx.out_dir / artifact)
+    return model, {
+        "steps": trainer.state.global_step,
+        **last_logged(trainer, *logged),
+        "performance": performance,
+    }
+
+
 def training_args(
     ctx: StageContext,
     config_cls: type,
@@ -188,14 +211,17 @@ def training_args(
     """
     import torch
 
+    from pita.runtime.kit import trl_checkpoint_kwargs, trl_report_to
+    from pita.training.loop import dataloader_kwargs
+
     offline()
     tr = ctx.cfg.training
     on_cuda = torch.device(ctx.device).type == "cuda" and torch.cuda.is_available()
     micro, accum = micro_batches(ctx, batch_size)
-    # algos.<NAME>.num_workers (the seed guide's key) wins; 0 there defers to training.num_workers
+    # algos.<NAME>.num_workers (the seed guide's key) wins; 0 there defers to training.num_workers;
+    # -1 = auto: this worker's thread budget - 1, at most 4 (`dataloader_kwargs`)
     workers = int(ctx.algo_cfg.num_workers) or int(tr.num_workers)
-    if workers < 0:  # -1 = auto
-        workers = 2 if on_cuda else 0
+    loader = dataloader_kwargs(workers, bool(tr.pin_memory), "cuda" if on_cuda else "cpu")
     # transformers 5 renamed gradient_checkpointing (a deprecated alias that warns) to activation_checkpointing
     names = {f.name for f in dataclasses.fields(config_cls)}
     checkpointing = (
@@ -204,7 +230,6 @@ def training_args(
         else "gradient_checkpointing"
     )
     extra = {checkpointing: bool(tr.gradient_checkpointing), **extra}
-    from pita.runtime.kit import trl_checkpoint_kwargs, trl_report_to
 
     saving = {
         "output_dir": str(ctx.out_dir / Artifact.TRAINER_SCRATCH),
@@ -222,8 +247,8 @@ def training_args(
         weight_decay=tr.weight_decay,
         max_grad_norm=tr.max_grad_norm,
         use_cpu=not on_cuda,
-        dataloader_num_workers=workers,
-        dataloader_pin_memory=bool(tr.pin_memory and on_cuda),
+        dataloader_num_workers=loader["num_workers"],
+        dataloader_pin_memory=loader["pin_memory"],
         torch_compile=bool(tr.compile),
         seed=ctx.seed,
         data_seed=ctx.seed,

@@ -261,10 +261,10 @@ def enable_gradient_checkpointing(
 def dataloader_kwargs(
     num_workers: int, pin_memory: bool, device: str | torch.device
 ) -> dict[str, Any]:
-    """DataLoader kwargs: `num_workers=-1` = auto = min(4, this worker's share of the cores - 1)
-    (`PITA_DATALOADER_WORKERS`, set by the pool when workers share a GPU host; else the
-    host's cores); pinned memory only when the batches go to a CUDA device (pinning for
-    the CPU only costs)."""
+    """DataLoader kwargs (the TRL stages' `dataloader_*` fields, pita/algos/trl_common.py):
+    `num_workers=-1` = auto = this worker's thread budget - 1, at most 4 (on a GPU host the
+    pool's budget, `PITA_DATALOADER_WORKERS`; elsewhere the cores this process may use - 1);
+    pinned memory only when the batches go to a CUDA device (pinning for the CPU only costs)."""
     if num_workers < 0:
         budget = os.environ.get("PITA_DATALOADER_WORKERS", "")
         if budget.isdigit():
