@@ -2,7 +2,7 @@
 
     python bench/value_training.py [--size paper|cpu] [--steps 60] [--device auto|cpu|cuda]
 
-Runs `pita.algos.qsharp.train_value` (the Q# / PITA value-model training stage) in this
+Runs `pita.algos.value_training.train_value` (the Q# / PITA value-model training stage) in this
 process on star-graph training pairs: `--size paper` is the published setting
 (`experiment=star_graph_paper`: G(2,5), N = 50, 6×384 guide warm-started from a 6×384
 reference, batch 256; the issue measured 22 steps/s = 5,632 sequences/s on an H100 before
@@ -31,7 +31,7 @@ def run(size: str = "cpu", steps: int = 60, device: str = "auto", n_items: int =
     import torch
     from omegaconf import OmegaConf
 
-    from pita.algos.qsharp import train_value
+    from pita.algos.value_training import train_value
     from pita.core.tasks import TaskSpec
     from pita.datasets import build_task
     from pita.experiment.cli import compose_config

@@ -61,7 +61,7 @@ def test_world_size_follows_parallel_strategy_and_gpu_mode():
 
     from omegaconf import OmegaConf
 
-    from pita.training.ddp import data_parallel_world_size
+    from pita.runtime.gang import data_parallel_world_size
 
     def ctx(strategy, gpu_mode="auto", gpus=2):
         cfg = OmegaConf.create(

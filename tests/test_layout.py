@@ -5,8 +5,10 @@ Layers, lowest first (a package may import itself and any package of a lower lay
     core                      parent process: devices, scheduler, executors, journal (torch-free)
     datasets, eval            tasks, prompts, rewards, metrics
     models                    loading, generation, value model, placement
-    runtime                   worker side: worker main, StageContext, OOM classes, batch size
-    training                  the shared training stack
+    training                  the shared training stack; takes values (a model, a folder, a
+                              logger config), knows no task and no StageContext
+    runtime                   worker side: worker main, StageContext, OOM classes, batch size,
+                              training objects from a context (kit), per-rank DDP glue (gang)
     algos                     the algorithm table, PITA / Q# / DPO / GRPO stages, roll-outs
     stages                    stages every chain shares: pretrain, evaluate, collect_merge
     experiment                config schema, planner, run, report, cli
@@ -29,8 +31,8 @@ LAYER = {
     "datasets": 1,
     "eval": 1,
     "models": 2,
-    "runtime": 3,
-    "training": 4,
+    "training": 3,
+    "runtime": 4,
     "algos": 5,
     "stages": 6,
     "experiment": 7,

@@ -62,7 +62,8 @@ def _collect(task, *, pairs: bool, samples: int = 8, seed: int = 0, hook=None):
 
 
 def test_records_are_token_consistent(task):
-    from pita.algos.qsharp import build_targets, reward_targets, training_items
+    from pita.algos.qsharp import reward_targets, training_items
+    from pita.algos.value_training import build_targets
 
     examples, records = _collect(task, pairs=True)
     assert len(records) == 6 * 8

@@ -273,7 +273,7 @@ def test_losses_on_tiny_tensors():
 
 def test_merged_targets_give_the_records_objective():
     """Σ_records BCE over trained positions == Σ_units weight·BCE(mean target) (build_targets)."""
-    from pita.algos.qsharp import build_targets
+    from pita.algos.value_training import build_targets
 
     items = [
         ([1, 2], [3, 4, EOS], 0, [1.0], None),

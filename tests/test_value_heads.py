@@ -232,7 +232,7 @@ def test_clamped_expectation_offsets_only_suppress():
 
 
 def test_official_schedule():
-    from pita.algos.qsharp import official_schedule
+    from pita.algos.value_training import official_schedule
 
     p = torch.nn.Parameter(torch.zeros(1))
     optim = torch.optim.AdamW([p], lr=1.0)

@@ -292,13 +292,11 @@ def train(ctx: StageContext) -> dict:
 
     from pita.algos.trl_common import (
         effective_batch,
-        last_logged,
         load_trainable_lm,
         policy_start_dir,
         quiet,
-        save_model,
         stage_log_callback,
-        train_with_report,
+        train_and_save,
         training_args,
     )
     from pita.models.loading import load_tokenizer
@@ -358,22 +356,19 @@ def train(ctx: StageContext) -> dict:
         ref_dir,
     )
 
-    performance = train_with_report(ctx, trainer)
-    save_model(trainer.accelerator.unwrap_model(trainer.model), tok, ctx.out_dir / Artifact.MODEL)
-    stats = last_logged(
+    _, end = train_and_save(
+        ctx,
         trainer,
-        "train_loss",
-        "rewards/accuracies",
-        "rewards/margins",
-        "rewards/chosen",
-        "rewards/rejected",
-        "logps/chosen",
-        "logps/rejected",
+        tok,
+        Artifact.MODEL,
+        (
+            "train_loss",
+            "rewards/accuracies",
+            "rewards/margins",
+            "rewards/chosen",
+            "rewards/rejected",
+            "logps/chosen",
+            "logps/rejected",
+        ),
     )
-    return {
-        "pairs": len(records),
-        "steps": trainer.state.global_step,
-        "start": start_dir,
-        **stats,
-        "performance": performance,
-    }
+    return {"pairs": len(records), "start": start_dir, **end}

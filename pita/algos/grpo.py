@@ -120,13 +120,11 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
 
     from pita.algos.trl_common import (
         effective_batch,
-        last_logged,
         load_trainable_lm,
         policy_start_dir,
         quiet,
-        save_model,
         stage_log_callback,
-        train_with_report,
+        train_and_save,
         training_args,
     )
     from pita.models.loading import load_tokenizer
@@ -190,26 +188,27 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
         kl_ref,
     )
 
-    performance = train_with_report(ctx, trainer)
-    save_model(trainer.accelerator.unwrap_model(trainer.model), tok, ctx.out_dir / Artifact.MODEL)
-    stats = last_logged(
+    _, end = train_and_save(
+        ctx,
         trainer,
-        "train_loss",
-        "reward",
-        "reward_std",
-        "kl",
-        "entropy",
-        "frac_reward_zero_std",
-        "true_reward",
+        tok,
+        Artifact.MODEL,
+        (
+            "train_loss",
+            "reward",
+            "reward_std",
+            "kl",
+            "entropy",
+            "frac_reward_zero_std",
+            "true_reward",
+        ),
     )
     first = next((r for r in trainer.state.log_history if "reward" in r), {})
     return {
         "prompts": len(examples),
-        "steps": trainer.state.global_step,
         "start": start_dir,
         "first_reward": first.get("reward"),
-        **stats,
-        "performance": performance,
+        **end,
     }
 
 

@@ -11,7 +11,7 @@ are aggregated (DAgger); round k's model warm-starts from round k−1's.
 
 Where this departs from the paper / reference code:
 - Records sharing a (state, action) are merged into their mean label, weighted by count
-  (the same BCE objective, less label noise per step; see pita/algos/qsharp.py).
+  (the same BCE objective, less label noise per step; see pita/algos/value_training.py).
 - `loss_type=bradley_terry` instead trains the pairwise form at the cut: at s_h, the
   logits of y'_h and y_h are compared, σ(v(s_h, y'_h) − v(s_h, y_h)) against the label
   (pairs whose first tokens agree carry no signal there and are dropped). The guidance is
@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pita.algos.collector import collect_shard, read_jsonl, write_jsonl
-from pita.algos.qsharp import train_value
+from pita.algos.value_training import train_value
 from pita.core.paths import Artifact
 from pita.runtime.context import StageContext
 
@@ -84,7 +84,7 @@ def train(ctx: StageContext) -> dict:
 
     Reads: `records.jsonl` of the `data` inputs, round r-1's `value_model/` (`previous`,
     warm start), `algos.PITA.*`. Writes: `value_model/`, training_metrics.png,
-    performance_summary.txt (see `pita.algos.qsharp.train_value`).
+    performance_summary.txt (see `pita.algos.value_training.train_value`).
     """
     records = read_jsonl(ctx.input("data"), Artifact.RECORDS)
     return train_value(ctx, preference_items(records, str(ctx.algo_cfg.loss_type)))

@@ -20,7 +20,8 @@ Where this departs from the paper / reference code:
 from __future__ import annotations
 
 from pita.algos.collector import collect_shard, preference_pairs, read_jsonl, write_jsonl
-from pita.algos.qsharp import reward_targets, train_value, training_items
+from pita.algos.qsharp import reward_targets, training_items
+from pita.algos.value_training import train_value
 from pita.core.paths import Artifact
 from pita.runtime.context import StageContext
 

@@ -98,11 +98,9 @@ def train_reward_model(ctx: StageContext) -> dict:
     from pita.algos.dpo import read_pairs
     from pita.algos.trl_common import (
         effective_batch,
-        last_logged,
         quiet,
-        save_model,
         stage_log_callback,
-        train_with_report,
+        train_and_save,
         training_args,
     )
     from pita.models.loading import load_tokenizer
@@ -158,19 +156,14 @@ def train_reward_model(ctx: StageContext) -> dict:
         len(ctx.input("data")),
         ref_dir,
     )
-    performance = train_with_report(ctx, trainer)
-
-    model = trainer.accelerator.unwrap_model(trainer.model).eval()
-    save_model(model, tok, ctx.out_dir / Artifact.REWARD_MODEL)
+    model, end = train_and_save(ctx, trainer, tok, Artifact.REWARD_MODEL, ("train_loss",))
     scorer = RewardScorer(model, tok, _scorer_batch(ctx), padding_side="right")
     result = {
         "pairs": len(train_pairs),
         "heldout_pairs": len(heldout),
         "train_accuracy": pairwise_accuracy(scorer, train_pairs[:2000]),
         "heldout_accuracy": pairwise_accuracy(scorer, heldout),
-        "steps": trainer.state.global_step,
-        **last_logged(trainer, "train_loss"),
-        "performance": performance,
+        **end,
     }
     ctx.logger.info(
         "pairwise accuracy: train %.3f, held-out %.3f",

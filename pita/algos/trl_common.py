@@ -14,6 +14,8 @@
 - The effective batch `algos.<NAME>.batch_size` is kept; it is cut into micro-batches with
   gradient accumulation (`micro_batches`: `training.micro_batch_size` × the task's
   `batch_scale` for hub models, the whole batch for the tiny models built in the run).
+- `train_and_save`: the stage's ending (train with the report, save the model, the
+  result's common part), the same for DPO, GRPO, GRPO-HF and the reward model.
 - `StageLogCallback`: TRL's log lines go to the task's `log.txt`, to `train_log.jsonl`
   in the task folder and to the worker's heartbeat.
 - `offline()`: the hub is never contacted (HF_HUB_OFFLINE and friends), so a missing file
@@ -133,15 +135,11 @@ def precision_flags(ctx: StageContext) -> dict[str, bool]:
 def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
     """trainer.train(), then the task's training_metrics.png and performance_summary.txt
     (the same report as the hand-written training loops); returns the summary."""
-    from pita.training.checkpoint import (
-        checkpoint_commit_callback,
-        last_trl_checkpoint,
-        time_checkpoint_callback,
-    )
+    from pita.runtime.kit import last_trl_checkpoint, precision_for, task_tracker, trl_report_to
+    from pita.training.checkpoint import checkpoint_commit_callback, time_checkpoint_callback
     from pita.training.loop import TrainingMetrics
-    from pita.training.precision import precision_for
     from pita.training.report import trainer_metrics_callback, write_training_report
-    from pita.training.tracking import for_task, logger_cfg, scoped_env, trl_callback, trl_report_to
+    from pita.training.tracking import logger_cfg, scoped_env, trl_callback
 
     args = trainer.args
     world = max(1, int(getattr(args, "world_size", 1) or 1))
@@ -153,7 +151,7 @@ def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
         if type(cb).__name__ == "TensorBoardCallback" and "TENSORBOARD_LOGGING_DIR" in env:
             cb.logging_dir = env["TENSORBOARD_LOGGING_DIR"]
     if str(logger_cfg(ctx.cfg).get("backend")) == "csv":  # not a TRL integration: our tracker
-        trainer.add_callback(trl_callback(for_task(ctx)))
+        trainer.add_callback(trl_callback(task_tracker(ctx)))
     minutes = float(ctx.cfg.training.get("checkpoint_every_minutes", 0.0) or 0.0)
     if args.save_strategy != "no" and minutes > 0:
         trainer.add_callback(time_checkpoint_callback(minutes))
@@ -176,6 +174,27 @@ def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
     )
 
 
+def train_and_save(
+    ctx: StageContext, trainer: Any, tokenizer: Any, artifact: str, logged: tuple[str, ...]
+) -> tuple[Any, dict[str, Any]]:
+    """The ending every TRL stage shares: `train_with_report` (resuming from the task's
+    newest committed checkpoint; training_metrics.png, performance_summary.txt), then the
+    trained model, unwrapped, with its tokenizer saved to `out_dir/<artifact>` (the task
+    folder is committed atomically by the worker; the Trainer's empty scratch folder is
+    removed, its checkpoints go with the task's checkpoint folder once committed).
+
+    Returns (the trained model in eval mode, the common part of the stage's result:
+    `steps`, the last logged value of each `logged` key, `performance`)."""
+    performance = train_with_report(ctx, trainer)
+    model = trainer.accelerator.unwrap_model(trainer.model).eval()
+    save_model(model, tokenizer, ctx.out_dir / artifact)
+    return model, {
+        "steps": trainer.state.global_step,
+        **last_logged(trainer, *logged),
+        "performance": performance,
+    }
+
+
 def training_args(
     ctx: StageContext,
     config_cls: type,
@@ -192,14 +211,17 @@ def training_args(
     """
     import torch
 
+    from pita.runtime.kit import trl_checkpoint_kwargs, trl_report_to
+    from pita.training.loop import dataloader_kwargs
+
     offline()
     tr = ctx.cfg.training
     on_cuda = torch.device(ctx.device).type == "cuda" and torch.cuda.is_available()
     micro, accum = micro_batches(ctx, batch_size)
-    # algos.<NAME>.num_workers (the seed guide's key) wins; 0 there defers to training.num_workers
+    # algos.<NAME>.num_workers (the seed guide's key) wins; 0 there defers to training.num_workers;
+    # -1 = auto: this worker's thread budget - 1, at most 4 (`dataloader_kwargs`)
     workers = int(ctx.algo_cfg.num_workers) or int(tr.num_workers)
-    if workers < 0:  # -1 = auto
-        workers = 2 if on_cuda else 0
+    loader = dataloader_kwargs(workers, bool(tr.pin_memory), "cuda" if on_cuda else "cpu")
     # transformers 5 renamed gradient_checkpointing (a deprecated alias that warns) to activation_checkpointing
     names = {f.name for f in dataclasses.fields(config_cls)}
     checkpointing = (
@@ -208,8 +230,6 @@ def training_args(
         else "gradient_checkpointing"
     )
     extra = {checkpointing: bool(tr.gradient_checkpointing), **extra}
-    from pita.training.checkpoint import trl_checkpoint_kwargs
-    from pita.training.tracking import trl_report_to
 
     saving = {
         "output_dir": str(ctx.out_dir / Artifact.TRAINER_SCRATCH),
@@ -227,8 +247,8 @@ def training_args(
         weight_decay=tr.weight_decay,
         max_grad_norm=tr.max_grad_norm,
         use_cpu=not on_cuda,
-        dataloader_num_workers=workers,
-        dataloader_pin_memory=bool(tr.pin_memory and on_cuda),
+        dataloader_num_workers=loader["num_workers"],
+        dataloader_pin_memory=loader["pin_memory"],
         torch_compile=bool(tr.compile),
         seed=ctx.seed,
         data_seed=ctx.seed,

@@ -77,7 +77,7 @@ def pretrain(ctx: StageContext) -> dict:
     + the task's tokenizer), training_metrics.png, performance_summary.txt. Runs DDP over
     the task's gang with `training.parallel_strategy=data_parallel`.
     """
-    from pita.training.ddp import run_stage
+    from pita.runtime.gang import run_stage
 
     return run_stage(ctx, _pretrain)  # one process, or one per GPU of the gang (data_parallel)
 
@@ -89,10 +89,9 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
 
     from pita.datasets import build_task
     from pita.models.tiny import build_tiny_llama
-    from pita.training.checkpoint import Checkpointer
+    from pita.runtime.kit import checkpointer, train_step
     from pita.training.ddp import wrap_model
     from pita.training.loop import (
-        TrainStep,
         compile_model,
         enable_gradient_checkpointing,
         micro_batch_plan,
@@ -136,7 +135,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     optim = torch.optim.AdamW(model.parameters(), lr=pcfg.lr, weight_decay=tr.weight_decay)
     sched = get_cosine_schedule_with_warmup(optim, pcfg.warmup_steps, pcfg.steps)
     # Figures are read back every 50 steps (the log interval), not every step: no host sync.
-    step = TrainStep.from_context(
+    step = train_step(
         ctx, net, optim, scheduler=sched, device=device, compile_status=compiled, sync_every=50
     )
     ctx.logger.info(
@@ -150,7 +149,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     cuda = device.type == "cuda"
 
     # In-task checkpoints (training.checkpoint_every): a retry continues where the dead attempt stopped.
-    ckpt = Checkpointer.from_context(ctx, writer=dist is None or dist.is_main)
+    ckpt = checkpointer(ctx, writer=dist is None or dist.is_main)
     start, extra = ckpt.restore(model=model, optimizer=optim, scheduler=sched, step=step)
     if "rng" in extra:
         rng.setstate(extra["rng"])

@@ -7,8 +7,14 @@
   step timing), `compile_model`, `enable_gradient_checkpointing`, `dataloader_kwargs`.
 - `report`: `training_metrics.png` and `performance_summary.txt` in the task folder
   (`trainer_metrics_callback` records a TRL / transformers Trainer for it).
-- `ddp`: `training.parallel_strategy=data_parallel`, DDP over the task's gang
-  (`run_data_parallel`, `run_stage`).
+- `ddp`: `training.parallel_strategy=data_parallel`, DDP over k local processes
+  (`run_data_parallel`, `wrap_model`).
+- `checkpoint`: in-task checkpoints in a folder (`Checkpointer`, the TRL Trainer's).
+- `tracking`: the `logger` group's backends (`open_tracker`, `trl_report_to`).
+
+These modules take values (a model, a folder, a logger config, a run dir, a name) and know
+no task: what builds them from a stage's context is `pita/runtime/kit.py`, the per-rank
+DDP glue `pita/runtime/gang.py` (the layer test keeps training below runtime).
 
 Import the modules themselves (`from pita.training.loop import TrainStep`); this package
 imports nothing, so importing it costs no torch.

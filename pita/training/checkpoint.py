@@ -4,9 +4,11 @@ A dead attempt's temporary folder is renamed `tasks/<id>.attemptN.failed/`, so t
 checkpoints live beside it, in `tasks/<id>.checkpoints/` (`TaskPaths.checkpoints`), which
 every attempt of the task sees; the worker removes it once the task is committed.
 
-Hand-written loops (pretrain, value training) use `Checkpointer`:
+Hand-written loops (pretrain, value training) use `Checkpointer` (a stage builds it from
+its context with `pita.runtime.kit.checkpointer(ctx)`: the task's folder and
+`training.checkpoint_every*`):
 
-    ckpt = Checkpointer.from_context(ctx)
+    ckpt = Checkpointer(folder, every_steps, every_minutes, logger=log)
     start, extra = ckpt.restore(model=model, optimizer=optim, scheduler=sched, step=train_step)
     for i in range(start, steps):
         ...
@@ -19,8 +21,8 @@ kill mid-write leaves the previous checkpoint intact. Only the newest is kept. W
 RNG streams restored the continued run computes what the uninterrupted one would have.
 
 TRL stages use the Trainer's own checkpoints (`resume_from_checkpoint`) in the same folder
-(`trl_checkpoint_kwargs`, `last_trl_checkpoint`, `checkpoint_commit_callback`,
-`time_checkpoint_callback`). The Trainer writes a checkpoint's files one by one, so a
+(`trl_checkpoint_kwargs(folder, ...)`, `last_trl_checkpoint(folder)`,
+`checkpoint_commit_callback`, `time_checkpoint_callback`). The Trainer writes a checkpoint's files one by one, so a
 checkpoint counts only once `pita_complete.json` was written after it (atomically).
 """
 
@@ -37,12 +39,6 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step-(\d+)\.pt$")
-
-
-def checkpoint_dir(ctx: Any) -> Path:
-    from pita.core.paths import TaskPaths
-
-    return TaskPaths(ctx.run_dir, ctx.task.id).checkpoints
 
 
 class Checkpointer:
@@ -62,17 +58,6 @@ class Checkpointer:
         self.logger = logger or log
         self._last_save = time.monotonic()
         self.saved: list[int] = []
-
-    @classmethod
-    def from_context(cls, ctx: Any, *, writer: bool = True) -> Checkpointer:
-        tr = ctx.cfg.training
-        return cls(
-            checkpoint_dir(ctx),
-            int(tr.get("checkpoint_every", 0) or 0),
-            float(tr.get("checkpoint_every_minutes", 0.0) or 0.0),
-            writer=writer,
-            logger=ctx.logger,
-        )
 
     @property
     def enabled(self) -> bool:
@@ -189,17 +174,15 @@ class Checkpointer:
 COMPLETE = "pita_complete.json"  # written atomically after a Trainer checkpoint is complete
 
 
-def trl_checkpoint_kwargs(ctx: Any) -> dict[str, Any]:
-    """TrainingArguments fields for checkpoints every `training.checkpoint_every` steps into
-    the task's checkpoint folder; none when checkpointing is off. The Trainer keeps every
-    checkpoint (`save_total_limit=None`): `checkpoint_commit_callback` marks a finished one
-    and only then deletes the older ones, so a kill mid-save leaves a usable checkpoint."""
-    every = int(ctx.cfg.training.get("checkpoint_every", 0) or 0)
-    minutes = float(ctx.cfg.training.get("checkpoint_every_minutes", 0.0) or 0.0)
+def trl_checkpoint_kwargs(folder: Path | str, every: int, minutes: float) -> dict[str, Any]:
+    """TrainingArguments fields for checkpoints every `every` steps (or `minutes`) into
+    `folder`; none when both are off. The Trainer keeps every checkpoint
+    (`save_total_limit=None`): `checkpoint_commit_callback` marks a finished one and only
+    then deletes the older ones, so a kill mid-save leaves a usable checkpoint."""
     if every <= 0 and minutes <= 0:
         return {"save_strategy": "no"}
     kwargs: dict[str, Any] = {
-        "output_dir": str(checkpoint_dir(ctx)),
+        "output_dir": str(folder),
         "save_total_limit": None,
         "save_only_model": False,
     }
@@ -220,12 +203,12 @@ def _trl_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     )
 
 
-def last_trl_checkpoint(ctx: Any) -> str | None:
-    """The newest committed `checkpoint-N/` of the task (one with the marker); folders a
+def last_trl_checkpoint(folder: Path | str) -> str | None:
+    """The newest committed `checkpoint-N/` in `folder` (one with the marker); folders a
     kill left half-written are removed."""
     import shutil
 
-    found = _trl_checkpoints(checkpoint_dir(ctx))
+    found = _trl_checkpoints(Path(folder))
     good = [(n, p) for n, p in found if (p / COMPLETE).is_file()]
     newest = max(good)[0] if good else -1
     for n, p in found:

@@ -12,9 +12,11 @@ B/k examples step like one process on B. Rank 0 writes the artifacts.
   every rank; returns the ranks' return values (keep them small). Log lines and heartbeats
   of the ranks reach the parent through a queue (`dist.log`, `on_message`). A failing rank
   raises `DataParallelError` with its traceback's last line; the others are stopped.
-- `run_stage(ctx, body)`: a stage body `body(ctx, dist)` run on one process (dist=None) or
-  on every rank of the gang, with a per-rank StageContext whose logger and heartbeat are
-  forwarded to the task's own. `body` must be a module-level function (it is pickled).
+- `wrap_model(model, dist)`: DDP-wrap a model on a rank (the model itself otherwise).
+
+How many ranks a task gets and the per-rank stage context are the worker's business
+(`pita/runtime/gang.py`: `data_parallel_world_size`, `run_stage`); this module knows
+processes and tensors, not tasks.
 
 Written by hand because the workers are not launched by torchrun / accelerate: the
 orchestrator starts one worker per gang and the worker fans out.
@@ -28,18 +30,14 @@ import pickle
 import queue as queue_mod
 import socket
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist_mod
 import torch.multiprocessing as mp
-
-if TYPE_CHECKING:  # the worker-side context; imported only for type hints
-    from pita.runtime.context import StageContext
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +133,8 @@ def _rank_main(
         backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
     )
     try:
-        ctx = DistContext(rank, world_size, device, backend, queue)
-        result = train_fn(ctx, *args)
+        dist = DistContext(rank, world_size, device, backend, queue)
+        result = train_fn(dist, *args)
         # Plain pickle (a copy): torch's queue pickler would share tensors through file
         # descriptors that vanish when this process exits before the parent reads them.
         queue.put(("result", rank, pickle.dumps(result)))
@@ -259,107 +257,3 @@ def run_data_parallel(
     if missing:
         raise DataParallelError(f"ranks {missing} of {world_size} finished without a result")
     return [results[r] for r in range(world_size)]
-
-
-# --- stages ----------------------------------------------------------------------------------
-
-
-def data_parallel_world_size(ctx: StageContext) -> int:
-    """Ranks for this task: 1 unless `training.parallel_strategy=data_parallel` on a gang.
-
-    On CUDA: the GPUs pinned to the task (as `system.gpu_mode` allows). Off CUDA (a `fake:`
-    or CPU gang, tests): `task.gpus` gloo processes simulate the gang's devices.
-    """
-    from pita.training.precision import training_device
-
-    if str(ctx.cfg.training.parallel_strategy) != "data_parallel":
-        return 1
-    gpu_mode = str(ctx.cfg.system.gpu_mode)
-    if gpu_mode in ("cpu", "single_gpu"):
-        return 1
-    choice = training_device(gpu_mode, ctx.device)
-    if choice.device != "cpu":
-        return choice.n_devices
-    return max(1, int(ctx.task.gpus))
-
-
-class _QueueLogHandler(logging.Handler):
-    def __init__(self, dist: DistContext):
-        super().__init__()
-        self.dist = dist
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            prefix = "" if self.dist.is_main else f"[rank {self.dist.rank}] "
-            self.dist.log(prefix + record.getMessage(), record.levelno)
-        except Exception:  # noqa: BLE001 - logging must never break training
-            self.handleError(record)
-
-
-def _stage_rank(dist: DistContext, body: Callable[..., Any], snapshot: dict[str, Any]) -> Any:
-    """One rank of `run_stage`: rebuild a StageContext whose log and heartbeat go to the parent."""
-    from pathlib import Path
-
-    from omegaconf import OmegaConf
-
-    from pita.core.tasks import TaskSpec
-    from pita.runtime.context import ModelCache, StageContext
-
-    logger = logging.getLogger(f"pita.task.{snapshot['task']['id']}.rank{dist.rank}")
-    logger.handlers.clear()
-    logger.propagate = False
-    logger.setLevel(logging.INFO if dist.is_main else logging.WARNING)  # rank 0 speaks for all
-    logger.addHandler(_QueueLogHandler(dist))
-    heartbeat = (lambda msg: dist.send("heartbeat", msg)) if dist.is_main else (lambda msg: None)
-    ctx = StageContext(
-        task=TaskSpec.from_dict(snapshot["task"]),
-        cfg=OmegaConf.create(snapshot["cfg"]),
-        run_dir=Path(snapshot["run_dir"]),
-        out_dir=Path(snapshot["out_dir"]),
-        logger=logger,
-        device=dist.device,
-        models=ModelCache(1),
-        heartbeat=heartbeat,
-    )
-    return body(ctx, dist)
-
-
-def run_stage(ctx: StageContext, body: Callable[..., Any], world_size: int | None = None) -> Any:
-    """`body(ctx, dist)` on this process (dist=None), or on every rank of the task's gang
-    when `training.parallel_strategy=data_parallel`; returns rank 0's result.
-
-    Each rank gets its own StageContext (same task, config and out_dir; device cuda:r or
-    cpu); only rank 0 should write into `ctx.out_dir`.
-    """
-    from omegaconf import OmegaConf
-
-    world = data_parallel_world_size(ctx) if world_size is None else world_size
-    if world <= 1:
-        return body(ctx, None)
-    ctx.logger.info("training.parallel_strategy=data_parallel: DDP over %d ranks", world)
-    snapshot = {
-        "task": ctx.task.to_dict(),
-        "cfg": OmegaConf.to_container(ctx.cfg, resolve=True),
-        "run_dir": str(ctx.run_dir),
-        "out_dir": str(ctx.out_dir),
-    }
-
-    def on_message(kind: str, rank: int, payload: Any) -> None:
-        if kind == "log":
-            level, message = payload
-            ctx.logger.log(level, message)
-        elif kind == "heartbeat":
-            ctx.heartbeat(payload)
-
-    device_type = torch.device(ctx.device).type
-    try:
-        return run_data_parallel(
-            _stage_rank,
-            world,
-            args=(body, snapshot),
-            device_type=device_type,
-            on_message=on_message,
-        )[0]
-    except DataParallelError:
-        ctx.logger.error("data parallel task failed:\n%s", traceback.format_exc(limit=3))
-        raise

@@ -3,8 +3,8 @@
 A stage keeps its loop in plain view and hands the mechanics of one optimizer step to
 `TrainStep`:
 
-    micro, n_micro = accumulation_plan(batch, tr.micro_batch_size, tr.accumulation_steps, ctx.task.batch_scale)
-    step = TrainStep.from_context(ctx, model, optim, scheduler=sched)
+    micro, n_micro = accumulation_plan(batch, micro_batch_size, accumulation_steps, batch_scale)
+    step = TrainStep(model, optim, precision, scheduler=sched)  # or pita.runtime.kit.train_step
     for _ in range(steps):
         batch = next_batch()
         step.run(split_batch(batch, micro), lambda mb: model(**mb).loss, samples=len(batch))
@@ -24,7 +24,7 @@ samples, tokens and peak memory in `TrainingMetrics` (what `report.py` writes).
 Gradient accumulation is exact: a micro-batch's mean loss is weighted by its share of the
 batch (`token_weights` for token-mean losses), so the summed gradients equal those of the
 whole batch at once. `accumulation_plan` keeps the effective batch when an OOM retry halves
-the micro-batch (`ctx.task.batch_scale`).
+the micro-batch (the task's `batch_scale`).
 
 Also here: `compile_model` (torch.compile in place, eager fallback with the reason),
 `enable_gradient_checkpointing`, `dataloader_kwargs`, `clear_cache`. Written by hand:
@@ -40,14 +40,11 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from pita.training.precision import Precision, choose_precision
-
-if TYPE_CHECKING:  # the worker-side context; imported only for type hints
-    from pita.runtime.context import StageContext
+from pita.training.precision import Precision
 
 log = logging.getLogger(__name__)
 
@@ -264,10 +261,10 @@ def enable_gradient_checkpointing(
 def dataloader_kwargs(
     num_workers: int, pin_memory: bool, device: str | torch.device
 ) -> dict[str, Any]:
-    """DataLoader kwargs: `num_workers=-1` = auto = min(4, this worker's share of the cores - 1)
-    (`PITA_DATALOADER_WORKERS`, set by the pool when workers share a GPU host; else the
-    host's cores); pinned memory only when the batches go to a CUDA device (pinning for
-    the CPU only costs)."""
+    """DataLoader kwargs (the TRL stages' `dataloader_*` fields, pita/algos/trl_common.py):
+    `num_workers=-1` = auto = this worker's thread budget - 1, at most 4 (on a GPU host the
+    pool's budget, `PITA_DATALOADER_WORKERS`; elsewhere the cores this process may use - 1);
+    pinned memory only when the batches go to a CUDA device (pinning for the CPU only costs)."""
     if num_workers < 0:
         budget = os.environ.get("PITA_DATALOADER_WORKERS", "")
         if budget.isdigit():
@@ -429,45 +426,6 @@ class TrainStep:
         self.logger = logger or log
         self.scaler = precision.grad_scaler()
         self.step = 0
-
-    @classmethod
-    def from_context(
-        cls,
-        ctx: StageContext,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        *,
-        scheduler: Any = None,
-        precision: Precision | None = None,
-        device: Any = None,
-        compile_status: CompileStatus | None = None,
-        sync_every: int = 1,
-    ) -> TrainStep:
-        """A TrainStep configured from `training.*` / `system.*` of a StageContext; its
-        metrics go to the task's `logger.backend` too (rank 0 of a gang only)."""
-        from pita.training.tracking import Tracker, for_task
-
-        device = device or ctx.device
-        if precision is None:
-            precision = choose_precision(
-                str(ctx.cfg.training.precision_type),
-                bool(ctx.cfg.training.mixed_precision),
-                device,
-                logger=ctx.logger,
-            )
-        return cls(
-            model,
-            optimizer,
-            precision,
-            scheduler=scheduler,
-            max_grad_norm=ctx.cfg.training.max_grad_norm,
-            clear_cache_interval=ctx.cfg.system.clear_cache_interval,
-            device=device,
-            compile_status=compile_status,
-            logger=ctx.logger,
-            sync_every=sync_every,
-            tracker=for_task(ctx) if _is_main_rank() else Tracker(),
-        )
 
     # -- the pieces, for loops that need them one by one --------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -631,7 +589,8 @@ class TrainStep:
         return total, extras
 
 
-def _is_main_rank() -> bool:
+def is_main_rank() -> bool:
+    """Not data parallel, or rank 0 of the process group (the rank that logs and writes)."""
     import torch.distributed as dist
 
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

@@ -20,12 +20,9 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
-
-if TYPE_CHECKING:  # the worker-side context; imported only for type hints
-    from pita.runtime.context import StageContext
 
 PRECISION_TYPES = ("auto", "fp16", "bf16", "fp32")
 GPU_MODES = ("auto", "cpu", "single_gpu", "multi_gpu")
@@ -134,20 +131,6 @@ def choose_precision(
     return p
 
 
-def precision_for(
-    ctx: StageContext, device: str | None = None, compute_capability: Any = None
-) -> Precision:
-    """`choose_precision` from a StageContext's `training.*` keys, logged to its task log."""
-    tr = ctx.cfg.training
-    return choose_precision(
-        str(tr.precision_type),
-        bool(tr.mixed_precision),
-        device or ctx.device,
-        compute_capability,
-        logger=ctx.logger,
-    )
-
-
 def trl_precision_kwargs(
     training_cfg: Any,
     device: str | torch.device,
@@ -178,7 +161,7 @@ class DeviceChoice(NamedTuple):
 def training_device(
     gpu_mode: str, device: str | torch.device = "cpu", cuda_count: int | None = None
 ) -> DeviceChoice:
-    """What `system.gpu_mode` means for a task whose worker runs on `device` (ctx.device).
+    """What `system.gpu_mode` means for a task whose worker runs on `device` (the stage's device).
 
     cpu: the CPU even on a GPU worker. single_gpu: the first pinned GPU only. multi_gpu and
     auto: every GPU of the task's gang. Without a usable GPU, every mode trains on the CPU

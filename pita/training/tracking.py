@@ -218,46 +218,41 @@ def open_tracker(cfg: Any, run_dir: str | Path, name: str) -> Tracker:
     raise ValueError(f"logger.backend={backend!r}: allowed: {' | '.join(BACKENDS)}")
 
 
-def for_task(ctx: Any) -> Tracker:
-    """The tracker of a stage's task (rank 0 of a data-parallel gang only logs)."""
-    return open_tracker(ctx.cfg, ctx.run_dir, ctx.task.id)
-
-
 # --- TRL / transformers Trainer -------------------------------------------------------------
 
 
-def trl_report_to(ctx: Any) -> tuple[list[str] | str, dict[str, str]]:
-    """(`report_to` for a TRL config, environment variables the integration reads).
+def trl_report_to(
+    cfg: Any, run_dir: str | Path, name: str
+) -> tuple[list[str] | str, dict[str, str]]:
+    """(`report_to` for a TRL config, environment variables the integration reads) of the
+    run config `cfg`'s `logger` group, for the task `name` of the run in `run_dir`.
 
     TensorBoard writes where `open_tracker` would (`TENSORBOARD_LOGGING_DIR`), W&B offline
     unless `logger.mode=online`, MLflow into the run's file store; `csv` is not a TRL
     integration: `trl_callback` writes it instead.
     """
-    lcfg = logger_cfg(ctx.cfg)
+    lcfg = logger_cfg(cfg)
     backend = str(lcfg.get("backend") or "none")
-    name = ctx.task.id
     if backend in ("none", "csv"):
         return "none", {}
     need = missing_package(backend)
     if need:
         raise RuntimeError(f"logger.backend={backend}: the package is not installed; {need}")
-    experiment = str(ctx.cfg.experiment.name)
+    experiment = str(cfg.experiment.name)
     if backend == "tensorboard":
-        return ["tensorboard"], {
-            "TENSORBOARD_LOGGING_DIR": str(log_dir(ctx.run_dir, backend) / name)
-        }
+        return ["tensorboard"], {"TENSORBOARD_LOGGING_DIR": str(log_dir(run_dir, backend) / name)}
     if backend == "wandb":
-        folder = log_dir(ctx.run_dir, backend)
+        folder = log_dir(run_dir, backend)
         folder.mkdir(parents=True, exist_ok=True)
         return ["wandb"], {
             "WANDB_MODE": str(lcfg.get("mode") or "offline"),
             "WANDB_DIR": str(folder),
             "WANDB_PROJECT": str(lcfg.get("project") or "pita"),
-            "WANDB_RUN_GROUP": f"{experiment}/{Path(ctx.run_dir).name}",
+            "WANDB_RUN_GROUP": f"{experiment}/{Path(run_dir).name}",
             "WANDB_NAME": name,
         }
     return ["mlflow"], {
-        "MLFLOW_TRACKING_URI": mlflow_uri(lcfg, ctx.run_dir),
+        "MLFLOW_TRACKING_URI": mlflow_uri(lcfg, run_dir),
         "MLFLOW_EXPERIMENT_NAME": experiment,
         "MLFLOW_RUN_NAME": name,
     }

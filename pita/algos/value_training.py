@@ -1,0 +1,532 @@
+"""The value-model trainer that PITA, Q# and Q#-HF share (`train_value`), as a recipe.
+
+A stage turns its records into training items (prompt, response, first trained index,
+target, alt) and calls `train_value(ctx, items)`, which runs three parts in plain view, as
+a torchtune recipe does:
+
+1. `setup`: the data (`build_targets`: records sharing a (state, action) merged into soft
+   targets over unique sequences; a held-out split when `holdout_fraction` > 0), the model
+   (round k−1's checkpoint, else a fresh guide warm-started from π_ref), the frozen-backbone
+   probe (`probe_steps`), the batch arithmetic (the whole batch, halved by each OOM retry;
+   `auto`: the batch-size probe), AdamW with cosine or `official_schedule`, the `TrainStep`
+   and the in-task checkpoint it resumes from. Everything lives in one `ValueRun`.
+2. `train_loop`: one optimizer step per batch of unique sequences, drawn from a shuffled
+   order kept on the device, a log window every steps/10 (loss, accuracy, the held-out
+   accuracy by response position), a checkpoint when due.
+3. `finish`: save `value_model/`, write the training report, return the stage's result.
+
+The numerics are those of the one-function version this replaced (same operations in
+the same order, so the same RNG streams): tests/test_value_chains.py and friends pin them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pita.core.paths import Artifact
+from pita.runtime.context import StageContext
+
+
+def build_targets(items: Sequence[tuple], pad_id: int) -> dict:
+    """Merge records sharing a (state, action) into soft targets over unique sequences.
+
+    An item is (prompt, response, start, target, alt): response positions >= start are
+    trained; `alt` (Bradley–Terry pairs only) is the competing action at the last position.
+    A trie numbers every prefix (prompts of different lengths never share a node); each
+    trained position adds its item's target to the key (node of state + action, alt).
+    Every unique (sequence, alt) then carries, at each position whose key was trained,
+    the key's mean target with weight count / (units through the key), so the weights of
+    a key sum to its record count: the objective of the records, exactly. Tensors are
+    aligned with hidden states: column t scores token t + 1 (and alt[:, t]).
+    """
+    import torch
+
+    trie: dict[tuple[int, int], int] = {}
+    sums: dict[tuple, list[float]] = {}
+    counts: dict[tuple, int] = {}
+    units: dict[tuple, tuple[list[int], int, Any]] = {}
+
+    def keys(prompt: Sequence[int], response: Sequence[int], alt: Any) -> list[tuple]:
+        node = -1 - len(
+            prompt
+        )  # one root per prompt length: the prompt/response boundary is part of the key
+        out = []
+        for i, tok in enumerate([*prompt, *response]):
+            node = trie.setdefault((node, int(tok)), len(trie))
+            if i >= len(prompt):
+                out.append((node, None))
+        if out and alt is not None:
+            out[-1] = (out[-1][0], int(alt))
+        return out
+
+    for prompt, response, start, target, alt in items:
+        ks = keys(prompt, response, alt)
+        for key in ks[start:]:
+            if key in sums:
+                sums[key] = [a + b for a, b in zip(sums[key], target)]
+                counts[key] += 1
+            else:
+                sums[key], counts[key] = list(target), 1
+        if ks:
+            units.setdefault(ks[-1], ([*prompt, *response], len(prompt), alt))
+    seqs = list(units.values())
+    through: dict[tuple, int] = {}
+    paths = []
+    for seq, p, alt in seqs:
+        ks = keys(seq[:p], seq[p:], alt)
+        paths.append(ks)
+        for key in set(ks):
+            through[key] = through.get(key, 0) + 1
+    width = max(len(s) for s, _, _ in seqs)
+    k = len(items[0][3])
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    prompt_len = torch.tensor([p for _, p, _ in seqs], dtype=torch.long)
+    alts = torch.zeros((len(seqs), width - 1), dtype=torch.long)
+    target = torch.zeros((len(seqs), width - 1, k))
+    weight = torch.zeros((len(seqs), width - 1))
+    for u, ((seq, p, _), ks) in enumerate(zip(seqs, paths)):
+        ids[u, : len(seq)] = torch.tensor(seq)
+        for j, key in enumerate(ks):
+            if key in counts:
+                target[u, p + j - 1] = torch.tensor(sums[key]) / counts[key]
+                weight[u, p + j - 1] = counts[key] / through[key]
+                alts[u, p + j - 1] = key[1] if key[1] is not None else 0
+    return {
+        "ids": ids,
+        "alt": alts,
+        "target": target,
+        "weight": weight,
+        "prompt_len": prompt_len,
+        "records": len(items),
+        "unique": len(seqs),
+        "states": len(counts),
+    }
+
+
+def _to_device(t, device):
+    """A CPU tensor on `device`: pinned and copied asynchronously when that is CUDA."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _hits(score, target, w):
+    """Weighted share of positions where σ(score) and the target fall on the same side of
+    1/2, as a device tensor (read back with the window's other figures)."""
+    hit = ((score > 0) == (target > 0.5)).float()
+    return (hit * w).sum() / w.sum().clamp_min(1e-12)
+
+
+def _fused_adamw(device) -> dict:
+    """AdamW's fused CUDA kernel (one launch per step instead of one per parameter)."""
+    return {"fused": True} if device.type == "cuda" else {}
+
+
+def official_schedule(optim: Any, steps: int) -> Any:
+    """The Q# star-graph classifier's schedule: linear warmup over max(100, 10 %) of the
+    steps (at most all of them), then cosine decay to 0.1·lr."""
+    import torch
+
+    warmup = min(steps, max(100, steps // 10))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optim, factor)
+
+
+# --- the recipe ------------------------------------------------------------------------------
+
+
+@dataclass
+class ValueRun:
+    """What `setup` builds and `train_loop` / `finish` use: one value-training run."""
+
+    algo: Any  # algos.<NAME>
+    device: Any  # torch.device
+    data: dict  # build_targets of the training items
+    held: dict | None  # build_targets of the held-out items, if any
+    model: Any  # the ValueModel being trained
+    init: str  # "previous:<task>" | "reference" | "scratch"
+    checkpointing: bool  # gradient checkpointing on
+    batch: int  # unique sequences per optimizer step
+    micro: int = 0
+    n_micro: int = 0
+    steps: int = 0
+    log_every: int = 1
+    tensors: tuple = ()  # ids, alts, target, weight: the whole training set on the device
+    loss_fn: Callable[[Any], Any] | None = None
+    optim: Any = None
+    sched: Any = None
+    trainer: Any = None  # pita.training.loop.TrainStep
+    ckpt: Any = None  # pita.training.checkpoint.Checkpointer
+    start: int = 0  # optimizer steps already done (a resumed attempt)
+    gen: Any = None  # the torch.Generator of the shuffles
+    order: Any = None  # this epoch's shuffled order (on the device)
+    cursor: int = 0
+    diagnostics: dict = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return self.data["unique"]
+
+
+def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
+    """Fit the value model on merged (state, action) targets and save `value_model/`.
+
+    Model: round 0 builds the family's guide (warm-started from π_ref when `warm_start`);
+    round k loads round k−1's checkpoint (input "previous"). Steps of
+    `algos.<NAME>.batch_size` unique sequences (or `epochs` passes when `steps` is 0),
+    AdamW with warmup + cosine decay; `pita.training.loop.TrainStep` does the accumulation
+    over micro-batches (`micro_batch_plan`: the whole batch, halved by each OOM retry),
+    clipping and the precision (bf16/fp16 autocast on CUDA only, fp32 on CPU).
+    """
+    t0 = time.perf_counter()
+    run = setup(ctx, items)
+    train_loop(ctx, run)
+    return finish(ctx, run, t0)
+
+
+def setup(ctx: StageContext, items: Sequence[tuple]) -> ValueRun:
+    """Data, model, probe, batch arithmetic, optimizer, TrainStep and the checkpoint to
+    resume from, in the order the RNG streams expect."""
+    import torch
+
+    from pita.training.loop import enable_gradient_checkpointing
+    from pita.training.precision import training_device
+
+    algo = ctx.algo_cfg
+    if not items:
+        raise ValueError(f"{ctx.task.id}: no training records in {ctx.input('data')}")
+    torch.manual_seed(ctx.seed)
+    device = torch.device(training_device(ctx.cfg.system.gpu_mode, ctx.device).device)
+    reference = ctx.load_model(ctx.reference_model())
+    data, held = _data(ctx, items, reference)
+    model, init = _model(ctx, reference)
+    model.to(device).train()
+    diagnostics = _probe(ctx, model, data, held, device)
+    checkpointing = enable_gradient_checkpointing(
+        model.backbone, ctx.cfg.training.gradient_checkpointing, ctx.logger
+    )
+    n = data["unique"]
+    auto = not isinstance(algo.batch_size, int)  # auto: the probe picks the micro-batch
+    run = ValueRun(
+        algo,
+        device,
+        data,
+        held,
+        model,
+        init,
+        checkpointing,
+        batch=min(n, 256 if auto else int(algo.batch_size)),
+        diagnostics=diagnostics,
+    )
+    _batching(ctx, run, auto)
+    _optimizer(ctx, run)
+    _resume(ctx, run)
+    return run
+
+
+def _data(ctx: StageContext, items: Sequence[tuple], reference: Any) -> tuple[dict, dict | None]:
+    """(training targets, held-out targets or None) in π_ref's padding."""
+    from pita.algos import value_diagnostics
+
+    pad_id = int(reference.config.pad_token_id if reference.config.pad_token_id is not None else 0)
+    items, held_items = value_diagnostics.split_holdout(
+        items, float(ctx.algo_cfg.get("holdout_fraction", 0.0)), ctx.seed
+    )
+    data = build_targets(items, pad_id)
+    held = build_targets(held_items, pad_id) if held_items else None
+    ctx.logger.info(
+        "training data: %d records -> %d unique sequences, %d (state, action) targets%s",
+        data["records"],
+        data["unique"],
+        data["states"],
+        f"; held out: {held['records']} records of distinct prompts" if held else "",
+    )
+    return data, held
+
+
+def _model(ctx: StageContext, reference: Any) -> tuple[Any, str]:
+    """(the model, its init): round k−1's checkpoint, else a fresh guide (warm-started from
+    π_ref); its head must be the one the config trains."""
+    from pita.models.value_model import ValueModel, build_value_model, head_atoms
+
+    algo = ctx.algo_cfg
+    if ctx.has_input("previous"):
+        prev = ctx.input("previous") / Artifact.VALUE_MODEL
+        model = ValueModel.load(prev, device="cpu", attn_impl=ctx.cfg.system.attn_impl)
+        ctx.logger.info("warm start from the previous round's checkpoint %s", prev)
+        init = f"previous:{ctx.input('previous').name}"
+    else:
+        model = build_value_model(
+            reference,
+            ctx.cfg.model,
+            algo,
+            vocab_size=reference.config.vocab_size,
+            seed=ctx.seed,
+            attn_impl=ctx.cfg.system.attn_impl,
+            logger=ctx.logger,
+        )
+        init = "reference" if algo.warm_start else "scratch"
+    if model.num_outputs != head_atoms(algo.loss_type, algo.num_atoms):
+        raise ValueError(
+            f"{ctx.task.id}: checkpoint has {model.num_outputs} outputs per token but "
+            f"loss_type={algo.loss_type} needs {head_atoms(algo.loss_type, algo.num_atoms)}"
+        )
+    if model.head_type != str(algo.get("value_head", "q")):
+        raise ValueError(
+            f"{ctx.task.id}: checkpoint has value_head={model.head_type}, config says "
+            f"{algo.get('value_head', 'q')}"
+        )
+    return model, init
+
+
+def _probe(ctx: StageContext, model: Any, data: dict, held: dict | None, device: Any) -> dict:
+    """The frozen-backbone linear probe before any training step (`probe_steps` > 0 with a
+    hold-out): its held-out accuracy, and a warning when the run looks set to plateau."""
+    from pita.algos import value_diagnostics
+
+    algo = ctx.algo_cfg
+    if held is None or int(algo.get("probe_steps", 0)) <= 0:
+        return {}
+    probe = value_diagnostics.linear_probe(
+        model, data, held, device, steps=int(algo.probe_steps), seed=ctx.seed
+    )
+    ctx.logger.info(
+        "frozen-backbone linear probe (%d steps), held-out balanced accuracy by response "
+        "position: %s",
+        int(algo.probe_steps),
+        value_diagnostics.format_positions(probe),
+    )
+    warning = value_diagnostics.plateau_warning(probe)
+    if warning:
+        ctx.logger.warning(warning)
+    return {"probe_heldout_acc": probe}
+
+
+def _batching(ctx: StageContext, run: ValueRun, auto: bool) -> None:
+    """The training set on the device, the loss, the micro-batch (the whole batch, halved by
+    each OOM retry; `auto`: the probe's) and the steps."""
+    import torch
+
+    from pita.runtime.batching import training_micro_batch
+    from pita.training.loop import accumulation_plan, micro_batch_plan
+
+    tr, algo, n, device = ctx.cfg.training, run.algo, run.n, run.device
+    micro, _ = micro_batch_plan(run.batch, tr, ctx.task.batch_scale, whole_batch=True)
+    # The whole training set lives on the device (pre-tensorised, copied once): a step only
+    # indexes it, so there is no per-step collation and no host<->device copy in the loop.
+    run.tensors = tuple(_to_device(run.data[k], device) for k in ("ids", "alt", "target", "weight"))
+    run.loss_fn = value_loss(run.model, run.tensors, str(algo.loss_type))
+    if auto:  # worst case: the longest sequences, >= 2 optimizer steps, before the real optimizer
+        loss_fn = run.loss_fn
+        micro = training_micro_batch(
+            ctx,
+            model=run.model,
+            batch=run.batch,
+            seq_tokens=int(run.tensors[0].shape[1]),
+            make_batch=lambda b: {"m": torch.arange(b, device=device) % n},
+            loss_fn=lambda _model, mb: loss_fn(mb["m"])[0],
+            fallback=micro,
+        )
+    run.micro, run.n_micro = accumulation_plan(run.batch, micro, tr.accumulation_steps)
+    run.steps = int(algo.steps) or int(algo.epochs) * math.ceil(n / run.batch)
+    run.log_every = max(1, run.steps // 10)
+
+
+def value_loss(model: Any, tensors: tuple, loss_type: str) -> Callable[[Any], Any]:
+    """`loss_fn(m)`: the weighted mean loss of micro-batch m (indices into the unique
+    sequences) and its accuracy. Untrained positions have weight 0 and drop out of the
+    weighted means: no boolean indexing (it would wait for the device to count the selected
+    positions). The head (Q- or V-type) is read through `action_values`: column t = the
+    value of token t+1."""
+    from pita.algos import losses
+
+    ids, alts, target, weight = tensors
+
+    def loss_fn(m: Any):
+        x, w, y = ids[m], weight[m].reshape(-1), target[m]
+        bt = loss_type == "bradley_terry"
+        out, alt = model.action_values(x, alt=alts[m] if bt else None)  # [b, T-1, M]
+        out = out.float()
+        out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1, y.shape[-1])
+        if bt:  # P(y' ≻ y) = σ(v(s, a') − v(s, a)), a the competing token
+            alt = alt.float().reshape(-1, out.shape[-1])
+            diff = out[:, 0] - alt[:, 0]
+            return losses.bradley_terry_loss(out[:, 0], alt[:, 0], y[:, 0], w), {
+                "accuracy": _hits(diff, y[:, 0], w)
+            }
+        if loss_type == "mle":
+            hit = (out.argmax(-1) == y.argmax(-1)).float()
+            return losses.mle_loss(out, y, w), {
+                "accuracy": (hit * w).sum() / w.sum().clamp_min(1e-12)
+            }
+        fn = losses.bce_loss if loss_type == "bce" else losses.mse_loss
+        return fn(out[:, 0], y[:, 0], w), {"accuracy": _hits(out[:, 0], y[:, 0], w)}
+
+    return loss_fn
+
+
+def _optimizer(ctx: StageContext, run: ValueRun) -> None:
+    """AdamW (fused on CUDA), the schedule (cosine with warmup, or `official`), TrainStep."""
+    import torch
+    from transformers import get_cosine_schedule_with_warmup
+
+    from pita.runtime.kit import train_step
+
+    algo, steps = run.algo, run.steps
+    wd = (
+        ctx.cfg.training.weight_decay
+        if algo.get("weight_decay") is None
+        else float(algo.weight_decay)
+    )
+    run.optim = torch.optim.AdamW(
+        run.model.parameters(), lr=float(algo.lr), weight_decay=wd, **_fused_adamw(run.device)
+    )
+    if str(algo.get("lr_schedule", "cosine")) == "official":  # the Q# star-graph classifier's
+        run.sched = official_schedule(run.optim, steps)
+    else:
+        run.sched = get_cosine_schedule_with_warmup(run.optim, min(100, steps // 10), steps)
+    # figures are read back once per logging window, not every step (no host sync per step)
+    run.trainer = train_step(
+        ctx,
+        run.model,
+        run.optim,
+        scheduler=run.sched,
+        device=run.device,
+        sync_every=min(run.log_every, 50),
+    )
+
+
+def _resume(ctx: StageContext, run: ValueRun) -> None:
+    """The first shuffle, the start line, and the newest in-task checkpoint if any
+    (`training.checkpoint_every`: a retry continues from there)."""
+    import torch
+
+    from pita.runtime.kit import checkpointer
+
+    run.gen = torch.Generator().manual_seed(ctx.seed)
+    run.order, run.cursor = torch.randperm(run.n, generator=run.gen).to(run.device), 0
+    ctx.logger.info(
+        "training %s: %d steps, batch %d = micro %d x %d, lr %g, %s, init %s",
+        str(run.algo.loss_type),
+        run.steps,
+        run.batch,
+        run.micro,
+        run.n_micro,
+        run.algo.lr,
+        run.trainer.precision.name,
+        run.init,
+    )
+    run.ckpt = checkpointer(ctx)
+    run.start, extra = run.ckpt.restore(
+        model=run.model, optimizer=run.optim, scheduler=run.sched, step=run.trainer
+    )
+    if extra:
+        run.order, run.cursor = extra["order"].to(run.device), extra["cursor"]
+        run.gen.set_state(extra["gen"])
+
+
+def train_loop(ctx: StageContext, run: ValueRun) -> None:
+    """Optimizer steps `start`..`steps`: a batch of unique sequences from the shuffled order
+    (a fresh shuffle each epoch), micro-batches weighted by their share of the batch's
+    weight, a log window every `log_every` steps, a checkpoint when due."""
+    import torch
+
+    n, batch, weight = run.n, run.batch, run.tensors[3]
+    model, optim, sched, gen = run.model, run.optim, run.sched, run.gen
+    for step in range(run.start, run.steps):
+        if run.cursor + batch > n:  # the next epoch, freshly shuffled
+            run.order, run.cursor = torch.randperm(n, generator=gen).to(run.device), 0
+        idx = run.order[run.cursor : run.cursor + batch]
+        run.cursor += batch
+        parts = list(idx.split(run.micro))
+        # each micro-batch's weighted mean, weighted by its share of the batch's weight (device tensors)
+        shares = [1.0] if len(parts) == 1 else [weight[m].sum() / weight[idx].sum() for m in parts]
+        run.trainer.run(parts, run.loss_fn, weights=shares, samples=len(idx))
+        if (step + 1) % run.log_every == 0 or step + 1 == run.steps:
+            _log_window(ctx, run, step + 1)
+        run.ckpt.maybe_save(
+            step + 1,
+            lambda: {"model": model, "optimizer": optim, "scheduler": sched},
+            step=run.trainer,
+            extra=lambda o=run.order, c=run.cursor: {
+                "order": o.cpu(),
+                "cursor": c,
+                "gen": gen.get_state(),
+            },
+        )
+
+
+def _recent_means(run: ValueRun) -> tuple[list[dict], float, float]:
+    """(the last window's metric rows, their mean loss, their mean accuracy)."""
+    recent = run.trainer.metrics_rows()[-run.log_every :]
+    mean_loss = sum(r["loss"] for r in recent) / len(recent)
+    mean_acc = sum(r.get("accuracy", 0.0) for r in recent) / len(recent)
+    return recent, mean_loss, mean_acc
+
+
+def _log_window(ctx: StageContext, run: ValueRun, done: int) -> None:
+    """The window's mean loss / accuracy, the held-out accuracy by response position (where
+    learning stops), and the heartbeat."""
+    from pita.algos import value_diagnostics
+
+    recent, mean_loss, mean_acc = _recent_means(run)
+    ctx.logger.info(
+        "step %d/%d (epoch %.1f) loss %.4f acc %.3f lr %.2e",
+        done,
+        run.steps,
+        done * run.batch / run.n,
+        mean_loss,
+        mean_acc,
+        run.trainer.lr(),
+    )
+    if run.held is not None:
+        acc = value_diagnostics.heldout_accuracy(run.model, run.held, run.device)
+        run.diagnostics["heldout_acc"] = acc
+        recent[-1].update({f"heldout_pos{j}": a for j, a in acc.items()})
+        ctx.logger.info(
+            "held-out balanced accuracy by response position: %s",
+            value_diagnostics.format_positions(acc),
+        )
+    ctx.heartbeat(f"step {done}/{run.steps} loss {recent[-1]['loss']:.4f}")
+
+
+def finish(ctx: StageContext, run: ValueRun, t0: float) -> dict:
+    """Save `value_model/`, write the training report, return the stage's result (the last
+    window's means: its rows survive a resume, they are in the checkpoint)."""
+    from pita.training.report import write_training_report
+
+    _, mean_loss, mean_acc = _recent_means(run)
+    run.model.eval().save(ctx.out_dir / Artifact.VALUE_MODEL)
+    perf = write_training_report(
+        ctx.out_dir,
+        run.trainer,
+        micro_batch=run.micro,
+        accumulation_steps=run.n_micro,
+        gradient_checkpointing=run.checkpointing,
+        title=ctx.task.id,
+    )
+    return {
+        "steps": run.steps,
+        "batch_size": run.batch,
+        "micro_batch_size": run.micro,
+        "records": run.data["records"],
+        "unique_sequences": run.n,
+        "targets": run.data["states"],
+        "final_loss": round(mean_loss, 5),
+        "final_acc": round(mean_acc, 4),
+        "init": run.init,
+        "train_s": round(time.perf_counter() - t0, 2),
+        "value_head": run.model.head_type,
+        **run.diagnostics,
+        **{k: perf[k] for k in ("precision", "samples_per_s", "peak_memory_mb")},
+    }

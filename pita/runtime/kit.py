@@ -1,0 +1,142 @@
+"""Training objects built from a stage's context: the one place that reads a task's
+`training.*` / `system.*` keys, its folders and its logger for `pita.training`.
+
+`pita.training` takes values (a model, a folder, a logger config, a run dir, a name) and
+knows no task; a stage asks this module for the task's instances:
+
+- `checkpoint_dir(ctx)`: `tasks/<id>.checkpoints/`, seen by every attempt of the task.
+- `checkpointer(ctx)`: a `Checkpointer` on that folder, every `training.checkpoint_every`
+  steps / `checkpoint_every_minutes`.
+- `trl_checkpoint_kwargs(ctx)`, `last_trl_checkpoint(ctx)`: the same for a TRL Trainer.
+- `task_tracker(ctx)`, `trl_report_to(ctx)`: the task's `logger.backend`.
+- `precision_for(ctx)`: `choose_precision` from `training.*`, logged to the task log.
+- `train_step(ctx, model, optimizer, ...)`: a `TrainStep` from `training.*` / `system.*`
+  whose metrics also go to the task's tracker (rank 0 of a gang only).
+
+The per-rank DDP glue (how many ranks, a context per rank) is `pita/runtime/gang.py`.
+Torch is imported inside the functions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pita.runtime.context import StageContext
+
+if TYPE_CHECKING:  # torch-heavy; imported only for type hints
+    from pita.training.checkpoint import Checkpointer
+    from pita.training.loop import CompileStatus, TrainStep
+    from pita.training.precision import Precision
+    from pita.training.tracking import Tracker
+
+
+# --- checkpoints ----------------------------------------------------------------------------
+
+
+def checkpoint_dir(ctx: StageContext) -> Path:
+    """The task's checkpoint folder, `tasks/<id>.checkpoints/` (`TaskPaths.checkpoints`)."""
+    from pita.core.paths import TaskPaths
+
+    return TaskPaths(ctx.run_dir, ctx.task.id).checkpoints
+
+
+def checkpoint_every(ctx: StageContext) -> tuple[int, float]:
+    """(`training.checkpoint_every` steps, `training.checkpoint_every_minutes`); 0 = off."""
+    tr = ctx.cfg.training
+    return (
+        int(tr.get("checkpoint_every", 0) or 0),
+        float(tr.get("checkpoint_every_minutes", 0.0) or 0.0),
+    )
+
+
+def checkpointer(ctx: StageContext, *, writer: bool = True) -> Checkpointer:
+    """The task's `Checkpointer` (`writer`: rank 0 of a gang writes, every rank restores)."""
+    from pita.training.checkpoint import Checkpointer
+
+    every, minutes = checkpoint_every(ctx)
+    return Checkpointer(checkpoint_dir(ctx), every, minutes, writer=writer, logger=ctx.logger)
+
+
+def trl_checkpoint_kwargs(ctx: StageContext) -> dict[str, Any]:
+    """TrainingArguments checkpoint fields for the task (see the training module's own)."""
+    from pita.training import checkpoint
+
+    return checkpoint.trl_checkpoint_kwargs(checkpoint_dir(ctx), *checkpoint_every(ctx))
+
+
+def last_trl_checkpoint(ctx: StageContext) -> str | None:
+    """The newest committed Trainer checkpoint of the task (half-written ones removed)."""
+    from pita.training import checkpoint
+
+    return checkpoint.last_trl_checkpoint(checkpoint_dir(ctx))
+
+
+# --- tracking -------------------------------------------------------------------------------
+
+
+def task_tracker(ctx: StageContext) -> Tracker:
+    """The tracker of a stage's task (`logger.backend`, named by the task id)."""
+    from pita.training.tracking import open_tracker
+
+    return open_tracker(ctx.cfg, ctx.run_dir, ctx.task.id)
+
+
+def trl_report_to(ctx: StageContext) -> tuple[list[str] | str, dict[str, str]]:
+    """(`report_to` for the task's TRL config, environment the integration reads)."""
+    from pita.training import tracking
+
+    return tracking.trl_report_to(ctx.cfg, ctx.run_dir, ctx.task.id)
+
+
+# --- precision and the optimizer step -------------------------------------------------------
+
+
+def precision_for(
+    ctx: StageContext, device: str | None = None, compute_capability: Any = None
+) -> Precision:
+    """`choose_precision` from the task's `training.*` keys, logged to its task log."""
+    from pita.training.precision import choose_precision
+
+    tr = ctx.cfg.training
+    return choose_precision(
+        str(tr.precision_type),
+        bool(tr.mixed_precision),
+        device or ctx.device,
+        compute_capability,
+        logger=ctx.logger,
+    )
+
+
+def train_step(
+    ctx: StageContext,
+    model: Any,
+    optimizer: Any,
+    *,
+    scheduler: Any = None,
+    precision: Precision | None = None,
+    device: Any = None,
+    compile_status: CompileStatus | None = None,
+    sync_every: int = 1,
+) -> TrainStep:
+    """A TrainStep configured from `training.*` / `system.*` of the task; its metrics go
+    to the task's `logger.backend` too (rank 0 of a gang only)."""
+    from pita.training.loop import TrainStep, is_main_rank
+    from pita.training.tracking import Tracker
+
+    device = device or ctx.device
+    if precision is None:
+        precision = precision_for(ctx, device)
+    return TrainStep(
+        model,
+        optimizer,
+        precision,
+        scheduler=scheduler,
+        max_grad_norm=ctx.cfg.training.max_grad_norm,
+        clear_cache_interval=ctx.cfg.system.clear_cache_interval,
+        device=device,
+        compile_status=compile_status,
+        logger=ctx.logger,
+        sync_every=sync_every,
+        tracker=task_tracker(ctx) if is_main_rank() else Tracker(),
+    )
