@@ -149,7 +149,7 @@ class Planner:
 
     def data_parallel_gang(self) -> int:
         """training.parallel_strategy=data_parallel: pretrain, the stage that trains with DDP
-        (pita/training/ddp.py run_stage), gets a gang of every device of the run, one rank
+        (pita/runtime/gang.py run_stage), gets a gang of every device of the run, one rank
         per device; other stages keep one device (or model.gpus_per_task for sharding)."""
         strategy = str(self.cfg.training.get("parallel_strategy", "none"))
         if strategy != "data_parallel" or str(self.cfg.system.gpu_mode) in ("cpu", "single_gpu"):
