@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import ListConfig
@@ -97,9 +97,6 @@ class Device:
     @property
     def label(self) -> str:
         return f"{'GPU' if self.kind != 'cpu' else 'CPU'} {self.index}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _nvml():

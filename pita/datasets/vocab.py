@@ -61,13 +61,6 @@ def build_tokenizer(
     )
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
-    """Load a tokenizer written by `save_pretrained` (ours or a hub one)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
 class Vocab:
     """Fast id <-> token lookups for a task vocabulary, without calling the tokenizer.
 
