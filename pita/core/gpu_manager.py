@@ -203,7 +203,6 @@ class GPUManager:
         if hasattr(spec, "_content") or isinstance(spec, (list, tuple)):
             spec = list(spec)
         validate_devices_spec(spec)
-        self.spec = spec
         self.threads_per_worker = threads_per_worker
         self.devices: list[Device] = self._discover(spec, cpu_workers, threads_per_worker)
 

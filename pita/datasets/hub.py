@@ -435,7 +435,6 @@ class HubTask:
             tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
         spec = SPECS[name]
         self.name = name
-        self.spec = spec
         self.kind = spec.kind
         self.scorer = scorer
         self.path, self.train_path, self.cache_dir = path, train_path, cache_dir
