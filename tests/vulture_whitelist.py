@@ -22,10 +22,10 @@ _.on_multirun_end  # Hydra's Callback hook
 
 # --- called by transformers / TRL / logging / torch ------------------------------------------
 _.on_log  # TrainerCallback hooks (pita/training/report.py, tracking.py, algos/trl_common.py)
-_.on_save
-_.on_step_begin
-_.on_step_end
-_.on_train_end
+_.on_save  # TrainerCallback hook (pita/training/checkpoint.py)
+_.on_step_begin  # TrainerCallback hook (pita/training/report.py)
+_.on_step_end  # TrainerCallback hook (pita/training/report.py, checkpoint.py)
+_.on_train_end  # TrainerCallback hook (pita/training/tracking.py)
 _.should_save  # TrainerControl flag the Trainer reads after on_step_end
 _.logging_dir  # TensorBoardCallback reads it (pita/algos/trl_common.py)
 _._tokenize_prompts  # GRPOTrainer method override (pita/algos/grpo.py)
@@ -44,22 +44,23 @@ guide_arch  # model.guide_arch: pita/models/value_model.py, pita/experiment/esti
 # --- records: written to files or kept for whoever reads the object ---------------------------
 num_shards  # TaskSpec field: serialised with the task (plan.json, the task's record)
 FailureClass  # the one list of failure classes (pita/core/errors.py); TaskOutcome.failure holds one
-total_bytes  # DevicePlacement: the whole model's weight bytes (tests check bytes_per_device sums to it)
-_.rejected_connections  # WorkerPool: unauthenticated connections dropped (tests/test_pool_faults.py)
+total_bytes  # DevicePlacement: the model's weight bytes (tests: bytes_per_device sums to it)
+_.rejected_connections  # WorkerPool: connections dropped unauthenticated (test_pool_faults)
 
 # --- TEMPORARY: owned by another change, decided at merge ------------------------------------
 # Dead or test-only code in files another change of issue 20 rewrites; each goes (or is wired)
 # in that change, and its entry here with it.
-dataloader_kwargs  # pita/training/loop.py: nothing calls it; README promises num_workers=-1 (wire it)
-step_time_s  # pita/training/loop.py: StepResult.step_time_s, never read (metrics.record gets dt)
-_.from_text  # pita/datasets/star_graph.py: StarGraph.from_text, tests only (the rendering rework may use it)
+dataloader_kwargs  # pita/training/loop.py: uncalled; README promises num_workers=-1 (wire it)
+step_time_s  # pita/training/loop.py: StepResult.step_time_s, never read; StepResult only by tests
+_.from_text  # pita/datasets/star_graph.py: StarGraph.from_text, tests only (rendering rework?)
 _.to_text  # pita/datasets/star_graph.py: StarGraph.to_text, tests only
 _.graph_of  # pita/datasets/star_graph.py: StarGraphTask.graph_of, tests only
 _.prompt_length  # pita/datasets/star_graph.py: StarGraphTask.prompt_length, tests only
 _.reachable  # pita/datasets/goal_walk.py: GoalWalkTask.reachable, tests only
 _.optimal_kl  # pita/datasets/goal_walk.py: GoalWalkTask.optimal_kl, tests only
 EXIT_CONFIG  # pita/experiment/run.py: exit code 2; cli.py (config change) returns a literal 2
-weights_bytes  # search.MemoryEstimate: tests only; estimates.py (algorithm-table change) sums weights itself
+weights_bytes  # MemoryEstimate: tests only; estimates.py (algorithm-table change) sums weights
 # Not reported by vulture (a string, or a name another object uses), dead all the same:
 # - pita/experiment/config.py: cs.store(group="algo", name="algo_schema", ...) - no config uses it
-# - pita/training/checkpoint.py: Checkpointer.enabled - never read (AlgoConfig.enabled hides it)
+# - pita/training/checkpoint.py: Checkpointer.enabled - never read (AlgoConfig.enabled's name hides it)
+# - pita/training/ddp.py: DistContext.backend - never read (other `backend`s hide it)
