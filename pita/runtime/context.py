@@ -43,6 +43,9 @@ class ModelCache:
             self._items.popitem(last=False)
         return value
 
+    def clear(self) -> None:
+        self._items.clear()
+
 
 @dataclass
 class StageContext:
