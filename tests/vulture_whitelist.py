@@ -6,6 +6,7 @@ it short; each entry says who uses it. `_` stands for any object (vulture's own
 `--make-whitelist` format); this file is parsed by vulture, never imported.
 """
 # ruff: noqa: B018, F821
+# mypy: ignore-errors
 
 # --- called through a "module:function" string (pita/algos/registry.py, bench) -------------
 collect_merge  # pita/algos/registry.py: "pita.stages.collect:collect_merge"
