@@ -17,7 +17,6 @@ import torch
 from pita.runtime import batch_size as bs
 from pita.runtime.batch_size import (
     BatchSizeCache,
-    BatchSizeFinder,
     MemoryEstimate,
     ProbeSetup,
     estimate_from_config,
@@ -278,23 +277,6 @@ def test_cpu_model_factory_returns_the_fallback(tiny_model, caplog) -> None:  # 
         cache_key={},
     )
     assert got == 3 and len(caplog.records) == 1
-
-
-def test_finder_guide_api_on_cpu(tiny_model) -> None:  # type: ignore[no-untyped-def]
-    class Tok:
-        def __call__(self, text: str) -> dict[str, list[int]]:
-            return {"input_ids": [ord(c) % 60 + 2 for c in text]}
-
-    got = bs.find_optimal_batch_size_for_llm(
-        tiny_model, Tok(), "hello", 16, {"max_new_tokens": 4}, fallback=5
-    )
-    assert got == 5
-    finder = BatchSizeFinder(0.8, cap=512)
-    curve, per_sample, fixed = SMOOTH["fixed_overhead"]
-    result = finder.search(SimulatedGPU(curve), FREE, estimate(per_sample, fixed, 1.0))
-    assert curve(result.batch_size) <= 0.8 * FREE and result.probes <= 4
-    with pytest.raises(RuntimeError, match="CUDA"):
-        bs.measure_memory_usage(tiny_model, Tok(), 2, "hello", 16, {"max_new_tokens": 4})
 
 
 # ---------------------------------------------------------------------------- cache

@@ -10,7 +10,8 @@ import pytest
 
 from pita.datasets import Task, build_task, validate_dataset_cfg
 from pita.datasets.goal_walk import GoalWalkTask, draw_graph, is_strongly_connected
-from pita.datasets.vocab import build_tokenizer, load_tokenizer
+from pita.datasets.vocab import build_tokenizer
+from pita.models.loading import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -12,16 +12,13 @@ import torch
 from pita.models.catalog import BUILTIN, FAMILIES, known_aliases, parse_alias, resolve_family
 from pita.models.loading import (
     check_shared_vocab,
-    empty_device_cache,
     load_causal_lm,
     load_reward_model,
     load_tokenizer,
-    peak_memory_bytes,
-    reset_peak_memory,
     resolve_dtype,
 )
 from pita.models.reward_scorer import RewardScorer, _label_index
-from pita.models.tiny import build_tiny_llama, build_tiny_reward_model
+from pita.models.tiny import build_tiny_llama, tiny_llama_config
 
 PAD, BOS, EOS = 0, 1, 2
 
@@ -141,12 +138,6 @@ def test_missing_model_is_one_clear_line(tmp_path):
         load_tokenizer(missing)
 
 
-def test_memory_helpers_are_noops_on_cpu():
-    empty_device_cache("cpu")
-    reset_peak_memory("cpu")
-    assert peak_memory_bytes("cpu") is None
-
-
 def _word_tokenizer(words):
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
@@ -177,6 +168,33 @@ def test_shared_vocab_check():
 
 
 # --- reward scoring -----------------------------------------------------------------------
+
+
+def build_tiny_reward_model(
+    vocab_size: int,
+    *,
+    pad_token_id: int,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    seed: int = 0,
+    initializer_range: float = 0.02,
+) -> torch.nn.Module:
+    """A random fp32 ``LlamaForSequenceClassification`` with one output (a scalar reward),
+    pooled by HF at the last token that is not ``pad_token_id``."""
+    from transformers import LlamaForSequenceClassification
+
+    config = tiny_llama_config(
+        vocab_size,
+        pad_token_id=pad_token_id,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        initializer_range=initializer_range,
+        num_labels=1,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForSequenceClassification(config)
+    return model.to(torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
-"""Failure classification from real exception types and messages, and the OOM batch shrink."""
+"""Failure classification from real exception types and messages."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pita.runtime.oom import classify_exception, classify_text, smaller_micro_batch
+from pita.runtime.oom import classify_exception
 
 KERNEL_NOTE = (
     "\nCUDA kernel errors might be asynchronously reported at some other API call, so the "
@@ -123,34 +123,6 @@ def test_fault_wins_over_oom_in_a_chain() -> None:
     fault = RuntimeError("CUDA error: an illegal memory access was encountered")
     fault.__cause__ = oom
     assert classify_exception(fault) == "cuda_fault"
-
-
-def test_classify_text() -> None:
-    assert classify_text("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate") == "oom"
-    assert classify_text("RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED") == "oom"
-    assert classify_text("RuntimeError: CUDA error: device-side assert triggered") == "cuda_fault"
-    assert classify_text("ValueError: bad config") == "error"
-
-
-def test_smaller_micro_batch_halves_and_keeps_the_effective_batch() -> None:
-    assert smaller_micro_batch(8, 64) == (4, 16)
-    assert smaller_micro_batch(16, 16) == (8, 2)
-    assert smaller_micro_batch(64, 32) == (16, 2)  # a micro batch above the global one is clamped
-    for micro in range(2, 65):
-        for global_batch in range(2, 257):
-            new, accum = smaller_micro_batch(micro, global_batch)
-            assert 1 <= new < micro
-            # accum micro batches of `new` cover the global batch, the last one partly
-            assert new * accum >= global_batch > new * (accum - 1)
-
-
-def test_smaller_micro_batch_at_one_raises() -> None:
-    with pytest.raises(ValueError, match="micro batch 1"):
-        smaller_micro_batch(1, 32)
-    with pytest.raises(ValueError, match="micro batch 1"):
-        smaller_micro_batch(4, 1)  # a global batch of 1 is already the smallest
-    with pytest.raises(ValueError):
-        smaller_micro_batch(0, 32)
 
 
 def test_no_torch_import_at_module_level() -> None:

@@ -1,5 +1,5 @@
 """pita.models.placement: max_memory, device maps of real architectures over simulated GPUs
-(meta device: nothing allocated, nothing downloaded), models placed on a gang, GPU counts,
+(meta device: nothing allocated, nothing downloaded), GPU counts,
 and the clear error of a quantized alias without CUDA."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from transformers import LlamaConfig
 
 from pita.models.placement import (
     GiB,
-    estimate_model_bytes,
     gpus_needed,
     infer_placement,
     layer_distribution,
@@ -18,8 +17,6 @@ from pita.models.placement import (
     load_on_gang,
     max_memory_for_gang,
     model_bytes,
-    place_models_on_gang,
-    plan_gang_placement,
 )
 
 
@@ -48,6 +45,11 @@ def llama_1b() -> LlamaConfig:
         vocab_size=128256,
         tie_word_embeddings=True,
     )
+
+
+def weight_bytes(config: LlamaConfig, dtype: str) -> int:
+    """A model's weight bytes: its map over one simulated GPU large enough for anything."""
+    return infer_placement(config, {0: 2**50}, dtype).total_bytes
 
 
 def test_max_memory_keeps_a_reserve_per_device():
@@ -98,9 +100,9 @@ def test_a_model_that_does_not_fit_is_refused_unless_offload_is_allowed():
 
 def test_quantized_sizes_shrink_the_map():
     assert (
-        estimate_model_bytes(llama_1b(), "4bit")
-        < estimate_model_bytes(llama_1b(), "8bit")
-        < estimate_model_bytes(llama_1b(), "bfloat16")
+        weight_bytes(llama_1b(), "4bit")
+        < weight_bytes(llama_1b(), "8bit")
+        < weight_bytes(llama_1b(), "bfloat16")
     )
     p = infer_placement(
         llama_8b(), {0: "6GiB", 1: "6GiB"}, "8bit"
@@ -125,36 +127,6 @@ def test_layer_distribution_resolves_parents_and_counts_blocks():
         layer_distribution_line({0: 1, "cpu": 2})
         == "Layer distribution: GPU 0: 1 layer, CPU: 2 layers"
     )
-
-
-def test_models_go_largest_first_to_the_gpu_with_most_free_memory():
-    models = [("guide", 2 * GiB), ("reference", 8 * GiB), ("reward", 16 * GiB)]
-    # reward -> GPU 0 (24 free, 8 left); reference -> GPU 1 (20 free, 12 left); guide -> GPU 1 (12 > 8)
-    assert place_models_on_gang(models, [24 * GiB, 20 * GiB]) == {
-        "guide": 1,
-        "reference": 1,
-        "reward": 0,
-    }
-    assert list(place_models_on_gang(models, [24 * GiB, 20 * GiB])) == [
-        "guide",
-        "reference",
-        "reward",
-    ]
-    assert place_models_on_gang([("a", GiB), ("b", GiB)], [10 * GiB, 10 * GiB]) == {"a": 0, "b": 1}
-
-
-def test_a_model_larger_than_any_gpu_is_sharded_over_the_gang():
-    models = [("reward-70b", 140 * GiB), ("reference", 16 * GiB), ("guide", 2 * GiB)]
-    plan = plan_gang_placement(models, [80 * GiB] * 4)
-    assert plan.devices["reward-70b"] == "auto"
-    assert plan.devices["reference"] in range(4) and plan.devices["guide"] in range(4)
-    assert set(plan.auto_max_memory["reward-70b"]) == {0, 1, 2, 3}
-    assert sum(plan.free_after) == 4 * 80 * GiB - (140 + 16 + 2) * GiB
-    assert any("sharded over the gang" in line for line in plan.log_lines())
-    with pytest.raises(
-        ValueError, match=r"needs 400.0 GiB but the gang has 160.0 GiB free.*gpus_per_task"
-    ):
-        place_models_on_gang([("huge", 400 * GiB)], [80 * GiB, 80 * GiB])
 
 
 def test_gpus_needed_for_large_models():
@@ -215,7 +187,7 @@ def test_a_70b_judge_gets_a_gang_of_fake_gpus_and_a_device_map_over_it(local_fam
     from pita.models.placement import gang_placement
     from tests.conftest import only
 
-    weights = estimate_model_bytes(llama_70b_judge(), "bfloat16")
+    weights = weight_bytes(llama_70b_judge(), "bfloat16")
     assert 128 * GiB < weights < 131 * GiB  # 69.5B parameters in bf16 (a score head, no LM head)
     device = 48 * GiB
     gang = gpus_needed(weights, device)  # 1.2 x weights for activations and the CUDA context

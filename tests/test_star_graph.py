@@ -12,7 +12,7 @@ from pita.datasets.star_graph import (
     generate_graph,
     num_distinct_graphs,
 )
-from pita.datasets.vocab import load_tokenizer
+from pita.models.loading import load_tokenizer
 
 
 @pytest.fixture(scope="module")

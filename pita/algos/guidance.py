@@ -93,10 +93,6 @@ class HookStats:
     steps: int = 0
     forwards: int = 0
 
-    @property
-    def forwards_per_step(self) -> float:
-        return self.forwards / self.steps if self.steps else math.nan
-
 
 def _fit_width(off: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Guide and reference share a tokenizer, but embedding matrices may be padded to

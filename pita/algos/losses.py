@@ -75,19 +75,3 @@ def bradley_terry_loss(
     target = torch.ones_like(diff) if prefer_a is None else prefer_a.float()
     per = F.binary_cross_entropy_with_logits(diff, target, reduction="none")
     return _weighted_mean(per, weights)
-
-
-def scalar_accuracy(
-    logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None
-) -> float:
-    """Weighted fraction where σ(logit) and the target fall on the same side of 1/2."""
-    hit = ((logits.float() > 0) == (targets.float() > 0.5)).float()
-    return float(_weighted_mean(hit, weights))
-
-
-def mle_accuracy(
-    atom_logits: torch.Tensor, target_hist: torch.Tensor, weights: torch.Tensor | None = None
-) -> float:
-    """Weighted fraction where the pmf's mode is the target histogram's mode."""
-    hit = (atom_logits.argmax(-1) == target_hist.argmax(-1)).float()
-    return float(_weighted_mean(hit, weights))

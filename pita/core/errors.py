@@ -2,7 +2,7 @@
 
 `ConfigError` is raised for anything a user can fix in the config or the command line;
 the entry point prints its one-line messages and exits 2. A task that fails is not an
-exception in the orchestrator: its worker answers with one of `FAILURE_CLASSES`, and the
+exception in the orchestrator: its worker answers with one of the `FailureClass` values, and the
 DAG runner retries by class (docs/DESIGN.md §3):
 
 - ``oom``: out of memory — the same task again at half the micro-batch;
@@ -16,10 +16,9 @@ DAG runner retries by class (docs/DESIGN.md §3):
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Literal
 
 FailureClass = Literal["oom", "cuda_fault", "killed", "timeout", "error", "interrupted"]
-FAILURE_CLASSES: tuple[str, ...] = get_args(FailureClass)
 # Classes worth another attempt (up to executor.max_retries); the rest fail the task.
 RETRYABLE: tuple[str, ...] = ("oom", "cuda_fault", "killed", "timeout")
 # Classes after which a worker process is replaced rather than reused.

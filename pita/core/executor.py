@@ -25,7 +25,7 @@ from pita.core.tasks import TaskSpec
 class TaskOutcome:
     task_id: str
     ok: bool
-    failure: str | None = None  # one of pita.core.errors.FAILURE_CLASSES when not ok
+    failure: str | None = None  # a pita.core.errors.FailureClass when not ok
     message: str = ""
     result: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0

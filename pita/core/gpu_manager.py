@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import ListConfig
@@ -103,9 +103,6 @@ class Device:
     @property
     def label(self) -> str:
         return f"{'GPU' if self.kind != 'cpu' else 'CPU'} {self.index}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _nvml():
@@ -212,7 +209,6 @@ class GPUManager:
         if hasattr(spec, "_content") or isinstance(spec, (list, tuple)):
             spec = list(spec)
         validate_devices_spec(spec)
-        self.spec = spec
         self.threads_per_worker = threads_per_worker
         self.devices: list[Device] = self._discover(spec, cpu_workers, threads_per_worker)
 

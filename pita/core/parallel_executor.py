@@ -181,7 +181,6 @@ class RunSummary:
     skipped: dict[str, str] = field(default_factory=dict)  # task id -> failed dependency
     interrupted: bool = False
     wall_s: float = 0.0
-    retries: int = 0
 
     @property
     def ok(self) -> bool:
@@ -333,7 +332,6 @@ class DagRunner:
         if outcome.failure in RETRYABLE and attempt <= self.max_retries:
             if outcome.failure == "oom":
                 task.batch_scale /= 2  # same effective batch, half the micro-batch
-            self.summary.retries += 1
             self._journal(
                 "task_retry", task=task.id, attempt=attempt + 1, batch_scale=task.batch_scale
             )

@@ -62,7 +62,6 @@ class _Job:
     task: TaskSpec
     future: Future
     message: tuple
-    submitted: float
     started: float | None = None
 
 
@@ -141,10 +140,8 @@ class WorkerPool:
         self._workers: dict[int, WorkerHandle] = {}
         self._next_id = 0
         self._closed = False
-        self._threads = [
-            self._start_thread("pita-accept", self._accept_loop),
-            self._start_thread("pita-dispatch", self._dispatch_loop),
-        ]
+        self._start_thread("pita-accept", self._accept_loop)
+        self._start_thread("pita-dispatch", self._dispatch_loop)
 
     @classmethod
     def from_config(
@@ -185,9 +182,7 @@ class WorkerPool:
         """Run `task` on a worker pinned to exactly `devices`; the future never raises."""
         devices = tuple(devices)
         future: Future = Future()
-        job = _Job(
-            task, future, ("run", task.to_dict(), cfg_dict, str(run_dir), attempt), time.time()
-        )
+        job = _Job(task, future, ("run", task.to_dict(), cfg_dict, str(run_dir), attempt))
         with self._lock:
             if self._closed:
                 raise RuntimeError("pool is shut down")
@@ -414,10 +409,8 @@ class WorkerPool:
         job.future.set_result(outcome)
 
     # ---- background threads ----------------------------------------------------------------
-    def _start_thread(self, name: str, loop: Callable[[], None]) -> threading.Thread:
-        thread = threading.Thread(target=self._guarded, args=(name, loop), name=name, daemon=True)
-        thread.start()
-        return thread
+    def _start_thread(self, name: str, loop: Callable[[], None]) -> None:
+        threading.Thread(target=self._guarded, args=(name, loop), name=name, daemon=True).start()
 
     def _guarded(self, name: str, loop: Callable[[], None]) -> None:
         """Run a background loop; if it ends while the pool is open, say why in `broken`

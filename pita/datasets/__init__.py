@@ -28,11 +28,7 @@ REGISTRY: dict[str, str] = {
     "tldr": "hub",
 }
 
-__all__ = ["REGISTRY", "Example", "Task", "build_task", "task_names", "validate_dataset_cfg"]
-
-
-def task_names() -> list[str]:
-    return list(REGISTRY)
+__all__ = ["REGISTRY", "Example", "Task", "build_task", "validate_dataset_cfg"]
 
 
 def _as_dict(dataset_cfg: Mapping) -> dict[str, Any]:

@@ -435,7 +435,6 @@ class HubTask:
             tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
         spec = SPECS[name]
         self.name = name
-        self.spec = spec
         self.kind = spec.kind
         self.scorer = scorer
         self.path, self.train_path, self.cache_dir = path, train_path, cache_dir
@@ -447,7 +446,6 @@ class HubTask:
         self.split = split or "test"
         self.test_split = spec.test_split if self.split == "test" else self.split
         self.max_prompt_tokens = max_prompt_tokens
-        self.truncated_prompts = 0  # how many prompts max_prompt_tokens cut (from the left)
         self.train_size, self.test_size, self.seed = train_size, test_size, seed
         self.max_new_tokens = max_new_tokens or spec.max_new_tokens
         self.prompt_template = prompt_template or spec.prompt_template
@@ -559,7 +557,6 @@ class HubTask:
             for i, ids in enumerate(prompt_ids):
                 if len(ids) > self.max_prompt_tokens:
                     prompts[i], prompt_ids[i] = self._fit_prompt(contents[i], ids)
-                    self.truncated_prompts += 1
         targets = [_first_field(r, TARGET_FIELDS) for r in rows]
         target_ids: list[list[int] | None] = [None] * len(rows)
         with_target = [i for i, t in enumerate(targets) if t is not None]

@@ -61,13 +61,6 @@ def build_tokenizer(
     )
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
-    """Load a tokenizer written by `save_pretrained` (ours or a hub one)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
 class Vocab:
     """Fast id <-> token lookups for a task vocabulary, without calling the tokenizer.
 
@@ -79,14 +72,9 @@ class Vocab:
         self.tokens = [*tokens, *SPECIALS]
         self.ids = {t: i for i, t in enumerate(self.tokens)}
         self.eos_id = self.ids[EOS]
-        self.pad_id = self.ids[PAD]
-        self.unk_id = self.ids[UNK]
 
     def __len__(self) -> int:
         return len(self.tokens)
-
-    def encode(self, text_tokens: Sequence[str]) -> list[int]:
-        return [self.ids.get(t, self.unk_id) for t in text_tokens]
 
     def token(self, i: int) -> str:
         """Token string of id i; out-of-range ids become UNK."""

@@ -356,7 +356,7 @@ def _measured_memory(gpu: GPUManager, executor) -> list[tuple[int, int]]:
     ]
 
 
-def _raise_interrupt(signum, frame):  # SIGTERM behaves like Ctrl-C: stop, flush, exit 130
+def _raise_interrupt(_signum, _frame):  # SIGTERM behaves like Ctrl-C: stop, flush, exit 130
     raise KeyboardInterrupt
 
 

@@ -2,9 +2,8 @@
 
 Thin wrappers over ``transformers.Auto*.from_pretrained``. What they add: ``dtype="auto"``
 picks bf16 / fp16 / fp32 from the device (not from the checkpoint), a missing or offline
-model becomes one ``RuntimeError`` line saying how to run offline, quantized aliases are
-refused clearly where bitsandbytes cannot run, and every ``torch.cuda`` memory call is
-guarded so CPU builds never touch CUDA.
+model becomes one ``RuntimeError`` line saying how to run offline, and quantized aliases
+are refused clearly where bitsandbytes cannot run.
 """
 
 from __future__ import annotations
@@ -224,25 +223,3 @@ def check_shared_vocab(tok_a: Any, tok_b: Any, what: str) -> None:
         f"{differing} tokens mapped differently); guide and reference must share a tokenizer, "
         "pick a family whose checkpoints share one"
     )
-
-
-# --- device memory helpers (no-ops off CUDA, so CPU builds never call torch.cuda) ---------
-
-
-def empty_device_cache(device: str | torch.device) -> None:
-    """Release cached allocator blocks on a CUDA device; nothing elsewhere."""
-    if _is_cuda(device) and torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def reset_peak_memory(device: str | torch.device) -> None:
-    """Reset the CUDA peak-memory counter of ``device``; nothing elsewhere."""
-    if _is_cuda(device) and torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats(torch.device(device))
-
-
-def peak_memory_bytes(device: str | torch.device) -> int | None:
-    """Peak bytes allocated on a CUDA device since the last reset; None off CUDA."""
-    if _is_cuda(device) and torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated(torch.device(device)))
-    return None

@@ -2,15 +2,12 @@
 
 - `max_memory_for_gang(free)`: accelerate's `max_memory` for the gang, keeping a reserve
   per device for activations and the CUDA context.
-- `infer_placement` / `device_map_for`: a `device_map` from a config alone (accelerate's
+- `infer_placement`: a `device_map` from a config alone (accelerate's
   `init_empty_weights` + `get_balanced_memory` + `infer_auto_device_map`, the same
   computation `from_pretrained(device_map="auto")` does), refusing CPU / disk offload
   unless asked; works without CUDA, so maps for 8B / 70B models over simulated GPUs are
   testable on a laptop. `layer_distribution` and `layer_distribution_line` give the
   "Layer distribution: GPU 0: 16 layers, GPU 1: 16 layers" line for the logs.
-- `place_models_on_gang`: a stage that needs several models (reference, guide, reward)
-  puts them, largest first, on the GPU with the most free memory; a model larger than any
-  device's free memory is sharded over the gang (`"auto"`).
 - `gpus_needed(model_bytes, device_bytes)`: how many GPUs a model needs (the planner's
   `model.gpus_per_task`), e.g. a 70B bf16 reward model on 40 GB GPUs -> 4.
 - `gang_placement(model, free_bytes, ...)`: the placement `load_on_gang` uses for a gang
@@ -31,7 +28,7 @@ import logging
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -105,73 +102,6 @@ def gpus_needed(
         f"fit on all {len(device_bytes)} GPUs together ({total / GiB:.1f} GiB free); use a quantized "
         "alias (-8bit / -4bit) or more GPUs"
     )
-
-
-@dataclass
-class GangPlacement:
-    """Where each model of a stage goes on its gang."""
-
-    devices: dict[str, int | str]  # name -> gang-local GPU index, or "auto" (sharded)
-    auto_max_memory: dict[str, dict[int, str]] = field(
-        default_factory=dict
-    )  # for each "auto" model
-    free_after: list[int] = field(default_factory=list)
-
-    def log_lines(self) -> list[str]:
-        lines = []
-        for name, dev in self.devices.items():
-            if dev == "auto":
-                share = ", ".join(f"GPU {i}: {m}" for i, m in self.auto_max_memory[name].items())
-                lines.append(f"model {name}: sharded over the gang (device_map auto; {share})")
-            else:
-                lines.append(f"model {name}: GPU {dev}")
-        return lines
-
-
-def plan_gang_placement(
-    models: Sequence[tuple[str, int]], free_bytes: Sequence[int], headroom: float = 1.1
-) -> GangPlacement:
-    """`place_models_on_gang` with the details: each sharded model's `max_memory` (its share
-    of every device in proportion to the device's free memory, × `headroom`, capped at what
-    is free) and the free memory left on each device."""
-    names = [n for n, _ in models]
-    if len(set(names)) != len(names):
-        raise ValueError(f"place_models_on_gang: duplicate model names {names}")
-    if not free_bytes:
-        raise ValueError("place_models_on_gang: the gang has no device")
-    free = [int(b) for b in free_bytes]
-    placement = GangPlacement(devices={})
-    for name, size in sorted(models, key=lambda m: -m[1]):  # largest first (stable for ties)
-        best = max(range(len(free)), key=lambda i: (free[i], -i))  # most free; lowest index on ties
-        if size <= free[best]:
-            placement.devices[name] = best
-            free[best] -= size
-            continue
-        total = sum(free)
-        if size > total:
-            raise ValueError(
-                f"model {name!r} needs {size / GiB:.1f} GiB but the gang has {total / GiB:.1f} GiB free "
-                f"over {len(free)} GPU(s); raise model.gpus_per_task or use a quantized alias (-8bit / -4bit)"
-            )
-        shares = [min(f, math.ceil(size * f / total * headroom)) for f in free]
-        placement.devices[name] = "auto"
-        placement.auto_max_memory[name] = {i: _gib(s) for i, s in enumerate(shares) if s > 0}
-        free = [f - min(f, math.ceil(size * f / total)) for f in free]
-    placement.devices = {n: placement.devices[n] for n in names}  # the caller's order
-    placement.free_after = free
-    return placement
-
-
-def place_models_on_gang(
-    models: Sequence[tuple[str, int]], free_bytes: Sequence[int]
-) -> dict[str, int | str]:
-    """`{name: gpu index | "auto"}` for the models (name, bytes) of one stage.
-
-    Largest first, each to the GPU with the most free memory left; a model larger than any
-    single GPU's free memory gets `device_map="auto"` over the gang. Raises ValueError when
-    the gang cannot hold a model at all.
-    """
-    return plan_gang_placement(models, free_bytes).devices
 
 
 # --- device maps from configs ----------------------------------------------------------------
@@ -399,30 +329,6 @@ def infer_placement(
         num_layers=n_layers,
         total_bytes=total,
     )
-
-
-def device_map_for(
-    model_name_or_config: Any,
-    max_memory: Mapping[Any, Any],
-    dtype: Any = "bfloat16",
-    no_split_module_classes: Sequence[str] | None = None,
-    **kwargs: Any,
-) -> dict[str, Any]:
-    """The `device_map` of `infer_placement` (pass it to `from_pretrained` / `load_causal_lm`)."""
-    return infer_placement(
-        model_name_or_config, max_memory, dtype, no_split_module_classes, **kwargs
-    ).device_map
-
-
-def estimate_model_bytes(
-    model_name_or_config: Any, dtype: Any = "bfloat16", trust_remote_code: bool = False
-) -> int:
-    """Weight bytes of a model from its config (meta device: nothing is allocated)."""
-    from accelerate.utils import compute_module_sizes
-
-    torch_dtype = _torch_dtype(dtype)
-    model = _empty_model(model_name_or_config, trust_remote_code, torch_dtype)
-    return int(compute_module_sizes(model, dtype=torch_dtype)[""])
 
 
 # --- loading on the worker's gang ---------------------------------------------------------

@@ -1,14 +1,13 @@
 """Tiny randomly initialised Llamas for the offline tasks and for tests.
 
-They are ordinary ``transformers`` models (``LlamaForCausalLM`` /
-``LlamaForSequenceClassification``), so ``save_pretrained`` / ``from_pretrained``, the
+They are ordinary ``transformers`` models (``LlamaForCausalLM``), so ``save_pretrained`` / ``from_pretrained``, the
 generation engine and TRL trainers treat them exactly like hub checkpoints.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def tiny_llama_config(
@@ -26,7 +25,7 @@ def tiny_llama_config(
     attn_impl: str = "eager",
     **extra: object,
 ) -> LlamaConfig:
-    """The ``LlamaConfig`` both builders use (multi-head attention, untied embeddings)."""
+    """The ``LlamaConfig`` of a tiny Llama (multi-head attention, untied embeddings)."""
     if d_model % n_head:
         raise ValueError(f"d_model={d_model} must be divisible by n_head={n_head}")
     config = LlamaConfig(
@@ -87,37 +86,3 @@ def build_tiny_llama(
         attn_impl=attn_impl,
     )
     return _build(LlamaForCausalLM, config, seed)
-
-
-def build_tiny_reward_model(
-    vocab_size: int,
-    *,
-    n_layer: int = 1,
-    d_model: int = 64,
-    n_head: int = 4,
-    d_ff: int | None = None,
-    max_position: int = 64,
-    pad_token_id: int,
-    bos_token_id: int | None = None,
-    eos_token_id: int | None = None,
-    seed: int = 0,
-    initializer_range: float = 0.02,
-    attn_impl: str = "eager",
-) -> LlamaForSequenceClassification:
-    """A randomly initialised fp32 ``LlamaForSequenceClassification`` with one output (a
-    scalar reward), pooled by HF at the last token that is not ``pad_token_id``."""
-    config = tiny_llama_config(
-        vocab_size,
-        n_layer=n_layer,
-        d_model=d_model,
-        n_head=n_head,
-        d_ff=d_ff,
-        max_position=max_position,
-        pad_token_id=pad_token_id,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        initializer_range=initializer_range,
-        attn_impl=attn_impl,
-        num_labels=1,
-    )
-    return _build(LlamaForSequenceClassification, config, seed)

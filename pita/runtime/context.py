@@ -32,15 +32,11 @@ class ModelCache:
     def __init__(self, capacity: int = 2):
         self.capacity = capacity
         self._items: OrderedDict[str, Any] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
 
     def get(self, key: str, loader: Callable[[], Any]) -> Any:
         if key in self._items:
             self._items.move_to_end(key)
-            self.hits += 1
             return self._items[key]
-        self.misses += 1
         value = loader()
         self._items[key] = value
         while len(self._items) > self.capacity:

@@ -1,4 +1,4 @@
-"""Classify a worker's failure (out of memory, CUDA fault, ordinary error) and shrink a batch.
+"""Classify a worker's failure (out of memory, CUDA fault, ordinary error).
 
 The executor retries by class (docs/DESIGN.md §3): ``oom`` → the same task with a smaller micro
 batch, the effective batch kept through gradient accumulation; ``cuda_fault`` → recycle the
@@ -13,15 +13,12 @@ be a torch type if torch was already imported by whoever raised it.
 
 from __future__ import annotations
 
-import math
 import re
 import sys
 from typing import Literal
 
 # What an exception raised by a stage can be: a subset of pita.core.errors.FailureClass.
 StageFailure = Literal["oom", "cuda_fault", "error"]
-
-__all__ = ["StageFailure", "classify_exception", "classify_text", "smaller_micro_batch"]
 
 # Sticky or hardware faults: after one of these the CUDA context is unusable (or suspect), so
 # the worker process must be replaced. Checked first: "CUDA kernel errors might be
@@ -126,40 +123,3 @@ def classify_exception(exc: BaseException) -> StageFailure:
     if "cuda_fault" in found:
         return "cuda_fault"
     return "oom" if "oom" in found else "error"
-
-
-def classify_text(text: str) -> StageFailure:
-    """Classify a failure known only as text (a traceback tail or ``"Type: message"``), as
-    the parent sees it when a worker reports a failure it could not classify itself."""
-    text = _BOILERPLATE.sub("", text)
-    if _FAULT.search(text):
-        return "cuda_fault"
-    if "OutOfMemoryError" in text or "MemoryError:" in text or _OOM.search(text):
-        return "oom"
-    if "AcceleratorError" in text or _CUDA_OTHER.search(text):
-        return "cuda_fault"
-    return "error"
-
-
-def smaller_micro_batch(micro: int, global_batch: int) -> tuple[int, int]:
-    """The next micro batch after an out-of-memory error, and the accumulation steps that
-    keep the effective (global) batch: halve the micro batch, accumulate
-    ``ceil(global_batch / new_micro)`` micro batches. When ``new_micro`` does not divide the
-    global batch the last micro batch of a step is partial (the trainer normalises the loss by
-    the global batch), so the effective batch stays exactly ``global_batch``.
-
-    For a stage without accumulation (generation, scoring) pass ``global_batch=micro``: the
-    second value is then the number of passes over what used to be one batch.
-
-    Raises ``ValueError`` when the micro batch is already 1: a smaller batch cannot help.
-    """
-    if global_batch < 1 or micro < 1:
-        raise ValueError(f"micro ({micro}) and global_batch ({global_batch}) must be >= 1")
-    micro = min(micro, global_batch)
-    if micro == 1:
-        raise ValueError(
-            "out of memory at micro batch 1: a smaller batch cannot help; shorten the "
-            "sequences, enable training.gradient_checkpointing, quantize, or use more GPUs"
-        )
-    new_micro = micro // 2
-    return new_micro, math.ceil(global_batch / new_micro)

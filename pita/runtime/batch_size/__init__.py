@@ -49,14 +49,6 @@ from pita.runtime.batch_size.cache import (  # noqa: F401
     BatchSizeCache,
     library_versions,
 )
-from pita.runtime.batch_size.guide_api import (  # noqa: F401
-    BatchSizeFinder,
-    _max_new_tokens,
-    _prompt_ids,
-    find_optimal_batch_size_for_llm,
-    measure_memory_usage,
-    search_result_dict,
-)
 from pita.runtime.batch_size.probes import (  # noqa: F401
     _NO_EARLY_STOP,
     _causal_lm_batch,
@@ -105,23 +97,19 @@ from pita.runtime.batch_size.search import (  # noqa: F401
 __all__ = [
     "AUTO_VALUES",
     "BatchSizeCache",
-    "BatchSizeFinder",
     "MemoryEstimate",
     "ProbeSetup",
     "SearchResult",
     "Trial",
     "estimate_from_config",
     "estimate_from_model",
-    "find_optimal_batch_size_for_llm",
     "generation_probe",
     "generation_workload",
     "is_auto",
     "library_versions",
-    "measure_memory_usage",
     "power_binary_search",
     "resolve_batch_size",
     "search_batch_size",
-    "search_result_dict",
     "training_probe",
     "training_workload",
     "workload_probe",

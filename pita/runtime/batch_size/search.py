@@ -57,10 +57,6 @@ class MemoryEstimate:
         """Extra bytes over the resident weights at ``batch_size``."""
         return self.fixed_bytes + batch_size * self.per_sample_bytes
 
-    def total_bytes(self, batch_size: int) -> float:
-        """Weights included: what a scheduler must find free before placing the task."""
-        return self.weights_bytes + self.bytes_for(batch_size)
-
     def max_batch(self, budget_bytes: float) -> int:
         """Largest batch the estimate says fits in ``budget_bytes`` (0 if none)."""
         if self.per_sample_bytes <= 0:

@@ -1,0 +1,67 @@
+"""Names vulture reports as unused that are live: read by a library, Hydra, a dotted-path
+string or a key, not by a Python reference vulture can see (tests/test_dead_code.py).
+
+Vulture matches names, not objects: an entry here keeps every definition of that name. Keep
+it short; each entry says who uses it. `_` stands for any object (vulture's own
+`--make-whitelist` format); this file is parsed by vulture, never imported.
+"""
+# ruff: noqa: B018, F821
+# mypy: ignore-errors
+
+# --- called through a "module:function" string (pita/algos/registry.py, bench) -------------
+collect_merge  # pita/algos/registry.py: "pita.stages.collect:collect_merge"
+device_check  # pita/algos/registry.py: "pita.stages.diagnostic:device_check"
+evaluate_shard  # pita/algos/registry.py: "pita.stages.evaluate:evaluate_shard"
+evaluate_merge  # pita/algos/registry.py: "pita.stages.evaluate:evaluate_merge"
+train_hf  # pita/algos/registry.py: "pita.algos.grpo:train_hf" (GRPO-HF)
+train_reward_model  # pita/algos/registry.py: "pita.algos.reward_model:train_reward_model"
+timed_stage  # bench/scheduler.py: executor.stage_overrides to "bench.workload:timed_stage"
+
+# --- called by Hydra -------------------------------------------------------------------------
+AggregateCallback  # conf/config.yaml: hydra.callbacks ... _target_
+_.on_multirun_end  # Hydra's Callback hook
+
+# --- called by transformers / TRL / logging / torch ------------------------------------------
+_.on_log  # TrainerCallback hooks (pita/training/report.py, tracking.py, algos/trl_common.py)
+_.on_save  # TrainerCallback hook (pita/training/checkpoint.py)
+_.on_step_begin  # TrainerCallback hook (pita/training/report.py)
+_.on_step_end  # TrainerCallback hook (pita/training/report.py, checkpoint.py)
+_.on_train_end  # TrainerCallback hook (pita/training/tracking.py)
+_.should_save  # TrainerControl flag the Trainer reads after on_step_end
+_.logging_dir  # TensorBoardCallback reads it (pita/algos/trl_common.py)
+_._tokenize_prompts  # GRPOTrainer method override (pita/algos/grpo.py)
+completions  # TRL passes reward functions completions=... by keyword
+_.emit  # logging.Handler.emit (pita/training/ddp.py)
+_.HF_HUB_OFFLINE  # huggingface_hub.constants, read by the hub client
+_.pre_tokenizer  # tokenizers.Tokenizer reads it (pita/datasets/vocab.py)
+_._compiled_call_impl  # torch.nn.Module.compile's attribute, reset to fall back to eager
+
+# --- config keys read by key, not attribute (cfg.get("project"), model["reference_arch"]) ---
+project  # logger.project: pita/training/tracking.py
+tracking_uri  # logger.tracking_uri: pita/training/tracking.py
+reference_arch  # model.reference_arch: pita/stages/pretrain.py, pita/experiment/estimates.py
+guide_arch  # model.guide_arch: pita/models/value_model.py, pita/experiment/estimates.py
+
+# --- records: written to files or kept for whoever reads the object ---------------------------
+num_shards  # TaskSpec field: serialised with the task (plan.json, the task's record)
+FailureClass  # the one list of failure classes (pita/core/errors.py); TaskOutcome.failure holds one
+total_bytes  # DevicePlacement: the model's weight bytes (tests: bytes_per_device sums to it)
+_.rejected_connections  # WorkerPool: connections dropped unauthenticated (test_pool_faults)
+
+# --- TEMPORARY: owned by another change, decided at merge ------------------------------------
+# Dead or test-only code in files another change of issue 20 rewrites; each goes (or is wired)
+# in that change, and its entry here with it.
+dataloader_kwargs  # pita/training/loop.py: uncalled; README promises num_workers=-1 (wire it)
+step_time_s  # pita/training/loop.py: StepResult.step_time_s, never read; StepResult only by tests
+_.from_text  # pita/datasets/star_graph.py: StarGraph.from_text, tests only (rendering rework?)
+_.to_text  # pita/datasets/star_graph.py: StarGraph.to_text, tests only
+_.graph_of  # pita/datasets/star_graph.py: StarGraphTask.graph_of, tests only
+_.prompt_length  # pita/datasets/star_graph.py: StarGraphTask.prompt_length, tests only
+_.reachable  # pita/datasets/goal_walk.py: GoalWalkTask.reachable, tests only
+_.optimal_kl  # pita/datasets/goal_walk.py: GoalWalkTask.optimal_kl, tests only
+EXIT_CONFIG  # pita/experiment/run.py: exit code 2; cli.py (config change) returns a literal 2
+weights_bytes  # MemoryEstimate: tests only; estimates.py (algorithm-table change) sums weights
+# Not reported by vulture (a string, or a name another object uses), dead all the same:
+# - pita/experiment/config.py: cs.store(group="algo", name="algo_schema", ...) - no config uses it
+# - pita/training/checkpoint.py: Checkpointer.enabled - never read (AlgoConfig.enabled's name hides it)
+# - pita/training/ddp.py: DistContext.backend - never read (other `backend`s hide it)
