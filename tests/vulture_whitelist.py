@@ -51,7 +51,6 @@ _.rejected_connections  # WorkerPool: connections dropped unauthenticated (test_
 # --- TEMPORARY: owned by another change, decided at merge ------------------------------------
 # Dead or test-only code in files another change of issue 20 rewrites; each goes (or is wired)
 # in that change, and its entry here with it.
-dataloader_kwargs  # pita/training/loop.py: uncalled; README promises num_workers=-1 (wire it)
 step_time_s  # pita/training/loop.py: StepResult.step_time_s, never read; StepResult only by tests
 _.from_text  # pita/datasets/star_graph.py: StarGraph.from_text, tests only (rendering rework?)
 _.to_text  # pita/datasets/star_graph.py: StarGraph.to_text, tests only
