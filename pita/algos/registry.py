@@ -17,6 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pita.core.paths import Artifact
+from pita.core.schema import (
+    GRPOConfig,
+    GRPOHFConfig,
+    PreferenceConfig,
+    ReferenceConfig,
+    ValueGuidedConfig,
+    ValueGuidedHFConfig,
+)
 
 # The wildcard algorithm name: stage_overrides.any.<stage>, and shared tasks (pretrain).
 ANY = "any"
@@ -29,6 +37,7 @@ class Algorithm:
     functions: Mapping[str, str] = field(default_factory=dict)  # stage -> "module:function"
     guided: bool = False  # evaluated as π_ref guided by the round's value model, at every η
     single_round: bool = False  # planned once, whatever rounds_of_training says (reference)
+    schema: type = ReferenceConfig  # its `algos.<NAME>` keys (pita/core/schema.py)
 
 
 # Stages every chain shares unless an algorithm names its own function.
@@ -47,19 +56,21 @@ _REWARD_MODEL = "pita.algos.reward_model:train_reward_model"
 ALGORITHMS: dict[str, Algorithm] = {
     a.name: a
     for a in (
-        Algorithm("reference", ("evaluate",), single_round=True),
+        Algorithm("reference", ("evaluate",), single_round=True, schema=ReferenceConfig),
         # value-guided decoding (pita/algos/qsharp.py, pita_algo.py, qsharp_hf.py)
         Algorithm(
             "PITA",
             _VALUE_ROUND,
             {"collect": "pita.algos.pita_algo:collect", "train": "pita.algos.pita_algo:train"},
             guided=True,
+            schema=ValueGuidedConfig,
         ),
         Algorithm(
             "QSharp",
             _VALUE_ROUND,
             {"collect": "pita.algos.qsharp:collect", "train": "pita.algos.qsharp:train"},
             guided=True,
+            schema=ValueGuidedConfig,
         ),
         Algorithm(
             "QSharp-HF",
@@ -70,6 +81,7 @@ ALGORITHMS: dict[str, Algorithm] = {
                 "train": "pita.algos.qsharp_hf:train",
             },
             guided=True,
+            schema=ValueGuidedHFConfig,
         ),
         # policy-optimisation baselines with TRL (pita/algos/dpo.py, grpo.py)
         # DPO is plain DPO (`sft_weight: 0`, as the papers ran it); RPO is the same trainer with
@@ -79,13 +91,17 @@ ALGORITHMS: dict[str, Algorithm] = {
             "DPO",
             _VALUE_ROUND,
             {"collect": "pita.algos.dpo:collect", "train": "pita.algos.dpo:train"},
+            schema=PreferenceConfig,
         ),
         Algorithm(
             "RPO",
             _VALUE_ROUND,
             {"collect": "pita.algos.dpo:collect", "train": "pita.algos.dpo:train"},
+            schema=PreferenceConfig,
         ),
-        Algorithm("GRPO", ("train", "evaluate"), {"train": "pita.algos.grpo:train"}),
+        Algorithm(
+            "GRPO", ("train", "evaluate"), {"train": "pita.algos.grpo:train"}, schema=GRPOConfig
+        ),
         Algorithm(
             "GRPO-HF",
             _HF_ROUND,
@@ -94,6 +110,7 @@ ALGORITHMS: dict[str, Algorithm] = {
                 "reward_model": _REWARD_MODEL,
                 "train": "pita.algos.grpo:train_hf",
             },
+            schema=GRPOHFConfig,
         ),
     )
 }

@@ -29,6 +29,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -78,14 +79,14 @@ def format_compose_error(exc: BaseException, overrides: list[str]) -> str:
     if odd is not None and ("LexerNoViableAlt" in text or "token recognition error" in text):
         key, _, value = odd.partition("=")
         if not key.isascii():
-            return f"{key}: keys are ASCII names (see conf/ and pita/experiment/config.py)"
+            return f"{key}: keys are ASCII names (see conf/ and pita/core/schema.py)"
         return (
             f"{odd}: not a valid override: a value with non-ASCII characters must be quoted, e.g. "
             f"'{key}=\"{value}\"'"
         )
     m = re.search(r"Could not override '([^']+)'", text)
     if m:
-        return f"{m.group(1)}: unknown key (not in pita's config schema, see conf/ and pita/experiment/config.py)"
+        return f"{m.group(1)}: unknown key (not in pita's config schema, see conf/ and pita/core/schema.py)"
     m = re.search(r"Could not find '(hydra/launcher)/([^']+)'", text)
     if m:
         have = sorted(p.stem for p in (CONF_DIR / "hydra" / "launcher").glob("*.yaml"))
@@ -308,7 +309,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.help:
         try:
             name = Path(sys.argv[0]).name if sys.argv else "pita"
-            print(help_text("-m pita" if name == "__main__.py" else name))
+            prog = "-m pita" if name == "__main__.py" else name
+            print(help_text(prog, _composed_for_help(list(args.overrides), args)))
         except BrokenPipeError:  # `--help | head`
             pass
         sys.exit(0)
@@ -372,6 +374,18 @@ def main(argv: list[str] | None = None) -> None:
         *overrides,
     ]  # Hydra parses sys.argv
     _hydra_main()
+
+
+def _composed_for_help(overrides: list[str], args: Any) -> dict | None:
+    """The config the command line would run (for `--help`'s defaults), or None."""
+    from pita.experiment.config import ALGO_NAMES
+
+    try:
+        cfg = compose_config(expand_algos(overrides, ALGO_NAMES), args.config_name, args.config_dir)
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # noqa: BLE001 - a bad command line still gets its --help
+        return None
+    return resolved if isinstance(resolved, dict) else None
 
 
 def _same_run_overrides(run_dir: str, overrides: list[str], args) -> list[str]:

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from pita.core.schema import GPU_MODES, PRECISION_TYPES  # noqa: F401 (owned by the schema)
+
 if TYPE_CHECKING:  # the worker-side context; imported only for type hints
     from pita.runtime.context import StageContext
 
-PRECISION_TYPES = ("auto", "fp16", "bf16", "fp32")
-GPU_MODES = ("auto", "cpu", "single_gpu", "multi_gpu")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
