@@ -225,9 +225,9 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
         raise ConfigError(
             f"resume_from={resume_dir!r}: saved config unreadable ({_first_line(exc)})"
         ) from None
-    from pita.experiment.config import PitaConfig
+    from pita.experiment.config import PitaConfig, drop_retired_algo_keys
 
-    cfg = OmegaConf.merge(OmegaConf.structured(PitaConfig), saved)
+    cfg = OmegaConf.merge(OmegaConf.structured(PitaConfig), drop_retired_algo_keys(saved))
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
         if not key.startswith(RESUME_SAFE_PREFIXES):
@@ -392,7 +392,9 @@ def _same_run_overrides(run_dir: str, overrides: list[str], args) -> list[str]:
     """The run-safe part of `overrides`, after checking that the whole command line composes
     to the config `run_dir` was started with (else a ConfigError naming the differences)."""
     composed = compose_config(overrides, args.config_name, args.config_dir)
-    saved = OmegaConf.load(RunPaths(run_dir).saved_config)
+    from pita.experiment.config import drop_retired_algo_keys
+
+    saved = drop_retired_algo_keys(OmegaConf.load(RunPaths(run_dir).saved_config))
     diff = config_differences(
         saved, composed, RESUME_SAFE_PREFIXES + ("system.use_parallel_execution",)
     )

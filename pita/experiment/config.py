@@ -18,6 +18,7 @@ algos.<NAME>.enabled|batch_size|num_workers, rounds_of_training, resume_from).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -204,6 +205,21 @@ def logger_errors(cfg: DictConfig) -> list[str]:
     if need:
         return [f"logger={lg.backend}: the {lg.backend} package is not installed; {need}"]
     return []
+
+
+def drop_retired_algo_keys(saved: DictConfig) -> DictConfig:
+    """A run folder saved before each algorithm had its own schema carries every algorithm's
+    keys under each `algos.<NAME>`; keep the ones its schema has (no stage read the others),
+    so that run still resumes."""
+    from omegaconf import open_dict
+
+    with open_dict(saved):
+        for name, algo in (saved.get("algos") or {}).items():
+            if name in ALGORITHMS and isinstance(algo, DictConfig):
+                keys = {f.name for f in dataclasses.fields(ALGORITHMS[name].schema)}
+                for key in [k for k in algo if k not in keys]:
+                    del algo[key]
+    return saved
 
 
 def resume_path_errors(path: str, project_root: Path | None = None) -> list[str]:
