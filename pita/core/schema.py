@@ -21,11 +21,13 @@ This module is torch-free and imports nothing of pita: it sits below every reade
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field
-from typing import Any
+from typing import Any, Dict, List, Optional
 
 # --- choice lists (each owned here; the modules that act on them import them) ---------------
 
@@ -138,7 +140,7 @@ def spec(help: str, default: Any = MISSING, **rule: Any) -> Any:
     if rule:
         meta["rule"] = Rule(**rule)
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+        return field(default_factory=functools.partial(copy.copy, default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -166,10 +168,10 @@ class ExperimentConfig:
         pattern=FOLDER_NAME,
         allowed="letters, digits, '.', '_' and '-' only, no '..' (it names a folder inside outputs/)",
     )
-    datasets: list[str] = spec(
+    datasets: List[str] = spec(
         "Dataset group names for a multi-dataset experiment; empty = [dataset.name].", []
     )
-    families: list[str] = spec("Model family group names; empty = [model.name].", [])
+    families: List[str] = spec("Model family group names; empty = [model.name].", [])
     seed: int = spec("Seed of everything random in the run.", 0, ge=0)
 
 
@@ -243,11 +245,13 @@ class ExecutorConfig:
     preimport: bool = spec(
         "Workers import torch as soon as they start, overlapping planning.", True
     )
-    stage_overrides: dict[str, dict[str, str]] = spec(
+    stage_overrides: Dict[str, Dict[str, str]] = spec(
         "Replace stage functions: +executor.stage_overrides.QSharp.train=mypkg.mod:fn (algo 'any' = all).",
         {},
     )
-    ray_address: str | None = spec("Ray cluster address for backend=ray (None = local Ray).", None)
+    ray_address: Optional[str] = spec(
+        "Ray cluster address for backend=ray (None = local Ray).", None
+    )
 
 
 @dataclass
@@ -308,7 +312,7 @@ class LoggerConfig:
     mode: str = spec(
         "W&B mode: offline syncs later with `wandb sync`.", "offline", choices=WANDB_MODES
     )
-    tracking_uri: str | None = spec(
+    tracking_uri: Optional[str] = spec(
         "MLflow tracking URI (None = a file store in <run>/logs/mlruns).", None
     )
 
@@ -345,7 +349,7 @@ class DataCollectionConfig:
 class EvaluationConfig:
     batch_size: BatchSize = spec("Prompts per evaluation batch, or auto.", 512, batch=True)
     num_samples: int = spec("Samples per test prompt (k of maj@k).", 4, ge=1)
-    etas: list[float] = spec(
+    etas: List[float] = spec(
         "Guidance strengths η evaluated for guided algorithms (η=0 is π_ref).",
         [0.0, 2.0, 5.0, 10.0],
         items=True,
@@ -370,28 +374,30 @@ class DatasetConfig:
     its validator (pita/datasets)."""
 
     name: str = spec("goal_walk | star_graph | gsm8k | math500 | aime | imdb | tldr", "goal_walk")
-    seed: int | None = spec("Seed of the task's data.", None, ge=0)
-    num_nodes: int | None = spec("Graph nodes N (goal_walk, star_graph).", None, ge=1)
-    out_degree: int | None = spec("Out-degree d of every node (goal_walk).", None, ge=1)
-    walk_length: int | None = spec("Walk length L (goal_walk).", None, ge=1)
-    degree: int | None = spec("Arms d of the star (star_graph).", None, ge=1)
-    path_length: int | None = spec("Nodes per arm l (star_graph).", None, ge=1)
-    train_size: int | None = spec("Training examples.", None, ge=1)
-    test_size: int | None = spec("Test examples.", None, ge=1)
-    path: str | None = spec("Local .jsonl file instead of the hub (hub tasks).", None)
-    hub_id: str | None = spec("Override the hub dataset id.", None)
-    split: str | None = spec("Hub split for evaluation.", None)
-    max_prompt_tokens: int | None = spec(
+    seed: Optional[int] = spec("Seed of the task's data.", None, ge=0)
+    num_nodes: Optional[int] = spec("Graph nodes N (goal_walk, star_graph).", None, ge=1)
+    out_degree: Optional[int] = spec("Out-degree d of every node (goal_walk).", None, ge=1)
+    walk_length: Optional[int] = spec("Walk length L (goal_walk).", None, ge=1)
+    degree: Optional[int] = spec("Arms d of the star (star_graph).", None, ge=1)
+    path_length: Optional[int] = spec("Nodes per arm l (star_graph).", None, ge=1)
+    train_size: Optional[int] = spec("Training examples.", None, ge=1)
+    test_size: Optional[int] = spec("Test examples.", None, ge=1)
+    path: Optional[str] = spec("Local .jsonl file instead of the hub (hub tasks).", None)
+    hub_id: Optional[str] = spec("Override the hub dataset id.", None)
+    split: Optional[str] = spec("Hub split for evaluation.", None)
+    max_prompt_tokens: Optional[int] = spec(
         "Truncate prompts to this many tokens (hub tasks).", None, ge=1
     )
-    max_new_tokens: int | None = spec("Response budget (hub tasks).", None, ge=1)
-    train_path: str | None = spec("Local .jsonl of training prompts (hub tasks).", None)
-    train_split: str | None = spec("Hub split of training prompts.", None)
-    hub_config: str | None = spec("Hub dataset config name (e.g. main for gsm8k).", None)
-    cache_dir: str | None = spec("datasets cache folder.", None)
-    prompt_template: str | None = spec("Python format string with {question}.", None)
-    use_chat_template: bool | None = spec("Wrap prompts with the tokenizer's chat template.", None)
-    prompt_words: int | None = spec("Truncate prompt text to this many words.", None, ge=1)
+    max_new_tokens: Optional[int] = spec("Response budget (hub tasks).", None, ge=1)
+    train_path: Optional[str] = spec("Local .jsonl of training prompts (hub tasks).", None)
+    train_split: Optional[str] = spec("Hub split of training prompts.", None)
+    hub_config: Optional[str] = spec("Hub dataset config name (e.g. main for gsm8k).", None)
+    cache_dir: Optional[str] = spec("datasets cache folder.", None)
+    prompt_template: Optional[str] = spec("Python format string with {question}.", None)
+    use_chat_template: Optional[bool] = spec(
+        "Wrap prompts with the tokenizer's chat template.", None
+    )
+    prompt_words: Optional[int] = spec("Truncate prompt text to this many words.", None, ge=1)
 
 
 @dataclass
@@ -406,11 +412,11 @@ class ModelConfig:
     """A model family: reference policy + guide/value backbone (+ reward model)."""
 
     name: str = spec("Family alias (see pita/models/catalog.py); tiny = built in the run.", "tiny")
-    reference: str | None = spec("Hub id/path of the reference policy (None = catalog).", None)
-    guide: str | None = spec("Hub id/path of the guide/value backbone (None = catalog).", None)
-    reward: str | None = spec("Hub id/path of the reward model (None = catalog).", None)
+    reference: Optional[str] = spec("Hub id/path of the reference policy (None = catalog).", None)
+    guide: Optional[str] = spec("Hub id/path of the guide/value backbone (None = catalog).", None)
+    reward: Optional[str] = spec("Hub id/path of the reward model (None = catalog).", None)
     dtype: str = spec("Weights' dtype.", "auto", choices=MODEL_DTYPES)
-    device_map: str | None = spec(
+    device_map: Optional[str] = spec(
         "auto shards the models over the task's gang.", None, choices=DEVICE_MAPS
     )
     trust_remote_code: bool = spec("Allow model repos to run their own code.", False)
@@ -505,7 +511,7 @@ class ValueGuidedConfig(CollectingConfig):
         "q",
         choices=VALUE_HEADS,
     )
-    weight_decay: float | None = spec(
+    weight_decay: Optional[float] = spec(
         "AdamW weight decay of value training.",
         None,
         ge=0,
@@ -592,7 +598,7 @@ class PitaConfig:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     # algos.<NAME>: each row's own schema (pita/algos/registry.py), from conf/algo/*.yaml
-    algos: dict[str, Any] = field(default_factory=dict)
+    algos: Dict[str, Any] = field(default_factory=dict)
     rounds_of_training: int = spec(
         "Rounds per chain (round r collects with round r-1's guide).", 1, ge=1
     )
@@ -604,14 +610,14 @@ class PitaConfig:
         allowed="a fraction in (0, 1]; lower is safer",
     )
     dry_run: bool = spec("Print the plan and exit without starting a worker.", False)
-    resume_from: str | None = spec("Run folder to resume (its saved config is reused).", None)
+    resume_from: Optional[str] = spec("Run folder to resume (its saved config is reused).", None)
 
 
 # --- the walker -----------------------------------------------------------------------------
 
 
 def schema_errors(
-    node: Mapping[str, Any], schema: type, prefix: str = "", *, values: bool = True
+    node: Mapping[Any, Any], schema: type, prefix: str = "", *, values: bool = True
 ) -> list[str]:
     """One line per key of `node` (a resolved config, plain dicts and lists) that `schema`
     does not have, and, with `values`, per value its field's rule rejects. Dict-typed

@@ -60,7 +60,7 @@ RESUME_SAFE_PREFIXES = (
 )
 
 
-def _first_line(text: str) -> str:
+def _first_line(text: object) -> str:
     lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
     return lines[0] if lines else ""
 
@@ -73,8 +73,9 @@ def format_compose_error(exc: BaseException, overrides: list[str]) -> str:
         return yaml_error
     m = re.search(r"In '([^']+)': \w+ raised while composing config", text)
     cause = exc.__cause__ or exc.__context__
-    if m and getattr(cause, "full_key", None):  # a bad key or value inside a config file
-        return f"conf/{m.group(1)}.yaml: {cause.full_key}: {_first_line(cause)}"
+    full_key = getattr(cause, "full_key", None)
+    if m and full_key:  # a bad key or value inside a config file
+        return f"conf/{m.group(1)}.yaml: {full_key}: {_first_line(cause)}"
     odd = next((o for o in overrides if not o.isascii()), None)
     if odd is not None and ("LexerNoViableAlt" in text or "token recognition error" in text):
         key, _, value = odd.partition("=")
@@ -110,13 +111,13 @@ def format_compose_error(exc: BaseException, overrides: list[str]) -> str:
             f"commas, e.g. 'system.devices=\"fake:[80GB,40GB]\"')"
         )
     cause = exc.__cause__
-    key = getattr(cause, "full_key", None) if cause else None
-    if key:
-        return f"{key}: {_first_line(cause)}"
+    full_key = getattr(cause, "full_key", None) if cause else None
+    if full_key:
+        return f"{full_key}: {_first_line(cause)}"
     return _first_line(text) or type(exc).__name__
 
 
-def _yaml_error(exc: BaseException) -> str | None:
+def _yaml_error(exc: BaseException | None) -> str | None:
     """`conf/experiment/x.yaml:3:9: expected ',' or ']', but got ':'` for a YAML syntax
     error anywhere in the cause chain (Hydra's own message names neither file nor line)."""
     import yaml
@@ -128,7 +129,7 @@ def _yaml_error(exc: BaseException) -> str | None:
             mark = exc.problem_mark or exc.context_mark
             where = "YAML"
             if mark is not None:
-                name = Path(mark.name)
+                name = Path(str(mark.name))
                 try:
                     name = name.relative_to(CONF_DIR.parent)
                 except ValueError:
@@ -227,7 +228,9 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
         ) from None
     from pita.experiment.config import PitaConfig, drop_retired_algo_keys
 
+    assert isinstance(saved, DictConfig)  # a run's saved config is a mapping
     cfg = OmegaConf.merge(OmegaConf.structured(PitaConfig), drop_retired_algo_keys(saved))
+    assert isinstance(cfg, DictConfig)
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
         if not key.startswith(RESUME_SAFE_PREFIXES):
@@ -242,6 +245,7 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
             cfg = OmegaConf.merge(cfg, value)
         except Exception as exc:
             raise ConfigError(f"{o}: {_first_line(exc)}") from None
+    assert isinstance(cfg, DictConfig)
     cfg.resume_from = str(run_dir)
     return cfg, run_dir
 
@@ -394,7 +398,9 @@ def _same_run_overrides(run_dir: str, overrides: list[str], args) -> list[str]:
     composed = compose_config(overrides, args.config_name, args.config_dir)
     from pita.experiment.config import drop_retired_algo_keys
 
-    saved = drop_retired_algo_keys(OmegaConf.load(RunPaths(run_dir).saved_config))
+    loaded = OmegaConf.load(RunPaths(run_dir).saved_config)
+    assert isinstance(loaded, DictConfig)  # a run's saved config is a mapping
+    saved = drop_retired_algo_keys(loaded)
     diff = config_differences(
         saved, composed, RESUME_SAFE_PREFIXES + ("system.use_parallel_execution",)
     )

@@ -51,7 +51,7 @@ from pita.core.schema import (  # noqa: F401 (the dataclasses' old home re-expor
 )
 
 
-def dataset_keys(dataset_cfg: Any) -> dict:
+def dataset_keys(dataset_cfg: Any) -> dict[str, Any]:
     """The keys a dataset config actually sets (None = not this task's key)."""
     if isinstance(dataset_cfg, DictConfig):
         dataset_cfg = OmegaConf.to_container(dataset_cfg, resolve=True)
