@@ -381,15 +381,20 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _composed_for_help(overrides: list[str], args: Any) -> dict | None:
-    """The config the command line would run (for `--help`'s defaults), or None."""
+    """The config the command line would run (for `--help`'s defaults; without the
+    overrides when they do not compose), or None."""
     from pita.experiment.config import ALGO_NAMES
 
-    try:
-        cfg = compose_config(expand_algos(overrides, ALGO_NAMES), args.config_name, args.config_dir)
-        resolved = OmegaConf.to_container(cfg, resolve=True)
-    except Exception:  # noqa: BLE001 - a bad command line still gets its --help
-        return None
-    return resolved if isinstance(resolved, dict) else None
+    for attempt in (overrides, []):
+        try:
+            cfg = compose_config(
+                expand_algos(attempt, ALGO_NAMES), args.config_name, args.config_dir
+            )
+            resolved = OmegaConf.to_container(cfg, resolve=True)
+        except Exception:  # noqa: BLE001 - a bad command line still gets its --help
+            continue
+        return resolved if isinstance(resolved, dict) else None
+    return None
 
 
 def _same_run_overrides(run_dir: str, overrides: list[str], args) -> list[str]:

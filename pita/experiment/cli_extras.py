@@ -107,8 +107,9 @@ def _algo_rows(composed: dict | None) -> list[tuple[str, str, str]]:
     for schema, names in families.items():
         doc = (schema.__doc__ or "").strip().splitlines()[0]
         rows.append((f"algos.<{'|'.join(names)}>", "", doc))
+        schema_defaults = dataclasses.asdict(schema())  # when nothing composed
         for key, f in leaf_fields(schema):
-            values = [_default(_value(algos.get(n), key)) for n in names if n in algos]
+            values = [_default(_value(algos.get(n) or schema_defaults, key)) for n in names]
             shown = values[0] if len(set(values)) == 1 else "/".join(values)
             rows.append((f"  .{key}", shown, _hint(f)))
     return rows
