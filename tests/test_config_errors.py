@@ -83,6 +83,12 @@ BAD = [
         "resume_from='/definitely/not/here': no such run folder",
     ),
     (["+executor.stage_overrides.any.train=nocolon"], "executor.stage_overrides.any.train="),
+    # issue 20: the schema declares each key's range and each algorithm's keys
+    (["+training.lr=0.1"], "training.lr: unknown key"),
+    (["+algos.GRPO.betta=0.1"], "algos.GRPO.betta: unknown key"),
+    (["algos.DPO.num_atoms=5"], "algos.DPO.num_atoms: unknown key"),
+    (["training.weight_decay=-1"], "training.weight_decay=-1.0: must be >= 0"),
+    (["algos.QSharp.guidance.mode=greedy"], "expectation | expectation_clamped"),
 ]
 
 

@@ -49,9 +49,9 @@ from typing import Any
 
 import torch
 
+from pita.core.schema import GUIDANCE_MODES as MODES
 from pita.models.value_model import ValueModel
 
-MODES = ("bernoulli", "mle", "expectation", "expectation_clamped")
 P_CLAMP = 1e-6
 ODDS_CLAMP = (1e-2, 1 - 1e-2)  # the official star-graph PITA's clamp of p / (1 − p)
 

@@ -21,6 +21,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pita.core.paths import Artifact
+from pita.core.schema import (
+    GRPOConfig,
+    GRPOHFConfig,
+    PreferenceConfig,
+    ReferenceConfig,
+    ValueGuidedConfig,
+    ValueGuidedHFConfig,
+)
 
 # The wildcard algorithm name: stage_overrides.any.<stage>, and shared tasks (pretrain).
 ANY = "any"
@@ -67,6 +75,7 @@ class Algorithm:
     # its tasks counts. A stage without an entry gets no size-based estimate.
     models: Mapping[str, tuple[Held, ...]] = field(default_factory=dict)
     is_reference: bool = False  # evaluates π_ref itself, once per sampling rule (no training)
+    schema: type = ReferenceConfig  # its `algos.<NAME>` keys (pita/core/schema.py)
 
 
 # Stages every chain shares unless an algorithm names its own function.
@@ -123,6 +132,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             single_round=True,
             models={"evaluate": (Held("reference", "generate"),)},
             is_reference=True,
+            schema=ReferenceConfig,
         ),
         # value-guided decoding (pita/algos/qsharp.py, pita_algo.py, qsharp_hf.py)
         Algorithm(
@@ -132,6 +142,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             guided=True,
             outputs=_VALUE_OUTPUTS,
             models=_VALUE_MODELS,
+            schema=ValueGuidedConfig,
         ),
         Algorithm(
             "QSharp",
@@ -140,6 +151,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             guided=True,
             outputs=_VALUE_OUTPUTS,
             models=_VALUE_MODELS,
+            schema=ValueGuidedConfig,
         ),
         Algorithm(
             "QSharp-HF",
@@ -159,6 +171,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             # head, one sequence per example); GRPO-HF's row counts the same reward model
             # with the vocabulary and pairs. Kept apart so that no plan changes.
             models={**_VALUE_MODELS, "reward_model": (Held("reward", "train", atoms_head=True),)},
+            schema=ValueGuidedHFConfig,
         ),
         # policy-optimisation baselines with TRL (pita/algos/dpo.py, grpo.py)
         # DPO is plain DPO (`sft_weight: 0`, as the papers ran it); RPO is the same trainer with
@@ -170,6 +183,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             {"collect": "pita.algos.dpo:collect", "train": "pita.algos.dpo:train"},
             outputs=_POLICY_OUTPUTS,
             models=_POLICY_MODELS,
+            schema=PreferenceConfig,
         ),
         Algorithm(
             "RPO",
@@ -177,6 +191,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             {"collect": "pita.algos.dpo:collect", "train": "pita.algos.dpo:train"},
             outputs=_POLICY_OUTPUTS,
             models=_POLICY_MODELS,
+            schema=PreferenceConfig,
         ),
         Algorithm(
             "GRPO",
@@ -184,6 +199,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             {"train": "pita.algos.grpo:train"},
             outputs={"train": (Artifact.MODEL,)},
             models={"train": _GRPO_TRAIN, "evaluate": _POLICY_MODELS["evaluate"]},
+            schema=GRPOConfig,
         ),
         Algorithm(
             "GRPO-HF",
@@ -200,6 +216,7 @@ ALGORITHMS: dict[str, Algorithm] = {
                 # GRPO's, plus the proxy reward model scoring the groups
                 "train": (*_GRPO_TRAIN, Held("reward", "forward", sequences=2)),
             },
+            schema=GRPOHFConfig,
         ),
     )
 }

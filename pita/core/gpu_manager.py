@@ -227,7 +227,7 @@ class GPUManager:
             if missing:
                 raise ConfigError(
                     f"system.devices={spec}: no GPU with index {missing}; this machine has "
-                    f"indices {sorted(by_index)}"
+                    f"indices {sorted(i for i in by_index if i is not None)}"
                 )
             chosen = [by_index[i] for i in spec]
             for pos, d in enumerate(chosen):

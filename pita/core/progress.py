@@ -32,7 +32,7 @@ class Progress:
         self.running: dict[str, list[int]] = {}
         self.done_per_device = [0] * len(device_labels)
         self.live_enabled = sys.stdout.isatty() if live is None else live
-        self._live = None
+        self._live: Any = None  # rich.live.Live while the display runs
         self._handlers: list[tuple[logging.StreamHandler, Any]] = []
         self.t0 = time.time()
         self.worker_info = worker_info  # the executor's workers(): {"task", "progress", ...} each

@@ -83,7 +83,7 @@ class RayExecutor:
                     "on this machine"
                 ) from None
         self.ray = ray
-        self._remote = ray.remote(max_retries=0)(run_task) if run_task is not None else None
+        self._remote: Any = ray.remote(max_retries=0)(run_task) if run_task is not None else None
 
     def slots(self) -> tuple[str, int]:
         res = self.ray.cluster_resources()

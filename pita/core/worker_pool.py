@@ -33,7 +33,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import (
@@ -73,7 +73,7 @@ class WorkerHandle:
         self.devices = devices
         self.proc = proc
         self.pid = proc.pid
-        self.conn = None
+        self.conn: Connection | None = None
         self.state = (
             "starting"  # starting | idle | busy | stopping | dead (never reused once stopping)
         )
@@ -174,7 +174,7 @@ class WorkerPool:
     def submit(
         self,
         task: TaskSpec,
-        devices: list[int] | tuple[int, ...],
+        devices: Sequence[int],
         cfg_dict: dict,
         run_dir: str | Path,
         attempt: int = 1,
@@ -195,7 +195,7 @@ class WorkerPool:
             # a starting worker gets its job when it says hello
         return future
 
-    def warm_up(self, device_sets: list[tuple[int, ...]]) -> None:
+    def warm_up(self, device_sets: Sequence[tuple[int, ...]]) -> None:
         """Start workers ahead of time so their slow imports overlap other work."""
         with self._lock:
             for devices in device_sets:
@@ -263,7 +263,7 @@ class WorkerPool:
         """Closing a listening socket does not wake a thread blocked in accept() on Linux:
         shut the socket down, which does, then close it (no port left in LISTEN)."""
         try:
-            self._listener._listener._socket.shutdown(socket.SHUT_RDWR)
+            self._listener._listener._socket.shutdown(socket.SHUT_RDWR)  # type: ignore[attr-defined]
         except (AttributeError, OSError):
             pass
         try:
@@ -322,6 +322,7 @@ class WorkerPool:
         )
         if out is not None:
             out.close()  # the child holds its own descriptor
+        assert proc.stdin is not None  # stdin=PIPE
         proc.stdin.write((self._authkey.hex() + "\n").encode())
         proc.stdin.close()
         handle = WorkerHandle(worker_id, devices, proc)
@@ -388,6 +389,7 @@ class WorkerPool:
             pass
 
     def _send_job(self, w: WorkerHandle) -> None:
+        assert w.conn is not None and w.job is not None  # a connected worker given a job
         try:
             w.conn.send(w.job.message)
             w.state = "busy"
@@ -429,7 +431,7 @@ class WorkerPool:
         errors = 0
         while not self._closed:
             try:
-                conn = self._listener._listener.accept()  # raw: authentication happens below
+                conn = self._listener._listener.accept()  # type: ignore[attr-defined]  # raw: authenticated below
             except (OSError, EOFError):
                 if self._closed:
                     return
@@ -491,7 +493,9 @@ class WorkerPool:
                     if w.conn is not None and w.state != "dead"
                 }
             try:
-                ready = wait(list(conns), timeout=0.1) if conns else (time.sleep(0.05) or [])
+                ready: list[Any] = wait(list(conns), timeout=0.1) if conns else []
+                if not conns:
+                    time.sleep(0.05)
                 with self._lock:
                     for conn in ready:
                         self._drain(conns[conn])

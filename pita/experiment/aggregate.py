@@ -232,7 +232,7 @@ def plot_frontier(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -
             ),
         )
     ):
-        members.sort(key=lambda r: get(r, "kl")[0])
+        members.sort(key=lambda r: get(r, "kl")[0] or 0.0)
         color = f"C{(ALGO_ORDER.index(algo) if algo in ALGO_ORDER else i) % 10}"
         label = f"{algo} {family} r{int(rnd)}" + (f" [{config}]" if config else "")
         for ax, metric in zip(axes, ("avg_reward", "pass@1")):
@@ -283,10 +283,11 @@ def aggregate(
 
     paths = [Path(p) for p in paths]
     run_dirs = find_run_dirs(paths)
+    first = Path(paths[0])
     if not run_dirs:
         log.info("aggregate: no results/summary.csv at or below %s", ", ".join(map(str, paths)))
         return []
-    out = Path(out_dir) if out_dir is not None else paths[0]
+    out = Path(out_dir) if out_dir is not None else first
     rows = aggregate_rows([r for d in run_dirs for r in read_rows(d)])
     atomic_write_text(out / "aggregate.csv", to_csv(rows))
     table = to_markdown(rows)
@@ -309,7 +310,7 @@ def aggregate(
 try:  # Hydra is always installed with pita; the import is guarded for plain-python use only
     from hydra.experimental.callback import Callback as _HydraCallback
 except ImportError:  # pragma: no cover
-    _HydraCallback = object
+    _HydraCallback = object  # type: ignore[misc,assignment]
 
 
 LAST_SWEEP: dict[str, Any] = {}  # the launching process's view of its last sweep

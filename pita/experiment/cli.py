@@ -29,6 +29,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -59,7 +60,7 @@ RESUME_SAFE_PREFIXES = (
 )
 
 
-def _first_line(text: str) -> str:
+def _first_line(text: object) -> str:
     lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
     return lines[0] if lines else ""
 
@@ -72,20 +73,21 @@ def format_compose_error(exc: BaseException, overrides: list[str]) -> str:
         return yaml_error
     m = re.search(r"In '([^']+)': \w+ raised while composing config", text)
     cause = exc.__cause__ or exc.__context__
-    if m and getattr(cause, "full_key", None):  # a bad key or value inside a config file
-        return f"conf/{m.group(1)}.yaml: {cause.full_key}: {_first_line(cause)}"
+    full_key = getattr(cause, "full_key", None)
+    if m and full_key:  # a bad key or value inside a config file
+        return f"conf/{m.group(1)}.yaml: {full_key}: {_first_line(cause)}"
     odd = next((o for o in overrides if not o.isascii()), None)
     if odd is not None and ("LexerNoViableAlt" in text or "token recognition error" in text):
         key, _, value = odd.partition("=")
         if not key.isascii():
-            return f"{key}: keys are ASCII names (see conf/ and pita/experiment/config.py)"
+            return f"{key}: keys are ASCII names (see conf/ and pita/core/schema.py)"
         return (
             f"{odd}: not a valid override: a value with non-ASCII characters must be quoted, e.g. "
             f"'{key}=\"{value}\"'"
         )
     m = re.search(r"Could not override '([^']+)'", text)
     if m:
-        return f"{m.group(1)}: unknown key (not in pita's config schema, see conf/ and pita/experiment/config.py)"
+        return f"{m.group(1)}: unknown key (not in pita's config schema, see conf/ and pita/core/schema.py)"
     m = re.search(r"Could not find '(hydra/launcher)/([^']+)'", text)
     if m:
         have = sorted(p.stem for p in (CONF_DIR / "hydra" / "launcher").glob("*.yaml"))
@@ -109,13 +111,13 @@ def format_compose_error(exc: BaseException, overrides: list[str]) -> str:
             f"commas, e.g. 'system.devices=\"fake:[80GB,40GB]\"')"
         )
     cause = exc.__cause__
-    key = getattr(cause, "full_key", None) if cause else None
-    if key:
-        return f"{key}: {_first_line(cause)}"
+    full_key = getattr(cause, "full_key", None) if cause else None
+    if full_key:
+        return f"{full_key}: {_first_line(cause)}"
     return _first_line(text) or type(exc).__name__
 
 
-def _yaml_error(exc: BaseException) -> str | None:
+def _yaml_error(exc: BaseException | None) -> str | None:
     """`conf/experiment/x.yaml:3:9: expected ',' or ']', but got ':'` for a YAML syntax
     error anywhere in the cause chain (Hydra's own message names neither file nor line)."""
     import yaml
@@ -127,7 +129,7 @@ def _yaml_error(exc: BaseException) -> str | None:
             mark = exc.problem_mark or exc.context_mark
             where = "YAML"
             if mark is not None:
-                name = Path(mark.name)
+                name = Path(str(mark.name))
                 try:
                     name = name.relative_to(CONF_DIR.parent)
                 except ValueError:
@@ -224,9 +226,11 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
         raise ConfigError(
             f"resume_from={resume_dir!r}: saved config unreadable ({_first_line(exc)})"
         ) from None
-    from pita.experiment.config import PitaConfig
+    from pita.experiment.config import PitaConfig, drop_retired_algo_keys
 
-    cfg = OmegaConf.merge(OmegaConf.structured(PitaConfig), saved)
+    assert isinstance(saved, DictConfig)  # a run's saved config is a mapping
+    cfg = OmegaConf.merge(OmegaConf.structured(PitaConfig), drop_retired_algo_keys(saved))
+    assert isinstance(cfg, DictConfig)
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
         if not key.startswith(RESUME_SAFE_PREFIXES):
@@ -241,6 +245,7 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
             cfg = OmegaConf.merge(cfg, value)
         except Exception as exc:
             raise ConfigError(f"{o}: {_first_line(exc)}") from None
+    assert isinstance(cfg, DictConfig)
     cfg.resume_from = str(run_dir)
     return cfg, run_dir
 
@@ -308,7 +313,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.help:
         try:
             name = Path(sys.argv[0]).name if sys.argv else "pita"
-            print(help_text("-m pita" if name == "__main__.py" else name))
+            prog = "-m pita" if name == "__main__.py" else name
+            print(help_text(prog, _composed_for_help(list(args.overrides), args)))
         except BrokenPipeError:  # `--help | head`
             pass
         sys.exit(0)
@@ -374,11 +380,32 @@ def main(argv: list[str] | None = None) -> None:
     _hydra_main()
 
 
+def _composed_for_help(overrides: list[str], args: Any) -> dict | None:
+    """The config the command line would run (for `--help`'s defaults; without the
+    overrides when they do not compose), or None."""
+    from pita.experiment.config import ALGO_NAMES
+
+    for attempt in (overrides, []):
+        try:
+            cfg = compose_config(
+                expand_algos(attempt, ALGO_NAMES), args.config_name, args.config_dir
+            )
+            resolved = OmegaConf.to_container(cfg, resolve=True)
+        except Exception:  # noqa: BLE001 - a bad command line still gets its --help
+            continue
+        return resolved if isinstance(resolved, dict) else None
+    return None
+
+
 def _same_run_overrides(run_dir: str, overrides: list[str], args) -> list[str]:
     """The run-safe part of `overrides`, after checking that the whole command line composes
     to the config `run_dir` was started with (else a ConfigError naming the differences)."""
     composed = compose_config(overrides, args.config_name, args.config_dir)
-    saved = OmegaConf.load(RunPaths(run_dir).saved_config)
+    from pita.experiment.config import drop_retired_algo_keys
+
+    loaded = OmegaConf.load(RunPaths(run_dir).saved_config)
+    assert isinstance(loaded, DictConfig)  # a run's saved config is a mapping
+    saved = drop_retired_algo_keys(loaded)
     diff = config_differences(
         saved, composed, RESUME_SAFE_PREFIXES + ("system.use_parallel_execution",)
     )

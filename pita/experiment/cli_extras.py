@@ -4,7 +4,7 @@
   installed wheel (pyproject.toml maps one onto the other).
 - `expand_algos`: `algos=[QSharp,DPO]` (one override) -> `algos.<NAME>.enabled=true|false`
   for every algorithm, names checked.
-- `help_text`: `--help`, pita's keys with their defaults and the schema's help text.
+- `help_text`: `--help`, pita's keys with the defaults that run and the schema's help and rules.
 - `find_resumable`: `resume_from=auto`, the newest unfinished run of an experiment.
 """
 
@@ -59,29 +59,65 @@ def expand_algos(overrides: list[str], names: tuple[str, ...]) -> list[str]:
 # --- --help ---------------------------------------------------------------------------------
 
 
-def _fields(node: Any, prefix: str) -> list[tuple[str, str, str]]:
+def _default(value: Any) -> str:
+    return "" if value is None else json.dumps(value, default=str)
+
+
+def _hint(f: dataclasses.Field) -> str:
+    """A field's help with what its rule allows (the schema's metadata, one copy)."""
+    from pita.core.schema import rule_of
+
+    rule = rule_of(f)
+    text = f.metadata.get("help", "")
+    return f"{text} [{rule.text()}]" if rule is not None else text
+
+
+def _value(tree: Any, key: str) -> Any:
+    for part in key.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
+
+
+def _key_rows(composed: dict | None) -> list[tuple[str, str, str]]:
+    """(key, default, help) of every key outside algos: the composed default when given."""
+    from pita.core.schema import PitaConfig, leaf_fields
+
     rows = []
-    for f in dataclasses.fields(node):
-        key = f"{prefix}{f.name}"
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            default = f.default_factory()  # type: ignore[misc]
-        if dataclasses.is_dataclass(default):
-            rows += _fields(type(default), key + ".")
+    for key, f in leaf_fields(PitaConfig):
+        if key == "algos":
             continue
-        rows.append(
-            (
-                key,
-                "" if default is None else json.dumps(default, default=str),
-                f.metadata.get("help", ""),
-            )
-        )
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        rows.append((key, _default(_value(composed, key) if composed else default), _hint(f)))
     return rows
 
 
-def help_text(prog: str = "run_parallel.py") -> str:
-    from pita.experiment.config import AlgoConfig, PitaConfig
+def _algo_rows(composed: dict | None) -> list[tuple[str, str, str]]:
+    """Per algorithm family (one schema, pita/core/schema.py): its keys, with the defaults
+    each of its algorithms actually runs with (conf/algo/*.yaml, as composed)."""
+    from pita.algos.registry import ALGORITHMS
+    from pita.core.schema import leaf_fields
 
+    families: dict[type, list[str]] = {}
+    for name, algo in ALGORITHMS.items():
+        families.setdefault(algo.schema, []).append(name)
+    algos = (composed or {}).get("algos") or {}
+    rows: list[tuple[str, str, str]] = []
+    for schema, names in families.items():
+        doc = (schema.__doc__ or "").strip().splitlines()[0]
+        rows.append((f"algos.<{'|'.join(names)}>", "", doc))
+        schema_defaults = dataclasses.asdict(schema())  # when nothing composed
+        for key, f in leaf_fields(schema):
+            values = [_default(_value(algos.get(n) or schema_defaults, key)) for n in names]
+            shown = values[0] if len(set(values)) == 1 else "/".join(values)
+            rows.append((f"  .{key}", shown, _hint(f)))
+    return rows
+
+
+def help_text(prog: str = "run_parallel.py", composed: dict | None = None) -> str:
+    """`--help`: pita's keys, their defaults (`composed`: the config that would run, so the
+    per-algorithm values of conf/algo/*.yaml; else the schema's) and what each allows."""
     cmd = prog if prog == "pita" else f"python {prog}"
     conf = conf_dir()
     groups = {
@@ -108,13 +144,14 @@ def help_text(prog: str = "run_parallel.py") -> str:
         "  algos=[QSharp,DPO]          run only these algorithms (algos=all: every one)",
         "  resume_from=auto            resume the newest unfinished run of experiment.name, else start one",
         "",
-        "Keys (key  default  help):",
+        "Keys (key  default  help [allowed]):",
     ]
-    rows = [r for r in _fields(PitaConfig, "") if not r[0].startswith("algos")]
-    rows += _fields(AlgoConfig, "algos.<NAME>.")
-    width = max(len(k) for k, _, _ in rows)
-    for key, default, text in rows:
-        lines.append(f"  {key:{width}s}  {default:>10s}  {text}")
+    rows = _key_rows(composed)
+    algo_rows = _algo_rows(composed)
+    width = max(len(k) for k, _, _ in rows + algo_rows)
+    lines += [f"  {key:{width}s}  {default:>10s}  {text}" for key, default, text in rows]
+    lines += ["", "Algorithm keys, algos.<NAME>.<key> (defaults per algorithm, a/b in row order):"]
+    lines += [f"  {key:{width}s}  {default:>10s}  {text}" for key, default, text in algo_rows]
     lines += ["", "Hydra's own options: --hydra-help. Docs: README.md (Cookbook)."]
     return "\n".join(lines)
 

@@ -30,15 +30,19 @@ STAGE_MEMORY = {"pretrain": 3.0, "collect": 1.0, "reward_model": 3.0, "train": 3
 MERGE_WORK = 0.1
 
 
+def _container(cfg: Any) -> dict[str, Any]:
+    out = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(out, dict)  # a group's config is a mapping
+    return out  # type: ignore[return-value]
+
+
 def _group_cfg(cfg: DictConfig, group: str, name: str) -> dict[str, Any]:
     """The config of a dataset/model group by name: the selected one carries the command
     line's overrides; any other listed one is composed from its file over the schema."""
     from pita.experiment.config import DatasetConfig, ModelConfig, dataset_keys
 
     selected = cfg[group]
-    clean = (
-        dataset_keys if group == "dataset" else (lambda c: OmegaConf.to_container(c, resolve=True))
-    )
+    clean: Callable[[Any], dict[str, Any]] = dataset_keys if group == "dataset" else _container
     if selected.name == name:
         return clean(selected)
     path = CONF_DIR / group / f"{name}.yaml"
@@ -182,7 +186,7 @@ class Planner:
                     deps=deps,
                     shard=s,
                     num_shards=n,
-                    shard_range=tuple(rng),
+                    shard_range=(rng[0], rng[1]),
                     preferred_device=s % self.n_devices,
                     work=STAGE_WORK[stage] / n,
                     **spec,

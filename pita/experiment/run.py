@@ -223,6 +223,7 @@ def _run_locked(
     from pita.core.progress import Progress
 
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(cfg_dict, dict)
     executor = make_executor(cfg, gpu, run_dir)
     executor.warm_up([(d.index,) for d in gpu.devices][: len(plan.tasks) - len(done)])
     scheduler = make_scheduler(cfg, gpu)

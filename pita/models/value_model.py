@@ -53,8 +53,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from pita.core.schema import VALUE_HEADS as HEAD_TYPES
+
 CONFIG_NAME = "config.json"
-HEAD_TYPES = ("q", "v")
 WEIGHTS_NAME = "model.safetensors"
 
 

@@ -24,8 +24,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-PRECISION_TYPES = ("auto", "fp16", "bf16", "fp32")
-GPU_MODES = ("auto", "cpu", "single_gpu", "multi_gpu")
+from pita.core.schema import GPU_MODES, PRECISION_TYPES  # noqa: F401 (owned by the schema)
+
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 

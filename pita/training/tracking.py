@@ -31,7 +31,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-BACKENDS = ("none", "tensorboard", "wandb", "mlflow", "csv")
+from pita.core.schema import LOGGER_BACKENDS as BACKENDS
+
 _PACKAGES = {
     "tensorboard": ("tensorboard", "tensorboard"),
     "wandb": ("wandb", "wandb"),

@@ -12,12 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pita.core.schema import AUTO_BATCH as AUTO_VALUES
 from pita.runtime.oom import classify_exception
 
 _log = logging.getLogger("pita.runtime.batch_size")
 
 
-AUTO_VALUES = ("auto", "auto_batch_size")
 DEFAULT_SAFETY_MARGIN = 0.9
 DEFAULT_REDUCTION = 0.95  # the guide's extra 5% off the largest batch that fits
 DEFAULT_CAP = 2048

@@ -1,0 +1,652 @@
+"""The structured config of pita: one dataclass per `conf/` group, each field with its help
+text and the values it allows.
+
+Every fact about a key lives on its field, once: `spec(help, default, ge=1)` says what
+the key means and what is allowed, and three readers use it: Hydra (registered as
+`pita_schema` in pita/experiment/config.py, so an unknown key or a wrong type fails at
+compose time), the walker `schema_errors` (one line per bad value, `<key>=<value>: <what is
+allowed>`, before any worker starts) and `--help` (pita/experiment/cli_extras.py). Modules
+that act on a choice import its list from here (`GUIDANCE_MODES` in pita/algos/guidance.py,
+`PRECISION_TYPES` in pita/training/precision.py, ...) instead of writing it again.
+
+Algorithms have one schema per family (`ReferenceConfig`, `ValueGuidedConfig`,
+`PreferenceConfig`, `GRPOConfig`, + `RewardModelMixin` for the -HF variants): each row of
+pita/algos/registry.py names its own, and each `conf/algo/<name>.yaml` starts from it
+(Hydra's "structured config schema" pattern), so a key an algorithm does not have
+(`algos.DPO.num_atoms`) is an unknown key. What relates two keys (V_min < V_max, ...) is
+checked by `validate` in pita/experiment/config.py.
+
+This module is torch-free and imports nothing of pita: it sits below every reader.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import re
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field
+from typing import Any, Dict, List, Optional
+
+# --- choice lists (each owned here; the modules that act on them import them) ---------------
+
+GPU_MODES = ("auto", "cpu", "single_gpu", "multi_gpu")
+ATTN_IMPLS = ("eager", "sdpa", "flash_attention_2")
+EXECUTOR_BACKENDS = ("local", "inprocess", "ray")
+PRECISION_TYPES = ("auto", "fp16", "bf16", "fp32")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+PARALLEL_STRATEGIES = ("none", "data_parallel")
+LOGGER_BACKENDS = ("none", "tensorboard", "wandb", "mlflow", "csv")
+WANDB_MODES = ("offline", "online", "disabled")
+RECIPES = ("rollouts", "ground_truth_vs_first_wrong")
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICE_MAPS = (None, "auto")
+LOSS_TYPES = ("bce", "mse", "mle", "bradley_terry")
+VALUE_HEADS = ("q", "v")
+LR_SCHEDULES = ("cosine", "official")
+GUIDANCE_MODES = ("bernoulli", "mle", "expectation", "expectation_clamped")
+AUTO_BATCH = ("auto", "auto_batch_size")  # a batch size the runtime searches for
+FOLDER_NAME = r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._-]{0,99}"  # one path component, no '..'
+
+UNKNOWN_KEY = "unknown key (not in pita's config schema, see conf/ and pita/core/schema.py)"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a key allows. `ok` checks a value, `text` says what is allowed (the error
+    message's tail and the `--help` hint). None passes unless `choices` lists it (an
+    optional key left unset); `allowed` replaces the generated text where it reads badly."""
+
+    choices: tuple | None = None
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    auto: bool = False  # "auto", or an integer within the bounds
+    batch: bool = False  # a positive integer, or auto / auto_batch_size
+    pattern: str | None = None
+    items: bool = False  # a non-empty list whose items are within the bounds
+    allowed: str | None = None
+    note: str | None = None
+
+    def ok(self, value: Any) -> bool:
+        if self.choices is not None:
+            return value in self.choices
+        if value is None:
+            return True
+        if self.batch:
+            return value in AUTO_BATCH if isinstance(value, str) else _is_int(value) and value > 0
+        if self.pattern is not None:
+            return isinstance(value, str) and re.fullmatch(self.pattern, value) is not None
+        if self.items:
+            return isinstance(value, (list, tuple)) and bool(value) and all(map(self._in, value))
+        if self.auto and value == "auto":
+            return True
+        return (_is_int(value) if self.auto else _is_number(value)) and self._in(value)
+
+    def _in(self, x: Any) -> bool:
+        return _is_number(x) and not (
+            (self.ge is not None and x < self.ge)
+            or (self.gt is not None and x <= self.gt)
+            or (self.le is not None and x > self.le)
+            or (self.lt is not None and x >= self.lt)
+        )
+
+    @property
+    def bounded(self) -> bool:
+        return any(b is not None for b in (self.ge, self.gt, self.le, self.lt))
+
+    def text(self) -> str:
+        base = self.allowed or self._generated()
+        return f"{base} ({self.note})" if self.note else base
+
+    def _generated(self) -> str:
+        if self.choices is not None:
+            return "allowed: " + " | ".join("null" if c is None else str(c) for c in self.choices)
+        if self.batch:
+            return "a positive integer or auto / " + AUTO_BATCH[1]
+        lo = f">= {_num(self.ge)}" if self.ge is not None else None
+        lo = f"> {_num(self.gt)}" if self.gt is not None else lo
+        hi = f"<= {_num(self.le)}" if self.le is not None else None
+        hi = f"< {_num(self.lt)}" if self.lt is not None else hi
+        if self.items:
+            return f"a non-empty list of numbers {lo}"
+        if self.auto:
+            return f"auto or an integer {lo}"
+        if lo and hi:
+            left = f"[{_num(self.ge)}" if self.ge is not None else f"({_num(self.gt or 0)}"
+            right = f"{_num(self.le)}]" if self.le is not None else f"{_num(self.lt or 0)})"
+            return f"must be in {left}, {right}"
+        return f"must be {lo or hi}"
+
+
+def spec(help: str, default: Any = MISSING, **rule: Any) -> Any:
+    """A dataclass field with TRL-style `metadata={"help": ...}` and, when `rule` names
+    any, the `Rule` of what the key allows."""
+    meta: dict[str, Any] = {"help": help}
+    if rule:
+        meta["rule"] = Rule(**rule)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=functools.partial(copy.copy, default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def rule_of(f: dataclasses.Field) -> Rule | None:
+    return f.metadata.get("rule")
+
+
+def nested_schema(f: dataclasses.Field) -> type | None:
+    """The dataclass of a nested group field (`model.reference_arch`), else None."""
+    if f.default_factory is MISSING:
+        return None
+    value = f.default_factory()
+    return type(value) if dataclasses.is_dataclass(value) else None
+
+
+# BatchSize: an int > 0, or "auto" / "auto_batch_size"; Any lets Hydra accept both.
+BatchSize = Any
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = spec(
+        "Run folder name under outputs/.",
+        "goal_walk",
+        pattern=FOLDER_NAME,
+        allowed="letters, digits, '.', '_' and '-' only, no '..' (it names a folder inside outputs/)",
+    )
+    datasets: List[str] = spec(
+        "Dataset group names for a multi-dataset experiment; empty = [dataset.name].", []
+    )
+    families: List[str] = spec("Model family group names; empty = [model.name].", [])
+    seed: int = spec("Seed of everything random in the run.", 0, ge=0)
+
+
+@dataclass
+class SystemConfig:
+    devices: Any = spec("auto | cpu | [0,2] | fake:N | fake:[80GB,40GB]", "auto")
+    gpu_mode: str = spec("How many devices a run may use.", "auto", choices=GPU_MODES)
+    attn_impl: str = spec("Attention implementation.", "eager", choices=ATTN_IMPLS)
+    clear_cache_interval: int = spec(
+        "Empty the CUDA cache every N training steps.", 10, ge=0, note="0 = never"
+    )
+    use_parallel_execution: bool = spec(
+        "false runs every task in this process (debugging, pdb).", True
+    )
+    threads_per_worker: int = spec("torch threads per CPU worker.", 1, ge=1)
+    trust_group: bool = spec(
+        "Use a run folder owned by a teammate of one of your groups (resume a shared run).", False
+    )
+
+
+SECONDS = "must be > 0 seconds"
+
+
+@dataclass
+class ExecutorConfig:
+    backend: str = spec(
+        "local (worker processes on this machine), inprocess or ray.",
+        "local",
+        choices=EXECUTOR_BACKENDS,
+    )
+    cpu_workers: Any = spec(
+        "CPU worker count when no GPU is used: auto = cores / threads_per_worker.",
+        "auto",
+        auto=True,
+        ge=1,
+    )
+    max_tasks_per_gpu: Any = spec(
+        "Tasks that may share one GPU: auto = while their memory estimates fit "
+        "(at most 8, and one per core of the device's share); an integer caps it; "
+        "CPU slots run one task each under auto.",
+        "auto",
+        auto=True,
+        ge=1,
+    )
+    max_tasks_per_worker: int = spec("Recycle a worker after this many tasks.", 200, ge=1)
+    max_retries: int = spec(
+        "Retries of a task whose worker was killed, hit a CUDA fault or OOM.", 2, ge=0
+    )
+    task_timeout_s: float = spec(
+        "Kill a task running longer than this (seconds).", 7200.0, gt=0, allowed=SECONDS
+    )
+    heartbeat_s: float = spec("Seconds between worker heartbeats.", 2.0, gt=0, allowed=SECONDS)
+    heartbeat_timeout_s: float = spec(
+        "A worker silent this long is treated as lost (> heartbeat_s).",
+        120.0,
+        gt=0,
+        allowed=SECONDS,
+    )
+    start_timeout_s: float = spec(
+        "A worker that has not connected this long after its start is killed "
+        "and its task retried on a fresh one (seconds).",
+        60.0,
+        gt=0,
+        allowed=SECONDS,
+    )
+    model_cache_size: int = spec("Models a worker keeps loaded between tasks (LRU).", 2, ge=1)
+    max_shards: int = spec(
+        "Upper bound on shards per shardable stage.", 0, ge=0, note="0 = one per device"
+    )
+    monitor_interval_s: float = spec(
+        "Seconds between GPU/RSS samples and run.log summaries.", 30.0, gt=0, allowed=SECONDS
+    )
+    progress: bool = spec("Live progress display of tasks per device.", True)
+    preimport: bool = spec(
+        "Workers import torch as soon as they start, overlapping planning.", True
+    )
+    stage_overrides: Dict[str, Dict[str, str]] = spec(
+        "Replace stage functions: +executor.stage_overrides.QSharp.train=mypkg.mod:fn (algo 'any' = all).",
+        {},
+    )
+    ray_address: Optional[str] = spec(
+        "Ray cluster address for backend=ray (None = local Ray).", None
+    )
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = spec(
+        "Examples per forward/backward; the rest is gradient accumulation.", 4, ge=1
+    )
+    gradient_checkpointing: bool = spec(
+        "Recompute activations in backward: less memory, slower.", False
+    )
+    mixed_precision: bool = spec("Use fp16/bf16 autocast on GPUs.", True)
+    precision_type: str = spec(
+        "auto: bf16 on CC>=8.0, fp16 below, fp32 on CPU.", "auto", choices=PRECISION_TYPES
+    )
+    accumulation_steps: int = spec("Gradient accumulation steps.", 0, ge=0, note="0 = derived")
+    compile: bool = spec("torch.compile the model.", False)
+    compile_mode: str = spec("torch.compile mode.", "default", choices=COMPILE_MODES)
+    parallel_strategy: str = spec(
+        "data_parallel: pretrain planned on a gang of every device, one DDP rank per device.",
+        "none",
+        choices=PARALLEL_STRATEGIES,
+    )
+    num_workers: int = spec(
+        "DataLoader workers of TRL stages whose algos.<NAME>.num_workers is 0.",
+        0,
+        ge=-1,
+        note="-1 = auto",
+    )
+    pin_memory: bool = spec("Pin host memory in DataLoaders (GPU only).", False)
+    max_grad_norm: float = spec("Gradient clipping norm.", 1.0, ge=0, note="0 = off")
+    weight_decay: float = spec("AdamW weight decay.", 0.0, ge=0)
+    checkpoint_every: int = spec(
+        "Checkpoint a training task every N optimizer steps into tasks/<id>.checkpoints/; "
+        "a retried or resumed task continues from its newest checkpoint.",
+        0,
+        ge=0,
+        note="0 = off",
+    )
+    checkpoint_every_minutes: float = spec(
+        "Also checkpoint when this many minutes passed since the last one.",
+        10.0,
+        ge=0,
+        note="0 = off",
+    )
+
+
+@dataclass
+class LoggerConfig:
+    """Experiment tracking (conf/logger/*.yaml; pita/training/tracking.py)."""
+
+    backend: str = spec(
+        "Experiment tracker; logs under <run>/logs/<backend>/.",
+        "none",
+        choices=LOGGER_BACKENDS,
+        note="or logger=<name>",
+    )
+    project: str = spec("W&B project name.", "pita")
+    mode: str = spec(
+        "W&B mode: offline syncs later with `wandb sync`.", "offline", choices=WANDB_MODES
+    )
+    tracking_uri: Optional[str] = spec(
+        "MLflow tracking URI (None = a file store in <run>/logs/mlruns).", None
+    )
+
+
+@dataclass
+class GenerationConfig:
+    batch_size: BatchSize = spec("Prompts per generation batch, or auto.", 256, batch=True)
+    max_new_tokens: int = spec("Longest response.", 0, ge=0, note="0 = the task's length")
+    temperature: float = spec("Sampling temperature (offsets are added before it).", 1.0, gt=0)
+    top_p: float = spec("Nucleus sampling mass.", 1.0, gt=0, le=1)
+    top_k: int = spec("Sample among the top-k tokens (0 = all).", 0, ge=0)
+
+
+@dataclass
+class DataCollectionConfig:
+    reward_batch_size: BatchSize = spec(
+        "Sequences per reward-model forward, or auto.", 32, batch=True
+    )
+    samples_per_example: int = spec("Roll-outs collected per training prompt per round.", 64, ge=1)
+    bradley_terry_beta: float = spec("β_BT of the Bradley–Terry draw for PITA labels.", 10.0, ge=0)
+    max_examples: int = spec("Use at most this many training prompts per round (0 = all).", 0, ge=0)
+    recipe: str = spec(
+        "rollouts: roll-in / cut / roll-out; ground_truth_vs_first_wrong: per prompt the "
+        "known answer, label 1, and π_ref's first wrong sample, label 0 (the Q# star-graph recipe).",
+        "rollouts",
+        choices=RECIPES,
+    )
+    max_tries: int = spec(
+        "ground_truth_vs_first_wrong: π_ref samples per prompt before it is dropped.", 1000, ge=1
+    )
+
+
+@dataclass
+class EvaluationConfig:
+    batch_size: BatchSize = spec("Prompts per evaluation batch, or auto.", 512, batch=True)
+    num_samples: int = spec("Samples per test prompt (k of maj@k).", 4, ge=1)
+    etas: List[float] = spec(
+        "Guidance strengths η evaluated for guided algorithms (η=0 is π_ref).",
+        [0.0, 2.0, 5.0, 10.0],
+        items=True,
+        ge=0,
+    )
+    max_prompts: int = spec("Evaluate at most this many test prompts (0 = all).", 0, ge=0)
+
+
+@dataclass
+class PretrainConfig:
+    steps: int = spec("Teacher-forced steps of the reference policy (offline tasks).", 400, ge=1)
+    batch_size: int = spec("Sequences per pretraining step.", 256, ge=1)
+    lr: float = spec("Peak AdamW learning rate.", 3e-3, gt=0)
+    warmup_steps: int = spec("Linear warmup steps before the cosine decay.", 20, ge=0)
+
+
+@dataclass
+class DatasetConfig:
+    """Union of every task's keys. Each `conf/dataset/<name>.yaml` sets its own; the rest
+    stay None and are dropped (`dataset_keys` in pita/experiment/config.py), so a key that
+    does not belong to the selected task (e.g. dataset.degree on goal_walk) is reported by
+    its validator (pita/datasets)."""
+
+    name: str = spec("goal_walk | star_graph | gsm8k | math500 | aime | imdb | tldr", "goal_walk")
+    seed: Optional[int] = spec("Seed of the task's data.", None, ge=0)
+    num_nodes: Optional[int] = spec("Graph nodes N (goal_walk, star_graph).", None, ge=1)
+    out_degree: Optional[int] = spec("Out-degree d of every node (goal_walk).", None, ge=1)
+    walk_length: Optional[int] = spec("Walk length L (goal_walk).", None, ge=1)
+    degree: Optional[int] = spec("Arms d of the star (star_graph).", None, ge=1)
+    path_length: Optional[int] = spec("Nodes per arm l (star_graph).", None, ge=1)
+    train_size: Optional[int] = spec("Training examples.", None, ge=1)
+    test_size: Optional[int] = spec("Test examples.", None, ge=1)
+    path: Optional[str] = spec("Local .jsonl file instead of the hub (hub tasks).", None)
+    hub_id: Optional[str] = spec("Override the hub dataset id.", None)
+    split: Optional[str] = spec("Hub split for evaluation.", None)
+    max_prompt_tokens: Optional[int] = spec(
+        "Truncate prompts to this many tokens (hub tasks).", None, ge=1
+    )
+    max_new_tokens: Optional[int] = spec("Response budget (hub tasks).", None, ge=1)
+    train_path: Optional[str] = spec("Local .jsonl of training prompts (hub tasks).", None)
+    train_split: Optional[str] = spec("Hub split of training prompts.", None)
+    hub_config: Optional[str] = spec("Hub dataset config name (e.g. main for gsm8k).", None)
+    cache_dir: Optional[str] = spec("datasets cache folder.", None)
+    prompt_template: Optional[str] = spec("Python format string with {question}.", None)
+    use_chat_template: Optional[bool] = spec(
+        "Wrap prompts with the tokenizer's chat template.", None
+    )
+    prompt_words: Optional[int] = spec("Truncate prompt text to this many words.", None, ge=1)
+
+
+@dataclass
+class TinyModelConfig:
+    n_layer: int = spec("Transformer blocks.", 1, ge=1)
+    d_model: int = spec("Hidden size.", 64, ge=1)
+    n_head: int = spec("Attention heads.", 4, ge=1)
+
+
+@dataclass
+class ModelConfig:
+    """A model family: reference policy + guide/value backbone (+ reward model)."""
+
+    name: str = spec("Family alias (see pita/models/catalog.py); tiny = built in the run.", "tiny")
+    reference: Optional[str] = spec("Hub id/path of the reference policy (None = catalog).", None)
+    guide: Optional[str] = spec("Hub id/path of the guide/value backbone (None = catalog).", None)
+    reward: Optional[str] = spec("Hub id/path of the reward model (None = catalog).", None)
+    dtype: str = spec("Weights' dtype.", "auto", choices=MODEL_DTYPES)
+    device_map: Optional[str] = spec(
+        "auto shards the models over the task's gang.", None, choices=DEVICE_MAPS
+    )
+    trust_remote_code: bool = spec("Allow model repos to run their own code.", False)
+    memory_gb: float = spec(
+        "Estimated device memory of one stage's models (GB), for admission.", 0.5, gt=0
+    )
+    gpus_per_task: int = spec("Devices per task (a gang); >1 shards the models.", 1, ge=1)
+    reference_arch: TinyModelConfig = field(default_factory=TinyModelConfig)
+    guide_arch: TinyModelConfig = field(default_factory=lambda: TinyModelConfig(n_layer=2))
+
+
+# --- algorithms: one schema per family ------------------------------------------------------
+
+
+@dataclass
+class GuidanceConfig:
+    eta: float = spec("Default η (η multiplies the value; 0 = π_ref).", 10.0, ge=0)
+    mode: str = spec("How values become token offsets.", "bernoulli", choices=GUIDANCE_MODES)
+    top_k: int = spec("Guide among the reference's top-k tokens.", 2, ge=1)
+
+
+@dataclass
+class ReferenceConfig:
+    """The reference policy π_ref itself, evaluated once: nothing to train."""
+
+    enabled: bool = spec("Run this algorithm's chains.", False)
+
+
+@dataclass
+class TrainedConfig(ReferenceConfig):
+    """Keys every trained algorithm has."""
+
+    batch_size: BatchSize = spec("Training batch size (effective), or auto.", 256, batch=True)
+    num_workers: int = spec(
+        "DataLoader workers for this algorithm's training (0 = training.num_workers).", 0, ge=-1
+    )
+    lr: float = spec("Learning rate.", 1e-3, gt=0)
+    epochs: int = spec("Passes over the collected data.", 1, ge=1)
+    steps: int = spec("Optimizer steps (0 = from epochs).", 0, ge=0)
+
+
+@dataclass
+class CollectingConfig(TrainedConfig):
+    """Algorithms whose round starts by sampling the policy on the training prompts."""
+
+    samples_per_example: int = spec(
+        "Samples per training prompt in this algorithm's collect.",
+        0,
+        ge=0,
+        note="0 = data_collection.samples_per_example",
+    )
+
+
+@dataclass
+class RewardModelMixin:
+    """The -HF variants: a proxy Bradley–Terry reward model fitted on preference pairs."""
+
+    reward_lr: float = spec("Learning rate of the proxy reward model.", 1e-3, gt=0)
+    reward_epochs: int = spec("Epochs of the proxy reward model.", 1, ge=1)
+    pairs_per_example: int = spec(
+        "At most this many preference pairs per training prompt.", 8, ge=1
+    )
+    samples_per_example: int = spec(
+        "Samples per training prompt in this algorithm's collect.",
+        0,
+        ge=0,
+        note="0 = data_collection.samples_per_example",
+    )
+
+
+@dataclass
+class ValueGuidedConfig(CollectingConfig):
+    """PITA, Q#: a value model trained on roll-outs guides π_ref at decoding time."""
+
+    loss_type: str = spec("Value loss.", "bce", choices=LOSS_TYPES)
+    num_atoms: int = spec("Atoms of the distributional value (mle).", 11, ge=2)
+    V_min: float = spec("Smallest atom value (< V_max).", 0.0)
+    V_max: float = spec("Largest atom value.", 1.0)
+    warm_start: bool = spec(
+        "Copy the reference's embeddings/first block into the value model.", True
+    )
+    warm_start_layers: int = spec(
+        "With warm_start: how many of the reference's blocks, bottom first, are copied "
+        "(-1 = every block whose shape matches; 0 = embeddings and final norm only).",
+        -1,
+        ge=-1,
+        allowed="allowed: -1 (every block) or a count of bottom blocks >= 0",
+    )
+    value_head: str = spec(
+        "q: one value per vocabulary entry, read at the prefix; v: candidate appended, "
+        "scalar read at its own position (the official Q# classifier).",
+        "q",
+        choices=VALUE_HEADS,
+    )
+    weight_decay: Optional[float] = spec(
+        "AdamW weight decay of value training.",
+        None,
+        ge=0,
+        note="or null = training.weight_decay",
+    )
+    lr_schedule: str = spec(
+        "cosine: warmup min(100, 10%), decay to 0; official: warmup max(100, 10%), "
+        "cosine to 0.1·lr (the Q# star-graph classifier).",
+        "cosine",
+        choices=LR_SCHEDULES,
+    )
+    holdout_fraction: float = spec(
+        "Fraction of prompts held out for per-position accuracy (0 = none).",
+        0.0,
+        ge=0,
+        lt=1,
+        allowed="a fraction in [0, 1)",
+    )
+    probe_steps: int = spec(
+        "With a hold-out: steps of a frozen-backbone linear probe run first, which warns "
+        "when the run will sit on the plateau (0 = off).",
+        200,
+        ge=0,
+    )
+    guidance: GuidanceConfig = field(default_factory=GuidanceConfig)
+
+
+@dataclass
+class ValueGuidedHFConfig(RewardModelMixin, ValueGuidedConfig):
+    """Q#-HF: Q# on rewards relabelled by a proxy reward model."""
+
+
+@dataclass
+class PreferenceConfig(CollectingConfig):
+    """DPO, RPO: TRL's DPOTrainer on preference pairs of the policy's samples."""
+
+    beta: float = spec("KL coefficient β.", 0.1, gt=0)
+    sft_weight: float = spec(
+        "Weight of an NLL term on the chosen responses (TRL's sigmoid+sft = RPO α).", 0.0, ge=0
+    )
+    pairs_per_example: int = spec(
+        "At most this many preference pairs per training prompt.", 8, ge=1
+    )
+
+
+@dataclass
+class GRPOConfig(TrainedConfig):
+    """GRPO: TRL's GRPOTrainer with the task's verifier as reward."""
+
+    beta: float = spec("KL coefficient β (0 = no KL term).", 0.04, ge=0)
+    num_generations: int = spec(
+        "Completions per prompt (the group).", 8, ge=2, note="GRPO needs a group"
+    )
+    max_completion_length: int = spec("Completion budget (0 = task length).", 0, ge=0)
+
+
+@dataclass
+class GRPOHFConfig(RewardModelMixin, GRPOConfig):
+    """GRPO-HF: GRPO against a proxy reward model fitted on preference pairs."""
+
+
+# The names `conf/algo/<name>.yaml` start from (`defaults: [<name>, _self_]`).
+ALGO_SCHEMAS: dict[str, type] = {
+    "reference_schema": ReferenceConfig,
+    "value_schema": ValueGuidedConfig,
+    "value_hf_schema": ValueGuidedHFConfig,
+    "preference_schema": PreferenceConfig,
+    "grpo_schema": GRPOConfig,
+    "grpo_hf_schema": GRPOHFConfig,
+}
+
+
+@dataclass
+class PitaConfig:
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    data_collection: DataCollectionConfig = field(default_factory=DataCollectionConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    # algos.<NAME>: each row's own schema (pita/algos/registry.py), from conf/algo/*.yaml
+    algos: Dict[str, Any] = field(default_factory=dict)
+    rounds_of_training: int = spec(
+        "Rounds per chain (round r collects with round r-1's guide).", 1, ge=1
+    )
+    batch_size_safety_margin: float = spec(
+        "Fraction of free device memory the auto batch size may use; LOWER is safer.",
+        0.9,
+        gt=0,
+        le=1,
+        allowed="a fraction in (0, 1]; lower is safer",
+    )
+    dry_run: bool = spec("Print the plan and exit without starting a worker.", False)
+    resume_from: Optional[str] = spec("Run folder to resume (its saved config is reused).", None)
+
+
+# --- the walker -----------------------------------------------------------------------------
+
+
+def schema_errors(
+    node: Mapping[Any, Any], schema: type, prefix: str = "", *, values: bool = True
+) -> list[str]:
+    """One line per key of `node` (a resolved config, plain dicts and lists) that `schema`
+    does not have, and, with `values`, per value its field's rule rejects. Dict-typed
+    fields (`algos`, `executor.stage_overrides`) are left to their own checks."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    errors = [f"{prefix}{key}: {UNKNOWN_KEY}" for key in node if key not in fields]
+    for name, f in fields.items():
+        if name not in node:
+            continue
+        value, sub = node[name], nested_schema(f)
+        if sub is not None and isinstance(value, Mapping):
+            errors += schema_errors(value, sub, f"{prefix}{name}.", values=values)
+            continue
+        rule = rule_of(f)
+        if values and rule is not None and not rule.ok(value):
+            errors.append(f"{prefix}{name}={value!r}: {rule.text()}")
+    return errors
+
+
+def leaf_fields(schema: type, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:
+    """(dotted key, field) of every leaf of `schema`, nested groups flattened."""
+    out: list[tuple[str, dataclasses.Field]] = []
+    for f in dataclasses.fields(schema):
+        sub = nested_schema(f)
+        if sub is not None:
+            out += leaf_fields(sub, f"{prefix}{f.name}.")
+        else:
+            out.append((f"{prefix}{f.name}", f))
+    return out
