@@ -64,3 +64,13 @@ weights_bytes  # MemoryEstimate: tests only; estimates.py (algorithm-table chang
 # - pita/experiment/config.py: cs.store(group="algo", name="algo_schema", ...) - no config uses it
 # - pita/training/checkpoint.py: Checkpointer.enabled - never read (AlgoConfig.enabled's name hides it)
 # - pita/training/ddp.py: DistContext.backend - never read (other `backend`s hide it)
+
+# --- config keys (pita/core/schema.py fields) read by name: cfg.get("<key>") / OmegaConf -----
+checkpoint_every_minutes  # pita/runtime/kit.py, pita/algos/trl_common.py: training.get(...)
+memory_gb  # pita/experiment/estimates.py, pita/experiment/plan.py: model.get("memory_gb")
+gpus_per_task  # pita/experiment/plan.py: the family's gpus_per_task
+warm_start_layers  # pita/models/value_model.py: algo.get("warm_start_layers")
+value_head  # pita/models/value_model.py and guidance: algo.get("value_head")
+lr_schedule  # pita/algos/value_training.py: algo.get("lr_schedule")
+holdout_fraction  # pita/algos/value_training.py: algo.get("holdout_fraction")
+_.bounded  # pita/core/schema.py Rule.bounded: tests/test_schema.py checks every numeric key has one

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -135,7 +136,7 @@ def check_plan_fits(plan: Plan, gpu: GPUManager, cfg: DictConfig) -> None:
         ) from None
 
 
-def warn_stage_overrides(cfg: DictConfig, plan: Plan, done: set[str] = frozenset()) -> None:
+def warn_stage_overrides(cfg: DictConfig, plan: Plan, done: AbstractSet[str] = frozenset()) -> None:
     """Config is code: each `executor.stage_overrides` entry names a function that the
     workers import and run. Say so in run.log, one WARNING per entry that some task still
     to run uses (a resumed run whose overridden tasks are all done runs none of them)."""
