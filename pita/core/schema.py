@@ -109,11 +109,13 @@ class Rule:
     def bounded(self) -> bool:
         return any(b is not None for b in (self.ge, self.gt, self.le, self.lt))
 
-    def text(self) -> str:
-        base = self.allowed or self._generated()
+    def text(self, value: Any = None) -> str:
+        """What the key allows; for a number out of range, the bound it crossed (a ceiling
+        is named only to the value above it, so `must be >= 1` stays what a 0 reads)."""
+        base = self.allowed or self._generated(value)
         return f"{base} ({self.note})" if self.note else base
 
-    def _generated(self) -> str:
+    def _generated(self, value: Any = None) -> str:
         if self.choices is not None:
             return "allowed: " + " | ".join("null" if c is None else str(c) for c in self.choices)
         if self.batch:
@@ -126,6 +128,11 @@ class Rule:
             return f"a non-empty list of numbers {lo}"
         if self.auto:
             return f"auto or an integer {lo}"
+        if lo and hi and _is_number(value):
+            above = (self.le is not None and value > self.le) or (
+                self.lt is not None and value >= self.lt
+            )
+            return f"must be {hi}" if above else f"must be {lo}"
         if lo and hi:
             left = f"[{_num(self.ge)}" if self.ge is not None else f"({_num(self.gt or 0)}"
             right = f"{_num(self.le)}]" if self.le is not None else f"{_num(self.lt or 0)})"
@@ -186,7 +193,7 @@ class SystemConfig:
     use_parallel_execution: bool = spec(
         "false runs every task in this process (debugging, pdb).", True
     )
-    threads_per_worker: int = spec("torch threads per CPU worker.", 1, ge=1)
+    threads_per_worker: int = spec("torch threads per CPU worker.", 1, ge=1, le=1_024)
     trust_group: bool = spec(
         "Use a run folder owned by a teammate of one of your groups (resume a shared run).", False
     )
@@ -207,6 +214,7 @@ class ExecutorConfig:
         "auto",
         auto=True,
         ge=1,
+        le=1_024,
     )
     max_tasks_per_gpu: Any = spec(
         "Tasks that may share one GPU: auto = while their memory estimates fit "
@@ -215,10 +223,13 @@ class ExecutorConfig:
         "auto",
         auto=True,
         ge=1,
+        le=64,
     )
-    max_tasks_per_worker: int = spec("Recycle a worker after this many tasks.", 200, ge=1)
+    max_tasks_per_worker: int = spec(
+        "Recycle a worker after this many tasks.", 200, ge=1, le=1_000_000
+    )
     max_retries: int = spec(
-        "Retries of a task whose worker was killed, hit a CUDA fault or OOM.", 2, ge=0
+        "Retries of a task whose worker was killed, hit a CUDA fault or OOM.", 2, ge=0, le=100
     )
     task_timeout_s: float = spec(
         "Kill a task running longer than this (seconds).", 7200.0, gt=0, allowed=SECONDS
@@ -237,9 +248,11 @@ class ExecutorConfig:
         gt=0,
         allowed=SECONDS,
     )
-    model_cache_size: int = spec("Models a worker keeps loaded between tasks (LRU).", 2, ge=1)
+    model_cache_size: int = spec(
+        "Models a worker keeps loaded between tasks (LRU).", 2, ge=1, le=64
+    )
     max_shards: int = spec(
-        "Upper bound on shards per shardable stage.", 0, ge=0, note="0 = one per device"
+        "Upper bound on shards per shardable stage.", 0, ge=0, note="0 = one per device", le=1_024
     )
     monitor_interval_s: float = spec(
         "Seconds between GPU/RSS samples and run.log summaries.", 30.0, gt=0, allowed=SECONDS
@@ -260,7 +273,7 @@ class ExecutorConfig:
 @dataclass
 class TrainingConfig:
     micro_batch_size: int = spec(
-        "Examples per forward/backward; the rest is gradient accumulation.", 4, ge=1
+        "Examples per forward/backward; the rest is gradient accumulation.", 4, ge=1, le=65_536
     )
     gradient_checkpointing: bool = spec(
         "Recompute activations in backward: less memory, slower.", False
@@ -269,7 +282,9 @@ class TrainingConfig:
     precision_type: str = spec(
         "auto: bf16 on CC>=8.0, fp16 below, fp32 on CPU.", "auto", choices=PRECISION_TYPES
     )
-    accumulation_steps: int = spec("Gradient accumulation steps.", 0, ge=0, note="0 = derived")
+    accumulation_steps: int = spec(
+        "Gradient accumulation steps.", 0, ge=0, note="0 = derived", le=65_536
+    )
     compile: bool = spec("torch.compile the model.", False)
     compile_mode: str = spec("torch.compile mode.", "default", choices=COMPILE_MODES)
     parallel_strategy: str = spec(
@@ -323,10 +338,12 @@ class LoggerConfig:
 @dataclass
 class GenerationConfig:
     batch_size: BatchSize = spec("Prompts per generation batch, or auto.", 256, batch=True)
-    max_new_tokens: int = spec("Longest response.", 0, ge=0, note="0 = the task's length")
+    max_new_tokens: int = spec(
+        "Longest response.", 0, ge=0, note="0 = the task's length", le=131_072
+    )
     temperature: float = spec("Sampling temperature (offsets are added before it).", 1.0, gt=0)
     top_p: float = spec("Nucleus sampling mass.", 1.0, gt=0, le=1)
-    top_k: int = spec("Sample among the top-k tokens (0 = all).", 0, ge=0)
+    top_k: int = spec("Sample among the top-k tokens (0 = all).", 0, ge=0, le=1_000_000)
 
 
 @dataclass
@@ -334,9 +351,13 @@ class DataCollectionConfig:
     reward_batch_size: BatchSize = spec(
         "Sequences per reward-model forward, or auto.", 32, batch=True
     )
-    samples_per_example: int = spec("Roll-outs collected per training prompt per round.", 64, ge=1)
+    samples_per_example: int = spec(
+        "Roll-outs collected per training prompt per round.", 64, ge=1, le=100_000
+    )
     bradley_terry_beta: float = spec("β_BT of the Bradley–Terry draw for PITA labels.", 10.0, ge=0)
-    max_examples: int = spec("Use at most this many training prompts per round (0 = all).", 0, ge=0)
+    max_examples: int = spec(
+        "Use at most this many training prompts per round (0 = all).", 0, ge=0, le=10_000_000
+    )
     recipe: str = spec(
         "rollouts: roll-in / cut / roll-out; ground_truth_vs_first_wrong: per prompt the "
         "known answer, label 1, and π_ref's first wrong sample, label 0 (the Q# star-graph recipe).",
@@ -344,29 +365,38 @@ class DataCollectionConfig:
         choices=RECIPES,
     )
     max_tries: int = spec(
-        "ground_truth_vs_first_wrong: π_ref samples per prompt before it is dropped.", 1000, ge=1
+        "ground_truth_vs_first_wrong: π_ref samples per prompt before it is dropped.",
+        1000,
+        ge=1,
+        le=1_000_000,
     )
 
 
 @dataclass
 class EvaluationConfig:
     batch_size: BatchSize = spec("Prompts per evaluation batch, or auto.", 512, batch=True)
-    num_samples: int = spec("Samples per test prompt (k of maj@k).", 4, ge=1)
+    num_samples: int = spec("Samples per test prompt (k of maj@k).", 4, ge=1, le=10_000)
     etas: List[float] = spec(
         "Guidance strengths η evaluated for guided algorithms (η=0 is π_ref).",
         [0.0, 2.0, 5.0, 10.0],
         items=True,
         ge=0,
     )
-    max_prompts: int = spec("Evaluate at most this many test prompts (0 = all).", 0, ge=0)
+    max_prompts: int = spec(
+        "Evaluate at most this many test prompts (0 = all).", 0, ge=0, le=10_000_000
+    )
 
 
 @dataclass
 class PretrainConfig:
-    steps: int = spec("Teacher-forced steps of the reference policy (offline tasks).", 400, ge=1)
-    batch_size: int = spec("Sequences per pretraining step.", 256, ge=1)
+    steps: int = spec(
+        "Teacher-forced steps of the reference policy (offline tasks).", 400, ge=1, le=10_000_000
+    )
+    batch_size: int = spec("Sequences per pretraining step.", 256, ge=1, le=65_536)
     lr: float = spec("Peak AdamW learning rate.", 3e-3, gt=0)
-    warmup_steps: int = spec("Linear warmup steps before the cosine decay.", 20, ge=0)
+    warmup_steps: int = spec(
+        "Linear warmup steps before the cosine decay.", 20, ge=0, le=10_000_000
+    )
 
 
 @dataclass
@@ -378,20 +408,24 @@ class DatasetConfig:
 
     name: str = spec("goal_walk | star_graph | gsm8k | math500 | aime | imdb | tldr", "goal_walk")
     seed: Optional[int] = spec("Seed of the task's data.", None, ge=0)
-    num_nodes: Optional[int] = spec("Graph nodes N (goal_walk, star_graph).", None, ge=1)
-    out_degree: Optional[int] = spec("Out-degree d of every node (goal_walk).", None, ge=1)
-    walk_length: Optional[int] = spec("Walk length L (goal_walk).", None, ge=1)
-    degree: Optional[int] = spec("Arms d of the star (star_graph).", None, ge=1)
-    path_length: Optional[int] = spec("Nodes per arm l (star_graph).", None, ge=1)
-    train_size: Optional[int] = spec("Training examples.", None, ge=1)
-    test_size: Optional[int] = spec("Test examples.", None, ge=1)
+    num_nodes: Optional[int] = spec(
+        "Graph nodes N (goal_walk, star_graph).", None, ge=1, le=100_000
+    )
+    out_degree: Optional[int] = spec(
+        "Out-degree d of every node (goal_walk).", None, ge=1, le=1_000
+    )
+    walk_length: Optional[int] = spec("Walk length L (goal_walk).", None, ge=1, le=10_000)
+    degree: Optional[int] = spec("Arms d of the star (star_graph).", None, ge=1, le=1_000)
+    path_length: Optional[int] = spec("Nodes per arm l (star_graph).", None, ge=1, le=10_000)
+    train_size: Optional[int] = spec("Training examples.", None, ge=1, le=10_000_000)
+    test_size: Optional[int] = spec("Test examples.", None, ge=1, le=1_000_000)
     path: Optional[str] = spec("Local .jsonl file instead of the hub (hub tasks).", None)
     hub_id: Optional[str] = spec("Override the hub dataset id.", None)
     split: Optional[str] = spec("Hub split for evaluation.", None)
     max_prompt_tokens: Optional[int] = spec(
         "Truncate prompts to this many tokens (hub tasks).", None, ge=1
     )
-    max_new_tokens: Optional[int] = spec("Response budget (hub tasks).", None, ge=1)
+    max_new_tokens: Optional[int] = spec("Response budget (hub tasks).", None, ge=1, le=131_072)
     train_path: Optional[str] = spec("Local .jsonl of training prompts (hub tasks).", None)
     train_split: Optional[str] = spec("Hub split of training prompts.", None)
     hub_config: Optional[str] = spec("Hub dataset config name (e.g. main for gsm8k).", None)
@@ -400,14 +434,16 @@ class DatasetConfig:
     use_chat_template: Optional[bool] = spec(
         "Wrap prompts with the tokenizer's chat template.", None
     )
-    prompt_words: Optional[int] = spec("Truncate prompt text to this many words.", None, ge=1)
+    prompt_words: Optional[int] = spec(
+        "Truncate prompt text to this many words.", None, ge=1, le=1_000_000
+    )
 
 
 @dataclass
 class TinyModelConfig:
-    n_layer: int = spec("Transformer blocks.", 1, ge=1)
-    d_model: int = spec("Hidden size.", 64, ge=1)
-    n_head: int = spec("Attention heads.", 4, ge=1)
+    n_layer: int = spec("Transformer blocks.", 1, ge=1, le=256)
+    d_model: int = spec("Hidden size.", 64, ge=1, le=65_536)
+    n_head: int = spec("Attention heads.", 4, ge=1, le=1_024)
 
 
 @dataclass
@@ -426,7 +462,7 @@ class ModelConfig:
     memory_gb: float = spec(
         "Estimated device memory of one stage's models (GB), for admission.", 0.5, gt=0
     )
-    gpus_per_task: int = spec("Devices per task (a gang); >1 shards the models.", 1, ge=1)
+    gpus_per_task: int = spec("Devices per task (a gang); >1 shards the models.", 1, ge=1, le=64)
     reference_arch: TinyModelConfig = field(default_factory=TinyModelConfig)
     guide_arch: TinyModelConfig = field(default_factory=lambda: TinyModelConfig(n_layer=2))
 
@@ -438,7 +474,7 @@ class ModelConfig:
 class GuidanceConfig:
     eta: float = spec("Default η (η multiplies the value; 0 = π_ref).", 10.0, ge=0)
     mode: str = spec("How values become token offsets.", "bernoulli", choices=GUIDANCE_MODES)
-    top_k: int = spec("Guide among the reference's top-k tokens.", 2, ge=1)
+    top_k: int = spec("Guide among the reference's top-k tokens.", 2, ge=1, le=1_000_000)
 
 
 @dataclass
@@ -457,8 +493,8 @@ class TrainedConfig(ReferenceConfig):
         "DataLoader workers for this algorithm's training (0 = training.num_workers).", 0, ge=-1
     )
     lr: float = spec("Learning rate.", 1e-3, gt=0)
-    epochs: int = spec("Passes over the collected data.", 1, ge=1)
-    steps: int = spec("Optimizer steps (0 = from epochs).", 0, ge=0)
+    epochs: int = spec("Passes over the collected data.", 1, ge=1, le=100_000)
+    steps: int = spec("Optimizer steps (0 = from epochs).", 0, ge=0, le=100_000_000)
 
 
 @dataclass
@@ -603,7 +639,7 @@ class PitaConfig:
     # algos.<NAME>: each row's own schema (pita/algos/registry.py), from conf/algo/*.yaml
     algos: Dict[str, Any] = field(default_factory=dict)
     rounds_of_training: int = spec(
-        "Rounds per chain (round r collects with round r-1's guide).", 1, ge=1
+        "Rounds per chain (round r collects with round r-1's guide).", 1, ge=1, le=100
     )
     batch_size_safety_margin: float = spec(
         "Fraction of free device memory the auto batch size may use; LOWER is safer.",
@@ -636,7 +672,7 @@ def schema_errors(
             continue
         rule = rule_of(f)
         if values and rule is not None and not rule.ok(value):
-            errors.append(f"{prefix}{name}={value!r}: {rule.text()}")
+            errors.append(f"{prefix}{name}={value!r}: {rule.text(value)}")
     return errors
 
 

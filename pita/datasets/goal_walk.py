@@ -40,6 +40,8 @@ DEFAULTS: dict[str, Any] = {
     "test_size": 1000,
 }
 MAX_GRAPH_DRAWS = 1000
+MAX_EDGES = 1_000_000  # the graph is drawn in validation: keep that to seconds
+DRAW_BUDGET_EDGES = 2_000_000  # edges sampled over all redraws of a large graph
 START, GOAL, EQ = "START", "GOAL", "="
 
 
@@ -51,14 +53,20 @@ def draw_graph(num_nodes: int, out_degree: int, seed: int) -> list[list[int]]:
     MAX_GRAPH_DRAWS failures (e.g. d = 1 with many nodes needs one Hamiltonian cycle).
     """
     rng = random.Random(seed)
-    nodes = range(num_nodes)
-    for _ in range(MAX_GRAPH_DRAWS):
-        adj = [sorted(rng.sample([v for v in nodes if v != u], out_degree)) for u in nodes]
+    others = range(num_nodes - 1)  # node u's candidates, i -> i + (i >= u): no list per node
+    # large graphs get fewer redraws: validation draws the graph, and must stay seconds
+    draws = min(MAX_GRAPH_DRAWS, max(5, DRAW_BUDGET_EDGES // max(1, num_nodes * out_degree)))
+    for _ in range(draws):
+        # rng.sample picks positions from the length alone: the same draw as sampling the
+        # list of the other nodes, without building it (O(d) per node, not O(n))
+        adj = [
+            sorted(i + (i >= u) for i in rng.sample(others, out_degree)) for u in range(num_nodes)
+        ]
         if is_strongly_connected(adj):
             return adj
     raise RuntimeError(
         f"no strongly connected graph with num_nodes={num_nodes}, out_degree={out_degree} in "
-        f"{MAX_GRAPH_DRAWS} draws (seed {seed}); increase dataset.out_degree"
+        f"{draws} draws (seed {seed}); increase dataset.out_degree"
     )
 
 
@@ -109,6 +117,10 @@ def validate_cfg(cfg: Mapping) -> list[str]:
     if not is_int(d) or d < 1 or (is_int(n) and d >= n):
         bound = f"1 <= out_degree < num_nodes={n}" if is_int(n) else "an integer >= 1"
         errors.append(cfg_error("out_degree", d, f"must be {bound}"))
+    if not errors and n * d > MAX_EDGES:
+        errors.append(
+            cfg_error("num_nodes", n, f"num_nodes × out_degree must be <= {MAX_EDGES:_} edges")
+        )
     if not errors:
         try:
             draw_graph(n, d, c["seed"])
