@@ -196,6 +196,23 @@ def to_csv(rows: Sequence[dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
+OUTLIER_FACTOR = 10.0  # a KL this many times the upper quartile squashes a linear axis
+
+
+def kl_axis(kls: Sequence[float]) -> tuple[str, float | None]:
+    """("linear", None), or ("symlog", linthresh) when a few KLs dwarf the rest (DPO's 18.7
+    next to guided rows at 0.1-0.5 leaves every other curve in one pixel column): linear
+    below `linthresh` (the typical KL), logarithmic above, so both stay readable."""
+    values = sorted(abs(k) for k in kls if isinstance(k, (int, float)) and math.isfinite(k))
+    if len(values) < 2:
+        return "linear", None
+    q75 = values[min(len(values) - 1, int(0.75 * len(values)))]
+    if values[-1] <= 1.0 or values[-1] <= OUTLIER_FACTOR * q75:
+        return "linear", None
+    positive = [v for v in values if v > 0]
+    return "symlog", max(1e-2, statistics.median(positive))
+
+
 def plot_frontier(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> bool:
     """avg reward vs KL and pass@1 vs KL; one line per (config, algo, family, round) through
     its η points. Rows are aggregated (`<m>_mean` / `<m>_std`) or a single run's (`<m>`).
@@ -263,8 +280,14 @@ def plot_frontier(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -
                         xytext=(3, 3),
                         textcoords="offset points",
                     )
+    scale, linthresh = kl_axis([get(r, "kl")[0] for r in points])
     for ax, label in zip(axes, ("avg reward", "pass@1")):
-        ax.set_xlabel("KL(π ‖ π_ref)")
+        if scale == "symlog":
+            ax.set_xscale("symlog", linthresh=linthresh)
+        ax.set_xlabel(
+            "KL(π ‖ π_ref)"
+            + (f" (symlog: linear below {linthresh:.2g})" if scale == "symlog" else "")
+        )
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7, loc="best")
