@@ -264,9 +264,12 @@ def test_frontier_axis_turns_symlog_when_an_outlier_squashes_the_rest(tmp_path):
     from pita.experiment.aggregate import kl_axis, plot_frontier
 
     assert kl_axis([0.0, 0.1, 0.2, 0.3, 0.5]) == ("linear", None)
-    assert kl_axis([0.0, 0.05, 0.4]) == ("linear", None)  # small values: nothing to squash
-    scale, linthresh = kl_axis([0.0, 0.1, 0.2, 0.3, 0.4, 18.7])
-    assert scale == "symlog" and linthresh == pytest.approx(0.3)
+    assert kl_axis([0.0, 0.05, 0.4]) == ("linear", None)  # three points: nothing to squash
+    assert kl_axis([0.1, 0.2, 5.0, 5.5, 6.0]) == ("linear", None)  # two groups, not outliers
+    assert kl_axis([0.0, 0.1, 0.2, 0.3, 0.4, 18.7]) == ("symlog", 0.4)
+    # the default experiment's run (issue 22): DPO's 18.7 next to guided rows up to 2.56
+    default_run = [0.0, 0.291, 0.445, 0.508, 0.858, 1.309, 1.611, 1.621, 1.85, 2.561, 18.723]
+    assert kl_axis(default_run) == ("symlog", 2.561)
     rows = [
         {"algo": algo, "family": "tiny", "round": 0, "eta": eta, "kl": kl, "pass@1": p, "avg_reward": p}
         for algo, eta, kl, p in [

@@ -196,21 +196,23 @@ def to_csv(rows: Sequence[dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
-OUTLIER_FACTOR = 10.0  # a KL this many times the upper quartile squashes a linear axis
+OUTLIER_GAP = 0.5  # an empty stretch this large a share of the KL axis squashes the rest
+OUTLIER_SHARE = 0.25  # ... when at most this share of the points lies beyond it
 
 
 def kl_axis(kls: Sequence[float]) -> tuple[str, float | None]:
     """("linear", None), or ("symlog", linthresh) when a few KLs dwarf the rest (DPO's 18.7
-    next to guided rows at 0.1-0.5 leaves every other curve in one pixel column): linear
-    below `linthresh` (the typical KL), logarithmic above, so both stay readable."""
+    next to guided rows at 0-2.6 leaves every other curve in a sliver of the plot): the
+    axis is linear up to the largest of the rest (`linthresh`) and logarithmic above it, so
+    the curves stay readable and the outliers stay on the plot."""
     values = sorted(abs(k) for k in kls if isinstance(k, (int, float)) and math.isfinite(k))
-    if len(values) < 2:
+    if len(values) < 4 or values[-1] <= values[0]:
         return "linear", None
-    q75 = values[min(len(values) - 1, int(0.75 * len(values)))]
-    if values[-1] <= 1.0 or values[-1] <= OUTLIER_FACTOR * q75:
+    gap, cut = max((b - a, i) for i, (a, b) in enumerate(zip(values, values[1:])))
+    beyond = len(values) - 1 - cut
+    if gap < OUTLIER_GAP * (values[-1] - values[0]) or beyond > OUTLIER_SHARE * len(values):
         return "linear", None
-    positive = [v for v in values if v > 0]
-    return "symlog", max(1e-2, statistics.median(positive))
+    return "symlog", max(1e-2, values[cut])
 
 
 def plot_frontier(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> bool:
