@@ -7,6 +7,7 @@ import csv
 import json
 import logging
 import math
+import time
 
 import pytest
 
@@ -98,6 +99,20 @@ def test_progress_logs_an_eta_line_every_few_tasks(caplog):
     assert lines[0] == f"0/4 tasks, ETA {format_duration(4 * NOMINAL_S_PER_WORK)} ({WORK_UNITS})"
     assert lines[-1] == f"2/4 tasks, ETA 6 s ({THIS_RUN})"  # two left, 3 s each, one device
     assert "ETA" in progress._table().title
+
+
+def test_an_eta_line_comes_every_interval_while_no_task_ends(caplog):
+    plan = Plan()
+    plan.add(_task("long", work=100.0))
+    eta = Eta(plan.tasks, set(), TaskDurations(), _scheduler(1))
+    progress = Progress(1, ["cpu 0"], live=False, eta=eta, eta_interval_s=0.05)
+    with caplog.at_level(logging.INFO, logger="pita.progress"), progress:
+        progress.event("running", plan.tasks["long"], [0])
+        for _ in range(200):  # the ticker thread logs on its own; wait for two lines
+            if sum("ETA" in r.getMessage() for r in caplog.records) >= 3:
+                break
+            time.sleep(0.05)
+    assert sum("0/1 tasks, ETA" in r.getMessage() for r in caplog.records) >= 3
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -156,6 +157,8 @@ class Progress:
         self.started: dict[str, float] = {}  # running task -> when it started
         self._eta: tuple[float, str, float] | None = None  # (seconds left, source, computed at)
         self._eta_logged = (already_done, time.time())  # (done count, time) of the last line
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
 
     # ---- rendering -----------------------------------------------------------------------
     def _table(self):
@@ -210,6 +213,13 @@ class Progress:
             return None
         return f"{self.done}/{self.n_tasks} tasks, ETA {format_duration(left[0])} ({left[1]})"
 
+    def _tick(self) -> None:
+        """A line every eta_interval_s even while no task ends (a long training task)."""
+        while not self._stop.wait(min(self.eta_interval_s, 30.0)):
+            if time.time() - self._eta_logged[1] >= self.eta_interval_s:
+                self.update_eta()
+                self._maybe_log_eta()
+
     def _maybe_log_eta(self) -> None:
         count, at = self._eta_logged
         finished = self.done + self.failed
@@ -235,6 +245,8 @@ class Progress:
         self.update_eta()
         if self.eta is not None and self.done < self.n_tasks and self.eta_line():
             log.info("%s", self.eta_line())
+            self._ticker = threading.Thread(target=self._tick, name="pita-eta", daemon=True)
+            self._ticker.start()
         if self.live_enabled:
             from rich.live import Live
 
@@ -257,6 +269,7 @@ class Progress:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
         for h, stream in self._handlers:
             h.setStream(stream)
         if self._live is not None:
