@@ -296,3 +296,30 @@ def test_frontier_axis_turns_symlog_when_an_outlier_squashes_the_rest(tmp_path):
     ]  # fmt: skip
     assert plot_frontier(rows, tmp_path / "frontier.png")
     assert (tmp_path / "frontier.png").stat().st_size > 1000
+
+
+def test_durations_are_recorded_per_task_and_config_and_read_back(tmp_path):
+    from omegaconf import OmegaConf
+
+    from pita.experiment.timeline import duration_key, load_durations, record_durations
+
+    plan = Plan()
+    plan.add(_task("DPO.goal_walk.tiny.r0.train"))
+    _journal(
+        tmp_path / "journal.jsonl",
+        [{"ts": 1.0, "event": "task_done", "task": "DPO.goal_walk.tiny.r0.train", "wall_s": 12.5}],
+    )
+    cfg = OmegaConf.create({"experiment": {"name": "x", "seed": 0}, "training": {"lr": 1e-3}})
+    key = duration_key(cfg, "cpu")
+    cache = tmp_path / "cache" / "task_durations.json"
+    assert record_durations(tmp_path, plan.tasks, key, cache) == 1
+    task = plan.tasks["DPO.goal_walk.tiny.r0.train"]
+    assert load_durations(cache) == {key(task): 12.5}
+    other_seed = OmegaConf.create(
+        {"experiment": {"name": "x", "seed": 1}, "training": {"lr": 1e-3}}
+    )
+    assert duration_key(other_seed, "cpu")(task) == key(task)  # a seed sweep shares durations
+    other_lr = OmegaConf.create({"experiment": {"name": "x", "seed": 0}, "training": {"lr": 1e-4}})
+    assert duration_key(other_lr, "cpu")(task) != key(task)
+    assert duration_key(cfg, "cuda")(task) != key(task)
+    assert load_durations(tmp_path / "absent.json") == {}

@@ -52,6 +52,8 @@ def duration_key(cfg: Any, device_kind: str) -> Callable[[Any], str]:
     except Exception:  # a partial config in a unit test: no print, ids still distinguish
         work = {}
     work = {k: v for k, v in work.items() if k not in NOT_WORK}
+    if isinstance(work.get("experiment"), dict):  # seeds of a sweep take as long as each other
+        work["experiment"] = {k: v for k, v in work["experiment"].items() if k != "seed"}
     blob = json.dumps(work, sort_keys=True, default=str)
     print_ = hashlib.sha256(blob.encode()).hexdigest()[:12]
     return lambda t: f"{t.id}|{t.num_shards}|{t.fn}|{device_kind}|{print_}"
