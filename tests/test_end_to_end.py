@@ -42,6 +42,15 @@ def test_smoke_experiment_end_to_end(tmp_path):
     assert (run_dir / "results" / "plots" / "accuracy.png").stat().st_size > 1000
     assert "| algo |" in proc.stdout  # the table is printed at the end
     assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "plan.json").is_file()
+    # where the time went, an ETA during the run, the end lines (issue 22 item 5)
+    assert (run_dir / "results" / "timeline.png").stat().st_size > 1000
+    assert "| stage |" in (run_dir / "results" / "time.md").read_text()
+    assert (run_dir / "results" / "time.csv").is_file()
+    log = (run_dir / "run.log").read_text()
+    assert 0 <= log.find(" tasks, ETA ") < log.index("tasks done in")
+    assert "pass@1_se" in header and all(r["pass@1_se"] for r in rows)
+    tail = proc.stdout[proc.stdout.rindex("tasks done in") :]
+    assert "summary.md" in tail and "Plots:" in tail and "Columns: algo = " in tail
 
 
 @pytest.mark.slow

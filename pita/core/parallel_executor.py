@@ -26,7 +26,8 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any
 
 from pita.core.dag import Plan
@@ -341,3 +342,36 @@ class DagRunner:
         self.summary.failed[task.id] = f"{outcome.failure}: {outcome.message}"
         self.on_event("failed", task, outcome)
         self._skip_dependants(task.id, pending)
+
+
+def simulate_remaining(
+    tasks: dict[str, TaskSpec],
+    scheduler: Scheduler,
+    seconds: dict[str, float],
+    running: frozenset[str] | set[str] = frozenset(),
+) -> float:
+    """Seconds until the last of `tasks` (those not finished yet) would finish, by the same
+    event simulation as the dry run: dependencies on finished tasks are met, `running` tasks
+    are placed first (they hold their devices now) with what is left of their `seconds`.
+    An estimate for the ETA: placement of the real run may differ."""
+    sub = {
+        tid: replace(
+            t,
+            deps=[d for d in t.deps if d in tasks],
+            priority=float("inf") if tid in running else t.priority,
+        )
+        for tid, t in tasks.items()
+    }
+    _, makespan = simulate(SimpleNamespace(tasks=sub), scheduler, lambda t: seconds[t.id])
+    return makespan
+
+
+def fresh_scheduler(scheduler: Scheduler) -> Scheduler:
+    """A copy of `scheduler`'s devices and packing rule with nothing running (for the ETA's
+    simulation: memory as simulated devices, total minus the simulated reservations)."""
+    return Scheduler(
+        [DeviceState(d.index, d.total_mb, d.free_mb) for d in scheduler.devices],
+        max_tasks_per_device=scheduler.max_tasks,
+        priority=scheduler.priority,
+        simulated_memory=True,
+    )

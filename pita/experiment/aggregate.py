@@ -196,6 +196,25 @@ def to_csv(rows: Sequence[dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
+OUTLIER_GAP = 0.5  # an empty stretch this large a share of the KL axis squashes the rest
+OUTLIER_SHARE = 0.25  # ... when at most this share of the points lies beyond it
+
+
+def kl_axis(kls: Sequence[float]) -> tuple[str, float | None]:
+    """("linear", None), or ("symlog", linthresh) when a few KLs dwarf the rest (DPO's 18.7
+    next to guided rows at 0-2.6 leaves every other curve in a sliver of the plot): the
+    axis is linear up to the largest of the rest (`linthresh`) and logarithmic above it, so
+    the curves stay readable and the outliers stay on the plot."""
+    values = sorted(abs(k) for k in kls if isinstance(k, (int, float)) and math.isfinite(k))
+    if len(values) < 4 or values[-1] <= values[0]:
+        return "linear", None
+    gap, cut = max((b - a, i) for i, (a, b) in enumerate(zip(values, values[1:])))
+    beyond = len(values) - 1 - cut
+    if gap < OUTLIER_GAP * (values[-1] - values[0]) or beyond > OUTLIER_SHARE * len(values):
+        return "linear", None
+    return "symlog", max(1e-2, values[cut])
+
+
 def plot_frontier(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> bool:
     """avg reward vs KL and pass@1 vs KL; one line per (config, algo, family, round) through
     its η points. Rows are aggregated (`<m>_mean` / `<m>_std`) or a single run's (`<m>`).
@@ -263,8 +282,14 @@ def plot_frontier(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -
                         xytext=(3, 3),
                         textcoords="offset points",
                     )
+    scale, linthresh = kl_axis([get(r, "kl")[0] for r in points])
     for ax, label in zip(axes, ("avg reward", "pass@1")):
-        ax.set_xlabel("KL(π ‖ π_ref)")
+        if scale == "symlog":
+            ax.set_xscale("symlog", linthresh=linthresh)
+        ax.set_xlabel(
+            "KL(π ‖ π_ref)"
+            + (f" (symlog: linear below {linthresh:.2g})" if scale == "symlog" else "")
+        )
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7, loc="best")

@@ -36,7 +36,43 @@ COLUMNS = [
     "kl",
     "wall_s",
 ]
+# What each column means: the legend the run's last lines print (one paragraph).
+COLUMN_LEGEND = {
+    "algo": "the algorithm (reference = the reference policy itself)",
+    "dataset": "the task",
+    "family": "the model family",
+    "round": "the training round",
+    "eta": "η, the guidance strength (- for unguided rows)",
+    "n_prompts": "test prompts evaluated",
+    "samples": "completions sampled in all",
+    "pass@1": "mean correctness over all samples",
+    "maj@k": "correctness of each prompt's majority answer",
+    "avg_reward": "mean reward",
+    "kl": "Monte-Carlo KL(π‖π_ref) per sequence",
+    "wall_s": "the chain's task seconds up to this round",
+}
+SE_COLUMN = "pass@1_se"  # binomial standard error of pass@1: sqrt(p (1 - p) / samples)
+COLUMN_LEGEND[SE_COLUMN] = "its binomial standard error sqrt(p(1-p)/samples)"
 ALGO_ORDER = list(ALGO_NAMES)  # the registry table's order
+
+
+def legend(columns: list[str] | None = None) -> str:
+    """One paragraph: `column` = meaning; ... for the columns that have one."""
+    columns = columns if columns is not None else [*COLUMNS, SE_COLUMN]
+    return (
+        "Columns: "
+        + "; ".join(f"{c} = {COLUMN_LEGEND[c]}" for c in columns if c in COLUMN_LEGEND)
+        + "; further columns are the task's own metrics."
+    )
+
+
+def binomial_se(p: float, n: int) -> float | None:
+    """Standard error of a proportion p measured on n samples (None without samples)."""
+    if not isinstance(p, (int, float)) or not isinstance(n, (int, float)) or n <= 0:
+        return None
+    if math.isnan(p):
+        return None
+    return math.sqrt(max(0.0, p * (1 - p)) / n)
 
 
 def collect_rows(plan: Plan, run_dir: Path) -> list[dict]:
@@ -60,6 +96,9 @@ def collect_rows(plan: Plan, run_dir: Path) -> list[dict]:
         )
         for row in json.loads(metrics.read_text()):
             row["wall_s"] = round(chain_wall, 1)
+            se = binomial_se(row.get("pass@1"), row.get("samples"))
+            if se is not None:
+                row[SE_COLUMN] = se
             rows.append(row)
     rows.sort(
         key=lambda r: (
@@ -167,8 +206,9 @@ def write_report(cfg, plan: Plan, run_dir: Path) -> list[dict]:
     rows = collect_rows(plan, run_dir)
     if not rows:
         return rows
-    extra = sorted({k for r in rows for k in r} - set(COLUMNS) - {"eval_wall_s"})
-    columns = COLUMNS + extra
+    se = [SE_COLUMN] if any(SE_COLUMN in r for r in rows) else []
+    extra = sorted({k for r in rows for k in r} - set(COLUMNS) - {"eval_wall_s", SE_COLUMN})
+    columns = COLUMNS + se + extra
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore")
     writer.writeheader()

@@ -9,9 +9,11 @@ ran), 2 bad config, 130 interrupted (resumable).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Set as AbstractSet
 from pathlib import Path
@@ -26,6 +28,7 @@ from pita.core.journal import Journal
 from pita.core.parallel_executor import DagRunner, DeviceState, Scheduler, simulate
 from pita.core.parallel_generation import ParallelDataGenerator
 from pita.core.paths import Artifact, RunPaths, TaskPaths, atomic_write_json
+from pita.core.progress import Eta, TaskDurations, format_duration
 from pita.core.resume import completed_tasks, remove_stale_tmp
 from pita.core.run_lock import RunLock
 from pita.core.safe_files import check_folder
@@ -95,6 +98,21 @@ def build_plan(cfg: DictConfig, gpu: GPUManager) -> Plan:
     )
 
 
+def task_durations(cfg: DictConfig, gpu: GPUManager) -> TaskDurations:
+    """Expected task durations: earlier runs' recorded ones (pita/experiment/timeline.py),
+    then work units; the run adds its own finished tasks as they come."""
+    from pita.experiment.timeline import duration_key, load_durations
+
+    return TaskDurations(load_durations(), duration_key(cfg, gpu.kind))
+
+
+def estimated_wall_time(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> tuple[float, str]:
+    """(seconds, source): the plan simulated on the devices with the expected durations."""
+    durations = task_durations(cfg, gpu)
+    eta = Eta(plan.tasks, set(), durations, make_scheduler(cfg, gpu))
+    return eta.remaining({}, time.time())
+
+
 def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
     scheduler = make_scheduler(cfg, gpu)
     placement, makespan = simulate(plan, scheduler)
@@ -114,7 +132,8 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
         print(
             f"{t.id:58s} {devs:9s} {t.mem_mb / 1024:7.2f} {t.priority:6.1f}  {t.mem_source[:40]:40s} {deps}"
         )
-    print(f"Estimated makespan: {makespan:.1f} work units (critical path first).")
+    seconds, source = estimated_wall_time(plan, cfg, gpu)
+    print(f"Estimated wall time: ~{format_duration(seconds)} ({source}).")
 
 
 def check_writable(folder: Path) -> None:
@@ -220,8 +239,10 @@ def _run_locked(
         " (resumed)" if resumed else "",
     )
 
+    from pita.core.journal import read_events
     from pita.core.monitor import Monitor
     from pita.core.progress import Progress
+    from pita.experiment.timeline import done_walls
 
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(cfg_dict, dict)
@@ -235,12 +256,17 @@ def _run_locked(
         cfg.executor.monitor_interval_s,
         reservations=lambda: [sum(d.running.values()) for d in scheduler.devices],
     ).start()
+    durations = task_durations(cfg, gpu)
+    for tid, wall in done_walls(read_events(paths.journal)).items():
+        if tid in done:  # a resumed run's earlier session: this run's durations
+            durations.observe(plan.tasks[tid], wall)
     progress = Progress(
         len(plan.tasks),
         [d.label for d in gpu.devices],
         len(done),
         worker_info=executor.workers,
         live=None if cfg.executor.progress else False,
+        eta=Eta(plan.tasks, done, durations, scheduler),
     )
     from pita.experiment.estimates import PeakEstimator, peaks_cache_path
 
@@ -288,16 +314,16 @@ def _run_locked(
             except Exception:
                 pass
         executor.shutdown(kill=interrupted or lost is not None)
+        _record_durations(run_dir, plan, durations.key)
     if lost is not None:
         journal.append(
             "run_failed", reason=lost, done=len(runner.done), wall_s=round(time.time() - t0, 2)
         )
         journal.close()
         log.error(
-            "Run stopped: %s. Finished tasks are kept; resume with:\n"
-            "  python run_parallel.py resume_from=%s",
+            "Run stopped: %s. Finished tasks are kept; resume with:\n  %s",
             lost,
-            run_dir,
+            resume_command(run_dir),
         )
         return EXIT_FAILED
     end = {
@@ -310,22 +336,21 @@ def _run_locked(
         journal.append("run_interrupted", **end)
         journal.close()
         log.warning(
-            "Interrupted: workers stopped, journal flushed. Resume with:\n"
-            "  python run_parallel.py resume_from=%s",
-            run_dir,
+            "Interrupted: workers stopped, journal flushed. Resume with:\n  %s",
+            resume_command(run_dir),
         )
         return EXIT_INTERRUPTED
 
     # run_finished is journaled after the report: a report killed midway leaves a run that
     # resume_from=auto finishes (it redoes no task, it writes the report)
     reported = _report(cfg, plan, run_dir)
+    _time_report(run_dir, plan, [d.label for d in gpu.devices])
     journal.append("run_finished", **end, report=reported)
     journal.close()
     if not reported:
         log.error(
-            "The tasks are kept; fix the cause, then write the report with: "
-            "python run_parallel.py resume_from=%s",
-            run_dir,
+            "The tasks are kept; fix the cause, then write the report with: %s",
+            resume_command(run_dir),
         )
         return EXIT_FAILED
     if summary.failed or summary.skipped:
@@ -338,14 +363,12 @@ def _run_locked(
             log.error("  %s: %s", tid, why)
             tail = TaskPaths(run_dir, tid).failed(runner.attempts.get(tid, 1)) / Artifact.LOG
             if tail.is_file():
-                lines = tail.read_text(errors="replace").splitlines()
-                log.error("    log: %s (last line: %s)", tail, lines[-1] if lines else "")
-        log.error(
-            "Fix the cause, then finish the run with: python run_parallel.py resume_from=%s",
-            run_dir,
-        )
+                log.error("    log: %s (%s)", tail, last_line(tail.read_text(errors="replace")))
+        log.error("Fix the cause, then finish the run with: %s", resume_command(run_dir))
+        _end_lines(paths)
         return EXIT_FAILED
     log.info("All %d tasks done in %.1fs.", len(plan.tasks), time.time() - t0)
+    _end_lines(paths)
     return EXIT_OK
 
 
@@ -375,3 +398,69 @@ def _report(cfg: DictConfig, plan: Plan, run_dir: Path) -> bool:
         log.error("writing the report failed: %s: %s", type(exc).__name__, exc)
         return False
     return True
+
+
+def last_line(text: str) -> str:
+    """`last line: <the last non-empty line>` of a log, or that the log was empty."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    return f"last line: {lines[-1].strip()}" if lines else "the log is empty"
+
+
+def user_command(argv0: str | None = None) -> str:
+    """How the user started pita, for the hints they copy: `pita`, `python -m pita` or
+    `python run_parallel.py` (the command line as typed: PITA_COMMAND, else sys.argv)."""
+    if argv0 is None:
+        try:
+            argv0 = str(json.loads(os.environ["PITA_COMMAND"])[0])
+        except (KeyError, ValueError, TypeError, IndexError):
+            argv0 = sys.argv[0] if sys.argv else ""
+    path = Path(argv0)
+    if path.name == "__main__.py" and path.parent.name == "pita":
+        return "python -m pita"
+    if path.name in ("pita", "pita.exe"):
+        return "pita"
+    return "python run_parallel.py"
+
+
+def resume_command(run_dir: Path | str) -> str:
+    return f"{user_command()} resume_from={run_dir}"
+
+
+def _record_durations(run_dir: Path, plan: Plan, key) -> None:
+    """Keep this run's task durations for the next run's ETA (never fails the run)."""
+    from pita.experiment.timeline import record_durations
+
+    try:
+        record_durations(run_dir, plan.tasks, key)
+    except Exception as exc:
+        log.debug("recording task durations failed: %s", exc, exc_info=True)
+
+
+def _time_report(run_dir: Path, plan: Plan, labels: list[str]) -> None:
+    """results/timeline.png and the "where the time went" table, also in run.log."""
+    from pita.experiment.timeline import write_time_report
+
+    try:
+        table = write_time_report(run_dir, plan.tasks, labels)
+    except Exception as exc:
+        log.debug("time report traceback", exc_info=True)
+        log.warning("writing the time report failed: %s: %s", type(exc).__name__, exc)
+        return
+    if table:
+        log.info("%s", table)
+
+
+def _end_lines(paths: RunPaths) -> None:
+    """The run's last lines: where the results and plots are, and what the columns mean."""
+    from pita.experiment.report import legend
+
+    results = paths.results
+    if not (results / "summary.md").is_file():
+        return
+    plots = sorted(p.name for p in paths.plots.glob("*.png")) if paths.plots.is_dir() else []
+    log.info("Summary: %s (csv: summary.csv)", results / "summary.md")
+    if plots:
+        log.info("Plots: %s (%s)", paths.plots, ", ".join(plots))
+    if (results / "timeline.png").is_file():
+        log.info("Where the time went: %s, %s", results / "time.md", results / "timeline.png")
+    log.info("%s", legend())

@@ -1,0 +1,325 @@
+"""ETA and where the time went: task-duration estimates, the ETA line of a real run, the
+dry run's wall-time line, the time table and timeline, and the run's end lines."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import time
+
+import pytest
+
+from pita.core.dag import Plan
+from pita.core.parallel_executor import DeviceState, Scheduler
+from pita.core.progress import (
+    EARLIER,
+    NOMINAL_S_PER_WORK,
+    THIS_RUN,
+    WORK_UNITS,
+    Eta,
+    Progress,
+    TaskDurations,
+    format_duration,
+)
+from pita.core.tasks import TaskSpec
+from tests.conftest import run_cli, run_dirs, sleep_overrides
+
+
+def _task(tid: str, stage: str = "train", work: float = 1.0, deps=(), algo="DPO") -> TaskSpec:
+    return TaskSpec(
+        id=tid,
+        algo=algo,
+        dataset="goal_walk",
+        family="tiny",
+        round=0,
+        stage=stage,
+        fn="-",
+        deps=list(deps),
+        work=work,
+    )
+
+
+def _scheduler(n: int) -> Scheduler:
+    return Scheduler([DeviceState(i, 1000, 1000) for i in range(n)], max_tasks_per_device=1)
+
+
+def test_format_duration_reads_like_a_person_wrote_it():
+    assert format_duration(12.4) == "12 s"
+    assert format_duration(250) == "4 min 10 s"
+    assert format_duration(3900) == "1 h 05 min"
+    assert format_duration(-3) == "0 s"
+
+
+def test_durations_come_from_this_run_then_earlier_runs_then_work_units():
+    a, b = _task("a.train", work=2.0), _task("b.evaluate", stage="evaluate", work=3.0)
+    durations = TaskDurations(earlier={"b.evaluate": 7.0})
+    assert durations.estimate(a) == (2.0 * NOMINAL_S_PER_WORK, WORK_UNITS)
+    assert durations.estimate(b) == (7.0, EARLIER)
+    assert durations.rate([a, b]) == (7.0 / 3.0, EARLIER)  # earlier runs' seconds per unit
+    durations.observe(_task("c.train", work=1.0), 5.0)  # same kind as a: DPO train
+    assert durations.estimate(a) == (5.0, THIS_RUN)
+    assert durations.estimate(b) == (7.0, EARLIER)  # no evaluate finished in this run yet
+    other = _task("d.collect", stage="collect", work=4.0)
+    assert durations.estimate(other) == (20.0, THIS_RUN)  # 4 units x this run's 5 s per unit
+
+
+def test_eta_simulates_the_dag_on_the_devices():
+    """Two independent 10 s tasks then a 5 s one on both: 15 s on two devices, 25 s on one."""
+    plan = Plan()
+    plan.add(_task("x", work=10.0))
+    plan.add(_task("y", work=10.0, algo="GRPO"))
+    plan.add(_task("z", work=5.0, deps=["x", "y"], algo="PITA"))
+    durations = TaskDurations(earlier={"x": 10.0, "y": 10.0, "z": 5.0})
+    two = Eta(plan.tasks, set(), durations, _scheduler(2))
+    assert two.remaining({}, 0.0) == (15.0, EARLIER)
+    assert Eta(plan.tasks, set(), durations, _scheduler(1)).remaining({}, 0.0)[0] == 25.0
+    two.finished.add("x")  # x done; y has run 4 s of its 10
+    assert two.remaining({"y": 100.0}, 104.0) == (11.0, EARLIER)
+    two.finished.update({"y", "z"})
+    assert two.remaining({}, 0.0)[0] == 0.0
+
+
+def test_progress_logs_an_eta_line_every_few_tasks(caplog):
+    plan = Plan()
+    for i in range(4):
+        plan.add(_task(f"t{i}", work=1.0))
+    eta = Eta(plan.tasks, set(), TaskDurations(), _scheduler(1))
+    progress = Progress(4, ["cpu 0"], live=False, eta=eta, eta_every=2)
+
+    class Outcome:
+        wall_s, result = 3.0, {}
+
+    with caplog.at_level(logging.INFO, logger="pita.progress"), progress:
+        for i in range(3):
+            progress.event("running", plan.tasks[f"t{i}"], [0])
+            progress.event("done", plan.tasks[f"t{i}"], Outcome())
+    lines = [r.getMessage() for r in caplog.records if "ETA" in r.getMessage()]
+    assert lines[0] == f"0/4 tasks, ETA {format_duration(4 * NOMINAL_S_PER_WORK)} ({WORK_UNITS})"
+    assert lines[-1] == f"2/4 tasks, ETA 6 s ({THIS_RUN})"  # two left, 3 s each, one device
+    assert "ETA" in progress._table().title
+
+
+def test_an_eta_line_comes_every_interval_while_no_task_ends(caplog):
+    plan = Plan()
+    plan.add(_task("long", work=100.0))
+    eta = Eta(plan.tasks, set(), TaskDurations(), _scheduler(1))
+    progress = Progress(1, ["cpu 0"], live=False, eta=eta, eta_interval_s=0.05)
+    with caplog.at_level(logging.INFO, logger="pita.progress"), progress:
+        progress.event("running", plan.tasks["long"], [0])
+        for _ in range(200):  # the ticker thread logs on its own; wait for two lines
+            if sum("ETA" in r.getMessage() for r in caplog.records) >= 3:
+                break
+            time.sleep(0.05)
+    assert sum("0/1 tasks, ETA" in r.getMessage() for r in caplog.records) >= 3
+
+
+@pytest.mark.slow
+def test_a_real_run_logs_its_eta_and_ends_with_the_time_table(tmp_path):
+    """Sleep stages on fake:2: run.log has an ETA line before the end, results/ the timeline
+    and the time table; a dry run afterwards estimates from the recorded durations."""
+    env = {"PITA_TEST_SLEEP": "0.1", "PITA_CACHE_DIR": str(tmp_path / "cache")}
+    args = [
+        "experiment=smoke",
+        "system.devices=fake:2",
+        "executor.progress=false",
+        *sleep_overrides(),
+    ]
+    proc = run_cli(args, tmp_path, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [run_dir] = run_dirs(tmp_path, "smoke")
+    log = (run_dir / "run.log").read_text()
+    end = log.index("All 45 tasks done")
+    eta_at = log.find(" tasks, ETA ")
+    assert 0 <= eta_at < end, log[-3000:]
+    assert "(from work units: no earlier run)" in log or "(from this run's durations)" in log
+    results = run_dir / "results"
+    assert (results / "timeline.png").stat().st_size > 1000
+    time_md = (results / "time.md").read_text()
+    assert "| stage |" in time_md and "| device |" in time_md
+    with open(results / "time.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["section"] for r in rows} == {"stage", "chain", "device"}
+    assert sum(int(r["tasks"]) for r in rows if r["section"] == "stage") == 45
+    assert "Where the time went" in log
+    assert json.loads((tmp_path / "cache" / "task_durations.json").read_text())
+
+    dry = run_cli([*args, "dry_run=true"], tmp_path, env=env, timeout=120)
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    assert "Estimated wall time: ~" in dry.stdout
+    assert "(from earlier runs' durations)" in dry.stdout
+
+
+def test_dry_run_prints_an_estimated_wall_time_from_work_units(tmp_path):
+    env = {"PITA_CACHE_DIR": str(tmp_path / "cache")}
+    proc = run_cli(["experiment=smoke", "dry_run=true"], tmp_path, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("Estimated wall time"))
+    assert line.endswith("(from work units: no earlier run).")
+    assert "work units:" in line and "makespan" not in proc.stdout
+
+
+# --- time table and timeline ----------------------------------------------------------------
+
+
+def _journal(path, events):
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+def test_time_table_per_stage_chain_and_device_from_the_journal(tmp_path):
+    from pita.experiment.timeline import spans, time_rows, write_time_report
+
+    plan = Plan()
+    plan.add(_task("DPO.goal_walk.tiny.r0.train"))
+    plan.add(_task("DPO.goal_walk.tiny.r0.evaluate", stage="evaluate"))
+    plan.add(_task("GRPO.goal_walk.tiny.r0.train", algo="GRPO"))
+    events = [
+        {"ts": 100.0, "event": "run_started"},
+        {"ts": 100.0, "event": "task_running", "task": "DPO.goal_walk.tiny.r0.train", "devices": [0]},
+        {"ts": 100.0, "event": "task_running", "task": "GRPO.goal_walk.tiny.r0.train", "devices": [1]},
+        {"ts": 106.0, "event": "task_done", "task": "DPO.goal_walk.tiny.r0.train", "wall_s": 6.0},
+        {"ts": 106.0, "event": "task_running", "task": "DPO.goal_walk.tiny.r0.evaluate", "devices": [0]},
+        {"ts": 108.0, "event": "task_failed", "task": "GRPO.goal_walk.tiny.r0.train"},
+        {"ts": 110.0, "event": "task_done", "task": "DPO.goal_walk.tiny.r0.evaluate", "wall_s": 4.0},
+        {"ts": 110.0, "event": "run_finished"},
+    ]  # fmt: skip
+    all_spans, wall = spans(events, plan.tasks)
+    assert wall == 10.0 and len(all_spans) == 3
+    rows = {(r["section"], r["name"]): r for r in time_rows(all_spans, wall, ["GPU 0", "GPU 1"])}
+    assert rows[("stage", "train")]["seconds"] == 14.0
+    assert rows[("stage", "train")]["failed_s"] == 8.0
+    assert rows[("stage", "train")]["share_%"] == 77.8  # 14 of 18 task seconds
+    assert rows[("chain", "DPO.goal_walk.tiny")]["seconds"] == 10.0
+    assert rows[("device", "GPU 0")]["share_%"] == 100.0
+    assert rows[("device", "GPU 1")]["share_%"] == 80.0
+
+    (tmp_path / "journal.jsonl").write_text("")
+    _journal(tmp_path / "journal.jsonl", events)
+    table = write_time_report(tmp_path, plan.tasks, ["GPU 0", "GPU 1"])
+    assert "| train | 2 | 14.0 | 77.8 % | 8.0 |" in table
+    assert (tmp_path / "results" / "timeline.png").stat().st_size > 1000
+    assert (tmp_path / "results" / "time.csv").is_file()
+
+
+def test_busy_time_of_packed_tasks_is_their_union():
+    from pita.experiment.timeline import _busy
+
+    assert _busy([(0, 4), (2, 6), (8, 9)]) == 7
+
+
+# --- end lines, failure summary, resume hint ------------------------------------------------
+
+
+def test_failure_summary_never_prints_an_empty_last_line():
+    from pita.experiment.run import last_line
+
+    assert last_line("") == "the log is empty"
+    assert last_line("\n  \n") == "the log is empty"
+    assert last_line("step 1\nValueError: boom\n\n   \n") == "last line: ValueError: boom"
+
+
+@pytest.mark.parametrize(
+    "argv0, command",
+    [
+        ("/home/me/.venv/bin/pita", "pita"),
+        ("/repo/pita/__main__.py", "python -m pita"),
+        ("run_parallel.py", "python run_parallel.py"),
+    ],
+)
+def test_resume_hint_says_the_command_the_user_ran(monkeypatch, argv0, command):
+    from pita.experiment.run import resume_command
+
+    monkeypatch.setenv("PITA_COMMAND", json.dumps([argv0, "experiment=smoke"]))
+    assert resume_command("outputs/smoke/x") == f"{command} resume_from=outputs/smoke/x"
+
+
+def test_legend_names_every_results_column_once():
+    from pita.experiment.report import COLUMNS, SE_COLUMN, legend
+
+    text = legend()
+    for column in [*COLUMNS, SE_COLUMN]:
+        assert text.count(f"{column} = ") == 1, column
+
+
+# --- pass@1 standard error and the frontier plot ---------------------------------------------
+
+
+def test_single_run_pass_at_1_carries_its_binomial_standard_error(tmp_path):
+    from pita.core.paths import Artifact, RunPaths
+    from pita.experiment.report import COLUMNS, write_report
+
+    plan = Plan()
+    plan.add(_task("DPO.goal_walk.tiny.r0.evaluate", stage="evaluate_merge"))
+    folder = RunPaths(tmp_path).task("DPO.goal_walk.tiny.r0.evaluate").final
+    folder.mkdir(parents=True)
+    row = {
+        "algo": "DPO",
+        "dataset": "goal_walk",
+        "family": "tiny",
+        "round": 0,
+        "eta": None,
+        "n_prompts": 10,
+        "samples": 40,
+        "pass@1": 0.25,
+        "maj@k": 0.3,
+        "avg_reward": 0.25,
+        "kl": 0.5,
+    }
+    (folder / Artifact.METRICS).write_text(json.dumps([row]))
+    write_report(None, plan, tmp_path)
+    with open(tmp_path / "results" / "summary.csv") as f:
+        [out] = list(csv.DictReader(f))
+    assert list(out)[: len(COLUMNS)] == COLUMNS  # today's columns first, unchanged
+    assert math.isclose(float(out["pass@1_se"]), math.sqrt(0.25 * 0.75 / 40))  # 0.06847
+    assert "pass@1_se" in (tmp_path / "results" / "summary.md").read_text()
+
+
+def test_frontier_axis_turns_symlog_when_an_outlier_squashes_the_rest(tmp_path):
+    from pita.experiment.aggregate import kl_axis, plot_frontier
+
+    assert kl_axis([0.0, 0.1, 0.2, 0.3, 0.5]) == ("linear", None)
+    assert kl_axis([0.0, 0.05, 0.4]) == ("linear", None)  # three points: nothing to squash
+    assert kl_axis([0.1, 0.2, 5.0, 5.5, 6.0]) == ("linear", None)  # two groups, not outliers
+    assert kl_axis([0.0, 0.1, 0.2, 0.3, 0.4, 18.7]) == ("symlog", 0.4)
+    # the default experiment's run (issue 22): DPO's 18.7 next to guided rows up to 2.56
+    default_run = [0.0, 0.291, 0.445, 0.508, 0.858, 1.309, 1.611, 1.621, 1.85, 2.561, 18.723]
+    assert kl_axis(default_run) == ("symlog", 2.561)
+    rows = [
+        {"algo": algo, "family": "tiny", "round": 0, "eta": eta, "kl": kl, "pass@1": p, "avg_reward": p}
+        for algo, eta, kl, p in [
+            ("QSharp", 1.0, 0.1, 0.4),
+            ("QSharp", 5.0, 0.4, 0.6),
+            ("PITA", 1.0, 0.2, 0.45),
+            ("DPO", None, 18.7, 0.7),
+        ]
+    ]  # fmt: skip
+    assert plot_frontier(rows, tmp_path / "frontier.png")
+    assert (tmp_path / "frontier.png").stat().st_size > 1000
+
+
+def test_durations_are_recorded_per_task_and_config_and_read_back(tmp_path):
+    from omegaconf import OmegaConf
+
+    from pita.experiment.timeline import duration_key, load_durations, record_durations
+
+    plan = Plan()
+    plan.add(_task("DPO.goal_walk.tiny.r0.train"))
+    _journal(
+        tmp_path / "journal.jsonl",
+        [{"ts": 1.0, "event": "task_done", "task": "DPO.goal_walk.tiny.r0.train", "wall_s": 12.5}],
+    )
+    cfg = OmegaConf.create({"experiment": {"name": "x", "seed": 0}, "training": {"lr": 1e-3}})
+    key = duration_key(cfg, "cpu")
+    cache = tmp_path / "cache" / "task_durations.json"
+    assert record_durations(tmp_path, plan.tasks, key, cache) == 1
+    task = plan.tasks["DPO.goal_walk.tiny.r0.train"]
+    assert load_durations(cache) == {key(task): 12.5}
+    other_seed = OmegaConf.create(
+        {"experiment": {"name": "x", "seed": 1}, "training": {"lr": 1e-3}}
+    )
+    assert duration_key(other_seed, "cpu")(task) == key(task)  # a seed sweep shares durations
+    other_lr = OmegaConf.create({"experiment": {"name": "x", "seed": 0}, "training": {"lr": 1e-4}})
+    assert duration_key(other_lr, "cpu")(task) != key(task)
+    assert duration_key(cfg, "cuda")(task) != key(task)
+    assert load_durations(tmp_path / "absent.json") == {}
