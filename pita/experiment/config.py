@@ -155,7 +155,10 @@ class LoggerConfig:
         "W&B mode: offline (sync later with `wandb sync`) | online | disabled.", "offline"
     )
     tracking_uri: Optional[str] = _help(
-        "MLflow tracking URI (None = a file store in <run>/logs/mlruns).", None
+        "MLflow tracking URI (None = a sqlite store in <run>/logs/mlflow/mlflow.db).", None
+    )
+    tags: List[str] = _help(
+        "Tags of every tracked run (W&B tags, MLflow tags, TensorBoard text).", []
     )
 
 
