@@ -191,3 +191,82 @@ def test_unknown_logger_lists_the_options(tmp_path):
         "logger=tensorbord: no such logger config; available: csv, mlflow, none, tensorboard, wandb"
         in done.stderr
     )
+
+
+def test_metric_names_are_legal_everywhere_and_result_tags_keep_rows_apart():
+    """One sanitizer for every backend (MLflow refuses `eta=0` and `pass@1`); the results'
+    tags carry every column that tells rows apart: two reference rows differ only by their
+    sampling rule and must not share a curve."""
+    from pita.experiment.report import RESULT_METRICS, result_tag
+    from pita.training.tracking import metric_name
+
+    assert metric_name("eta=0") == "eta_0" and metric_name("pass@1") == "pass_at_1"
+    assert metric_name("top-2, T=1") == "top-2_T_1" and metric_name("train/loss") == "train/loss"
+    row = {"dataset": "goal_walk", "family": "tiny", "algo": "reference", "round": 0, "eta": 0.0}
+    full, top2 = {**row, "sampling": "full, T=1"}, {**row, "sampling": "top-2, T=1"}
+    tags = [result_tag(r, m) for r in (full, top2) for m in RESULT_METRICS]
+    assert len(set(tags)) == len(tags) == 2 * len(RESULT_METRICS)
+    assert (
+        result_tag(top2, "pass@1") == "results/goal_walk/tiny/reference/top-2_T_1/eta_0/pass_at_1"
+    )
+    assert result_tag({**full, "eta": None}, "kl") == "results/goal_walk/tiny/reference/full_T_1/kl"
+    validation = pytest.importorskip("mlflow.utils.validation")
+    for tag in tags:  # the strictest backend accepts every one
+        validation._validate_metric_name(tag)
+
+
+def test_config_is_flattened_into_params_every_backend_takes():
+    from pita.training.tracking import PARAM_VALUE_CHARS, flat_params
+
+    params = flat_params(
+        {"training": {"lr": 0.1, "on": True, "x": None}, "tags": ["a"], "s": "y" * 999}
+    )
+    assert params["training.lr"] == 0.1 and params["training.on"] == "True"
+    assert params["training.x"] == "None" and params["tags"] == "['a']"
+    assert len(params["s"]) == PARAM_VALUE_CHARS and params["s"].endswith("...")
+
+
+def test_a_failing_tracker_is_one_warning_never_an_exception(tmp_path, caplog):
+    """A tracker that cannot open (a bad MLflow URI) or log (a backend raising) costs the
+    task nothing: one WARNING naming the backend, then silence."""
+    import importlib.util
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from pita.training.tracking import SafeTracker, Tracker, open_tracker
+
+    class Broken(Tracker):
+        backend = "broken"
+
+        def log(self, metrics, step):
+            raise OSError("disk full")
+
+        def close(self):
+            raise OSError("disk full")
+
+    log = logging.getLogger("pita.task.test")
+    has_mlflow = importlib.util.find_spec("mlflow") is not None
+    with caplog.at_level(logging.WARNING, logger="pita.task.test"):
+        tracker = SafeTracker(Broken(), log)
+        tracker.start_step = 3
+        for step in range(3):
+            tracker.log({"train/loss": 1.0}, step)
+        tracker.close()
+        assert tracker.inner.start_step == 3
+        if has_mlflow:
+            cfg = OmegaConf.create(
+                {
+                    "experiment": {"name": "t"},
+                    "logger": {"backend": "mlflow", "tracking_uri": "nosuchscheme://x"},
+                }
+            )
+            bad = open_tracker(cfg, tmp_path, "task", logger=log)
+            bad.log({"train/loss": 1.0}, 1)
+            bad.close()
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 + has_mlflow, warnings
+    assert (
+        warnings[0].startswith("logger.backend=broken: log failed") and "disk full" in warnings[0]
+    )
+    assert not has_mlflow or warnings[1].startswith("logger.backend=mlflow: open failed")
