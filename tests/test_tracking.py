@@ -67,6 +67,8 @@ def _wandb(run: Path) -> dict[str, dict[str, list[float]]]:
     """{run name: {key: values}} of the offline W&B runs, checking one per tracker."""
     import json
 
+    from pita.training.tracking import wandb_run_id
+
     out = {}
     runs = sorted((run / "logs" / "wandb" / "wandb").glob("offline-run-*"))
     for folder in runs:
@@ -84,6 +86,7 @@ def _wandb(run: Path) -> dict[str, dict[str, list[float]]]:
                     key = item.key or "/".join(item.nested_key)
                     history.setdefault(key, []).append(json.loads(item.value_json))
         assert name not in out, f"two W&B runs named {name}"
+        assert folder.name.endswith(f"-{wandb_run_id(run, name)}")  # every attempt: one run id
         out[name] = history
     assert len(out) == len(runs)
     return out

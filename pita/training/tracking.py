@@ -239,6 +239,15 @@ class CsvTracker(Tracker):
         atomic_write_text(self.path, "\n".join(lines) + "\n")
 
 
+def wandb_run_id(run_dir: str | Path, name: str) -> str:
+    """A W&B run id fixed by (run folder, task): every attempt of a task (a retry, `resume_from`)
+    logs to the same W&B run (offline: one `offline-run-*-<id>` folder per attempt, which
+    `wandb sync` uploads into that run)."""
+    import hashlib
+
+    return hashlib.sha1(f"{Path(run_dir).resolve()}/{name}".encode()).hexdigest()[:16]
+
+
 class WandbTracker(Tracker):
     """One W&B run. Offline unless `logger.mode=online`: `WANDB_MODE` and the API key are
     never consulted then, so no key is needed and nothing prompts; the console is not
@@ -253,6 +262,7 @@ class WandbTracker(Tracker):
         group: str,
         cfg: Mapping,
         config: Mapping[str, Any] | None = None,
+        run_id: str | None = None,
     ):
         super().__init__()
         import wandb
@@ -272,6 +282,8 @@ class WandbTracker(Tracker):
                 config=dict(config or {}),
                 dir=str(folder),
                 mode=mode,  # type: ignore[arg-type]
+                id=run_id,  # a retried task's attempts share the run id
+                resume="allow",
                 reinit="create_new",  # one run per tracker, never the process's current run
                 settings=settings,
             )
@@ -302,8 +314,8 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 class MlflowTracker(Tracker):
-    """One MLflow run per task (a retried task reopens its run); params, tags, metrics in
-    batches (one transaction per step)."""
+    """One MLflow run per task (a retried task reopens its run); params, tags, and the
+    metrics in batches (at most every 5 s, and at `close`)."""
 
     backend = "mlflow"
 
@@ -322,6 +334,8 @@ class MlflowTracker(Tracker):
         import mlflow
 
         self.lock = lock
+        self._pending: list[Any] = []
+        self._flushed = 0.0  # the first step goes out at once: the run shows up
         self.client = mlflow.MlflowClient(tracking_uri=uri)
         with self._locked():
             self.run_id = self._run(experiment, name, artifacts, dict(tags or {}))
@@ -358,13 +372,23 @@ class MlflowTracker(Tracker):
 
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
-        batch = [Metric(k, v, now, step) for k, v in _numeric(metrics).items()]
+        now = time.time()
+        self._pending += [Metric(k, v, int(now * 1000), step) for k, v in _numeric(metrics).items()]
+        if len(self._pending) >= 1000 or now - self._flushed >= 5.0:
+            self._flush()
+
+    def _flush(self) -> None:
+        """One transaction for what the last seconds logged (a sqlite write per optimizer
+        step would cost tens of ms each)."""
+        import time
+
+        batch, self._pending, self._flushed = self._pending, [], time.time()
         with self._locked():
-            for i in range(0, len(batch), 1000):
+            for i in range(0, len(batch), 1000):  # MLflow takes at most 1000 metrics per batch
                 self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
 
     def close(self) -> None:
+        self._flush()
         with self._locked():
             self.client.set_terminated(self.run_id)
 
@@ -432,7 +456,8 @@ def _backend_tracker(cfg: Any, lcfg: Mapping, backend: str, run_dir: str | Path,
     experiment = str(cfg.experiment.name) if hasattr(cfg, "experiment") else "pita"
     group = run_group(run_dir, experiment)
     if backend == "wandb":
-        return WandbTracker(log_dir(run_dir, backend), name, group, lcfg, config_dict(cfg))
+        folder, run_id = log_dir(run_dir, backend), wandb_run_id(run_dir, name)
+        return WandbTracker(folder, name, group, lcfg, config_dict(cfg), run_id)
     if backend == "mlflow":
         folder = log_dir(run_dir, backend)
         own_store = not lcfg.get("tracking_uri")
