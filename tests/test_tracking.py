@@ -273,3 +273,27 @@ def test_a_failing_tracker_is_one_warning_never_an_exception(tmp_path, caplog):
         warnings[0].startswith("logger.backend=broken: log failed") and "disk full" in warnings[0]
     )
     assert not has_mlflow or warnings[1].startswith("logger.backend=mlflow: open failed")
+
+
+def test_wandb_online_without_a_key_is_a_warning_not_a_prompt(tmp_path, monkeypatch, caplog):
+    """`logger.mode=online` with no API key anywhere: one WARNING naming what is missing
+    (a worker must never block on wandb's interactive login)."""
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from pita.training.tracking import open_tracker
+
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    cfg = OmegaConf.create(
+        {"experiment": {"name": "t"}, "logger": {"backend": "wandb", "mode": "online"}}
+    )
+    with caplog.at_level(logging.WARNING, logger="pita.task.test"):
+        tracker = open_tracker(cfg, tmp_path, "task", logger=logging.getLogger("pita.task.test"))
+        tracker.log({"train/loss": 1.0}, 1)
+        tracker.close()
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "logger.backend=wandb: open failed" in warning and "needs a W&B API key" in warning

@@ -269,6 +269,11 @@ class WandbTracker(Tracker):
 
         folder.mkdir(parents=True, exist_ok=True)
         mode = str(cfg.get("mode") or "offline")
+        if mode == "online" and not wandb.login(prompt=False, verify=False):  # never a prompt
+            raise RuntimeError(
+                "logger.mode=online needs a W&B API key (`wandb login` or WANDB_API_KEY); "
+                "logger.mode=offline needs none"
+            )
         with scoped_env({"WANDB_MODE": mode}):  # logger.mode wins over an exported WANDB_MODE
             settings = wandb.Settings(
                 console="off", silent=True, disable_git=True, x_disable_stats=True
