@@ -297,3 +297,32 @@ def test_wandb_online_without_a_key_is_a_warning_not_a_prompt(tmp_path, monkeypa
         tracker.close()
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "logger.backend=wandb: open failed" in warning and "needs a W&B API key" in warning
+
+
+def test_mlflow_retry_reopens_the_tasks_run_in_the_runs_sqlite_store(tmp_path):
+    """A retried task (a second `open_tracker` of one name) logs into its first MLflow run:
+    one run per task, params logged once, metrics of both attempts, in
+    `<run>/logs/mlflow/mlflow.db` with the artifacts beside it."""
+    mlflow = pytest.importorskip("mlflow")
+    from omegaconf import OmegaConf
+
+    from pita.training.tracking import mlflow_uri, open_tracker
+
+    cfg = OmegaConf.create(
+        {"experiment": {"name": "t"}, "logger": {"backend": "mlflow", "tags": ["x y"]}}
+    )
+    for attempt in range(2):
+        tracker = open_tracker(cfg, tmp_path, "task")
+        tracker.log({"train/loss": 1.0, "eval@k": 2.0}, attempt + 1)
+        tracker.close()
+        assert not tracker.failed
+    uri = mlflow_uri(cfg.logger, tmp_path)
+    assert uri == f"sqlite:///{tmp_path.resolve()}/logs/mlflow/mlflow.db"
+    client = mlflow.MlflowClient(uri)
+    exp = client.get_experiment_by_name("t")
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.info.run_name == "task" and run.info.status == "FINISHED"
+    assert run.data.params["logger.backend"] == "mlflow" and run.data.tags["x_y"] == "true"
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [m.step for m in history] == [1, 2] and "eval_at_k" in run.data.metrics
+    assert exp.artifact_location == (tmp_path / "logs" / "mlflow" / "artifacts").resolve().as_uri()
