@@ -85,9 +85,11 @@ _ILLEGAL = re.compile(r"[^A-Za-z0-9_\-./]+")
 
 
 def metric_name(key: str) -> str:
-    """`key` legal in every backend: MLflow takes only letters, digits, `_ - . / : space`
-    (`eta=0` is refused), W&B and TensorBoard take those too. `@` becomes `_at_`, any other
-    run of illegal characters one `_` (`eta=0` -> `eta_0`, `top-2, T=1` -> `top-2_T_1`)."""
+    """`key` legal in every backend (and a readable path): MLflow, the strictest, takes
+    only letters, digits, `_ - . / : space` and refuses `eta=0`; kept are letters, digits
+    and `_ - . /`. `@` becomes `_at_`, any other run of characters one `_` (`eta=0` ->
+    `eta_0`, `pass@1` -> `pass_at_1`, `top-2, T=1` -> `top-2_T_1`). Params and tag keys
+    go through it too."""
     name = _ILLEGAL.sub("_", str(key).replace("@", "_at_")).strip("_")
     return name[:PARAM_KEY_CHARS] or "_"
 
@@ -115,8 +117,8 @@ def config_dict(cfg: Any) -> dict[str, Any]:
 
 def flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str | int | float]:
     """`{"a": {"b": 1}}` -> `{"a.b": 1}`: the params / hparams every backend takes. Lists
-    become their string; strings are cut at `PARAM_VALUE_CHARS` (MLflow's limit), keys at
-    `PARAM_KEY_CHARS`; None becomes "None" (TensorBoard's hparams take no None)."""
+    become their string; strings are cut at `PARAM_VALUE_CHARS` (MLflow's limit), keys
+    sanitized (`metric_name`); None becomes "None" (TensorBoard's hparams take no None)."""
     out: dict[str, str | int | float] = {}
     for key, value in config.items():
         name = f"{prefix}{key}"
@@ -127,7 +129,7 @@ def flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str | 
             value = str(value)
             if len(value) > PARAM_VALUE_CHARS:
                 value = value[: PARAM_VALUE_CHARS - 3] + "..."
-        out[name[:PARAM_KEY_CHARS]] = value
+        out[metric_name(name)] = value
     return out
 
 
