@@ -152,7 +152,8 @@ class LoggerConfig:
     )
     project: str = _help("W&B project name.", "pita")
     mode: str = _help(
-        "W&B mode: offline (sync later with `wandb sync`) | online | disabled.", "offline"
+        "W&B mode: offline (no API key; `wandb sync` later) | online | disabled (wins over WANDB_MODE).",
+        "offline",
     )
     tracking_uri: Optional[str] = _help(
         "MLflow tracking URI (None = a sqlite store in <run>/logs/mlflow/mlflow.db).", None
