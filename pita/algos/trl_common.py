@@ -5,9 +5,9 @@
   runs on. TRL's own defaults are tuned for GPUs (bf16 on, gradient checkpointing on); here
   bf16 / fp16 are used only on CUDA and only as `training.mixed_precision` /
   `training.precision_type` say, gradient checkpointing only when
-  `training.gradient_checkpointing` is on, `use_cpu` on CPU, `report_to="none"` (the task's
-  `logger.backend` tracker gets TRL's logs: pita/training/tracking.py), no hub, Trainer
-  checkpoints only every `training.checkpoint_every` steps / `checkpoint_every_minutes` into the task's
+  `training.gradient_checkpointing` is on, `use_cpu` on CPU, `report_to="none"` (TRL's logs
+  go to the task's tracker, pita/training/tracking.py), no hub, Trainer checkpoints only every
+  `training.checkpoint_every` steps / `checkpoint_every_minutes` into the task's
   `tasks/<id>.checkpoints/` (a retry resumes from the newest with
   `resume_from_checkpoint`; the stage itself saves the final model with `save_pretrained`),
   and a constant learning rate without warmup (so a learning-rate sweep means what it says).

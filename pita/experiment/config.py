@@ -152,7 +152,7 @@ class LoggerConfig:
     )
     project: str = _help("W&B project name.", "pita")
     mode: str = _help(
-        "W&B mode: offline (no API key; `wandb sync` later) | online | disabled (wins over WANDB_MODE).",
+        "W&B mode: offline (no API key; `wandb sync` later) | online | disabled. Beats WANDB_MODE.",
         "offline",
     )
     tracking_uri: Optional[str] = _help(
