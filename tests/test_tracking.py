@@ -9,6 +9,14 @@ import pytest
 
 from tests.conftest import only, run_cli, run_dirs
 
+SMOKE = [  # a pita-native training (pretrain, Q# value model) and a TRL one (GRPO), results
+    "experiment=smoke",
+    *only("QSharp", "GRPO"),
+    "executor.progress=false",
+    "pretrain.steps=30",
+    "logger.tags=[smoke_test,ci]",
+]
+
 
 def _scalars(folder: Path) -> dict[str, list[float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -18,39 +26,131 @@ def _scalars(folder: Path) -> dict[str, list[float]]:
     return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+def _tensorboard(run: Path) -> dict[str, dict[str, list[float]]]:
+    """{task: {tag: values}} of the event files, checking the hparams and tags each holds."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = {}
+    for folder in sorted((run / "logs" / "tensorboard").iterdir()):
+        acc = EventAccumulator(str(folder))
+        acc.Reload()
+        assert "_hparams_/session_start_info" in acc.PluginTagToContent("hparams"), folder
+        assert "tags/text_summary" in acc.Tags()["tensors"], folder  # logger.tags
+        out[folder.name] = {t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+    return out
+
+
+def _wandb_records(path: Path):
+    """The records of an offline run's `.wandb` file (wandb's LevelDB-style log: 32 KiB
+    blocks, 7-byte record headers; wandb 0.2x+ ships no Python reader for it)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, chunks = path.read_bytes(), 7, []  # 7: the ":W&B" header, magic, version
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
+        if left < 7 or (length == 0 and kind == 0):  # block padding
+            pos += left
+            continue
+        chunks.append(data[pos + 7 : pos + 7 + length])
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST
+            record = pb.Record()
+            record.ParseFromString(b"".join(chunks))
+            chunks = []
+            yield record
+
+
+def _wandb(run: Path) -> dict[str, dict[str, list[float]]]:
+    """{run name: {key: values}} of the offline W&B runs, checking one per tracker."""
+    import json
+
+    from pita.training.tracking import wandb_run_id
+
+    out = {}
+    runs = sorted((run / "logs" / "wandb" / "wandb").glob("offline-run-*"))
+    for folder in runs:
+        (path,) = folder.glob("run-*.wandb")
+        name, history = None, {}
+        for record in _wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                name = record.run.display_name
+                assert record.run.run_group == f"smoke/{run.name}"
+                assert list(record.run.tags) == ["smoke_test", "ci"]
+                assert {u.key for u in record.run.config.update} >= {"training", "logger"}
+            elif kind == "history":
+                for item in record.history.item:
+                    key = item.key or "/".join(item.nested_key)
+                    history.setdefault(key, []).append(json.loads(item.value_json))
+        assert name not in out, f"two W&B runs named {name}"
+        assert folder.name.endswith(f"-{wandb_run_id(run, name)}")  # every attempt: one run id
+        out[name] = history
+    assert len(out) == len(runs)
+    return out
+
+
+def _mlflow(run: Path) -> dict[str, dict[str, list[float]]]:
+    """{run name: {key: values}} read back with `MlflowClient` from the run's sqlite store."""
+    import mlflow
+
+    db = run / "logs" / "mlflow" / "mlflow.db"
+    client = mlflow.MlflowClient(f"sqlite:///{db}")
+    exp = client.get_experiment_by_name("smoke")
+    assert exp.artifact_location.startswith((run / "logs" / "mlflow").as_uri())
+    out = {}
+    for r in client.search_runs([exp.experiment_id]):
+        assert r.info.status == "FINISHED" and r.data.tags["ci"] == "true"
+        assert (
+            r.data.params["logger.backend"] == "mlflow"
+            and "training.max_grad_norm" in r.data.params
+        )
+        assert r.info.run_name not in out, f"two MLflow runs named {r.info.run_name}"
+        out[r.info.run_name] = {
+            k: [m.value for m in client.get_metric_history(r.info.run_id, k)]
+            for k in r.data.metrics
+        }
+    return out
+
+
+READ_BACK = {"tensorboard": _tensorboard, "wandb": _wandb, "mlflow": _mlflow}
+
+
 @pytest.mark.slow
-def test_tensorboard_logger_records_pretrain_value_grpo_and_results(tmp_path):
-    done = run_cli(
-        [
-            "experiment=smoke",
-            *only("QSharp", "GRPO"),
-            "logger=tensorboard",
-            "executor.progress=false",
-            "pretrain.steps=30",
-        ],
-        cwd=tmp_path,
-    )
+@pytest.mark.parametrize("backend", ["tensorboard", "wandb", "mlflow"])
+def test_smoke_under_each_logger_reads_pretrain_value_grpo_and_results_back(
+    tmp_path, monkeypatch, backend
+):
+    """`experiment=smoke` under each tracker, with the current releases: no failed task,
+    one tracked run per task (W&B offline with no API key, even with WANDB_MODE=online
+    exported; MLflow 3 on the run's own sqlite store), each with the config and the tags,
+    and every training step and result read back through the backend's own reader."""
+    pytest.importorskip(backend)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    env = {"WANDB_MODE": "online"} if backend == "wandb" else {}  # logger.mode=offline wins
+    done = run_cli([*SMOKE, f"logger={backend}"], cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     run = run_dirs(tmp_path, "smoke")[0]
-    tb = run / "logs" / "tensorboard"
-    pretrain = _scalars(tb / "pretrain.goal_walk.tiny")
-    assert (
-        len(pretrain["train/loss"]) == 30
-        and "train/lr" in pretrain
-        and "perf/step_time_s" in pretrain
+    logs = (run / "run.log").read_text() + "".join(
+        p.read_text() for p in run.glob("tasks/*/log.txt")
     )
-    value = _scalars(tb / "QSharp.goal_walk.tiny.r0.train")
+    assert f"logger.backend={backend}" not in logs  # no tracker WARNING anywhere
+    tracked = READ_BACK[backend](run)
+    trained = {"pretrain.goal_walk.tiny", "QSharp.goal_walk.tiny.r0.train"}
+    assert set(tracked) == trained | {"GRPO.goal_walk.tiny.r0.train", "results"}
+    pretrain = tracked["pretrain.goal_walk.tiny"]
+    assert len(pretrain["train/loss"]) == 30 and "train/lr" in pretrain
+    assert "perf/step_time_s" in pretrain
+    value = tracked["QSharp.goal_walk.tiny.r0.train"]
     assert len(value["train/loss"]) == 20 and "train/accuracy" in value
-    grpo = _scalars(tb / "GRPO.goal_walk.tiny.r0.train")  # through TRL's report_to
+    grpo = tracked["GRPO.goal_walk.tiny.r0.train"]  # TRL's logs, through the task's tracker
     assert grpo["train/reward"] and grpo["train/kl"] and grpo["train/loss"]
-    results = _scalars(tb / "results")
-    assert any(
-        t.startswith("results/goal_walk/tiny/QSharp/eta=5/") and t.endswith("/kl") for t in results
-    )
-    assert "results/goal_walk/tiny/GRPO/avg_reward" in results
-    assert (
-        run / "results" / "plots" / "frontier_goal_walk.png"
-    ).is_file()  # reward–KL of a single run
+    results = tracked["results"]
+    assert "results/goal_walk/tiny/QSharp/top-2_T_1/eta_5/kl" in results
+    assert "results/goal_walk/tiny/GRPO/full_T_1/pass_at_1" in results
+    assert (run / "results" / "plots" / "frontier_goal_walk.png").is_file()
 
 
 def test_csv_tracker_rows_and_resume_prunes_the_dead_attempts_steps(tmp_path):
@@ -94,3 +194,135 @@ def test_unknown_logger_lists_the_options(tmp_path):
         "logger=tensorbord: no such logger config; available: csv, mlflow, none, tensorboard, wandb"
         in done.stderr
     )
+
+
+def test_metric_names_are_legal_everywhere_and_result_tags_keep_rows_apart():
+    """One sanitizer for every backend (MLflow refuses `eta=0` and `pass@1`); the results'
+    tags carry every column that tells rows apart: two reference rows differ only by their
+    sampling rule and must not share a curve."""
+    from pita.experiment.report import RESULT_METRICS, result_tag
+    from pita.training.tracking import metric_name
+
+    assert metric_name("eta=0") == "eta_0" and metric_name("pass@1") == "pass_at_1"
+    assert metric_name("top-2, T=1") == "top-2_T_1" and metric_name("train/loss") == "train/loss"
+    row = {"dataset": "goal_walk", "family": "tiny", "algo": "reference", "round": 0, "eta": 0.0}
+    full, top2 = {**row, "sampling": "full, T=1"}, {**row, "sampling": "top-2, T=1"}
+    tags = [result_tag(r, m) for r in (full, top2) for m in RESULT_METRICS]
+    assert len(set(tags)) == len(tags) == 2 * len(RESULT_METRICS)
+    assert (
+        result_tag(top2, "pass@1") == "results/goal_walk/tiny/reference/top-2_T_1/eta_0/pass_at_1"
+    )
+    assert result_tag({**full, "eta": None}, "kl") == "results/goal_walk/tiny/reference/full_T_1/kl"
+    validation = pytest.importorskip("mlflow.utils.validation")
+    for tag in tags:  # the strictest backend accepts every one
+        validation._validate_metric_name(tag)
+
+
+def test_config_is_flattened_into_params_every_backend_takes():
+    from pita.training.tracking import PARAM_VALUE_CHARS, flat_params
+
+    params = flat_params(
+        {"training": {"lr": 0.1, "on": True, "x": None}, "tags": ["a"], "s": "y" * 999}
+    )
+    assert params["training.lr"] == 0.1 and params["training.on"] == "True"
+    assert params["training.x"] == "None" and params["tags"] == "['a']"
+    assert len(params["s"]) == PARAM_VALUE_CHARS and params["s"].endswith("...")
+
+
+def test_a_failing_tracker_is_one_warning_never_an_exception(tmp_path, caplog):
+    """A tracker that cannot open (a bad MLflow URI) or log (a backend raising) costs the
+    task nothing: one WARNING naming the backend, then silence."""
+    import importlib.util
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from pita.training.tracking import SafeTracker, Tracker, open_tracker
+
+    class Broken(Tracker):
+        backend = "broken"
+
+        def log(self, metrics, step):
+            raise OSError("disk full")
+
+        def close(self):
+            raise OSError("disk full")
+
+    log = logging.getLogger("pita.task.test")
+    has_mlflow = importlib.util.find_spec("mlflow") is not None
+    with caplog.at_level(logging.WARNING, logger="pita.task.test"):
+        tracker = SafeTracker(Broken(), log)
+        tracker.start_step = 3
+        for step in range(3):
+            tracker.log({"train/loss": 1.0}, step)
+        tracker.close()
+        assert tracker.inner.start_step == 3
+        if has_mlflow:
+            cfg = OmegaConf.create(
+                {
+                    "experiment": {"name": "t"},
+                    "logger": {"backend": "mlflow", "tracking_uri": "nosuchscheme://x"},
+                }
+            )
+            bad = open_tracker(cfg, tmp_path, "task", logger=log)
+            bad.log({"train/loss": 1.0}, 1)
+            bad.close()
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 + has_mlflow, warnings
+    assert (
+        warnings[0].startswith("logger.backend=broken: log failed") and "disk full" in warnings[0]
+    )
+    assert not has_mlflow or warnings[1].startswith("logger.backend=mlflow: open failed")
+
+
+def test_wandb_online_without_a_key_is_a_warning_not_a_prompt(tmp_path, monkeypatch, caplog):
+    """`logger.mode=online` with no API key anywhere: one WARNING naming what is missing
+    (a worker must never block on wandb's interactive login)."""
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from pita.training.tracking import open_tracker
+
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    cfg = OmegaConf.create(
+        {"experiment": {"name": "t"}, "logger": {"backend": "wandb", "mode": "online"}}
+    )
+    with caplog.at_level(logging.WARNING, logger="pita.task.test"):
+        tracker = open_tracker(cfg, tmp_path, "task", logger=logging.getLogger("pita.task.test"))
+        tracker.log({"train/loss": 1.0}, 1)
+        tracker.close()
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "logger.backend=wandb: open failed" in warning and "needs a W&B API key" in warning
+
+
+def test_mlflow_retry_reopens_the_tasks_run_in_the_runs_sqlite_store(tmp_path):
+    """A retried task (a second `open_tracker` of one name) logs into its first MLflow run:
+    one run per task, params logged once, metrics of both attempts, in
+    `<run>/logs/mlflow/mlflow.db` with the artifacts beside it."""
+    mlflow = pytest.importorskip("mlflow")
+    from omegaconf import OmegaConf
+
+    from pita.training.tracking import mlflow_uri, open_tracker
+
+    cfg = OmegaConf.create(
+        {"experiment": {"name": "t"}, "logger": {"backend": "mlflow", "tags": ["x y"]}}
+    )
+    for attempt in range(2):
+        tracker = open_tracker(cfg, tmp_path, "task")
+        tracker.log({"train/loss": 1.0, "eval@k": 2.0}, attempt + 1)
+        tracker.close()
+        assert not tracker.failed
+    uri = mlflow_uri(cfg.logger, tmp_path)
+    assert uri == f"sqlite:///{tmp_path.resolve()}/logs/mlflow/mlflow.db"
+    client = mlflow.MlflowClient(uri)
+    exp = client.get_experiment_by_name("t")
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.info.run_name == "task" and run.info.status == "FINISHED"
+    assert run.data.params["logger.backend"] == "mlflow" and run.data.tags["x_y"] == "true"
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [m.step for m in history] == [1, 2] and "eval_at_k" in run.data.metrics
+    assert exp.artifact_location == (tmp_path / "logs" / "mlflow" / "artifacts").resolve().as_uri()

@@ -5,8 +5,8 @@
   runs on. TRL's own defaults are tuned for GPUs (bf16 on, gradient checkpointing on); here
   bf16 / fp16 are used only on CUDA and only as `training.mixed_precision` /
   `training.precision_type` say, gradient checkpointing only when
-  `training.gradient_checkpointing` is on, `use_cpu` on CPU, `report_to` from
-  `logger.backend` (pita/training/tracking.py), no hub, Trainer checkpoints only every
+  `training.gradient_checkpointing` is on, `use_cpu` on CPU, `report_to="none"` (TRL's logs
+  go to the task's tracker, pita/training/tracking.py), no hub, Trainer checkpoints only every
   `training.checkpoint_every` steps / `checkpoint_every_minutes` into the task's
   `tasks/<id>.checkpoints/` (a retry resumes from the newest with
   `resume_from_checkpoint`; the stage itself saves the final model with `save_pretrained`),
@@ -147,10 +147,7 @@ def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
     metrics = TrainingMetrics(ctx.device)
     trainer.add_callback(trainer_metrics_callback(metrics, samples_per_step=per_step))
     _, env = trl_report_to(ctx)
-    for cb in trainer.callback_handler.callbacks:  # it read the variable when the Trainer was built
-        if type(cb).__name__ == "TensorBoardCallback" and "TENSORBOARD_LOGGING_DIR" in env:
-            cb.logging_dir = env["TENSORBOARD_LOGGING_DIR"]
-    if str(logger_cfg(ctx.cfg).get("backend")) == "csv":  # not a TRL integration: our tracker
+    if str(logger_cfg(ctx.cfg).get("backend")) != "none":  # TRL reports to none: our tracker
         trainer.add_callback(trl_callback(task_tracker(ctx)))
     minutes = float(ctx.cfg.training.get("checkpoint_every_minutes", 0.0) or 0.0)
     if args.save_strategy != "no" and minutes > 0:
@@ -253,7 +250,7 @@ def training_args(
         seed=ctx.seed,
         data_seed=ctx.seed,
         logging_steps=0.05,  # about 20 log lines per run, whatever its length
-        report_to=report_to,  # logger.backend (tensorboard / wandb / mlflow; csv via a callback)
+        report_to=report_to,  # none: train_with_report forwards TRL's logs to the task's tracker
         run_name=ctx.task.id,
         **saving,  # checkpoints every training.checkpoint_every steps into tasks/<id>.checkpoints/
         push_to_hub=False,

@@ -328,10 +328,15 @@ class LoggerConfig:
     )
     project: str = spec("W&B project name.", "pita")
     mode: str = spec(
-        "W&B mode: offline syncs later with `wandb sync`.", "offline", choices=WANDB_MODES
+        "W&B mode: offline (no API key; `wandb sync` later); beats WANDB_MODE.",
+        "offline",
+        choices=WANDB_MODES,
     )
     tracking_uri: Optional[str] = spec(
-        "MLflow tracking URI (None = a file store in <run>/logs/mlruns).", None
+        "MLflow tracking URI (None = a sqlite store in <run>/logs/mlflow/mlflow.db).", None
+    )
+    tags: List[str] = spec(
+        "Tags of every tracked run (W&B tags, MLflow tags, TensorBoard text).", []
     )
 
 

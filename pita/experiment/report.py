@@ -241,20 +241,35 @@ def write_report(cfg, plan: Plan, run_dir: Path) -> list[dict]:
 RESULT_METRICS = ("pass@1", "maj@k", "avg_reward", "kl")
 
 
+def result_tag(row: dict, metric: str) -> str:
+    """The tracker tag of one results cell: every column that tells rows apart (algo,
+    dataset, family, sampling, η; the round is the step), so two reference rows that differ
+    only by their sampling rule never share a curve. Sanitized once for every backend
+    (`results/goal_walk/tiny/QSharp/top-2_T_1/eta_5/pass_at_1`)."""
+    from pita.training.tracking import metric_name
+
+    parts = ["results", row["dataset"], row["family"], row["algo"]]
+    if row.get("sampling"):
+        parts.append(metric_name(str(row["sampling"])))
+    if row.get("eta") is not None:
+        parts.append(f"eta_{_fmt(row['eta'])}")
+    return metric_name("/".join(str(p) for p in parts + [metric]))
+
+
 def log_results(cfg, rows: list[dict], run_dir: Path) -> None:
     """The results table to `logger.backend` (tracker "results"): one scalar per
-    (dataset, family, algo, η, metric) against the round."""
+    (dataset, family, algo, sampling, η, metric) against the round. A tracker that fails
+    is a WARNING in run.log (`open_tracker` never raises): the summary is written anyway."""
     from pita.training.tracking import open_tracker
 
     if cfg is None:
         return
-    tracker = open_tracker(cfg, run_dir, "results")
+    tracker = open_tracker(cfg, run_dir, "results", logger=log)
     try:
         for r in rows:
-            eta = "" if r.get("eta") is None else f"/eta={_fmt(r['eta'])}"
             tracker.log(
                 {
-                    f"results/{r['dataset']}/{r['family']}/{r['algo']}{eta}/{m}": r[m]
+                    result_tag(r, m): r[m]
                     for m in RESULT_METRICS
                     if isinstance(r.get(m), (int, float))
                 },

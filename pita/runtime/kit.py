@@ -8,7 +8,8 @@ knows no task; a stage asks this module for the task's instances:
 - `checkpointer(ctx)`: a `Checkpointer` on that folder, every `training.checkpoint_every`
   steps / `checkpoint_every_minutes`.
 - `trl_checkpoint_kwargs(ctx)`, `last_trl_checkpoint(ctx)`: the same for a TRL Trainer.
-- `task_tracker(ctx)`, `trl_report_to(ctx)`: the task's `logger.backend`.
+- `task_tracker(ctx)`, `trl_report_to(ctx)`: the task's `logger.backend` (TRL's logs reach
+  the task's tracker through a callback, TRL reports to nothing itself).
 - `precision_for(ctx)`: `choose_precision` from `training.*`, logged to the task log.
 - `train_step(ctx, model, optimizer, ...)`: a `TrainStep` from `training.*` / `system.*`
   whose metrics also go to the task's tracker (rank 0 of a gang only).
@@ -76,14 +77,21 @@ def last_trl_checkpoint(ctx: StageContext) -> str | None:
 
 
 def task_tracker(ctx: StageContext) -> Tracker:
-    """The tracker of a stage's task (`logger.backend`, named by the task id)."""
-    from pita.training.tracking import open_tracker
+    """The tracker of a stage's task (`logger.backend`, named by the task id; one W&B /
+    MLflow run per task). Its failures are WARNINGs in the task log, never the task's.
+    Only rank 0 of a gang tracks: the other ranks get a tracker that writes nothing."""
+    from pita.training.loop import is_main_rank
+    from pita.training.tracking import Tracker, open_tracker
 
-    return open_tracker(ctx.cfg, ctx.run_dir, ctx.task.id)
+    if not is_main_rank():
+        return Tracker()
+    return open_tracker(ctx.cfg, ctx.run_dir, ctx.task.id, logger=ctx.logger)
 
 
 def trl_report_to(ctx: StageContext) -> tuple[list[str] | str, dict[str, str]]:
-    """(`report_to` for the task's TRL config, environment the integration reads)."""
+    """(`report_to` for the task's TRL config, environment the integration reads): `"none"`,
+    TRL opens no tracker of its own; `trl_common` forwards its logs to `task_tracker(ctx)`
+    with `pita.training.tracking.trl_callback`."""
     from pita.training import tracking
 
     return tracking.trl_report_to(ctx.cfg, ctx.run_dir, ctx.task.id)
