@@ -135,11 +135,11 @@ def precision_flags(ctx: StageContext) -> dict[str, bool]:
 def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
     """trainer.train(), then the task's training_metrics.png and performance_summary.txt
     (the same report as the hand-written training loops); returns the summary."""
-    from pita.runtime.kit import last_trl_checkpoint, precision_for, task_tracker, trl_report_to
-    from pita.training.checkpoint import checkpoint_commit_callback, time_checkpoint_callback
+    from pita.runtime.kit import precision_for, task_tracker, trl_report_to
+    from pita.training.checkpoint import time_checkpoint_callback
     from pita.training.loop import TrainingMetrics
     from pita.training.report import trainer_metrics_callback, write_training_report
-    from pita.training.tracking import logger_cfg, scoped_env, trl_callback
+    from pita.training.tracking import logger_cfg, trl_callback
 
     args = trainer.args
     world = max(1, int(getattr(args, "world_size", 1) or 1))
@@ -155,13 +155,7 @@ def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
     minutes = float(ctx.cfg.training.get("checkpoint_every_minutes", 0.0) or 0.0)
     if args.save_strategy != "no" and minutes > 0:
         trainer.add_callback(time_checkpoint_callback(minutes))
-    if args.save_strategy != "no":
-        trainer.add_callback(checkpoint_commit_callback())
-    resume = last_trl_checkpoint(ctx) if args.save_strategy != "no" else None
-    if resume:
-        ctx.logger.info("resumed from checkpoint %s (step %s)", resume, resume.rsplit("-", 1)[-1])
-    with scoped_env(env):
-        trainer.train(resume_from_checkpoint=resume)
+    _train_resumable(ctx, trainer, metrics, env)
     return write_training_report(
         ctx.out_dir,
         metrics,
@@ -172,6 +166,43 @@ def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
         precision=precision_for(ctx),
         title=ctx.task.id,
     )
+
+
+def _train_resumable(ctx: StageContext, trainer: Any, metrics: Any, env: dict[str, str]) -> None:
+    """trainer.train(), resumed from the task's newest checkpoint whose proof verifies (see
+    pita/training/checkpoint.py), with its train log and metric rows replayed so the task's
+    `train_log.jsonl` holds every step. A checkpoint at the last step is loaded, not
+    trained from: the Trainer would run one step past `max_steps`. Every torch.load of
+    the Trainer is forced to `weights_only` (no pickle of a run folder runs code)."""
+    from pita.runtime.kit import checkpoint_identity, last_trl_checkpoint
+    from pita.training.checkpoint import checkpoint_commit_callback, restore_trl_logs
+    from pita.training.tracking import scoped_env
+
+    args = trainer.args
+    if args.save_strategy == "no":
+        with scoped_env(env):
+            trainer.train()
+        return
+    train_log = ctx.out_dir / Artifact.TRAIN_LOG
+    trainer.add_callback(checkpoint_commit_callback(checkpoint_identity(ctx), train_log, metrics))
+    max_steps = int(args.max_steps) if int(args.max_steps) > 0 else None
+    resume = last_trl_checkpoint(ctx, max_steps)
+    if resume:
+        ctx.logger.info("resumed from checkpoint %s (step %s)", resume, resume.rsplit("-", 1)[-1])
+        restore_trl_logs(resume, train_log, metrics)
+    with scoped_env({**env, "TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"}):
+        if resume and max_steps is not None and int(resume.rsplit("-", 1)[-1]) >= max_steps:
+            _load_finished(trainer, resume)
+        else:
+            trainer.train(resume_from_checkpoint=resume)
+
+
+def _load_finished(trainer: Any, checkpoint: str) -> None:
+    """The trained model and Trainer state of a checkpoint at the schedule's last step."""
+    from transformers import TrainerState
+
+    trainer._load_from_checkpoint(checkpoint)
+    trainer.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
 
 
 def train_and_save(

@@ -1,0 +1,200 @@
+"""Attacks on in-task checkpoints (issue 21): whoever can write a run folder plants a
+checkpoint; pita must never run code from it, never adopt one that is not the task's own,
+never fail for ever on a broken one, and the task must end like an uninterrupted run with
+a WARNING naming what it moved aside.
+
+Planted in the checkpoint folder of a real task: a pickle that writes a marker file when
+unpickled, a checkpoint copied from a run with another seed, one with a flipped byte, one
+truncated, one past the last step. Pretrain (pita's own checkpoints) runs in-process, so a
+test takes seconds; the TRL stage (GRPO) runs the real orchestrator and resumes a run.
+
+The foreign / flipped / truncated / future checkpoints are made by the code under test
+itself (a second run whose checkpoint folder is copied), so the tests mean the same on a
+pita that wrote `step-N.pt` pickles: each fails there.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+PRETRAIN = "pretrain.goal_walk.tiny"
+STEPS = 6
+
+
+class _Marker:
+    """Unpickling this creates the marker file: code from the run folder ran."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def plant_pickle(path: Path, marker: Path) -> None:
+    import pickle
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(pickle.dumps({"model": _Marker(marker)}))
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[tuple[int, str]] = []
+
+    def emit(self, record):
+        self.lines.append((record.levelno, record.getMessage()))
+
+    def warnings(self) -> str:
+        return "\n".join(m for lvl, m in self.lines if lvl >= logging.WARNING)
+
+
+def _pretrain(run_dir: Path, seed: int = 0, steps: int = STEPS) -> tuple[dict, _Records]:
+    """Run the pretrain stage in-process (checkpoint every 2 steps) into `run_dir`; ->
+    (its trained weights, its log records). Its checkpoint folder stays (the worker
+    would remove it on commit)."""
+    from safetensors.torch import load_file
+
+    from pita.core.tasks import TaskSpec
+    from pita.experiment.config import PitaConfig
+    from pita.runtime.context import StageContext
+    from pita.stages.pretrain import pretrain
+
+    cfg = OmegaConf.structured(PitaConfig)
+    cfg.experiment.seed = seed
+    cfg.pretrain.steps, cfg.pretrain.batch_size, cfg.pretrain.warmup_steps = steps, 16, 1
+    cfg.training.checkpoint_every = 2
+    task = TaskSpec(
+        id=PRETRAIN,
+        algo="*",
+        dataset="goal_walk",
+        family="tiny",
+        round=0,
+        stage="pretrain",
+        fn="pita.stages.pretrain:pretrain",
+        dataset_cfg={"name": "goal_walk", "num_nodes": 8},
+        family_cfg={"reference_arch": {"n_layer": 1, "d_model": 32, "n_head": 2}},
+    )
+    out = run_dir / "tasks" / f".tmp-{PRETRAIN}-1"
+    out.mkdir(parents=True, exist_ok=True)
+    logger = logging.getLogger(f"test.hostile.{random.random()}")
+    logger.setLevel(logging.DEBUG)
+    records = _Records()
+    logger.addHandler(records)
+    ctx = StageContext(task=task, cfg=cfg, run_dir=run_dir, out_dir=out, logger=logger)
+    pretrain(ctx)
+    return load_file(str(out / "model" / "model.safetensors")), records
+
+
+def _checkpoints(run_dir: Path) -> Path:
+    return run_dir / "tasks" / f"{PRETRAIN}.checkpoints"
+
+
+def _same(a: dict, b: dict) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> tuple[dict, Path]:
+    """An uninterrupted run: (its weights, its run folder with its last checkpoint)."""
+    run = tmp_path_factory.mktemp("clean")
+    weights, _ = _pretrain(run)
+    return weights, run
+
+
+def _copy_checkpoints(source: Path, run_dir: Path) -> list[Path]:
+    """Copy a run's checkpoint folder into `run_dir`; -> the copied checkpoints."""
+    target = _checkpoints(run_dir)
+    shutil.copytree(_checkpoints(source), target)
+    found = [p for p in target.iterdir() if p.name.startswith("step-")]
+    assert found, "the source run left no checkpoint"
+    return found
+
+
+def _biggest_file(checkpoint: Path) -> Path:
+    files = [checkpoint] if checkpoint.is_file() else [p for p in checkpoint.rglob("*")]
+    return max((p for p in files if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _rejected(run_dir: Path, records: _Records, name: str) -> None:
+    """A WARNING names the checkpoint, which was moved aside and not restored."""
+    assert name in records.warnings(), records.lines
+    assert (_checkpoints(run_dir) / f"{name}.rejected").exists()  # kept for a look, never read
+    assert not any("resumed from checkpoint" in m for _, m in records.lines), records.lines
+
+
+def test_a_planted_pickle_never_runs_and_the_task_ends_like_an_uninterrupted_run(tmp_path, clean):
+    marker = tmp_path / "PWNED"
+    run = tmp_path / "run"
+    plant_pickle(_checkpoints(run) / "step-2.pt", marker)
+    weights, records = _pretrain(run)
+    assert not marker.exists(), "a pickle planted in the run folder ran code"
+    assert _same(weights, clean[0])
+    _rejected(run, records, "step-2.pt")
+
+
+def test_a_checkpoint_from_a_run_with_another_seed_is_moved_aside(tmp_path, clean):
+    foreign = tmp_path / "foreign"
+    _pretrain(foreign, seed=1, steps=STEPS)
+    run = tmp_path / "run"
+    (planted,) = _copy_checkpoints(foreign, run)
+    weights, records = _pretrain(run)
+    assert _same(weights, clean[0])
+    _rejected(run, records, planted.name)
+
+
+def test_a_bit_flipped_checkpoint_is_moved_aside(tmp_path, clean):
+    run = tmp_path / "run"
+    (planted,) = _copy_checkpoints(clean[1], run)
+    victim = _biggest_file(planted)
+    data = bytearray(victim.read_bytes())
+    data[len(data) * 3 // 4] ^= 0x10  # inside the tensors, past any header
+    victim.write_bytes(bytes(data))
+    weights, records = _pretrain(run)
+    assert _same(weights, clean[0])
+    _rejected(run, records, planted.name)
+
+
+def test_a_truncated_checkpoint_is_moved_aside_and_never_fails_the_task(tmp_path, clean):
+    run = tmp_path / "run"
+    (planted,) = _copy_checkpoints(clean[1], run)
+    victim = _biggest_file(planted)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    weights, records = _pretrain(run)  # a resume after this one finds nothing in the way
+    assert _same(weights, clean[0])
+    _rejected(run, records, planted.name)
+    weights_again, _ = _pretrain(run)
+    assert _same(weights_again, clean[0])
+
+
+def test_a_checkpoint_past_the_last_step_is_moved_aside(tmp_path, clean):
+    longer = tmp_path / "longer"
+    _pretrain(longer, steps=STEPS + 2)  # the same task with a longer schedule: step 8 > 6
+    run = tmp_path / "run"
+    (planted,) = _copy_checkpoints(longer, run)
+    weights, records = _pretrain(run)
+    assert _same(weights, clean[0])
+    _rejected(run, records, planted.name)
+
+
+def test_a_linked_checkpoint_folder_is_moved_aside_not_followed(tmp_path, clean):
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(_checkpoints(clean[1]), elsewhere)
+    run = tmp_path / "run"
+    _checkpoints(run).parent.mkdir(parents=True)
+    _checkpoints(run).symlink_to(elsewhere)
+    before = sorted(p.name for p in elsewhere.iterdir())
+    weights, records = _pretrain(run)
+    assert _same(weights, clean[0])
+    assert f"{PRETRAIN}.checkpoints" in records.warnings()
+    assert sorted(p.name for p in elsewhere.iterdir()) == before  # nothing written through it
+    assert not _checkpoints(run).is_symlink()
