@@ -207,6 +207,7 @@ TRL_ARGS = {
 }
 # values of a run that are times, not results (TRL's and pita's own clocks)
 _CLOCKS = ("elapsed_s", "runtime", "per_second", "time", "wall_s", "performance", "attempt")
+_PATHS = ("start",)  # where the run folder is
 
 
 def _trl_run(algo: str, cwd: Path) -> subprocess.Popen:
@@ -269,7 +270,11 @@ def _results(run_dir: Path, algo: str) -> dict[str, dict]:
 
     def strip(obj):
         if isinstance(obj, dict):
-            return {k: strip(v) for k, v in obj.items() if not any(c in k for c in _CLOCKS)}
+            return {
+                k: strip(v)
+                for k, v in obj.items()
+                if k not in _PATHS and not any(c in k for c in _CLOCKS)
+            }
         if isinstance(obj, list):
             return [strip(v) for v in obj]
         return obj

@@ -170,12 +170,13 @@ def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
 
 def _train_resumable(ctx: StageContext, trainer: Any, metrics: Any, env: dict[str, str]) -> None:
     """trainer.train(), resumed from the task's newest checkpoint whose proof verifies (see
-    pita/training/checkpoint.py), with its train log and metric rows replayed so the task's
-    `train_log.jsonl` holds every step. A checkpoint at the last step is loaded, not
-    trained from: the Trainer would run one step past `max_steps`. Every torch.load of
-    the Trainer is forced to `weights_only` (no pickle of a run folder runs code)."""
+    pita/training/checkpoint.py), with its train log, metric rows and loss sums replayed so
+    the task's `train_log.jsonl` holds every step and `train_loss` covers them all. A
+    checkpoint at the last step is loaded, not trained from: the Trainer would run one step
+    past `max_steps`. Every torch.load of the Trainer is forced to `weights_only` (no
+    pickle of a run folder runs code)."""
     from pita.runtime.kit import checkpoint_identity, last_trl_checkpoint
-    from pita.training.checkpoint import checkpoint_commit_callback, restore_trl_logs
+    from pita.training import checkpoint as ck
     from pita.training.tracking import scoped_env
 
     args = trainer.args
@@ -184,25 +185,19 @@ def _train_resumable(ctx: StageContext, trainer: Any, metrics: Any, env: dict[st
             trainer.train()
         return
     train_log = ctx.out_dir / Artifact.TRAIN_LOG
-    trainer.add_callback(checkpoint_commit_callback(checkpoint_identity(ctx), train_log, metrics))
+    identity = checkpoint_identity(ctx)
+    trainer.add_callback(ck.checkpoint_commit_callback(identity, train_log, metrics, trainer))
     max_steps = int(args.max_steps) if int(args.max_steps) > 0 else None
     resume = last_trl_checkpoint(ctx, max_steps)
     if resume:
         ctx.logger.info("resumed from checkpoint %s (step %s)", resume, resume.rsplit("-", 1)[-1])
-        restore_trl_logs(resume, train_log, metrics)
+        ck.restore_trl_logs(resume, train_log, metrics)
+        trainer.add_callback(ck.resume_loop_callback(trainer, resume))
     with scoped_env({**env, "TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"}):
         if resume and max_steps is not None and int(resume.rsplit("-", 1)[-1]) >= max_steps:
-            _load_finished(trainer, resume)
+            ck.finish_from_checkpoint(trainer, resume)
         else:
             trainer.train(resume_from_checkpoint=resume)
-
-
-def _load_finished(trainer: Any, checkpoint: str) -> None:
-    """The trained model and Trainer state of a checkpoint at the schedule's last step."""
-    from transformers import TrainerState
-
-    trainer._load_from_checkpoint(checkpoint)
-    trainer.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
 
 
 def train_and_save(

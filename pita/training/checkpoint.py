@@ -424,6 +424,7 @@ COMPLETE = (
 )
 TRAIN_LOG = "pita_train_log.jsonl"  # the task's train_log.jsonl up to the checkpoint's step
 METRIC_ROWS = "pita_metric_rows.json"  # the TrainingMetrics rows up to the checkpoint's step
+LOOP_STATE = "pita_loop_state.json"  # the Trainer's running loss sums (for train_loss, logs)
 _NOT_KEPT = ("training_args.bin",)  # a full pickle pita never loads: not kept in a checkpoint
 _PICKLES = (".pt", ".pth", ".bin")
 
@@ -513,12 +514,69 @@ def restore_trl_logs(checkpoint: Path | str, train_log: Path, metrics: Any = Non
         metrics.rows = list(json.loads((checkpoint / METRIC_ROWS).read_text()))
 
 
+def _loop_state(trainer: Any) -> dict[str, Any] | None:
+    """The Trainer's running loss sums, which `train()` resets and a checkpoint lacks: the
+    sum behind `train_loss`, the loss not logged yet and the step of the last log."""
+    try:
+        return {
+            "total_loss_scalar": float(trainer._total_loss_scalar),
+            "tr_loss": float(trainer._tr_loss.item()),
+            "globalstep_last_logged": int(trainer._globalstep_last_logged),
+        }
+    except AttributeError:  # another transformers: train_loss covers the resumed part only
+        return None
+
+
+def resume_loop_callback(trainer: Any, checkpoint: Path | str):
+    """A TrainerCallback giving a resumed `train()` the loss sums of the checkpoint (it
+    starts them from zero), so `train_loss` and the first logged loss after the resume are
+    those of the uninterrupted run, over every step."""
+    import torch
+    from transformers import TrainerCallback
+
+    path = Path(checkpoint) / LOOP_STATE
+    saved = json.loads(path.read_text()) if path.is_file() else None
+
+    class ResumeLoop(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            if not saved or not hasattr(trainer, "_tr_loss"):
+                return
+            trainer._total_loss_scalar = float(saved["total_loss_scalar"])
+            trainer._tr_loss = torch.full_like(trainer._tr_loss, float(saved["tr_loss"]))
+            trainer._globalstep_last_logged = int(saved["globalstep_last_logged"])
+            trainer._initial_global_step = 0  # train_loss: the mean over every step
+
+    return ResumeLoop()
+
+
+def finish_from_checkpoint(trainer: Any, checkpoint: Path | str) -> None:
+    """A checkpoint at the schedule's last step: load its model and Trainer state and log
+    the end-of-training line `train()` would have (train_loss over every step), without
+    `train()`, which would run one optimizer step past `max_steps`."""
+    from transformers import TrainerState
+
+    checkpoint = Path(checkpoint)
+    trainer._load_from_checkpoint(str(checkpoint))
+    trainer.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+    path = checkpoint / LOOP_STATE
+    saved = json.loads(path.read_text()) if path.is_file() else None
+    steps = max(trainer.state.global_step, 1)
+    end: dict[str, float] = {"train_runtime": 0.0, "total_flos": trainer.state.total_flos}
+    if saved:
+        end["train_loss"] = (saved["total_loss_scalar"] + saved["tr_loss"]) / steps
+    trainer.log(end)
+
+
 def checkpoint_commit_callback(
-    identity: dict[str, Any] | None = None, train_log: Path | None = None, metrics: Any = None
+    identity: dict[str, Any] | None = None,
+    train_log: Path | None = None,
+    metrics: Any = None,
+    trainer: Any = None,
 ):
     """A TrainerCallback: after the Trainer finished writing checkpoint-N, add the task's
-    train log and metric rows so far, drop `training_args.bin` (a pickle), write the proof
-    atomically, then delete every older checkpoint (only the newest complete one is kept)."""
+    train log, metric rows and the Trainer's loss sums so far, drop `training_args.bin` (a
+    pickle), write the proof atomically, then delete every older checkpoint (only the
+    newest complete one is kept)."""
     from transformers import TrainerCallback
 
     from pita.core.paths import atomic_write_json, follow_umask
@@ -535,6 +593,9 @@ def checkpoint_commit_callback(
                 shutil.copyfile(train_log, current / TRAIN_LOG)
             if metrics is not None:
                 atomic_write_json(current / METRIC_ROWS, metrics.rows)
+            loop = _loop_state(trainer) if trainer is not None else None
+            if loop is not None:
+                atomic_write_json(current / LOOP_STATE, loop)
             follow_umask(current)
             write_manifest(current, COMPLETE, state.global_step, dict(identity or {}))
             for n, p in _trl_checkpoints(folder):
