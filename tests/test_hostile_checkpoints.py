@@ -15,13 +15,22 @@ pita that wrote `step-N.pt` pickles: each fails there.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import random
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+
+from pita.training.checkpoint import COMPLETE, write_manifest
+from tests.conftest import ROOT, run_cli, run_dirs
 
 PRETRAIN = "pretrain.goal_walk.tiny"
 STEPS = 6
@@ -199,3 +208,152 @@ def test_a_linked_checkpoint_folder_is_moved_aside_not_followed(tmp_path, clean)
     assert f"{PRETRAIN}.checkpoints" in records.warnings()
     assert sorted(p.name for p in elsewhere.iterdir()) == before  # nothing written through it
     assert not _checkpoints(run).is_symlink()
+
+
+# --- a TRL stage's checkpoints (GRPO, the real orchestrator) --------------------------------
+
+GRPO_TASK = "GRPO.goal_walk.tiny.r0.train"
+GRPO_ARGS = [
+    "experiment=smoke",
+    "algos=[GRPO]",
+    "algos.GRPO.steps=4",
+    "training.checkpoint_every=1",
+    "executor.progress=false",
+]
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "run_parallel.py"), *args],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _runs_with_snapshots(jobs: list[tuple[list[str], Path, int, Path]]) -> None:
+    """Run each (args, cwd, step, snapshot) to the end; when its GRPO task commits the
+    Trainer checkpoint of `step`, stop the worker (SIGSTOP), copy the checkpoint to
+    `snapshot`, let it go on. The runs go on unharmed."""
+    procs = [(_start(args, cwd), cwd, step, snap) for args, cwd, step, snap in jobs]
+    deadline = time.time() + 420
+    while any(p.poll() is None for p, *_ in procs) and time.time() < deadline:
+        for _, cwd, step, snap in procs:
+            pattern = f"outputs/smoke/*/tasks/{GRPO_TASK}.checkpoints/checkpoint-{step}/{COMPLETE}"
+            for marker in [] if snap.exists() else cwd.glob(pattern):
+                (tmp,) = marker.parents[2].glob(f".tmp-{GRPO_TASK}-*")
+                pid = int(tmp.name.rsplit("-", 1)[1])
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    shutil.copytree(marker.parent, snap)
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+        time.sleep(0.005)
+    for proc, cwd, _, snap in procs:
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out[-3000:]
+        assert snap.is_dir(), f"no checkpoint was seen in {cwd}"
+
+
+def _forge(source: Path, target: Path, step: int, edit=None) -> None:
+    """Copy a real checkpoint to `target`, change it (`edit`), and write it a proof that
+    verifies for `step`, as anybody who can read the run folder could."""
+    shutil.copytree(source, target)
+    if edit is not None:
+        edit(target)
+    manifest = json.loads((source / COMPLETE).read_text())
+    identity = {k: manifest[k] for k in ("task_id", "config_sha256", "inputs_sha256")}
+    write_manifest(target, COMPLETE, step, identity)
+
+
+def _committed(run: Path) -> dict:
+    """What the GRPO chain committed: trained weights and results (clocks and paths out)."""
+    from safetensors.torch import load_file
+
+    keep = {}
+    for p in (run / "tasks").iterdir():
+        if p.name.startswith("GRPO") and (p / "result.json").is_file():
+            result = json.loads((p / "result.json").read_text())
+            keep[p.name] = {
+                k: v
+                for k, v in result.items()
+                if k not in ("wall_s", "performance", "attempt", "start")
+            }
+            for row in keep[p.name].get("rows", []):
+                row.pop("eval_wall_s", None)
+    weights = load_file(str(run / "tasks" / GRPO_TASK / "model" / "model.safetensors"))
+    return {"results": keep, "weights": {k: v.tolist() for k, v in weights.items()}}
+
+
+@pytest.mark.slow
+def test_trl_checkpoints_foreign_flipped_truncated_future_or_pickled_are_all_moved_aside(
+    tmp_path,
+):
+    """A GRPO task resumes with five planted Trainer checkpoints, newest first: one past
+    the last step (6 > 4), one whose rng_state.pth is a pickle that writes a marker, one
+    from a run with another seed, one with a flipped byte, one truncated. The last four
+    carry a proof forged to verify except for what was done to them. Each is moved aside
+    with a WARNING naming it, nothing runs, and the task trains from step 0 to exactly
+    what the uninterrupted run committed."""
+    own, other = tmp_path / "own", tmp_path / "other"
+    own.mkdir()
+    other.mkdir()
+    snaps = tmp_path / "snapshots"
+    _runs_with_snapshots(
+        [
+            (GRPO_ARGS, own, 2, snaps / "own-2"),
+            ([*GRPO_ARGS, "experiment.seed=1"], other, 3, snaps / "other-3"),
+        ]
+    )
+    run = run_dirs(own, "smoke")[0]
+    uninterrupted = _committed(run)
+
+    marker = tmp_path / "PWNED"
+    ckpts = run / "tasks" / f"{GRPO_TASK}.checkpoints"
+    ckpts.mkdir()
+
+    def future(folder: Path) -> None:
+        state = json.loads((folder / "trainer_state.json").read_text())
+        state["global_step"] = 6
+        (folder / "trainer_state.json").write_text(json.dumps(state))
+
+    def flip(folder: Path) -> None:
+        data = bytearray((folder / "model.safetensors").read_bytes())
+        data[len(data) * 3 // 4] ^= 0x10
+        (folder / "model.safetensors").write_bytes(bytes(data))
+
+    _forge(snaps / "own-2", ckpts / "checkpoint-6", 6, edit=future)
+    _forge(
+        snaps / "own-2",
+        ckpts / "checkpoint-4",
+        4,
+        edit=lambda f: plant_pickle(f / "rng_state.pth", marker),
+    )
+    shutil.copytree(snaps / "other-3", ckpts / "checkpoint-3")  # its own, genuine proof
+    shutil.copytree(snaps / "own-2", ckpts / "checkpoint-2")
+    flip(ckpts / "checkpoint-2")
+    _forge(snaps / "own-2", ckpts / "checkpoint-1", 1)
+    model = ckpts / "checkpoint-1" / "model.safetensors"
+    model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+
+    for p in (run / "tasks").iterdir():  # the chain from its train stage on is redone
+        if p.name.startswith("GRPO") and p.is_dir() and not p.name.endswith(".checkpoints"):
+            shutil.rmtree(p)
+    done = run_cli([f"resume_from={run}"], cwd=own, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+    assert not marker.exists(), "a pickle planted in a Trainer checkpoint ran code"
+    log = (run / "tasks" / GRPO_TASK / "log.txt").read_text()
+    warnings = [line for line in log.splitlines() if "WARNING" in line]
+    for name, why in (
+        ("checkpoint-6", "past the schedule"),
+        ("checkpoint-4", "rng_state.pth does not load"),
+        ("checkpoint-3", "another task or config"),
+        ("checkpoint-2", "sha256"),
+        ("checkpoint-1", "sha256"),
+    ):
+        assert any(f"{name}:" in w and why in w for w in warnings), (name, log[-3000:])
+    assert "resumed from checkpoint" not in log
+    assert _committed(run) == uninterrupted

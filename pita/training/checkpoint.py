@@ -471,8 +471,10 @@ def _pickles_load_safely(folder: Path) -> str | None:
                 with safe_globals():
                     torch.load(p, map_location="cpu", weights_only=True)
             except Exception as exc:  # noqa: BLE001 - any failure: not a checkpoint to trust
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                return f"{p.name} does not load as plain tensors ({first[:200]})"
+                # torch's message advises weights_only=False: keep only what it refused
+                lines = [ln.strip() for ln in str(exc).splitlines() if "Unpickler" in ln]
+                what = lines[0].split(". ")[0][:200] if lines else type(exc).__name__
+                return f"{p.name} does not load as plain tensors, never unpickled ({what})"
     return None
 
 
@@ -514,17 +516,23 @@ def restore_trl_logs(checkpoint: Path | str, train_log: Path, metrics: Any = Non
         metrics.rows = list(json.loads((checkpoint / METRIC_ROWS).read_text()))
 
 
+# TRL's own running counters that its checkpoints lack (DPO's logged num_tokens is cumulative)
+_COUNTERS = ("_total_train_tokens",)
+
+
 def _loop_state(trainer: Any) -> dict[str, Any] | None:
     """The Trainer's running loss sums, which `train()` resets and a checkpoint lacks: the
     sum behind `train_loss`, the loss not logged yet and the step of the last log."""
     try:
-        return {
+        state = {
             "total_loss_scalar": float(trainer._total_loss_scalar),
             "tr_loss": float(trainer._tr_loss.item()),
             "globalstep_last_logged": int(trainer._globalstep_last_logged),
         }
     except AttributeError:  # another transformers: train_loss covers the resumed part only
         return None
+    counters = {k: getattr(trainer, k) for k in _COUNTERS if hasattr(trainer, k)}
+    return {**state, "counters": counters}
 
 
 def resume_loop_callback(trainer: Any, checkpoint: Path | str):
@@ -545,6 +553,9 @@ def resume_loop_callback(trainer: Any, checkpoint: Path | str):
             trainer._tr_loss = torch.full_like(trainer._tr_loss, float(saved["tr_loss"]))
             trainer._globalstep_last_logged = int(saved["globalstep_last_logged"])
             trainer._initial_global_step = 0  # train_loss: the mean over every step
+            for key, value in (saved.get("counters") or {}).items():
+                if key in _COUNTERS:
+                    setattr(trainer, key, value)
 
     return ResumeLoop()
 
