@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from pita.training.checkpoint import COMPLETE, write_manifest
+from pita.training.checkpoint import COMPLETE
 from tests.conftest import ROOT, run_cli, run_dirs
 
 PRETRAIN = "pretrain.goal_walk.tiny"
@@ -259,13 +259,21 @@ def _runs_with_snapshots(jobs: list[tuple[list[str], Path, int, Path]]) -> None:
 
 def _forge(source: Path, target: Path, step: int, edit=None) -> None:
     """Copy a real checkpoint to `target`, change it (`edit`), and write it a proof that
-    verifies for `step`, as anybody who can read the run folder could."""
+    verifies for `step` (the source's, with this step and the new files' sha256), as
+    anybody who can read the run folder could."""
+    import hashlib
+
     shutil.copytree(source, target)
     if edit is not None:
         edit(target)
     manifest = json.loads((source / COMPLETE).read_text())
-    identity = {k: manifest[k] for k in ("task_id", "config_sha256", "inputs_sha256")}
-    write_manifest(target, COMPLETE, step, identity)
+    manifest["step"] = step
+    manifest["files"] = {
+        p.relative_to(target).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(target.rglob("*"))
+        if p.is_file() and p.name != COMPLETE
+    }
+    (target / COMPLETE).write_text(json.dumps(manifest))
 
 
 def _committed(run: Path) -> dict:
