@@ -66,7 +66,9 @@ class _Records(logging.Handler):
         return "\n".join(m for lvl, m in self.lines if lvl >= logging.WARNING)
 
 
-def _pretrain(run_dir: Path, seed: int = 0, steps: int = STEPS) -> tuple[dict, _Records]:
+def _pretrain(
+    run_dir: Path, seed: int = 0, steps: int = STEPS, every: int = 2
+) -> tuple[dict, _Records]:
     """Run the pretrain stage in-process (checkpoint every 2 steps) into `run_dir`; ->
     (its trained weights, its log records). Its checkpoint folder stays (the worker
     would remove it on commit)."""
@@ -80,7 +82,9 @@ def _pretrain(run_dir: Path, seed: int = 0, steps: int = STEPS) -> tuple[dict, _
     cfg = OmegaConf.structured(PitaConfig)
     cfg.experiment.seed = seed
     cfg.pretrain.steps, cfg.pretrain.batch_size, cfg.pretrain.warmup_steps = steps, 16, 1
-    cfg.training.checkpoint_every = 2
+    cfg.training.checkpoint_every = every
+    if every == 0:
+        cfg.training.checkpoint_every_minutes = 0.0
     task = TaskSpec(
         id=PRETRAIN,
         algo="*",
@@ -208,6 +212,26 @@ def test_a_linked_checkpoint_folder_is_moved_aside_not_followed(tmp_path, clean)
     assert f"{PRETRAIN}.checkpoints" in records.warnings()
     assert sorted(p.name for p in elsewhere.iterdir()) == before  # nothing written through it
     assert not _checkpoints(run).is_symlink()
+
+
+def test_a_checkpoint_folder_writable_by_every_user_is_moved_aside(tmp_path, clean):
+    run = tmp_path / "run"
+    (planted,) = _copy_checkpoints(clean[1], run)
+    planted.chmod(0o777)  # anybody could have swapped its files
+    weights, records = _pretrain(run)
+    assert _same(weights, clean[0])
+    _rejected(run, records, planted.name)
+    assert "writable by every user" in records.warnings()
+
+
+def test_nothing_is_restored_while_checkpointing_is_off(tmp_path, clean):
+    marker = tmp_path / "PWNED"
+    run = tmp_path / "run"
+    plant_pickle(_checkpoints(run) / "step-2.pt", marker)
+    weights, records = _pretrain(run, every=0)
+    assert not marker.exists()
+    assert _same(weights, clean[0])
+    assert not any("resumed from checkpoint" in m for _, m in records.lines)
 
 
 # --- a TRL stage's checkpoints (GRPO, the real orchestrator) --------------------------------
