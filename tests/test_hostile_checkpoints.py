@@ -224,6 +224,31 @@ def test_a_checkpoint_folder_writable_by_every_user_is_moved_aside(tmp_path, cle
     assert "writable by every user" in records.warnings()
 
 
+def test_a_forged_proof_on_a_checkpoint_that_does_not_fit_fails_one_attempt_only(tmp_path, clean):
+    """A proof forged for a checkpoint holding another model's tensors: the attempt that
+    meets it fails (its tensors do not fit) and moves it aside; the next one starts over."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pita.training.checkpoint import MANIFEST, TENSORS, write_manifest
+
+    run = tmp_path / "run"
+    (planted,) = _copy_checkpoints(clean[1], run)
+    tensors = load_file(str(planted / TENSORS))
+    biggest = max(tensors, key=lambda k: tensors[k].numel())
+    tensors[biggest] = torch.zeros(3)
+    save_file(tensors, str(planted / TENSORS))
+    manifest = json.loads((planted / MANIFEST).read_text())
+    (planted / MANIFEST).unlink()
+    identity = {k: manifest[k] for k in ("task_id", "config_sha256", "inputs_sha256")}
+    write_manifest(planted, MANIFEST, STEPS, identity)
+    with pytest.raises(RuntimeError, match="moved aside"):
+        _pretrain(run)
+    assert (_checkpoints(run) / f"{planted.name}.rejected").is_dir()
+    weights, _ = _pretrain(run)
+    assert _same(weights, clean[0])
+
+
 def test_nothing_is_restored_while_checkpointing_is_off(tmp_path, clean):
     marker = tmp_path / "PWNED"
     run = tmp_path / "run"

@@ -193,7 +193,9 @@ def _train_resumable(ctx: StageContext, trainer: Any, metrics: Any, env: dict[st
         ctx.logger.info("resumed from checkpoint %s (step %s)", resume, resume.rsplit("-", 1)[-1])
         ck.restore_trl_logs(resume, train_log, metrics)
         trainer.add_callback(ck.resume_loop_callback(trainer, resume))
-    with scoped_env({**env, "TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"}):
+    guard = ck.resume_guard(resume, ctx.logger)
+    trainer.add_callback(guard)
+    with scoped_env({**env, "TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"}), guard:
         if resume and max_steps is not None and int(resume.rsplit("-", 1)[-1]) >= max_steps:
             ck.finish_from_checkpoint(trainer, resume)
         else:

@@ -316,8 +316,6 @@ class Checkpointer:
         latest = self.latest(max_step)
         if latest is None:
             return 0, {}
-        import torch
-
         n, path = latest
         try:
             state = load_state(path)
@@ -325,6 +323,24 @@ class Checkpointer:
             if self.writer:
                 move_aside(path, f"unreadable ({exc})", self.logger)
             return 0, {}
+        try:
+            self._load(n, state, step, objects)
+        except Exception as exc:  # verified, yet not this model's (a forged proof): never again
+            if self.writer:
+                move_aside(path, f"does not fit this task ({exc})", self.logger)
+            raise RuntimeError(
+                f"checkpoint {path} could not be restored ({exc}); it was moved aside, a retry "
+                f"starts without it"
+            ) from exc
+        self.logger.info("resumed from checkpoint %s (step %d)", path, n)
+        self._last_save = time.monotonic()
+        return n, state.get("extra", {})
+
+    @staticmethod
+    def _load(n: int, state: dict[str, Any], step: Any, objects: dict[str, Any]) -> None:
+        """Put a loaded checkpoint into the objects, the TrainStep and torch's RNG."""
+        import torch
+
         for name, obj in objects.items():
             if obj is not None and name in state:
                 obj.load_state_dict(state[name])
@@ -339,9 +355,6 @@ class Checkpointer:
         torch.set_rng_state(state["torch_rng"])
         if state.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
-        self.logger.info("resumed from checkpoint %s (step %d)", path, n)
-        self._last_save = time.monotonic()
-        return n, state.get("extra", {})
 
     # -- save -----------------------------------------------------------------------------
     def due(self, n: int) -> bool:
@@ -558,6 +571,34 @@ def resume_loop_callback(trainer: Any, checkpoint: Path | str):
                     setattr(trainer, key, value)
 
     return ResumeLoop()
+
+
+def resume_guard(checkpoint: str | None, logger: logging.Logger):
+    """A TrainerCallback and context manager around the resumed `train()`: if it fails
+    before training begins (a checkpoint with a forged proof that is not this model's, or
+    that the Trainer cannot load), the checkpoint is moved aside, so the retry starts
+    without it instead of failing on it for ever. Out-of-memory is not its fault."""
+    from transformers import TrainerCallback
+
+    class ResumeGuard(TrainerCallback):
+        began = False
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.began = True
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, kind, exc, tb):
+            oom = kind is not None and "out of memory" in str(exc).lower()
+            if checkpoint and isinstance(exc, Exception) and not self.began and not oom:
+                first = (str(exc).strip().splitlines() or [kind.__name__])[0][:200]
+                move_aside(
+                    Path(checkpoint), f"the Trainer could not resume from it ({first})", logger
+                )
+            return False
+
+    return ResumeGuard()
 
 
 def finish_from_checkpoint(trainer: Any, checkpoint: Path | str) -> None:
