@@ -54,7 +54,7 @@ def checkpoint_every(ctx: StageContext) -> tuple[int, float]:
 
 # keys a resume may change without changing what a task computes (cf. the CLI's resume-safe keys)
 _NOT_COMPUTED = ("executor", "dry_run", "resume_from", "hydra")
-_NOT_COMPUTED_SYSTEM = ("devices", "threads_per_worker", "use_parallel_execution")
+_NOT_COMPUTED_SYSTEM = ("devices", "threads_per_worker", "use_parallel_execution", "trust_group")
 
 
 def checkpoint_identity(ctx: StageContext) -> dict[str, str]:
@@ -103,6 +103,7 @@ def checkpointer(ctx: StageContext, *, writer: bool = True) -> Checkpointer:
         writer=writer,
         logger=ctx.logger,
         identity=checkpoint_identity(ctx),
+        trust_group=bool(ctx.cfg.system.get("trust_group", False)),
     )
 
 
@@ -119,7 +120,11 @@ def last_trl_checkpoint(ctx: StageContext, max_step: int | None = None) -> str |
     from pita.training import checkpoint
 
     return checkpoint.last_trl_checkpoint(
-        checkpoint_dir(ctx), checkpoint_identity(ctx), max_step, ctx.logger
+        checkpoint_dir(ctx),
+        checkpoint_identity(ctx),
+        max_step,
+        ctx.logger,
+        trust_group=bool(ctx.cfg.system.get("trust_group", False)),
     )
 
 

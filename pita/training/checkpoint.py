@@ -92,14 +92,14 @@ def _listing(folder: Path, skip: str) -> dict[str, Path]:
     return out
 
 
-def _sha256_safe(path: Path) -> str:
+def _sha256_safe(path: Path, trust_group: bool = False) -> str:
     """sha256 of a file opened like a control file (no link, regular, owned by you)."""
     import hashlib
 
     from pita.core.safe_files import open_control
 
     h = hashlib.sha256()
-    with os.fdopen(open_control(path, os.O_RDONLY), "rb") as f:
+    with os.fdopen(open_control(path, os.O_RDONLY, trust_group=trust_group), "rb") as f:
         while block := f.read(1 << 20):
             h.update(block)
     return h.hexdigest()
@@ -124,13 +124,15 @@ def check_manifest(
     step: int,
     identity: dict[str, Any],
     max_step: int | None = None,
+    trust_group: bool = False,
 ) -> str | None:
-    """Why the checkpoint `folder` (named for `step`) may not be restored, or None."""
+    """Why the checkpoint `folder` (named for `step`) may not be restored, or None
+    (`trust_group`: files of your group's members count as yours, `system.trust_group`)."""
     from pita.core.safe_files import UnsafeFile, check_folder, read_control
 
     try:
-        check_folder(folder)
-        manifest = json.loads(read_control(folder / name))
+        check_folder(folder, trust_group)
+        manifest = json.loads(read_control(folder / name, trust_group=trust_group))
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             return f"its {name} is not a pita checkpoint manifest"
         if manifest.get("step") != step:
@@ -145,7 +147,7 @@ def check_manifest(
         if not isinstance(listed, dict) or set(listed) != set(present):
             return "its files are not those its manifest lists"
         for rel, p in present.items():
-            if _sha256_safe(p) != listed[rel]:
+            if _sha256_safe(p, trust_group) != listed[rel]:
                 return f"{rel} does not match its sha256 (corrupt or truncated)"
     except FileNotFoundError:
         return f"it has no {name} (not written by pita, or half-written)"
@@ -176,13 +178,15 @@ def move_aside(path: Path, why: str, logger: logging.Logger) -> None:
     )
 
 
-def _usable_folder(folder: Path, logger: logging.Logger, writer: bool) -> bool:
+def _usable_folder(
+    folder: Path, logger: logging.Logger, writer: bool, trust_group: bool = False
+) -> bool:
     """The checkpoints folder is a real folder of yours: else (a link, another user's,
     writable by all) it is moved aside (writer) and nothing in it is read."""
     from pita.core.safe_files import UnsafeFile, check_folder
 
     try:
-        check_folder(folder)
+        check_folder(folder, trust_group)
     except UnsafeFile as exc:
         if writer:
             move_aside(folder, str(exc), logger)
@@ -247,14 +251,15 @@ def save_state(folder: Path, state: dict[str, Any]) -> None:
             os.close(fd)
 
 
-def load_state(folder: Path) -> dict[str, Any]:
+def load_state(folder: Path, trust_group: bool = False) -> dict[str, Any]:
     """What `save_state` wrote (call after `check_manifest`): no pickle is involved."""
     from safetensors.torch import load_file
 
     from pita.core.safe_files import read_control
 
     tensors = load_file(str(folder / TENSORS), device="cpu")
-    return _decode(json.loads(read_control(folder / STATE, MAX_STATE_BYTES)), tensors)
+    state = read_control(folder / STATE, MAX_STATE_BYTES, trust_group)
+    return _decode(json.loads(state), tensors)
 
 
 class Checkpointer:
@@ -267,8 +272,10 @@ class Checkpointer:
         writer: bool = True,
         logger: logging.Logger | None = None,
         identity: dict[str, Any] | None = None,
+        trust_group: bool = False,
     ):
         self.folder = Path(folder)
+        self.trust_group = trust_group  # system.trust_group: a teammate's checkpoints count
         self.every_steps = int(every_steps)
         self.every_s = float(every_minutes) * 60.0
         self.writer = writer  # rank 0 of a data-parallel gang writes; every rank restores
@@ -294,10 +301,10 @@ class Checkpointer:
 
     def latest(self, max_step: int | None = None) -> tuple[int, Path] | None:
         """The newest checkpoint that verifies; the bad ones met on the way are moved aside."""
-        if not _usable_folder(self.folder, self.logger, self.writer):
+        if not _usable_folder(self.folder, self.logger, self.writer, self.trust_group):
             return None
         for n, path in self._found():
-            why = check_manifest(path, MANIFEST, n, self.identity, max_step)
+            why = check_manifest(path, MANIFEST, n, self.identity, max_step, self.trust_group)
             if why is None:
                 return n, path
             if self.writer:
@@ -318,7 +325,7 @@ class Checkpointer:
             return 0, {}
         n, path = latest
         try:
-            state = load_state(path)
+            state = load_state(path, self.trust_group)
         except Exception as exc:  # noqa: BLE001 - verified, yet unreadable: start over
             if self.writer:
                 move_aside(path, f"unreadable ({exc})", self.logger)
@@ -496,13 +503,14 @@ def last_trl_checkpoint(
     identity: dict[str, Any] | None = None,
     max_step: int | None = None,
     logger: logging.Logger | None = None,
+    trust_group: bool = False,
 ) -> str | None:
     """The newest Trainer checkpoint in `folder` whose proof verifies (see the module);
     folders a kill left half-written (no marker, newer than the newest committed one) are
     removed, bad ones moved aside with a WARNING."""
     logger = logger or log
     folder = Path(folder)
-    if not _usable_folder(folder, logger, writer=True):
+    if not _usable_folder(folder, logger, True, trust_group):
         return None
     found = _trl_checkpoints(folder)
     committed = [n for n, p in found if os.path.lexists(p / COMPLETE)]
@@ -511,7 +519,7 @@ def last_trl_checkpoint(
         if n > newest:  # half-written by a dead attempt: the Trainer would trip over it
             shutil.rmtree(p, ignore_errors=True)
             continue
-        why = check_manifest(p, COMPLETE, n, dict(identity or {}), max_step)
+        why = check_manifest(p, COMPLETE, n, dict(identity or {}), max_step, trust_group)
         why = why or _pickles_load_safely(p)
         if why is None:
             return str(p)
