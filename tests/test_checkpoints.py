@@ -324,3 +324,43 @@ def test_trl_stage_killed_after_every_checkpoint_resumes_faithfully(tmp_path, al
     a = load_file(str(run / "tasks" / task / "model" / "model.safetensors"))
     b = load_file(str(clean / "tasks" / task / "model" / "model.safetensors"))
     assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
+
+
+def test_checkpoint_state_is_tensors_and_json_and_round_trips_every_loop_state(tmp_path):
+    """What the loops store (optimizer with int keys and tuples, a transformers schedule, a
+    GradScaler, value training's shuffled order and torch.Generator, metric rows with NaN)
+    comes back equal from safetensors + JSON; no pickle is written."""
+    import math
+
+    import torch
+    from transformers import get_cosine_schedule_with_warmup
+
+    from pita.training.checkpoint import load_state, save_state
+
+    model = torch.nn.Linear(3, 2)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = get_cosine_schedule_with_warmup(optim, 2, 10)
+    model(torch.randn(4, 3)).sum().backward()
+    optim.step()
+    sched.step()
+    gen = torch.Generator().manual_seed(3)
+    state = {
+        "optimizer": optim.state_dict(),
+        "scheduler": sched.state_dict(),
+        "scaler": torch.amp.GradScaler("cpu", enabled=True).state_dict(),
+        "extra": {"order": torch.randperm(10, generator=gen), "cursor": 4, "gen": gen.get_state()},
+        "rows": [{"loss": float("nan"), "lr": 1e-3}],
+    }
+    save_state(tmp_path, state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json", "tensors.safetensors"]
+    back = load_state(tmp_path)
+    optim2 = torch.optim.AdamW(torch.nn.Linear(3, 2).parameters(), lr=1e-3)
+    optim2.load_state_dict(back["optimizer"])
+    assert back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)
+    for k, v in optim.state_dict()["state"][0].items():
+        assert torch.equal(v, back["optimizer"]["state"][0][k])
+    assert back["scheduler"] == sched.state_dict() and back["scaler"]["scale"] == 65536.0
+    again = torch.Generator()
+    again.set_state(back["extra"]["gen"])
+    assert torch.equal(torch.randperm(10, generator=again), torch.randperm(10, generator=gen))
+    assert math.isnan(back["rows"][0]["loss"]) and back["extra"]["cursor"] == 4

@@ -67,7 +67,7 @@ class _Records(logging.Handler):
 
 
 def _pretrain(
-    run_dir: Path, seed: int = 0, steps: int = STEPS, every: int = 2
+    run_dir: Path, seed: int = 0, steps: int = STEPS, every: int = 2, trust_group: bool = False
 ) -> tuple[dict, _Records]:
     """Run the pretrain stage in-process (checkpoint every 2 steps) into `run_dir`; ->
     (its trained weights, its log records). Its checkpoint folder stays (the worker
@@ -83,6 +83,7 @@ def _pretrain(
     cfg.experiment.seed = seed
     cfg.pretrain.steps, cfg.pretrain.batch_size, cfg.pretrain.warmup_steps = steps, 16, 1
     cfg.training.checkpoint_every = every
+    cfg.system.trust_group = trust_group
     if every == 0:
         cfg.training.checkpoint_every_minutes = 0.0
     task = TaskSpec(
@@ -247,6 +248,22 @@ def test_a_forged_proof_on_a_checkpoint_that_does_not_fit_fails_one_attempt_only
     assert (_checkpoints(run) / f"{planted.name}.rejected").is_dir()
     weights, _ = _pretrain(run)
     assert _same(weights, clean[0])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file another user's needs root")
+def test_a_checkpoint_of_another_user_is_moved_aside_unless_the_run_is_shared(tmp_path, clean):
+    for trust_group in (False, True):
+        run = tmp_path / f"run-{trust_group}"
+        (planted,) = _copy_checkpoints(clean[1], run)
+        for p in [planted, *planted.rglob("*")]:
+            os.lchown(p, 54321, os.getegid())  # a teammate's, in your group
+        weights, records = _pretrain(run, trust_group=trust_group)
+        assert _same(weights, clean[0])
+        if trust_group:  # system.trust_group=true: the group's checkpoints count as yours
+            assert any("resumed from checkpoint" in m for _, m in records.lines)
+        else:
+            _rejected(run, records, planted.name)
+            assert "owned by uid 54321" in records.warnings()
 
 
 def test_nothing_is_restored_while_checkpointing_is_off(tmp_path, clean):
