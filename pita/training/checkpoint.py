@@ -489,7 +489,8 @@ def _pickles_load_safely(folder: Path) -> str | None:
         if p.suffix in _PICKLES and p.is_file():
             try:
                 with safe_globals():
-                    torch.load(p, map_location="cpu", weights_only=True)
+                    # mmap: the storages are mapped, not read (optimizer.pt of a large model)
+                    torch.load(p, map_location="cpu", weights_only=True, mmap=True)
             except Exception as exc:  # noqa: BLE001 - any failure: not a checkpoint to trust
                 # torch's message advises weights_only=False: keep only what it refused
                 lines = [ln.strip() for ln in str(exc).splitlines() if "Unpickler" in ln]
