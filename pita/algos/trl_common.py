@@ -8,8 +8,9 @@
   `training.gradient_checkpointing` is on, `use_cpu` on CPU, `report_to` from
   `logger.backend` (pita/training/tracking.py), no hub, Trainer checkpoints only every
   `training.checkpoint_every` steps / `checkpoint_every_minutes` into the task's
-  `tasks/<id>.checkpoints/` (a retry resumes from the newest with
-  `resume_from_checkpoint`; the stage itself saves the final model with `save_pretrained`),
+  `tasks/<id>.checkpoints/` (a retry resumes from the newest whose proof verifies and
+  runs exactly the remaining steps, `_train_resumable`; the stage itself saves the final
+  model with `save_pretrained`),
   and a constant learning rate without warmup (so a learning-rate sweep means what it says).
 - The effective batch `algos.<NAME>.batch_size` is kept; it is cut into micro-batches with
   gradient accumulation (`micro_batches`: `training.micro_batch_size` × the task's
