@@ -364,3 +364,54 @@ def test_checkpoint_state_is_tensors_and_json_and_round_trips_every_loop_state(t
     again.set_state(back["extra"]["gen"])
     assert torch.equal(torch.randperm(10, generator=again), torch.randperm(10, generator=gen))
     assert math.isnan(back["rows"][0]["loss"]) and back["extra"]["cursor"] == 4
+
+
+VALUE_TRAIN = "QSharp.goal_walk.tiny.r0.train"
+VALUE_ARGS = [
+    "experiment=smoke",
+    "algos=[QSharp]",
+    "training.checkpoint_every=5",
+    "executor.progress=false",
+]
+
+
+@pytest.mark.slow
+def test_sigkilled_value_training_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path):
+    """Value training (the guide's loop, pita's own checkpoints: shuffled order, cursor,
+    torch.Generator) killed after a checkpoint commits the same value model bit for bit."""
+    from safetensors.torch import load_file
+
+    killed_cwd, clean_cwd = tmp_path / "killed", tmp_path / "clean"
+    killed_cwd.mkdir()
+    clean_cwd.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "run_parallel.py"), *VALUE_ARGS],
+        cwd=killed_cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    killed, deadline = None, time.time() + 240
+    while killed is None and proc.poll() is None and time.time() < deadline:
+        for manifest in killed_cwd.glob(
+            f"outputs/smoke/*/tasks/{VALUE_TRAIN}.checkpoints/step-*/manifest.json"
+        ):
+            tmp = next(manifest.parents[2].glob(f".tmp-{VALUE_TRAIN}-*"))
+            os.kill(int(tmp.name.rsplit("-", 1)[1]), signal.SIGKILL)
+            killed = int(manifest.parent.name.split("-")[1])
+            break
+        time.sleep(0.005)
+    out, _ = proc.communicate(timeout=240)
+    assert killed is not None, out[-2000:]
+    assert proc.returncode == 0, out[-3000:]
+    done = run_cli(VALUE_ARGS, cwd=clean_cwd)
+    assert done.returncode == 0, done.stderr[-2000:]
+    run, clean = run_dirs(killed_cwd, "smoke")[0], run_dirs(clean_cwd, "smoke")[0]
+    task = run / "tasks" / VALUE_TRAIN
+    m = re.search(r"resumed from checkpoint \S+ \(step (\d+)\)", (task / "log.txt").read_text())
+    assert m and int(m.group(1)) >= killed
+    assert json.loads((task / "result.json").read_text())["attempt"] == 2
+    a = load_file(str(task / "value_model" / "model.safetensors"))
+    b = load_file(str(clean / "tasks" / VALUE_TRAIN / "value_model" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
