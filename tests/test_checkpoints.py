@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pita.training.checkpoint import COMPLETE
 from tests.conftest import ROOT, only, run_cli, run_dirs
 
 PRETRAIN = "pretrain.goal_walk.tiny"
@@ -51,7 +52,7 @@ def _kill_pretrain_after_checkpoint(cwd: Path, min_step: int, timeout: float = 1
             steps = [
                 int(m.group(1))
                 for p in (ckpts.iterdir() if ckpts.is_dir() else [])
-                if (m := re.match(r"step-(\d+)\.pt$", p.name))
+                if (m := re.match(r"step-(\d+)$", p.name))
             ]
             if steps and max(steps) >= min_step:
                 tmp = next((run_dir / "tasks").glob(f".tmp-{PRETRAIN}-*"))
@@ -124,7 +125,12 @@ def test_checkpointer_keeps_only_the_newest_and_restores_rng_and_step(tmp_path):
     model, _, step = make()
     ckpt = Checkpointer(tmp_path / "ck", every_steps=3)
     train(model, step, random.Random(1), 0, 7, ckpt)
-    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["step-6.pt"]  # atomic, only the newest
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["step-6"]  # atomic, only the newest
+    assert {p.name for p in (tmp_path / "ck" / "step-6").iterdir()} == {
+        "manifest.json",
+        "state.json",
+        "tensors.safetensors",
+    }  # tensors and JSON: no pickle
     reference = {k: v.clone() for k, v in model.state_dict().items()}
 
     model2, optim2, step2 = make()
@@ -186,10 +192,226 @@ def test_sigkilled_grpo_retry_resumes_from_the_last_committed_trainer_checkpoint
     )  # the newest committed one (a later half-written one is dropped)
     result = json.loads((task / "result.json").read_text())
     assert result["attempt"] == 2 and result["steps"] == 30
-    logged = [
-        json.loads(line)["step"] for line in (task / "train_log.jsonl").read_text().splitlines()
-    ]
-    assert (
-        min(logged) > int(m.group(1)) and max(logged) == 30
-    )  # the retry trained only the remaining steps
+    logged = [json.loads(line) for line in (task / "train_log.jsonl").read_text().splitlines()]
+    # every step is logged once: the lines up to the checkpoint are replayed from it, the
+    # retry trained (and logged) only the remaining steps
+    assert [r["step"] for r in logged if "kl" in r] == list(range(2, 31, 2))
     assert not (task.parent / f"{GRPO_TRAIN}.checkpoints").exists()
+
+
+# --- faithful TRL resume: killed after every checkpoint boundary ---------------------------
+
+TRL_ARGS = {
+    "GRPO": ["algos.GRPO.steps=4"],
+    "DPO": [],  # one epoch of the smoke's pairs
+}
+# values of a run that are times, not results (TRL's and pita's own clocks)
+_CLOCKS = ("elapsed_s", "runtime", "per_second", "time", "wall_s", "performance", "attempt")
+_PATHS = ("start",)  # where the run folder is
+
+
+def _trl_run(algo: str, cwd: Path) -> subprocess.Popen:
+    args = [
+        "experiment=smoke",
+        f"algos=[{algo}]",
+        *TRL_ARGS[algo],
+        "training.checkpoint_every=1",
+        "executor.progress=false",
+        "executor.max_retries=12",
+    ]
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "run_parallel.py"), *args],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _kill_at_every_boundary(algo: str, cwd: Path, timeout: float = 420) -> list[int]:
+    """Run `algo`'s chain; each time a new Trainer checkpoint is committed, SIGKILL the
+    worker training it (the retry resumes from that checkpoint). -> the steps killed at."""
+    task = f"{algo}.goal_walk.tiny.r0.train"
+    proc = _trl_run(algo, cwd)
+    killed: list[int] = []
+    pids: set[int] = set()
+    deadline = time.time() + timeout
+    while proc.poll() is None and time.time() < deadline:
+        for marker in cwd.glob(f"outputs/smoke/*/tasks/{task}.checkpoints/checkpoint-*/{COMPLETE}"):
+            step = int(marker.parent.name.split("-")[1])
+            tasks = marker.parents[2]
+            live = [
+                int(p.name.rsplit("-", 1)[1])
+                for p in tasks.glob(f".tmp-{task}-*")
+                if int(p.name.rsplit("-", 1)[1]) not in pids
+            ]
+            live = [pid for pid in live if _alive(pid)]
+            if step not in killed and live:
+                os.kill(live[0], signal.SIGKILL)
+                pids.add(live[0])
+                killed.append(step)
+        time.sleep(0.005)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out[-3000:]
+    return killed
+
+
+def _results(run_dir: Path, algo: str) -> dict[str, dict]:
+    """The committed result.json of the chain's tasks, clocks left out."""
+
+    def strip(obj):
+        if isinstance(obj, dict):
+            return {
+                k: strip(v)
+                for k, v in obj.items()
+                if k not in _PATHS and not any(c in k for c in _CLOCKS)
+            }
+        if isinstance(obj, list):
+            return [strip(v) for v in obj]
+        return obj
+
+    return {
+        p.name: strip(json.loads((p / "result.json").read_text()))
+        for p in (run_dir / "tasks").iterdir()
+        if p.name.startswith(algo) and (p / "result.json").is_file()
+    }
+
+
+def _train_log(run_dir: Path, algo: str) -> list[dict]:
+    path = run_dir / "tasks" / f"{algo}.goal_walk.tiny.r0.train" / "train_log.jsonl"
+    return [
+        {k: v for k, v in json.loads(line).items() if not any(c in k for c in _CLOCKS)}
+        for line in path.read_text().splitlines()
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["GRPO", "DPO"])
+def test_trl_stage_killed_after_every_checkpoint_resumes_faithfully(tmp_path, algo):
+    """Killed after each checkpoint boundary (the last one included: a resume there must
+    not train one step past max_steps), the task runs exactly the remaining steps, its
+    train_log.jsonl holds every step once, and what it commits equals an uninterrupted
+    run's: the trained weights bit for bit, the task results and the logged metrics."""
+    from safetensors.torch import load_file
+
+    killed_cwd, clean_cwd = tmp_path / "killed", tmp_path / "clean"
+    killed_cwd.mkdir()
+    clean_cwd.mkdir()
+    killed = _kill_at_every_boundary(algo, killed_cwd)
+    clean_proc = _trl_run(algo, clean_cwd)
+    out, _ = clean_proc.communicate(timeout=420)
+    assert clean_proc.returncode == 0, out[-3000:]
+    run, clean = run_dirs(killed_cwd, "smoke")[0], run_dirs(clean_cwd, "smoke")[0]
+    task = f"{algo}.goal_walk.tiny.r0.train"
+    steps = json.loads((clean / "tasks" / task / "result.json").read_text())["steps"]
+    assert killed == list(range(1, steps + 1)), f"killed at {killed}, {steps} steps"
+    result = json.loads((run / "tasks" / task / "result.json").read_text())
+    assert result["attempt"] == steps + 1 and result["steps"] == steps
+    log = (run / "tasks" / task / "log.txt").read_text()
+    resumed = [int(s) for s in re.findall(r"resumed from checkpoint \S+ \(step (\d+)\)", log)]
+    assert resumed == [steps]  # the task log is the last attempt's: it resumed at the end
+    assert _train_log(run, algo) == _train_log(clean, algo)
+    assert _results(run, algo) == _results(clean, algo)
+    a = load_file(str(run / "tasks" / task / "model" / "model.safetensors"))
+    b = load_file(str(clean / "tasks" / task / "model" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
+
+
+def test_checkpoint_state_is_tensors_and_json_and_round_trips_every_loop_state(tmp_path):
+    """What the loops store (optimizer with int keys and tuples, a transformers schedule, a
+    GradScaler, value training's shuffled order and torch.Generator, metric rows with NaN)
+    comes back equal from safetensors + JSON; no pickle is written."""
+    import math
+
+    import torch
+    from transformers import get_cosine_schedule_with_warmup
+
+    from pita.training.checkpoint import load_state, save_state
+
+    model = torch.nn.Linear(3, 2)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = get_cosine_schedule_with_warmup(optim, 2, 10)
+    model(torch.randn(4, 3)).sum().backward()
+    optim.step()
+    sched.step()
+    gen = torch.Generator().manual_seed(3)
+    state = {
+        "optimizer": optim.state_dict(),
+        "scheduler": sched.state_dict(),
+        "scaler": torch.amp.GradScaler("cpu", enabled=True).state_dict(),
+        "extra": {"order": torch.randperm(10, generator=gen), "cursor": 4, "gen": gen.get_state()},
+        "rows": [{"loss": float("nan"), "lr": 1e-3}],
+    }
+    save_state(tmp_path, state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json", "tensors.safetensors"]
+    back = load_state(tmp_path)
+    optim2 = torch.optim.AdamW(torch.nn.Linear(3, 2).parameters(), lr=1e-3)
+    optim2.load_state_dict(back["optimizer"])
+    assert back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)
+    for k, v in optim.state_dict()["state"][0].items():
+        assert torch.equal(v, back["optimizer"]["state"][0][k])
+    assert back["scheduler"] == sched.state_dict() and back["scaler"]["scale"] == 65536.0
+    again = torch.Generator()
+    again.set_state(back["extra"]["gen"])
+    assert torch.equal(torch.randperm(10, generator=again), torch.randperm(10, generator=gen))
+    assert math.isnan(back["rows"][0]["loss"]) and back["extra"]["cursor"] == 4
+
+
+VALUE_TRAIN = "QSharp.goal_walk.tiny.r0.train"
+VALUE_ARGS = [
+    "experiment=smoke",
+    "algos=[QSharp]",
+    "training.checkpoint_every=5",
+    "executor.progress=false",
+]
+
+
+@pytest.mark.slow
+def test_sigkilled_value_training_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path):
+    """Value training (the guide's loop, pita's own checkpoints: shuffled order, cursor,
+    torch.Generator) killed after a checkpoint commits the same value model bit for bit."""
+    from safetensors.torch import load_file
+
+    killed_cwd, clean_cwd = tmp_path / "killed", tmp_path / "clean"
+    killed_cwd.mkdir()
+    clean_cwd.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "run_parallel.py"), *VALUE_ARGS],
+        cwd=killed_cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    killed, deadline = None, time.time() + 240
+    while killed is None and proc.poll() is None and time.time() < deadline:
+        for manifest in killed_cwd.glob(
+            f"outputs/smoke/*/tasks/{VALUE_TRAIN}.checkpoints/step-*/manifest.json"
+        ):
+            tmp = next(manifest.parents[2].glob(f".tmp-{VALUE_TRAIN}-*"))
+            os.kill(int(tmp.name.rsplit("-", 1)[1]), signal.SIGKILL)
+            killed = int(manifest.parent.name.split("-")[1])
+            break
+        time.sleep(0.005)
+    out, _ = proc.communicate(timeout=240)
+    assert killed is not None, out[-2000:]
+    assert proc.returncode == 0, out[-3000:]
+    done = run_cli(VALUE_ARGS, cwd=clean_cwd)
+    assert done.returncode == 0, done.stderr[-2000:]
+    run, clean = run_dirs(killed_cwd, "smoke")[0], run_dirs(clean_cwd, "smoke")[0]
+    task = run / "tasks" / VALUE_TRAIN
+    m = re.search(r"resumed from checkpoint \S+ \(step (\d+)\)", (task / "log.txt").read_text())
+    assert m and int(m.group(1)) >= killed
+    assert json.loads((task / "result.json").read_text())["attempt"] == 2
+    a = load_file(str(task / "value_model" / "model.safetensors"))
+    b = load_file(str(clean / "tasks" / VALUE_TRAIN / "value_model" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)

@@ -8,8 +8,9 @@
   `training.gradient_checkpointing` is on, `use_cpu` on CPU, `report_to="none"` (TRL's logs
   go to the task's tracker, pita/training/tracking.py), no hub, Trainer checkpoints only every
   `training.checkpoint_every` steps / `checkpoint_every_minutes` into the task's
-  `tasks/<id>.checkpoints/` (a retry resumes from the newest with
-  `resume_from_checkpoint`; the stage itself saves the final model with `save_pretrained`),
+  `tasks/<id>.checkpoints/` (a retry resumes from the newest whose proof verifies and
+  runs exactly the remaining steps, `_train_resumable`; the stage itself saves the final
+  model with `save_pretrained`),
   and a constant learning rate without warmup (so a learning-rate sweep means what it says).
 - The effective batch `algos.<NAME>.batch_size` is kept; it is cut into micro-batches with
   gradient accumulation (`micro_batches`: `training.micro_batch_size` × the task's
@@ -135,11 +136,11 @@ def precision_flags(ctx: StageContext) -> dict[str, bool]:
 def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
     """trainer.train(), then the task's training_metrics.png and performance_summary.txt
     (the same report as the hand-written training loops); returns the summary."""
-    from pita.runtime.kit import last_trl_checkpoint, precision_for, task_tracker, trl_report_to
-    from pita.training.checkpoint import checkpoint_commit_callback, time_checkpoint_callback
+    from pita.runtime.kit import precision_for, task_tracker, trl_report_to
+    from pita.training.checkpoint import time_checkpoint_callback
     from pita.training.loop import TrainingMetrics
     from pita.training.report import trainer_metrics_callback, write_training_report
-    from pita.training.tracking import logger_cfg, scoped_env, trl_callback
+    from pita.training.tracking import logger_cfg, trl_callback
 
     args = trainer.args
     world = max(1, int(getattr(args, "world_size", 1) or 1))
@@ -152,13 +153,7 @@ def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
     minutes = float(ctx.cfg.training.get("checkpoint_every_minutes", 0.0) or 0.0)
     if args.save_strategy != "no" and minutes > 0:
         trainer.add_callback(time_checkpoint_callback(minutes))
-    if args.save_strategy != "no":
-        trainer.add_callback(checkpoint_commit_callback())
-    resume = last_trl_checkpoint(ctx) if args.save_strategy != "no" else None
-    if resume:
-        ctx.logger.info("resumed from checkpoint %s (step %s)", resume, resume.rsplit("-", 1)[-1])
-    with scoped_env(env):
-        trainer.train(resume_from_checkpoint=resume)
+    _train_resumable(ctx, trainer, metrics, env)
     return write_training_report(
         ctx.out_dir,
         metrics,
@@ -169,6 +164,40 @@ def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
         precision=precision_for(ctx),
         title=ctx.task.id,
     )
+
+
+def _train_resumable(ctx: StageContext, trainer: Any, metrics: Any, env: dict[str, str]) -> None:
+    """trainer.train(), resumed from the task's newest checkpoint whose proof verifies (see
+    pita/training/checkpoint.py), with its train log, metric rows and loss sums replayed so
+    the task's `train_log.jsonl` holds every step and `train_loss` covers them all. A
+    checkpoint at the last step is loaded, not trained from: the Trainer would run one step
+    past `max_steps`. Every torch.load of the Trainer is forced to `weights_only` (no
+    pickle of a run folder runs code)."""
+    from pita.runtime.kit import checkpoint_identity, last_trl_checkpoint
+    from pita.training import checkpoint as ck
+    from pita.training.tracking import scoped_env
+
+    args = trainer.args
+    if args.save_strategy == "no":
+        with scoped_env(env):
+            trainer.train()
+        return
+    train_log = ctx.out_dir / Artifact.TRAIN_LOG
+    identity = checkpoint_identity(ctx)
+    trainer.add_callback(ck.checkpoint_commit_callback(identity, train_log, metrics, trainer))
+    max_steps = int(args.max_steps) if int(args.max_steps) > 0 else None
+    resume = last_trl_checkpoint(ctx, max_steps)
+    if resume:
+        ctx.logger.info("resumed from checkpoint %s (step %s)", resume, resume.rsplit("-", 1)[-1])
+        ck.restore_trl_logs(resume, train_log, metrics)
+        trainer.add_callback(ck.resume_loop_callback(trainer, resume))
+    guard = ck.resume_guard(resume, ctx.logger)
+    trainer.add_callback(guard)
+    with scoped_env({**env, "TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"}), guard:
+        if resume and max_steps is not None and int(resume.rsplit("-", 1)[-1]) >= max_steps:
+            ck.finish_from_checkpoint(trainer, resume)
+        else:
+            trainer.train(resume_from_checkpoint=resume)
 
 
 def train_and_save(

@@ -428,7 +428,11 @@ def _resume(ctx: StageContext, run: ValueRun) -> None:
     )
     run.ckpt = checkpointer(ctx)
     run.start, extra = run.ckpt.restore(
-        model=run.model, optimizer=run.optim, scheduler=run.sched, step=run.trainer
+        model=run.model,
+        optimizer=run.optim,
+        scheduler=run.sched,
+        step=run.trainer,
+        max_step=run.steps,
     )
     if extra:
         run.order, run.cursor = extra["order"].to(run.device), extra["cursor"]

@@ -6,8 +6,10 @@ knows no task; a stage asks this module for the task's instances:
 
 - `checkpoint_dir(ctx)`: `tasks/<id>.checkpoints/`, seen by every attempt of the task.
 - `checkpointer(ctx)`: a `Checkpointer` on that folder, every `training.checkpoint_every`
-  steps / `checkpoint_every_minutes`.
+  steps / `checkpoint_every_minutes`, whose checkpoints carry `checkpoint_identity(ctx)`.
 - `trl_checkpoint_kwargs(ctx)`, `last_trl_checkpoint(ctx)`: the same for a TRL Trainer.
+- `checkpoint_identity(ctx)`: what a checkpoint must have been written by (task id, hashes
+  of the resolved config and of the inputs' manifests): one from another run is refused.
 - `task_tracker(ctx)`, `trl_report_to(ctx)`: the task's `logger.backend` (TRL's logs reach
   the task's tracker through a callback, TRL reports to nothing itself).
 - `precision_for(ctx)`: `choose_precision` from `training.*`, logged to the task log.
@@ -51,12 +53,59 @@ def checkpoint_every(ctx: StageContext) -> tuple[int, float]:
     )
 
 
+# keys a resume may change without changing what a task computes (cf. the CLI's resume-safe keys)
+_NOT_COMPUTED = ("executor", "dry_run", "resume_from", "hydra")
+_NOT_COMPUTED_SYSTEM = ("devices", "threads_per_worker", "use_parallel_execution", "trust_group")
+
+
+def checkpoint_identity(ctx: StageContext) -> dict[str, str]:
+    """What a checkpoint of this task must carry to be restored: the task id, a sha256 of
+    the task's resolved config (without the keys a resume may change) and one of its
+    inputs' committed manifests. A checkpoint copied from a run with another seed, config
+    or inputs differs in one of them."""
+    import hashlib
+    import json
+
+    from omegaconf import OmegaConf
+
+    from pita.core.paths import TaskPaths, file_sha256
+
+    cfg = OmegaConf.to_container(ctx.cfg, resolve=True)
+    for key in _NOT_COMPUTED:
+        cfg.pop(key, None)
+    for key in _NOT_COMPUTED_SYSTEM:
+        (cfg.get("system") or {}).pop(key, None)
+    inputs: dict[str, str] = {}
+    for ref in ctx.task.inputs.values():
+        for task_id in ref if isinstance(ref, list) else [ref]:
+            manifest = TaskPaths(ctx.run_dir, task_id).manifest
+            inputs[task_id] = file_sha256(manifest) if manifest.is_file() else "absent"
+
+    def digest(obj: Any) -> str:
+        text = json.dumps(obj, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    return {
+        "task_id": ctx.task.id,
+        "config_sha256": digest(cfg),
+        "inputs_sha256": digest(inputs),
+    }
+
+
 def checkpointer(ctx: StageContext, *, writer: bool = True) -> Checkpointer:
     """The task's `Checkpointer` (`writer`: rank 0 of a gang writes, every rank restores)."""
     from pita.training.checkpoint import Checkpointer
 
     every, minutes = checkpoint_every(ctx)
-    return Checkpointer(checkpoint_dir(ctx), every, minutes, writer=writer, logger=ctx.logger)
+    return Checkpointer(
+        checkpoint_dir(ctx),
+        every,
+        minutes,
+        writer=writer,
+        logger=ctx.logger,
+        identity=checkpoint_identity(ctx),
+        trust_group=bool(ctx.cfg.system.get("trust_group", False)),
+    )
 
 
 def trl_checkpoint_kwargs(ctx: StageContext) -> dict[str, Any]:
@@ -66,11 +115,18 @@ def trl_checkpoint_kwargs(ctx: StageContext) -> dict[str, Any]:
     return checkpoint.trl_checkpoint_kwargs(checkpoint_dir(ctx), *checkpoint_every(ctx))
 
 
-def last_trl_checkpoint(ctx: StageContext) -> str | None:
-    """The newest committed Trainer checkpoint of the task (half-written ones removed)."""
+def last_trl_checkpoint(ctx: StageContext, max_step: int | None = None) -> str | None:
+    """The newest Trainer checkpoint of the task whose proof verifies (half-written ones
+    removed; foreign, corrupt or past `max_step` ones moved aside with a WARNING)."""
     from pita.training import checkpoint
 
-    return checkpoint.last_trl_checkpoint(checkpoint_dir(ctx))
+    return checkpoint.last_trl_checkpoint(
+        checkpoint_dir(ctx),
+        checkpoint_identity(ctx),
+        max_step,
+        ctx.logger,
+        trust_group=bool(ctx.cfg.system.get("trust_group", False)),
+    )
 
 
 # --- tracking -------------------------------------------------------------------------------

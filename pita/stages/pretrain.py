@@ -150,7 +150,9 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
 
     # In-task checkpoints (training.checkpoint_every): a retry continues where the dead attempt stopped.
     ckpt = checkpointer(ctx, writer=dist is None or dist.is_main)
-    start, extra = ckpt.restore(model=model, optimizer=optim, scheduler=sched, step=step)
+    start, extra = ckpt.restore(
+        model=model, optimizer=optim, scheduler=sched, step=step, max_step=pcfg.steps
+    )
     if "rng" in extra:
         rng.setstate(extra["rng"])
 

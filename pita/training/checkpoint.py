@@ -5,32 +5,56 @@ checkpoints live beside it, in `tasks/<id>.checkpoints/` (`TaskPaths.checkpoints
 every attempt of the task sees; the worker removes it once the task is committed.
 
 Hand-written loops (pretrain, value training) use `Checkpointer` (a stage builds it from
-its context with `pita.runtime.kit.checkpointer(ctx)`: the task's folder and
-`training.checkpoint_every*`):
+its context with `pita.runtime.kit.checkpointer(ctx)`: the task's folder,
+`training.checkpoint_every*` and the task's identity):
 
-    ckpt = Checkpointer(folder, every_steps, every_minutes, logger=log)
-    start, extra = ckpt.restore(model=model, optimizer=optim, scheduler=sched, step=train_step)
+    ckpt = Checkpointer(folder, every_steps, every_minutes, logger=log, identity=identity)
+    start, extra = ckpt.restore(model=model, optimizer=optim, step=train_step, max_step=steps)
     for i in range(start, steps):
         ...
         ckpt.maybe_save(i + 1, lambda: dict(model=model, ...), extra=lambda: {"rng": rng.getstate()})
 
-A checkpoint is one `step-<N>.pt` (model, optimizer, scheduler, GradScaler, the
-TrainStep's counter and metric rows, torch's RNG state, and the loop's own state such as a
-`random.Random` or a shuffled order), written to a temporary file and `os.replace`d, so a
-kill mid-write leaves the previous checkpoint intact. Only the newest is kept. With the
-RNG streams restored the continued run computes what the uninterrupted one would have.
+A checkpoint is a folder `step-<N>/`: `tensors.safetensors` (every tensor of the model,
+optimizer, scheduler, the RNG streams...), `state.json` (everything else: the step, the
+TrainStep's counter and metric rows, GradScaler and scheduler scalars, a `random.Random`
+state) and, written last, `manifest.json` (the proof, see below). It is written to a
+temporary folder and renamed, so a kill mid-write leaves the previous checkpoint intact.
+Only the newest is kept. With the RNG streams restored the continued run computes what the
+uninterrupted one would have.
+
+**Nothing is unpickled.** A run folder may sit where others can write (a group's
+project folder), so a checkpoint is data only: safetensors and JSON, never `torch.load`
+of a pickle. A `step-N.pt` of an older pita is moved aside, never loaded. TRL checkpoints
+hold torch pickles (`optimizer.pt`, `rng_state.pth`...) that transformers loads with
+`weights_only=True`; pita checks each loads that way before the Trainer sees the folder,
+and trains with `TORCH_FORCE_WEIGHTS_ONLY_LOAD=1`, so no pickle in them can run code.
+
+**Every checkpoint carries its proof** (`manifest.json`, for TRL `pita_complete.json`):
+the task id, a hash of the task's resolved config and of its inputs' manifests
+(`identity`, see `pita.runtime.kit.checkpoint_identity`), the step and the sha256 of
+every file. Restore verifies it; a checkpoint that does not verify (a flipped byte, a
+truncated file, an extra or missing file), belongs to another task or config (copied
+from a run with another seed), or lies past the schedule (step > max steps), or is a
+link or owned / writable by others, is renamed `<name>.rejected/` with a WARNING in the
+task log, and the task starts from the next older good one or from step 0. Restore runs
+only when checkpointing is on.
 
 TRL stages use the Trainer's own checkpoints (`resume_from_checkpoint`) in the same folder
-(`trl_checkpoint_kwargs(folder, ...)`, `last_trl_checkpoint(folder)`,
-`checkpoint_commit_callback`, `time_checkpoint_callback`). The Trainer writes a checkpoint's files one by one, so a
-checkpoint counts only once `pita_complete.json` was written after it (atomically).
+(`trl_checkpoint_kwargs(folder, ...)`, `last_trl_checkpoint(folder, ...)`,
+`checkpoint_commit_callback`, `time_checkpoint_callback`). The Trainer writes a
+checkpoint's files one by one, so a checkpoint counts only once `pita_complete.json` was
+written after it (atomically). It also holds the task's `train_log.jsonl` and metric rows
+up to its step, which a resumed task replays so its log holds every step.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
+import shutil
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +62,204 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-_STEP_RE = re.compile(r"^step-(\d+)\.pt$")
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_LEGACY_RE = re.compile(r"^step-(\d+)\.pt$")  # an older pita's pickle: never loaded
+FORMAT = "pita-checkpoint-2"
+MANIFEST = "manifest.json"
+TENSORS = "tensors.safetensors"
+STATE = "state.json"
+MAX_STATE_BYTES = 1 << 30  # state.json: metric rows of a long run, never more
+
+
+# --- proof: manifests, verification, moving aside -------------------------------------------
+
+
+def _listing(folder: Path, skip: str) -> dict[str, Path]:
+    """Every file under `folder` by relative path (`skip` left out); a link or anything
+    but a file or folder raises ValueError (a checkpoint holds neither)."""
+    out: dict[str, Path] = {}
+    for p in sorted(folder.rglob("*")):
+        st = os.lstat(p)
+        if stat.S_ISLNK(st.st_mode):
+            raise ValueError(f"{p.relative_to(folder)} is a symbolic link")
+        if stat.S_ISDIR(st.st_mode):
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{p.relative_to(folder)} is not a regular file")
+        rel = p.relative_to(folder).as_posix()
+        if rel != skip:
+            out[rel] = p
+    return out
+
+
+def _sha256_safe(path: Path, trust_group: bool = False) -> str:
+    """sha256 of a file opened like a control file (no link, regular, owned by you)."""
+    import hashlib
+
+    from pita.core.safe_files import open_control
+
+    h = hashlib.sha256()
+    with os.fdopen(open_control(path, os.O_RDONLY, trust_group=trust_group), "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(
+    folder: Path, name: str, step: int, identity: dict[str, Any], **more: Any
+) -> None:
+    """The proof of a finished checkpoint folder, written last and atomically."""
+    from pita.core.paths import atomic_write_json, file_sha256
+
+    files = {rel: file_sha256(p) for rel, p in _listing(folder, name).items()}
+    atomic_write_json(
+        folder / name,
+        {"format": FORMAT, **identity, "step": int(step), "files": files, **more},
+    )
+
+
+def check_manifest(
+    folder: Path,
+    name: str,
+    step: int,
+    identity: dict[str, Any],
+    max_step: int | None = None,
+    trust_group: bool = False,
+) -> str | None:
+    """Why the checkpoint `folder` (named for `step`) may not be restored, or None
+    (`trust_group`: files of your group's members count as yours, `system.trust_group`)."""
+    from pita.core.safe_files import UnsafeFile, check_folder, read_control
+
+    try:
+        check_folder(folder, trust_group)
+        manifest = json.loads(read_control(folder / name, trust_group=trust_group))
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            return f"its {name} is not a pita checkpoint manifest"
+        if manifest.get("step") != step:
+            return f"its manifest says step {manifest.get('step')}, its name step {step}"
+        if max_step is not None and step > max_step:
+            return f"step {step} is past the schedule ({max_step} steps)"
+        for key, value in identity.items():
+            if manifest.get(key) != value:
+                return f"it belongs to another task or config ({key} differs)"
+        listed = manifest.get("files")
+        present = _listing(folder, name)
+        if not isinstance(listed, dict) or set(listed) != set(present):
+            return "its files are not those its manifest lists"
+        for rel, p in present.items():
+            if _sha256_safe(p, trust_group) != listed[rel]:
+                return f"{rel} does not match its sha256 (corrupt or truncated)"
+    except FileNotFoundError:
+        return f"it has no {name} (not written by pita, or half-written)"
+    except (UnsafeFile, OSError, ValueError, UnicodeDecodeError) as exc:
+        return str(exc)
+    return None
+
+
+def move_aside(path: Path, why: str, logger: logging.Logger) -> None:
+    """Rename a checkpoint that will not be restored to `<name>.rejected` (kept for a look,
+    never read again) and say so in the task log."""
+    target = path.with_name(path.name + ".rejected")
+    k = 1
+    while os.path.lexists(target):
+        k += 1
+        target = path.with_name(f"{path.name}.rejected{k}")
+    try:
+        os.rename(path, target)
+    except OSError as exc:  # cannot rename: remove it, a bad checkpoint must not stay in the way
+        logger.warning("rejected checkpoint %s: %s (not renamed: %s)", path, why, exc)
+        if path.is_symlink() or not path.is_dir():
+            path.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+        return
+    logger.warning(
+        "rejected checkpoint %s: %s; moved aside to %s, not restored", path, why, target.name
+    )
+
+
+def _usable_folder(
+    folder: Path, logger: logging.Logger, writer: bool, trust_group: bool = False
+) -> bool:
+    """The checkpoints folder is a real folder of yours: else (a link, another user's,
+    writable by all) it is moved aside (writer) and nothing in it is read."""
+    from pita.core.safe_files import UnsafeFile, check_folder
+
+    try:
+        check_folder(folder, trust_group)
+    except UnsafeFile as exc:
+        if writer:
+            move_aside(folder, str(exc), logger)
+        return False
+    return folder.is_dir()
+
+
+# --- tensors + JSON, no pickle --------------------------------------------------------------
+
+
+def _encode(obj: Any, tensors: dict[str, Any]) -> Any:
+    """A JSON-able copy of `obj` with every tensor replaced by a key into `tensors`."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        key = f"t{len(tensors)}"
+        tensors[key] = obj.detach().cpu().contiguous().clone()
+        return {"__tensor__": key}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if type(obj).__module__ == "numpy" and hasattr(obj, "item"):
+        return _encode(obj.item(), tensors)
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, tensors) for v in obj]}
+    if isinstance(obj, list):
+        return [_encode(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: _encode(v, tensors) for k, v in obj.items()}
+        return {"__items__": [[_encode(k, tensors), _encode(v, tensors)] for k, v in obj.items()]}
+    raise TypeError(f"a checkpoint holds tensors and JSON values, not a {type(obj).__name__}")
+
+
+def _decode(obj: Any, tensors: dict[str, Any]) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__tensor__" in obj:
+        return tensors[obj["__tensor__"]]
+    if "__tuple__" in obj:
+        return tuple(_decode(v, tensors) for v in obj["__tuple__"])
+    if "__items__" in obj:
+        return {_decode(k, tensors): _decode(v, tensors) for k, v in obj["__items__"]}
+    return {k: _decode(v, tensors) for k, v in obj.items()}
+
+
+def save_state(folder: Path, state: dict[str, Any]) -> None:
+    """`state` as `tensors.safetensors` + `state.json` in `folder` (fsynced)."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, Any] = {}
+    encoded = _encode(state, tensors)
+    save_file(tensors, str(folder / TENSORS))
+    with open(folder / STATE, "w") as f:
+        json.dump(encoded, f)
+    for name in (TENSORS, STATE):
+        fd = os.open(folder / name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def load_state(folder: Path, trust_group: bool = False) -> dict[str, Any]:
+    """What `save_state` wrote (call after `check_manifest`): no pickle is involved."""
+    from safetensors.torch import load_file
+
+    from pita.core.safe_files import read_control
+
+    tensors = load_file(str(folder / TENSORS), device="cpu")
+    state = read_control(folder / STATE, MAX_STATE_BYTES, trust_group)
+    return _decode(json.loads(state), tensors)
 
 
 class Checkpointer:
@@ -50,12 +271,16 @@ class Checkpointer:
         *,
         writer: bool = True,
         logger: logging.Logger | None = None,
+        identity: dict[str, Any] | None = None,
+        trust_group: bool = False,
     ):
         self.folder = Path(folder)
+        self.trust_group = trust_group  # system.trust_group: a teammate's checkpoints count
         self.every_steps = int(every_steps)
         self.every_s = float(every_minutes) * 60.0
         self.writer = writer  # rank 0 of a data-parallel gang writes; every rank restores
         self.logger = logger or log
+        self.identity = dict(identity or {})  # task id, config and inputs hashes
         self._last_save = time.monotonic()
         self.saved: list[int] = []
 
@@ -63,25 +288,66 @@ class Checkpointer:
     def enabled(self) -> bool:
         return self.every_steps > 0 or self.every_s > 0
 
-    def latest(self) -> tuple[int, Path] | None:
-        if not self.folder.is_dir():
+    def _found(self) -> list[tuple[int, Path]]:
+        """`step-N/` folders, newest first; an older pita's `step-N.pt` pickles are moved
+        aside (writer), never loaded."""
+        found = []
+        for p in self.folder.iterdir():
+            if m := _STEP_RE.match(p.name):
+                found.append((int(m.group(1)), p))
+            elif _LEGACY_RE.match(p.name) and self.writer:
+                move_aside(p, "a pickle (pita never unpickles a checkpoint)", self.logger)
+        return sorted(found, reverse=True)
+
+    def latest(self, max_step: int | None = None) -> tuple[int, Path] | None:
+        """The newest checkpoint that verifies; the bad ones met on the way are moved aside."""
+        if not _usable_folder(self.folder, self.logger, self.writer, self.trust_group):
             return None
-        found = [
-            (int(m.group(1)), p) for p in self.folder.iterdir() if (m := _STEP_RE.match(p.name))
-        ]
-        return max(found) if found else None
+        for n, path in self._found():
+            why = check_manifest(path, MANIFEST, n, self.identity, max_step, self.trust_group)
+            if why is None:
+                return n, path
+            if self.writer:
+                move_aside(path, why, self.logger)
+        return None
 
     # -- restore --------------------------------------------------------------------------
-    def restore(self, *, step: Any = None, **objects: Any) -> tuple[int, dict[str, Any]]:
-        """Load the newest checkpoint into `objects` (anything with `load_state_dict`) and the
-        TrainStep `step`; -> (optimizer steps done, the loop's extra state). (0, {}) if none."""
-        latest = self.latest()
+    def restore(
+        self, *, step: Any = None, max_step: int | None = None, **objects: Any
+    ) -> tuple[int, dict[str, Any]]:
+        """Load the newest good checkpoint into `objects` (anything with `load_state_dict`)
+        and the TrainStep `step`; -> (optimizer steps done, the loop's extra state).
+        (0, {}) if none, or when checkpointing is off. `max_step`: the schedule's length."""
+        if not self.enabled:
+            return 0, {}
+        latest = self.latest(max_step)
         if latest is None:
             return 0, {}
+        n, path = latest
+        try:
+            state = load_state(path, self.trust_group)
+        except Exception as exc:  # noqa: BLE001 - verified, yet unreadable: start over
+            if self.writer:
+                move_aside(path, f"unreadable ({exc})", self.logger)
+            return 0, {}
+        try:
+            self._load(n, state, step, objects)
+        except Exception as exc:  # verified, yet not this model's (a forged proof): never again
+            if self.writer:
+                move_aside(path, f"does not fit this task ({exc})", self.logger)
+            raise RuntimeError(
+                f"checkpoint {path} could not be restored ({exc}); it was moved aside, a retry "
+                f"starts without it"
+            ) from exc
+        self.logger.info("resumed from checkpoint %s (step %d)", path, n)
+        self._last_save = time.monotonic()
+        return n, state.get("extra", {})
+
+    @staticmethod
+    def _load(n: int, state: dict[str, Any], step: Any, objects: dict[str, Any]) -> None:
+        """Put a loaded checkpoint into the objects, the TrainStep and torch's RNG."""
         import torch
 
-        n, path = latest
-        state = torch.load(path, map_location="cpu", weights_only=False)
         for name, obj in objects.items():
             if obj is not None and name in state:
                 obj.load_state_dict(state[name])
@@ -96,9 +362,6 @@ class Checkpointer:
         torch.set_rng_state(state["torch_rng"])
         if state.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
-        self.logger.info("resumed from checkpoint %s (step %d)", path, n)
-        self._last_save = time.monotonic()
-        return n, state.get("extra", {})
 
     # -- save -----------------------------------------------------------------------------
     def due(self, n: int) -> bool:
@@ -130,6 +393,8 @@ class Checkpointer:
     ) -> Path:
         import torch
 
+        from pita.core.paths import follow_umask
+
         if step is not None and hasattr(step, "flush"):
             step.flush()  # steps not read back yet (training.sync_every) belong in the checkpoint
         state: dict[str, Any] = {
@@ -147,21 +412,24 @@ class Checkpointer:
             state["metric_rows"] = step.metrics.rows
             state["scaler"] = step.scaler.state_dict() if step.scaler.is_enabled() else None
         self.folder.mkdir(parents=True, exist_ok=True)
-        final = self.folder / f"step-{n}.pt"
-        tmp = self.folder / f".step-{n}.pt.{os.getpid()}.tmp"
+        final = self.folder / f"step-{n}"
+        tmp = self.folder / f".step-{n}.{os.getpid()}.tmp"
         try:
-            with open(tmp, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            save_state(tmp, state)
+            write_manifest(tmp, MANIFEST, n, self.identity)
+            follow_umask(tmp)  # safetensors writes 0600: a teammate's resume must read it
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
             raise
         for p in self.folder.iterdir():  # keep only the newest
             m = _STEP_RE.match(p.name)
             if m and int(m.group(1)) != n:
-                p.unlink(missing_ok=True)
+                shutil.rmtree(p, ignore_errors=True)
         self._last_save = time.monotonic()
         self.saved.append(n)
         self.logger.info("checkpoint: step %d -> %s", n, final)
@@ -171,7 +439,14 @@ class Checkpointer:
 # --- TRL / transformers Trainer -------------------------------------------------------------
 
 
-COMPLETE = "pita_complete.json"  # written atomically after a Trainer checkpoint is complete
+COMPLETE = (
+    "pita_complete.json"  # the proof, written atomically once a Trainer checkpoint is complete
+)
+TRAIN_LOG = "pita_train_log.jsonl"  # the task's train_log.jsonl up to the checkpoint's step
+METRIC_ROWS = "pita_metric_rows.json"  # the TrainingMetrics rows up to the checkpoint's step
+LOOP_STATE = "pita_loop_state.json"  # the Trainer's running loss sums (for train_loss, logs)
+_NOT_KEPT = ("training_args.bin",)  # a full pickle pita never loads: not kept in a checkpoint
+_PICKLES = (".pt", ".pth", ".bin")
 
 
 def trl_checkpoint_kwargs(folder: Path | str, every: int, minutes: float) -> dict[str, Any]:
@@ -203,28 +478,169 @@ def _trl_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     )
 
 
-def last_trl_checkpoint(folder: Path | str) -> str | None:
-    """The newest committed `checkpoint-N/` in `folder` (one with the marker); folders a
-    kill left half-written are removed."""
-    import shutil
+def _pickles_load_safely(folder: Path) -> str | None:
+    """Why a torch pickle in a Trainer checkpoint would not load with `weights_only=True`
+    (transformers' own allow-list for numpy RNG states), or None. Checked before the
+    Trainer sees the folder: a planted pickle is refused here, it never runs."""
+    import torch
+    from transformers.trainer_pt_utils import safe_globals
 
-    found = _trl_checkpoints(Path(folder))
-    good = [(n, p) for n, p in found if (p / COMPLETE).is_file()]
-    newest = max(good)[0] if good else -1
-    for n, p in found:
+    for p in sorted(folder.rglob("*")):
+        if p.suffix in _PICKLES and p.is_file():
+            try:
+                with safe_globals():
+                    # mmap: the storages are mapped, not read (optimizer.pt of a large model)
+                    torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as exc:  # noqa: BLE001 - any failure: not a checkpoint to trust
+                # torch's message advises weights_only=False: keep only what it refused
+                lines = [ln.strip() for ln in str(exc).splitlines() if "Unpickler" in ln]
+                what = lines[0].split(". ")[0][:200] if lines else type(exc).__name__
+                return f"{p.name} does not load as plain tensors, never unpickled ({what})"
+    return None
+
+
+def last_trl_checkpoint(
+    folder: Path | str,
+    identity: dict[str, Any] | None = None,
+    max_step: int | None = None,
+    logger: logging.Logger | None = None,
+    trust_group: bool = False,
+) -> str | None:
+    """The newest Trainer checkpoint in `folder` whose proof verifies (see the module);
+    folders a kill left half-written (no marker, newer than the newest committed one) are
+    removed, bad ones moved aside with a WARNING."""
+    logger = logger or log
+    folder = Path(folder)
+    if not _usable_folder(folder, logger, True, trust_group):
+        return None
+    found = _trl_checkpoints(folder)
+    committed = [n for n, p in found if os.path.lexists(p / COMPLETE)]
+    newest = max(committed, default=-1)
+    for n, p in reversed(found):
         if n > newest:  # half-written by a dead attempt: the Trainer would trip over it
             shutil.rmtree(p, ignore_errors=True)
-    return str(max(good)[1]) if good else None
+            continue
+        why = check_manifest(p, COMPLETE, n, dict(identity or {}), max_step, trust_group)
+        why = why or _pickles_load_safely(p)
+        if why is None:
+            return str(p)
+        move_aside(p, why, logger)
+    return None
 
 
-def checkpoint_commit_callback():
-    """A TrainerCallback: after the Trainer finished writing checkpoint-N, write the marker
-    atomically, then delete every older checkpoint (only the newest complete one is kept)."""
-    import shutil
+def restore_trl_logs(checkpoint: Path | str, train_log: Path, metrics: Any = None) -> None:
+    """Replay a checkpoint's `train_log.jsonl` and metric rows into the resumed attempt,
+    so its log holds every step (the Trainer's own `log_history` is in trainer_state.json)."""
+    checkpoint = Path(checkpoint)
+    if (checkpoint / TRAIN_LOG).is_file():
+        shutil.copyfile(checkpoint / TRAIN_LOG, train_log)
+    if metrics is not None and (checkpoint / METRIC_ROWS).is_file():
+        metrics.rows = list(json.loads((checkpoint / METRIC_ROWS).read_text()))
 
+
+# TRL's own running counters that its checkpoints lack (DPO's logged num_tokens is cumulative)
+_COUNTERS = ("_total_train_tokens",)
+
+
+def _loop_state(trainer: Any) -> dict[str, Any] | None:
+    """The Trainer's running loss sums, which `train()` resets and a checkpoint lacks: the
+    sum behind `train_loss`, the loss not logged yet and the step of the last log."""
+    try:
+        state = {
+            "total_loss_scalar": float(trainer._total_loss_scalar),
+            "tr_loss": float(trainer._tr_loss.item()),
+            "globalstep_last_logged": int(trainer._globalstep_last_logged),
+        }
+    except AttributeError:  # another transformers: train_loss covers the resumed part only
+        return None
+    counters = {k: getattr(trainer, k) for k in _COUNTERS if hasattr(trainer, k)}
+    return {**state, "counters": counters}
+
+
+def resume_loop_callback(trainer: Any, checkpoint: Path | str):
+    """A TrainerCallback giving a resumed `train()` the loss sums of the checkpoint (it
+    starts them from zero), so `train_loss` and the first logged loss after the resume are
+    those of the uninterrupted run, over every step."""
+    import torch
     from transformers import TrainerCallback
 
-    from pita.core.paths import atomic_write_json
+    path = Path(checkpoint) / LOOP_STATE
+    saved = json.loads(path.read_text()) if path.is_file() else None
+
+    class ResumeLoop(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            if not saved or not hasattr(trainer, "_tr_loss"):
+                return
+            trainer._total_loss_scalar = float(saved["total_loss_scalar"])
+            trainer._tr_loss = torch.full_like(trainer._tr_loss, float(saved["tr_loss"]))
+            trainer._globalstep_last_logged = int(saved["globalstep_last_logged"])
+            trainer._initial_global_step = 0  # train_loss: the mean over every step
+            for key, value in (saved.get("counters") or {}).items():
+                if key in _COUNTERS:
+                    setattr(trainer, key, value)
+
+    return ResumeLoop()
+
+
+def resume_guard(checkpoint: str | None, logger: logging.Logger):
+    """A TrainerCallback and context manager around the resumed `train()`: if it fails
+    before training begins (a checkpoint with a forged proof that is not this model's, or
+    that the Trainer cannot load), the checkpoint is moved aside, so the retry starts
+    without it instead of failing on it for ever. Out-of-memory is not its fault."""
+    from transformers import TrainerCallback
+
+    class ResumeGuard(TrainerCallback):
+        began = False
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.began = True
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, kind, exc, tb):
+            oom = kind is not None and "out of memory" in str(exc).lower()
+            if checkpoint and isinstance(exc, Exception) and not self.began and not oom:
+                first = (str(exc).strip().splitlines() or [kind.__name__])[0][:200]
+                move_aside(
+                    Path(checkpoint), f"the Trainer could not resume from it ({first})", logger
+                )
+            return False
+
+    return ResumeGuard()
+
+
+def finish_from_checkpoint(trainer: Any, checkpoint: Path | str) -> None:
+    """A checkpoint at the schedule's last step: load its model and Trainer state and log
+    the end-of-training line `train()` would have (train_loss over every step), without
+    `train()`, which would run one optimizer step past `max_steps`."""
+    from transformers import TrainerState
+
+    checkpoint = Path(checkpoint)
+    trainer._load_from_checkpoint(str(checkpoint))
+    trainer.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+    path = checkpoint / LOOP_STATE
+    saved = json.loads(path.read_text()) if path.is_file() else None
+    steps = max(trainer.state.global_step, 1)
+    end: dict[str, float] = {"train_runtime": 0.0, "total_flos": trainer.state.total_flos}
+    if saved:
+        end["train_loss"] = (saved["total_loss_scalar"] + saved["tr_loss"]) / steps
+    trainer.log(end)
+
+
+def checkpoint_commit_callback(
+    identity: dict[str, Any] | None = None,
+    train_log: Path | None = None,
+    metrics: Any = None,
+    trainer: Any = None,
+):
+    """A TrainerCallback: after the Trainer finished writing checkpoint-N, add the task's
+    train log, metric rows and the Trainer's loss sums so far, drop `training_args.bin` (a
+    pickle), write the proof atomically, then delete every older checkpoint (only the
+    newest complete one is kept)."""
+    from transformers import TrainerCallback
+
+    from pita.core.paths import atomic_write_json, follow_umask
 
     class CheckpointCommit(TrainerCallback):
         def on_save(self, args, state, control, **kwargs):
@@ -232,7 +648,17 @@ def checkpoint_commit_callback():
             current = folder / f"checkpoint-{state.global_step}"
             if not current.is_dir():
                 return
-            atomic_write_json(current / COMPLETE, {"step": state.global_step})
+            for name in _NOT_KEPT:
+                (current / name).unlink(missing_ok=True)
+            if train_log is not None and train_log.is_file():
+                shutil.copyfile(train_log, current / TRAIN_LOG)
+            if metrics is not None:
+                atomic_write_json(current / METRIC_ROWS, metrics.rows)
+            loop = _loop_state(trainer) if trainer is not None else None
+            if loop is not None:
+                atomic_write_json(current / LOOP_STATE, loop)
+            follow_umask(current)
+            write_manifest(current, COMPLETE, state.global_step, dict(identity or {}))
             for n, p in _trl_checkpoints(folder):
                 if n < state.global_step:
                     shutil.rmtree(p, ignore_errors=True)
