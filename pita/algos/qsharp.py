@@ -232,7 +232,7 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
     from transformers import get_cosine_schedule_with_warmup
 
     from pita.algos import losses, value_diagnostics
-    from pita.models.value_model import ValueModel, build_value_model, head_atoms
+    from pita.models.value_model import ValueModel, build_value_model, head_atoms, value_init
     from pita.training.checkpoint import Checkpointer
     from pita.training.loop import (
         TrainStep,
@@ -280,7 +280,7 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
             attn_impl=ctx.cfg.system.attn_impl,
             logger=ctx.logger,
         )
-        init = "reference" if algo.warm_start else "scratch"
+        init = value_init(algo, ctx.cfg.model)  # issue 23: reference | base | scratch
     if model.num_outputs != head_atoms(algo.loss_type, algo.num_atoms):
         raise ValueError(
             f"{ctx.task.id}: checkpoint has {model.num_outputs} outputs per token but "

@@ -198,6 +198,15 @@ class PretrainConfig:
     batch_size: int = _help("Sequences per pretraining step.", 256)
     lr: float = _help("Peak AdamW learning rate.", 3e-3)
     warmup_steps: int = _help("Linear warmup steps before the cosine decay.", 20)
+    # issue 23 (gpt2 helper): the official star-graph fine-tuning schedule, as an option
+    lr_schedule: str = _help(
+        "cosine (warmup_steps, decay to 0) | official (warmup max(100, 1%), cosine to 0.1·lr: "
+        "the official star-graph pretraining of GPT-2)",
+        "cosine",
+    )
+    weight_decay: Optional[float] = _help(
+        "AdamW weight decay of pretraining (None = training.weight_decay).", None
+    )
 
 
 @dataclass
@@ -291,6 +300,14 @@ class AlgoConfig:
     V_max: float = _help("Largest atom value.", 1.0)
     warm_start: bool = _help(
         "Copy the reference's embeddings/first block into the value model.", True
+    )
+    # issue 23 (gpt2 helper): where the value model starts; None keeps the old keys' meaning
+    init: Optional[str] = _help(
+        "Where the value model starts: reference (a copy of π_ref) | base (the family's "
+        "pretrained guide checkpoint, fresh head: the official Q# classifier) | scratch "
+        "(random weights). null: tiny -> warm_start (true: reference, false: scratch), "
+        "hub/local families -> base.",
+        None,
     )
     warm_start_layers: int = _help(
         "With warm_start: how many of the reference's blocks, bottom first, are copied "
@@ -692,6 +709,13 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
         e, cfg.rounds_of_training >= 1, "rounds_of_training", cfg.rounds_of_training, "must be >= 1"
     )
     _check(e, cfg.pretrain.steps >= 1, "pretrain.steps", cfg.pretrain.steps, "must be >= 1")
+    _check(  # issue 23 (gpt2 helper)
+        e,
+        cfg.pretrain.lr_schedule in ("cosine", "official"),
+        "pretrain.lr_schedule",
+        cfg.pretrain.lr_schedule,
+        "allowed: cosine | official",
+    )
 
     m = cfg.model
     _check(
@@ -766,6 +790,13 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
             f"algos.{name}.value_head",
             algo.value_head,
             "v cannot train loss_type=bradley_terry (it scores one token per forward): use q",
+        )
+        _check(  # issue 23 (gpt2 helper)
+            e,
+            algo.init in (None, "reference", "base", "scratch"),
+            f"algos.{name}.init",
+            algo.init,
+            "allowed: reference | base | scratch | null",
         )
         _check(
             e,
