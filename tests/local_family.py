@@ -230,7 +230,7 @@ def build_gpt2_family(
     tokenizer = train_gpt2_tokenizer(graph_texts(300, seed))
     folders = {"reference": root / "reference", "guide": root / "guide"}
     for i, folder in enumerate(folders.values()):
-        torch.manual_seed(seed + i)
+        torch.manual_seed(1000 + seed + i)  # not the seeds a run draws from
         config = GPT2Config(
             vocab_size=len(tokenizer),
             n_positions=128,
