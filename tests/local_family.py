@@ -165,3 +165,81 @@ def build_local_family(
     for folder in folders.values():
         tokenizer.save_pretrained(folder)
     return LocalFamily(root=root, gsm8k=gsm8k, imdb=imdb, **folders)
+
+
+# --- a GPT-2-architecture local family for the offline tasks (issue 23) --------------------
+
+
+@dataclass(frozen=True)
+class Gpt2Family:
+    """`reference/` and `guide/`: random-weight GPT-2s (different seeds, one tokenizer)."""
+
+    root: Path
+    reference: Path
+    guide: Path
+
+    def overrides(self) -> list[str]:
+        return ["model=local", f"model.reference={self.reference}", f"model.guide={self.guide}"]
+
+
+def graph_texts(n: int, seed: int, num_nodes: int = 20) -> list[str]:
+    """Star-graph and goal-walk texts in the official format, the tokenizer's corpus."""
+    from pita.datasets.star_graph import generate_graph
+
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(n):
+        texts.append(generate_graph(rng, 2, 4, num_nodes).to_text())
+        s, g = rng.randrange(num_nodes), rng.randrange(num_nodes)
+        walk = ",".join(str(rng.randrange(num_nodes)) for _ in range(3))
+        texts.append(f"START {s} GOAL {g}={walk}")
+    return texts
+
+
+def train_gpt2_tokenizer(texts: list[str], vocab_size: int = 300):
+    """A GPT-2-style byte-level BPE (`<|endoftext|>` as EOS, no BOS, no pad) trained on `texts`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+
+
+def build_gpt2_family(
+    root: Path, *, n_embd: int = 32, layers: int = 2, seed: int = 0
+) -> Gpt2Family:
+    """Write the tokenizer and two random-weight `GPT2LMHeadModel`s under `root`."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    root = Path(root)
+    tokenizer = train_gpt2_tokenizer(graph_texts(300, seed))
+    folders = {"reference": root / "reference", "guide": root / "guide"}
+    for i, folder in enumerate(folders.values()):
+        torch.manual_seed(1000 + seed + i)  # not the seeds a run draws from
+        config = GPT2Config(
+            vocab_size=len(tokenizer),
+            n_positions=128,
+            n_embd=n_embd,
+            n_layer=layers,
+            n_head=4,
+            bos_token_id=tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        GPT2LMHeadModel(config).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return Gpt2Family(root=root, **folders)

@@ -31,9 +31,12 @@ def test_dag_2_algos_2_datasets_2_families_3_rounds():
     # per round: collect (2 shards + merge), train, evaluate (2 shards + merge) = 7 tasks
     per_chain = {c: [t for t in tasks.values() if t.chain == c] for c in chains}
     assert all(len(ts) == 3 * 7 for ts in per_chain.values())
-    # pretrain only for the family built in the run (tiny), once per dataset
+    # pretrain once per (offline dataset, family): tiny is built in the run, gpt2 is
+    # fine-tuned on the task (issue 23)
     assert sorted(t.id for t in tasks.values() if t.stage == "pretrain") == [
+        "pretrain.goal_walk.gpt2",
         "pretrain.goal_walk.tiny",
+        "pretrain.star_graph.gpt2",
         "pretrain.star_graph.tiny",
     ]
     # no edge between chains: every dependency is in the same chain or a shared pretrain

@@ -211,7 +211,8 @@ def plateau_warning(probe: dict[int, float]) -> str | None:
         f"frozen-backbone linear probe: held-out balanced accuracy <= {best:.3f} at every response position "
         f"(chance 0.5, threshold {PLATEAU_PROBE_ACC}): the starting features expose no label linearly; runs "
         "like this sat on the plateau (value loss ≈ ln 2) on CPU — expect no learning; change the "
-        "initialisation (warm_start, guide_arch), the head (value_head), the data recipe or the optimiser"
+        "initialisation (init: reference | base | scratch, guide_arch), the head (value_head), the data "
+        "recipe or the optimiser"
     )
 
 

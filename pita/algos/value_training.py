@@ -257,7 +257,7 @@ def _data(ctx: StageContext, items: Sequence[tuple], reference: Any) -> tuple[di
 def _model(ctx: StageContext, reference: Any) -> tuple[Any, str]:
     """(the model, its init): round k−1's checkpoint, else a fresh guide (warm-started from
     π_ref); its head must be the one the config trains."""
-    from pita.models.value_model import ValueModel, build_value_model, head_atoms
+    from pita.models.value_model import ValueModel, build_value_model, head_atoms, value_init
 
     algo = ctx.algo_cfg
     if ctx.has_input("previous"):
@@ -275,7 +275,7 @@ def _model(ctx: StageContext, reference: Any) -> tuple[Any, str]:
             attn_impl=ctx.cfg.system.attn_impl,
             logger=ctx.logger,
         )
-        init = "reference" if algo.warm_start else "scratch"
+        init = value_init(algo, ctx.cfg.model)  # reference | base | scratch (issue 23)
     if model.num_outputs != head_atoms(algo.loss_type, algo.num_atoms):
         raise ValueError(
             f"{ctx.task.id}: checkpoint has {model.num_outputs} outputs per token but "

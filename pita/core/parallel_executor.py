@@ -23,7 +23,6 @@ its measured peak, and applies the retry policy of docs/DESIGN.md §3:
 from __future__ import annotations
 
 import heapq
-
 import logging
 import time
 from collections.abc import Callable

@@ -32,6 +32,8 @@ from typing import Any, Dict, List, Optional
 # --- choice lists (each owned here; the modules that act on them import them) ---------------
 
 GPU_MODES = ("auto", "cpu", "single_gpu", "multi_gpu")
+PRETRAIN_SCHEDULES = ("cosine", "official")
+VALUE_INITS = ("reference", "base", "scratch")  # where a value model starts (issue 23)
 ATTN_IMPLS = ("eager", "sdpa", "flash_attention_2")
 EXECUTOR_BACKENDS = ("local", "inprocess", "ray")
 PRECISION_TYPES = ("auto", "fp16", "bf16", "fp32")
@@ -402,6 +404,15 @@ class PretrainConfig:
     warmup_steps: int = spec(
         "Linear warmup steps before the cosine decay.", 20, ge=0, le=10_000_000
     )
+    lr_schedule: str = spec(
+        "cosine: warmup_steps, then decay to 0; official: warmup max(100, 1 %), cosine to "
+        "0.1·lr (the official star-graph fine-tuning of GPT-2).",
+        "cosine",
+        choices=PRETRAIN_SCHEDULES,
+    )
+    weight_decay: Optional[float] = spec(
+        "AdamW weight decay of pretraining (null = training.weight_decay).", None, ge=0
+    )
 
 
 @dataclass
@@ -539,8 +550,17 @@ class ValueGuidedConfig(CollectingConfig):
     num_atoms: int = spec("Atoms of the distributional value (mle).", 11, ge=2)
     V_min: float = spec("Smallest atom value (< V_max).", 0.0)
     V_max: float = spec("Largest atom value.", 1.0)
+    init: Optional[str] = spec(
+        "Where the value model starts: reference (a copy of π_ref), base (the family's "
+        "pretrained guide checkpoint with a fresh head: the official Q# classifier) or "
+        "scratch. null: tiny -> warm_start (true: reference, false: scratch), other "
+        "families -> base.",
+        None,
+        choices=(None, *VALUE_INITS),
+    )
     warm_start: bool = spec(
-        "Copy the reference's embeddings/first block into the value model.", True
+        "With init=null on the tiny family: copy the reference's blocks into the value model.",
+        True,
     )
     warm_start_layers: int = spec(
         "With warm_start: how many of the reference's blocks, bottom first, are copied "

@@ -1,6 +1,7 @@
 """Tasks (datasets): the registry, config validation and `build_task`.
 
-    task = build_task(cfg.dataset)                       # goal_walk, star_graph
+    task = build_task(cfg.dataset)                       # goal_walk, star_graph (built-in ids)
+    task = build_task(cfg.dataset, tokenizer="gpt2")     # the same, as text in a family's tokenizer
     task = build_task(cfg.dataset, tokenizer=tok)        # gsm8k, math500, aime
     task = build_task(cfg.dataset, tokenizer=tok, scorer=rm_score)   # imdb, tldr
 
@@ -28,7 +29,34 @@ REGISTRY: dict[str, str] = {
     "tldr": "hub",
 }
 
-__all__ = ["REGISTRY", "Example", "Task", "build_task", "validate_dataset_cfg"]
+# Tasks generated in code: π_ref is trained on them by the run's `pretrain` stage (from
+# scratch for the tiny family, fine-tuned from the family's weights otherwise).
+OFFLINE_TASKS = ("goal_walk", "star_graph")
+
+__all__ = [
+    "OFFLINE_TASKS",
+    "REGISTRY",
+    "Example",
+    "Task",
+    "build_task",
+    "is_offline",
+    "needs_reward_model",
+    "validate_dataset_cfg",
+]
+
+
+def is_offline(name: str) -> bool:
+    """True for a task generated in code (its π_ref is pretrained in the run)."""
+    return name in OFFLINE_TASKS
+
+
+def needs_reward_model(name: str) -> bool:
+    """True for a task scored by the family's reward model (IMDB, TL;DR)."""
+    if REGISTRY.get(name) != "hub":
+        return False
+    from .hub import SPECS
+
+    return SPECS[name].kind == "rm"
 
 
 def _as_dict(dataset_cfg: Mapping) -> dict[str, Any]:
@@ -65,7 +93,8 @@ def build_task(dataset_cfg: Mapping, tokenizer: Any = None, scorer: Any = None) 
     """Build the task named by dataset_cfg["name"].
 
     tokenizer: required for hub tasks (the model family's tokenizer, or a path/hub id to
-    load it from); ignored by goal_walk and star_graph, which build their own.
+    load it from); goal_walk and star_graph render as text in it, unless it is absent or
+    their own built-in tokenizer (the tiny family's), which they then use.
     scorer: reward function for imdb/tldr, `fn(prompts, responses) -> list[float]`.
     """
     validate_dataset_cfg(dataset_cfg)

@@ -16,6 +16,10 @@ p(s, g) = P(an L-step uniform random walk from s ends at g) = ((A/d)^L)[s, g]. T
 KL-regularised optimum π* ∝ π_ref·e^{η r} then succeeds with p e^η / (1 − p + p e^η).
 These oracles are methods below, so tests and reports can compare against them.
 
+On a hub or local family (`build(cfg, tokenizer=<the family's tokenizer>)`): the prompt is
+the text "START s GOAL g=" and the response "v1,v2,...,vL" in that tokenizer, then its
+EOS; the verifier decodes the response and parses the node numbers (`vocab.FamilyText`).
+
 Seeds: the graph uses random.Random(seed); test prompts random.Random(seed + 1); training
 prompts, when `train_size` is set, random.Random(f"{seed}/train").
 """
@@ -28,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .base import Example, cfg_error, check_int, check_pairs, check_unknown_keys, cut_at_eos, is_int
-from .vocab import Vocab, build_tokenizer
+from .vocab import FamilyText, Vocab, build_tokenizer, family_text
 
 NAME = "goal_walk"
 DEFAULTS: dict[str, Any] = {
@@ -142,6 +146,7 @@ class GoalWalkTask:
         seed: int = 0,
         train_size: int | None = None,
         test_size: int = 1000,
+        tokenizer: Any = None,
     ):
         cfg = {
             "num_nodes": num_nodes,
@@ -167,6 +172,12 @@ class GoalWalkTask:
         self.tokenizer = build_tokenizer(self.vocab.tokens[: num_nodes + 3])
         self.eos_id = self.vocab.eos_id
         self.max_new_tokens = walk_length + 1
+        # A family's own tokenizer (None: the built-in one above, the tiny family's)
+        self.text: FamilyText | None = family_text(tokenizer, self.tokenizer)
+        if self.text is not None:
+            self.tokenizer, self.eos_id = self.text.tokenizer, self.text.eos_id
+            widest = ",".join([str(num_nodes - 1)] * walk_length)
+            self.max_new_tokens = self.text.max_tokens(widest) + 1
         self._train: list[Example] | None = None
         self._test: list[Example] | None = None
 
@@ -177,6 +188,8 @@ class GoalWalkTask:
         return list(self._reach[source])
 
     def prompt_ids(self, source: int, goal: int) -> list[int]:
+        if self.text is not None:
+            return self.text.prompts([f"{START} {source} {GOAL} {goal}{EQ}"])[0]
         ids = self.vocab.ids
         return [ids[START], source, ids[GOAL], goal, ids[EQ]]
 
@@ -218,6 +231,9 @@ class GoalWalkTask:
                 cur = rng.choice(self.graph[cur])
                 walk.append(cur)
             out.append((self.prompt_ids(s, g), [*walk, self.eos_id]))
+        if self.text is not None:  # the same draws, re-encoded as the family's text
+            targets = self.text.targets([",".join(map(str, t[:-1])) for _, t in out])
+            out = [(p, t) for (p, _), t in zip(out, targets)]
         return out
 
     # --- verifier ---------------------------------------------------------------------
@@ -231,9 +247,20 @@ class GoalWalkTask:
             prev = v
         return True
 
+    def _nodes(self, response: Sequence[int]) -> tuple[list[int], bool]:
+        """(the nodes before the first EOS, whether there was one). On a family's tokenizer
+        the decoded text's comma-separated numbers; text that is not one gives [-1]."""
+        nodes, has_eos = cut_at_eos(response, self.eos_id)
+        if self.text is None:
+            return nodes, has_eos
+        fields = self.text.decode(nodes).split(",")
+        if not all(f.isdigit() and f == str(int(f)) for f in fields):
+            return [-1], has_eos
+        return [int(f) for f in fields], has_eos
+
     def _valid_walk(self, ex: Example, response: Sequence[int]) -> tuple[bool, list[int]]:
         """(exactly L edge-following nodes from s, then EOS; the nodes before EOS)."""
-        nodes, has_eos = cut_at_eos(response, self.eos_id)
+        nodes, has_eos = self._nodes(response)
         ok = has_eos and len(nodes) == self.walk_length
         return ok and self._follows_edges(ex.meta["source"], nodes), nodes
 
@@ -254,7 +281,12 @@ class GoalWalkTask:
         out = []
         for resp in responses:
             nodes, has_eos = cut_at_eos(resp, self.eos_id)
-            out.append(" ".join(self.vocab.decode(nodes)) if has_eos else "")
+            if not has_eos:
+                out.append("")
+            elif self.text is not None:
+                out.append(" ".join(self.text.decode(nodes).split(",")))
+            else:
+                out.append(" ".join(self.vocab.decode(nodes)))
         return out
 
     def extra_metrics(
@@ -326,7 +358,10 @@ def _tilted_success(p: float, eta: float) -> float:
     return math.exp(math.log(p) + eta - _log_z(p, eta))
 
 
-def build(cfg: Mapping, **_: Any) -> GoalWalkTask:
+def build(cfg: Mapping, tokenizer: Any = None, **_: Any) -> GoalWalkTask:
+    """The task; `tokenizer` (a family's tokenizer or its folder) renders it as text in that
+    tokenizer, unless it is the built-in one the tiny family saved."""
     return GoalWalkTask(
-        **{k: v for k, v in cfg.items() if k != "name" and not str(k).startswith("_")}
+        **{k: v for k, v in cfg.items() if k != "name" and not str(k).startswith("_")},
+        tokenizer=tokenizer,
     )

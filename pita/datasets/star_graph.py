@@ -10,6 +10,13 @@ Commas are dropped by the tokenizer; node i is token id i, then `|`, `=`, `/`, E
 A prompt is 3·d·(l−1) + 3 tokens, the target l + 1 (EOS included). Reward 1 iff the
 response is exactly the target path followed by EOS.
 
+On a hub or local family (`build(cfg, tokenizer=<the family's tokenizer>)`, e.g. gpt2, as
+the official code's `--model gpt2`): the same text, commas kept, encoded by the family's
+tokenizer (prompt with its special tokens, target without, then its EOS); the verifier
+and the first-step metric decode the response and compare text (`vocab.FamilyText`). The
+built-in number tokenizer stays the default (no tokenizer, or the one the tiny family
+saved next to π_ref).
+
 The trap: a model trained with teacher forcing on the target learns to follow the edge out
 of the previous node and guesses the first step (the node after the source), so exact match
 is ≈ 1/d while accuracy among responses whose first step is right is ≈ 1.
@@ -29,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import Example, cfg_error, check_int, check_pairs, check_unknown_keys, cut_at_eos, is_int
-from .vocab import Vocab, build_tokenizer
+from .vocab import FamilyText, Vocab, build_tokenizer, family_text
 
 NAME = "star_graph"
 DEFAULTS: dict[str, Any] = {
@@ -168,6 +175,7 @@ class StarGraphTask:
         train_size: int = 10_000,
         test_size: int = 1_000,
         seed: int = 0,
+        tokenizer: Any = None,
     ):
         cfg = {
             "degree": degree,
@@ -190,6 +198,12 @@ class StarGraphTask:
         self.eos_id = self.vocab.eos_id
         self._sep, self._eq, self._slash = (self.vocab.ids[t] for t in (SEP, EQ, SLASH))
         self.max_new_tokens = path_length + 1
+        # A family's own tokenizer (None: the built-in one above, the tiny family's)
+        self.text: FamilyText | None = family_text(tokenizer, self.tokenizer)
+        if self.text is not None:
+            self.tokenizer, self.eos_id = self.text.tokenizer, self.text.eos_id
+            widest = ",".join([str(num_nodes - 1)] * path_length)
+            self.max_new_tokens = self.text.max_tokens(widest) + 1
         self.prompt_length = 3 * degree * (path_length - 1) + 3
         self._train: list[Example] | None = None
         self._test: list[Example] | None = None
@@ -201,6 +215,8 @@ class StarGraphTask:
         return generate_graph(rng, self.degree, self.path_length, self.num_nodes)
 
     def prompt_ids(self, graph: StarGraph) -> list[int]:
+        if self.text is not None:
+            return self.text.prompts([graph.prompt_text()])[0]
         ids: list[int] = []
         sep = self._sep
         for u, v in graph.edges:
@@ -210,17 +226,32 @@ class StarGraphTask:
         return ids
 
     def target_ids(self, graph: StarGraph) -> list[int]:
+        if self.text is not None:
+            return self.text.targets([path_text(graph.path)])[0]
         return [*graph.path, self.eos_id]
 
     def example(self, graph: StarGraph) -> Example:
         """meta: source, goal and path; the edges are in prompt_ids (see `graph_of`)."""
-        meta = {"source": graph.source, "goal": graph.goal, "path": list(graph.path)}
-        return Example(self.prompt_ids(graph), self.target_ids(graph), meta)
+        return self.examples([graph])[0]
 
-    @staticmethod
-    def graph_of(example: Example) -> StarGraph:
-        """Rebuild the StarGraph from an example (edges read back from the prompt ids)."""
+    def examples(self, graphs: Sequence[StarGraph]) -> list[Example]:
+        """`example` of each graph; a family's tokenizer encodes them in one batch."""
+        metas = [{"source": g.source, "goal": g.goal, "path": list(g.path)} for g in graphs]
+        if self.text is None:
+            return [
+                Example(self.prompt_ids(g), self.target_ids(g), m) for g, m in zip(graphs, metas)
+            ]
+        prompts = self.text.prompts([g.prompt_text() for g in graphs])
+        targets = self.text.targets([path_text(g.path) for g in graphs])
+        return [Example(p, t, m) for p, t, m in zip(prompts, targets, metas)]
+
+    def graph_of(self, example: Example) -> StarGraph:
+        """Rebuild the StarGraph from an example (edges read back from the prompt ids; on a
+        family's tokenizer, from the decoded prompt text)."""
         ids, m = example.prompt_ids, example.meta
+        if self.text is not None:
+            graph = StarGraph.from_text(self.text.decode_prompt(ids))
+            return StarGraph(graph.edges, graph.source, graph.goal, tuple(m["path"]))
         edges = tuple((ids[i], ids[i + 1]) for i in range(0, len(ids) - 4, 3))
         return StarGraph(edges, m["source"], m["goal"], tuple(m["path"]))
 
@@ -244,7 +275,7 @@ class StarGraphTask:
         if self._test_keys is None:
             rng = random.Random(f"{self.seed}/test")
             graphs = [self.generate(rng) for _ in range(self.test_size)]
-            self._test = [self.example(g) for g in graphs]
+            self._test = self.examples(graphs)
             self._test_keys = {g.key() for g in graphs}
         return self._test_keys
 
@@ -258,7 +289,7 @@ class StarGraphTask:
         if self._train is None:
             rng = random.Random(f"{self.seed}/train")
             graphs = self._draw_outside_test(rng, self.train_size, "train")
-            self._train = [self.example(g) for g in graphs]
+            self._train = self.examples(graphs)
         return list(self._train)
 
     def pretrain_batch(
@@ -266,6 +297,8 @@ class StarGraphTask:
     ) -> list[tuple[list[int], list[int]]]:
         """Fresh graphs (never a test graph): (prompt ids, path + EOS) for teacher forcing."""
         graphs = self._draw_outside_test(rng, batch_size, "pretrain")
+        if self.text is not None:
+            return [(e.prompt_ids, e.target_ids or []) for e in self.examples(graphs)]
         return [(self.prompt_ids(g), self.target_ids(g)) for g in graphs]
 
     # --- verifier -----------------------------------------------------------------------
@@ -278,7 +311,10 @@ class StarGraphTask:
         out = []
         for ex, resp in zip(examples, responses):
             nodes, has_eos = cut_at_eos(resp, self.eos_id)
-            out.append(float(has_eos and nodes == ex.meta["path"]))
+            if self.text is not None:
+                out.append(float(has_eos and self.text.decode(nodes) == path_text(ex.meta["path"])))
+            else:
+                out.append(float(has_eos and nodes == ex.meta["path"]))
         return out
 
     def answers(self, examples: Sequence[Example], responses: Sequence[Sequence[int]]) -> list[str]:
@@ -287,15 +323,25 @@ class StarGraphTask:
         out = []
         for resp in responses:
             nodes, has_eos = cut_at_eos(resp, self.eos_id)
-            out.append(",".join(self.vocab.decode(nodes)) if has_eos else "")
+            if not has_eos:
+                out.append("")
+            elif self.text is not None:
+                out.append(self.text.decode(nodes))
+            else:
+                out.append(",".join(self.vocab.decode(nodes)))
         return out
 
     def first_step_correct(self, example: Example, response: Sequence[int]) -> bool:
         """The response starts with the source and then the goal arm's first node.
 
         That node is the only decision in the task: every later node is the unique
-        out-neighbour of the previous one.
+        out-neighbour of the previous one. On a family's tokenizer: the decoded text's
+        first two comma-separated fields.
         """
+        if self.text is not None:
+            nodes, _ = cut_at_eos(response, self.eos_id)
+            fields = self.text.decode(nodes).split(",")
+            return fields[:2] == [str(v) for v in example.meta["path"][:2]]
         return [int(t) for t in response[:2]] == example.meta["path"][:2]
 
     def accuracy_after_first_step(
@@ -330,7 +376,15 @@ class StarGraphTask:
         self.tokenizer.save_pretrained(path)
 
 
-def build(cfg: Mapping, **_: Any) -> StarGraphTask:
+def path_text(path: Sequence[int]) -> str:
+    """The target's text form: "p0,p1,...,p_{l-1}" (the official format)."""
+    return ",".join(map(str, path))
+
+
+def build(cfg: Mapping, tokenizer: Any = None, **_: Any) -> StarGraphTask:
+    """The task; `tokenizer` (a family's tokenizer or its folder) renders it as text in that
+    tokenizer, unless it is the built-in one the tiny family saved."""
     return StarGraphTask(
-        **{k: v for k, v in cfg.items() if k != "name" and not str(k).startswith("_")}
+        **{k: v for k, v in cfg.items() if k != "name" and not str(k).startswith("_")},
+        tokenizer=tokenizer,
     )

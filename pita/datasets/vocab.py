@@ -82,3 +82,64 @@ class Vocab:
 
     def decode(self, ids: Sequence[int]) -> list[str]:
         return [self.token(int(i)) for i in ids]
+
+
+class FamilyText:
+    """An offline task rendered as text in a model family's own tokenizer (gpt2, a local
+    folder): prompts and targets are encoded from their text form, responses are read
+    back by decoding. Why text and not ids: a family's BPE may split a node number into
+    several tokens, and a sampled response need not use the canonical split, so the
+    verifier compares text (decoded without cleanup, special tokens kept, so neither a
+    stray BOS nor a re-spaced comma can pass for the right answer).
+
+    Prompts get the tokenizer's own special tokens (a Llama BOS; nothing for GPT-2);
+    targets get none, then the family's EOS.
+    """
+
+    def __init__(self, tokenizer):
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the family's tokenizer has no EOS token; offline tasks need one")
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        self.tokenizer = tokenizer
+        self.eos_id = int(tokenizer.eos_token_id)
+
+    def prompts(self, texts: Sequence[str]) -> list[list[int]]:
+        return [list(x) for x in self.tokenizer(list(texts))["input_ids"]] if texts else []
+
+    def targets(self, texts: Sequence[str]) -> list[list[int]]:
+        if not texts:
+            return []
+        ids = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+        return [[*x, self.eos_id] for x in ids]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(
+            [int(i) for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+
+    def decode_prompt(self, ids: Sequence[int]) -> str:
+        """The prompt's text without the tokenizer's special tokens (a BOS)."""
+        return self.tokenizer.decode(
+            [int(i) for i in ids], skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+
+    def max_tokens(self, text: str) -> int:
+        """A bound on the tokens of any text at most as long as `text` (byte-level BPE: at
+        most one token per byte), and never below the canonical encoding of `text`."""
+        canonical = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return max(canonical, len(text.encode("utf-8")))
+
+
+def family_text(tokenizer, builtin) -> FamilyText | None:
+    """None when `tokenizer` is absent or is the task's own built-in tokenizer (the tiny
+    family saves it next to π_ref); else the family's tokenizer (a path or an object)."""
+    import os
+
+    if tokenizer is None:
+        return None
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer(str(tokenizer))
+    if tokenizer.get_vocab() == builtin.get_vocab():
+        return None
+    return FamilyText(tokenizer)

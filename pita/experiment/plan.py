@@ -250,6 +250,8 @@ def plan_experiment(
         if distribute
         else [(i / n_shards, (i + 1) / n_shards) for i in range(n_shards)]
     )
+    from pita.datasets import is_offline  # issue 23: a hub family is fine-tuned on offline tasks
+
     planner = Planner(cfg, n_devices, [tuple(r) for r in shard_ranges])
     algos = enabled_algos(cfg)
     for ds_name in list(cfg.experiment.datasets) or [cfg.dataset.name]:
@@ -263,7 +265,7 @@ def plan_experiment(
                 return int(mem_gb * STAGE_MEMORY.get(stage, 1.0) * 1024)
 
             base_inputs: dict[str, Any] = {}
-            if _built_in_run(fam_name, fam_cfg):
+            if _built_in_run(fam_name, fam_cfg) or is_offline(str(ds_cfg.get("name"))):
                 base_inputs["reference"] = planner.add_pretrain(common, mem_mb("pretrain"))
             for algo in algos:
                 planner.add_chain(

@@ -49,7 +49,7 @@ def environment_errors(
     errors = _jsonl_errors(cfg)
     families = _families(cfg)
     errors += _family_errors(cfg, families, gpu_kind)
-    errors += _offline_model_errors(families)
+    errors += _offline_model_errors(families, reward=_needs_reward(cfg))
     if output_dir is not None:
         errors += output_dir_errors(output_dir)
     return errors
@@ -177,12 +177,22 @@ def hub_reachable(timeout_s: float = HUB_PROBE_S) -> bool:
     return bool(ok)
 
 
-def _offline_model_errors(families: list[tuple[str, str, Any]]) -> list[str]:
+def _needs_reward(cfg: DictConfig) -> bool:
+    """Whether any dataset is scored by the family's reward model (a star graph on gpt2
+    never loads gpt2's IMDB classifier, so its absence must not stop the run)."""
+    from pita.datasets import needs_reward_model
+
+    datasets = list(cfg.experiment.datasets) or [cfg.dataset.name]
+    return any(needs_reward_model(_dataset_task(cfg, d)) for d in datasets)
+
+
+def _offline_model_errors(families: list[tuple[str, str, Any]], reward: bool = True) -> list[str]:
     """Hub models must be in the local cache when the hub is off (HF_HUB_OFFLINE) or cannot
-    be reached; when it cannot be reached and all are cached, the workers go offline too."""
+    be reached; when it cannot be reached and all are cached, the workers go offline too.
+    The reward model counts only when a dataset is scored by it (`reward`)."""
     wanted = []
     for _, _, fam in families:
-        for role in ("reference", "guide", "reward"):
+        for role in ("reference", "guide", "reward")[: 3 if reward else 2]:
             ref = getattr(fam, role)
             if ref and not fam.is_builtin and not Path(ref).expanduser().exists():
                 wanted.append((f"model.{role}", ref))

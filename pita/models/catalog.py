@@ -63,6 +63,8 @@ FAMILIES: dict[str, Family] = {
     # The classic TRL sentiment setting. The IMDB classifier has its own (DistilBERT)
     # tokenizer: its inputs must be re-tokenized from text, not concatenated as gpt2 ids.
     "gpt2": Family(reference="gpt2", guide="gpt2", reward="lvwerra/distilbert-imdb"),
+    # The official star-graph model for G(3, 8) (experiment=star_graph_gpt2).
+    "gpt2-medium": Family(reference="gpt2-medium", guide="gpt2-medium", reward=None),
 }
 
 _OVERRIDABLE = tuple(f.name for f in fields(Family))

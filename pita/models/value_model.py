@@ -34,10 +34,13 @@ nothing for the offline tasks (V ≈ 25) and fine for M = 1 on hub vocabularies 
 768·50k ≈ 39M weights), but an `mle` head over a 128k vocabulary is billions of weights:
 use the V-type head there (d·M weights; per step a [B·k, 1] forward over the shared cache).
 
-Warm start (`warm_start`, tiny family): the reference's token embeddings, its first
-block(s) and final norm are copied into the guide backbone when the widths match; the
-prototype only learned the goal-walk value function within the CPU budget that way
-(docs/ALGORITHMS.md).
+Where it starts (`algos.<NAME>.init`, `value_init`): `reference` (tiny family: the
+reference's token embeddings, its blocks and final norm copied into the guide backbone
+when the widths match; the prototype only learned the goal-walk value function within the
+CPU budget that way, docs/ALGORITHMS.md; hub/local families: π_ref's own weights),
+`base` (the family's guide checkpoint with a fresh head: the official Q# star-graph
+classifier is text-pretrained GPT-2, not π_ref) or `scratch` (random weights). Unset, the
+old `warm_start` key decides for the tiny family and hub families load their guide.
 
 Checkpoints: `value_model/model.safetensors` (state dict) + `value_model/config.json`
 (backbone config + head settings); no pickle anywhere.
@@ -54,6 +57,7 @@ import torch
 from torch import nn
 
 from pita.core.schema import VALUE_HEADS as HEAD_TYPES
+from pita.core.schema import VALUE_INITS as INITS  # where a value model starts (one list)
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -271,6 +275,25 @@ def head_atoms(loss_type: str, num_atoms: int) -> int:
     return int(num_atoms) if loss_type == "mle" else 1
 
 
+def value_init(algo_cfg: Any, family_cfg: dict) -> str:
+    """Where a fresh value model starts (`algos.<NAME>.init`): `reference` (a copy of π_ref),
+    `base` (the family's guide checkpoint with a fresh head, the official Q# classifier) or
+    `scratch` (random weights). Unset: the old keys' meaning, unchanged: the tiny family
+    follows `warm_start` (true: reference, false: scratch), hub and local families load
+    their guide (base)."""
+    from pita.models.catalog import resolve_family
+
+    init = algo_cfg.get("init")
+    if init:
+        if init not in INITS:
+            raise ValueError(f"init={init!r}: allowed: {' | '.join(INITS)}")
+        return str(init)
+    family = resolve_family(family_cfg.get("name", "tiny"), family_cfg)
+    if family.is_builtin:
+        return "reference" if algo_cfg.warm_start else "scratch"
+    return "base"
+
+
 def build_value_model(
     reference: nn.Module,
     family_cfg: dict,
@@ -281,12 +304,16 @@ def build_value_model(
     attn_impl: str = "eager",
     logger: Any = None,
 ) -> ValueModel:
-    """A fresh value model for a family: `model=tiny` builds a Llama with `guide_arch`
-    sizes (warm-started from `reference` when `algo_cfg.warm_start`); other families load
-    the base model of `family_cfg['guide']` (a hub id or local folder)."""
-    from pita.models.catalog import resolve_family
+    """A fresh value model, started as `value_init` says: the tiny family builds a Llama of
+    `guide_arch` sizes (a copy of the reference's blocks for `reference`); hub and local
+    families load the base model of `family_cfg['guide']` (`base`), π_ref's own weights
+    (`reference`: the fine-tuned checkpoint on offline tasks) or the guide's architecture
+    with random weights (`scratch`). `base` on the tiny family needs `model.guide=<folder>`
+    (e.g. a π_ref pretrained on another task with the same vocabulary)."""
+    from pita.models.catalog import BUILTIN, resolve_family
 
     family = resolve_family(family_cfg.get("name", "tiny"), family_cfg)
+    init = value_init(algo_cfg, family_cfg)
     n_out = head_atoms(algo_cfg.loss_type, algo_cfg.num_atoms)
     kw = dict(
         num_atoms=n_out,
@@ -297,26 +324,11 @@ def build_value_model(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if family.is_builtin:
-            from transformers import LlamaModel
-
-            from pita.models.tiny import tiny_llama_config
-
-            arch = family_cfg["guide_arch"]
-            ref_cfg = reference.config
-            config = tiny_llama_config(
-                vocab_size,
-                n_layer=arch["n_layer"],
-                d_model=arch["d_model"],
-                n_head=arch["n_head"],
-                max_position=ref_cfg.max_position_embeddings,
-                pad_token_id=ref_cfg.pad_token_id,
-                eos_token_id=ref_cfg.eos_token_id,
-                attn_impl=attn_impl,
+        if family.is_builtin and init != "base":
+            vm = ValueModel(
+                _tiny_backbone(reference, family_cfg, vocab_size, attn_impl), vocab_size, **kw
             )
-            model = LlamaModel(config).to(torch.float32)
-            vm = ValueModel(model, vocab_size, **kw)
-            if algo_cfg.warm_start:
+            if init == "reference":
                 copied = warm_start_from(
                     vm, reference, layers=int(algo_cfg.get("warm_start_layers", -1))
                 )
@@ -325,26 +337,73 @@ def build_value_model(
                         "value model warm-started from the reference: %s",
                         copied or "nothing (widths differ)",
                     )
+        elif family.is_builtin and family.guide == BUILTIN:
+            raise ValueError(
+                "init=base: the tiny family has no pretrained guide checkpoint; set "
+                "model.guide=<a save_pretrained folder sharing the task's vocabulary> or use "
+                "init=reference | scratch"
+            )
         else:
-            from transformers import AutoModel
-
-            from pita.models.loading import check_shared_vocab, load_tokenizer, resolve_dtype
-
-            # offsets are added id by id: guide and reference must share the tokenizer
-            check_shared_vocab(
-                load_tokenizer(family.guide, trust_remote_code=family.trust_remote_code),
-                load_tokenizer(family.reference, trust_remote_code=family.trust_remote_code),
-                f"model.name={family_cfg.get('name')}: guide {family.guide} vs reference "
-                f"{family.reference}",
-            )
-            backbone = AutoModel.from_pretrained(
-                family.guide,
-                dtype=resolve_dtype("float32"),
-                trust_remote_code=family.trust_remote_code,
-                attn_implementation=attn_impl,
-            )
-            vm = ValueModel(backbone, vocab_size, **kw)
+            vm = ValueModel(_loaded_backbone(reference, family, init, attn_impl), vocab_size, **kw)
+            if logger is not None:
+                source = {"base": family.guide, "reference": "π_ref", "scratch": "random weights"}
+                logger.info("value model init=%s: backbone from %s", init, source[init])
     return vm
+
+
+def _tiny_backbone(reference: nn.Module, family_cfg: dict, vocab_size: int, attn_impl: str):
+    """A fresh Llama of the tiny family's `guide_arch` sizes (random weights)."""
+    from transformers import LlamaModel
+
+    from pita.models.tiny import tiny_llama_config
+
+    arch = family_cfg["guide_arch"]
+    ref_cfg = reference.config
+    config = tiny_llama_config(
+        vocab_size,
+        n_layer=arch["n_layer"],
+        d_model=arch["d_model"],
+        n_head=arch["n_head"],
+        max_position=ref_cfg.max_position_embeddings,
+        pad_token_id=ref_cfg.pad_token_id,
+        eos_token_id=ref_cfg.eos_token_id,
+        attn_impl=attn_impl,
+    )
+    return LlamaModel(config).to(torch.float32)
+
+
+def _loaded_backbone(reference: nn.Module, family: Any, init: str, attn_impl: str) -> nn.Module:
+    """The base model (no LM head) for `init`, in fp32: the guide checkpoint (`base`), the
+    reference's checkpoint (`reference`, re-read from its folder, so a quantized or
+    half-precision π_ref does not leak into training) or the guide's config (`scratch`)."""
+    from transformers import AutoConfig, AutoModel
+
+    from pita.models.loading import check_shared_vocab, load_tokenizer
+
+    remote = family.trust_remote_code
+    if init == "reference":
+        source = getattr(reference, "name_or_path", "") or family.reference
+        return AutoModel.from_pretrained(
+            source, dtype=torch.float32, trust_remote_code=remote, attn_implementation=attn_impl
+        )
+    # offsets are added id by id: guide and reference must share the tokenizer
+    check_shared_vocab(
+        load_tokenizer(family.guide, trust_remote_code=remote),
+        load_tokenizer(
+            getattr(reference, "name_or_path", "") or family.reference, trust_remote_code=remote
+        ),
+        f"model.guide {family.guide} vs the reference",
+    )
+    if init == "base":
+        return AutoModel.from_pretrained(
+            family.guide,
+            dtype=torch.float32,
+            trust_remote_code=remote,
+            attn_implementation=attn_impl,
+        )
+    config = AutoConfig.from_pretrained(family.guide, trust_remote_code=remote)
+    config._attn_implementation = attn_impl
+    return AutoModel.from_config(config, trust_remote_code=remote).to(torch.float32)
 
 
 def warm_start_from(vm: ValueModel, reference: nn.Module, *, layers: int = -1) -> list[str]:

@@ -1,4 +1,10 @@
-"""pretrain: train the reference policy π_ref from scratch on an offline task.
+"""pretrain: train the reference policy π_ref on an offline task (goal-walk, star graph).
+
+The tiny family's π_ref is built here from scratch (`model.reference_arch`, the task's own
+number tokenizer). A hub or local family (gpt2, `model=local`) is *fine-tuned* from its
+reference checkpoint on the task rendered as text in its own tokenizer, as the official
+star-graph code fine-tunes text-pretrained GPT-2 (`pretrain.lr_schedule=official`: warmup
+max(100, 1 %) then cosine to 0.1·lr, with `pretrain.weight_decay`).
 
 Teacher forcing on the target tokens only (the prompt positions carry label -100), AdamW
 with linear warmup then cosine decay, fresh examples every step from the task's
@@ -69,8 +75,45 @@ def prefetch(batches: Iterator, depth: int = 2) -> Iterator:
         yield item
 
 
+def official_schedule(optim, steps: int):
+    """The official star-graph pretraining schedule (Next-Token-Failures `get_lr`): linear
+    warmup over max(100, 1 % of the steps), cosine decay to 0.1·lr at the last step."""
+    import math
+
+    import torch
+
+    warmup = max(100, int(0.01 * steps))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return step / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optim, factor)
+
+
+def _family_policy(ctx: StageContext, family):
+    """(the family's reference as a trainable fp32 causal LM, the task in its tokenizer)."""
+    from pita.datasets import build_task
+    from pita.models.loading import load_causal_lm, load_tokenizer
+
+    tok = load_tokenizer(family.reference, trust_remote_code=family.trust_remote_code)
+    task = build_task(ctx.cfg.dataset, tokenizer=tok)
+    model = load_causal_lm(
+        family.reference,
+        dtype="float32",
+        attn_impl=ctx.cfg.system.attn_impl,
+        trust_remote_code=family.trust_remote_code,
+    )
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tok.pad_token_id
+    return model, task
+
+
 def pretrain(ctx: StageContext) -> dict:
-    """Train the reference policy π_ref of a family built in the run (the tiny Llama).
+    """Train the reference policy π_ref: the tiny Llama from scratch, or fine-tune a hub /
+    local family's reference on the offline task (see the module docstring).
 
     Reads: the task's pretraining batches (teacher-forced correct responses),
     `model.reference_arch`, `pretrain.*`, `training.*`. Writes: `model/` (save_pretrained
@@ -88,6 +131,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     from transformers import get_cosine_schedule_with_warmup
 
     from pita.datasets import build_task
+    from pita.models.catalog import resolve_family
     from pita.models.tiny import build_tiny_llama
     from pita.runtime.kit import checkpointer, train_step
     from pita.training.ddp import wrap_model
@@ -108,23 +152,34 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     per_rank = -(-pcfg.batch_size // world)
     micro, n_micro = micro_batch_plan(per_rank, tr, ctx.task.batch_scale, whole_batch=True)
 
-    task = build_task(ctx.cfg.dataset)
-    tok = task.tokenizer
-    arch = ctx.cfg.model["reference_arch"]
     torch.manual_seed(ctx.seed)
     rng = random.Random(ctx.seed)  # the same stream on every rank: same batches, then sharded
-    sample = task.pretrain_batch(random.Random(0), 1)[0]
-    model = build_tiny_llama(
-        len(tok),
-        n_layer=arch["n_layer"],
-        d_model=arch["d_model"],
-        n_head=arch["n_head"],
-        max_position=max(64, 2 * (len(sample[0]) + task.max_new_tokens)),
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        seed=ctx.seed,
-        attn_impl=ctx.cfg.system.attn_impl,
-    )
+    family = resolve_family(ctx.task.family, ctx.cfg.model)
+    if family.is_builtin:
+        task = build_task(ctx.cfg.dataset)
+        tok = task.tokenizer
+        arch = ctx.cfg.model["reference_arch"]
+        sample = task.pretrain_batch(random.Random(0), 1)[0]
+        model = build_tiny_llama(
+            len(tok),
+            n_layer=arch["n_layer"],
+            d_model=arch["d_model"],
+            n_head=arch["n_head"],
+            max_position=max(64, 2 * (len(sample[0]) + task.max_new_tokens)),
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            seed=ctx.seed,
+            attn_impl=ctx.cfg.system.attn_impl,
+        )
+    else:
+        model, task = _family_policy(ctx, family)
+        tok = task.tokenizer
+        ctx.logger.info(
+            "pretrain: fine-tuning the family's reference %s on %s rendered as text in its "
+            "tokenizer",
+            family.reference,
+            task.name,
+        )
     device = torch.device(
         training_device(ctx.cfg.system.gpu_mode, ctx.device).device
     )  # system.gpu_mode
@@ -132,8 +187,15 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     checkpointing = enable_gradient_checkpointing(model, tr.gradient_checkpointing, ctx.logger)
     compiled = compile_model(model, tr.compile, tr.compile_mode, logger=ctx.logger)
     net = wrap_model(model, dist)  # DDP all-reduces the gradients; the same model otherwise
-    optim = torch.optim.AdamW(model.parameters(), lr=pcfg.lr, weight_decay=tr.weight_decay)
-    sched = get_cosine_schedule_with_warmup(optim, pcfg.warmup_steps, pcfg.steps)
+    wd = pcfg.get("weight_decay")
+    optim = torch.optim.AdamW(
+        model.parameters(), lr=pcfg.lr, weight_decay=tr.weight_decay if wd is None else wd
+    )
+    sched = (
+        official_schedule(optim, pcfg.steps)
+        if pcfg.get("lr_schedule", "cosine") == "official"
+        else get_cosine_schedule_with_warmup(optim, pcfg.warmup_steps, pcfg.steps)
+    )
     # Figures are read back every 50 steps (the log interval), not every step: no host sync.
     step = train_step(
         ctx, net, optim, scheduler=sched, device=device, compile_status=compiled, sync_every=50
