@@ -139,7 +139,9 @@ def family_text(tokenizer, builtin) -> FamilyText | None:
     if tokenizer is None:
         return None
     if isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = load_tokenizer(str(tokenizer))
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
     if tokenizer.get_vocab() == builtin.get_vocab():
         return None
     return FamilyText(tokenizer)
