@@ -24,11 +24,12 @@ _.on_multirun_end  # Hydra's Callback hook
 # --- called by transformers / TRL / logging / torch ------------------------------------------
 _.on_log  # TrainerCallback hooks (pita/training/report.py, tracking.py, algos/trl_common.py)
 _.on_save  # TrainerCallback hook (pita/training/checkpoint.py)
+_.on_train_begin  # TrainerCallback hook (pita/training/checkpoint.py, tracking.py)
+_._initial_global_step  # transformers Trainer's own attribute, reset on resume (checkpoint.py)
 _.on_step_begin  # TrainerCallback hook (pita/training/report.py)
 _.on_step_end  # TrainerCallback hook (pita/training/report.py, checkpoint.py)
 _.on_train_end  # TrainerCallback hook (pita/training/tracking.py)
 _.should_save  # TrainerControl flag the Trainer reads after on_step_end
-_.logging_dir  # TensorBoardCallback reads it (pita/algos/trl_common.py)
 _._tokenize_prompts  # GRPOTrainer method override (pita/algos/grpo.py)
 completions  # TRL passes reward functions completions=... by keyword
 _.emit  # logging.Handler.emit (pita/training/ddp.py)

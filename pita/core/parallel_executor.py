@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
-from types import SimpleNamespace
 from typing import Any
 
 from pita.core.dag import Plan
@@ -373,7 +372,7 @@ def simulate_remaining(
         )
         for tid, t in tasks.items()
     }
-    _, makespan = simulate(SimpleNamespace(tasks=sub), scheduler, lambda t: seconds[t.id])
+    _, makespan = simulate(Plan(tasks=sub), scheduler, lambda t: seconds[t.id])
     return makespan
 
 

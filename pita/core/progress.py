@@ -15,7 +15,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pita.core.parallel_executor import Scheduler, fresh_scheduler, simulate_remaining
@@ -73,7 +73,7 @@ class TaskDurations:
         self.work_s += float(wall_s)
         self.work_units += task.work
 
-    def rate(self, tasks: list[TaskSpec] = ()) -> tuple[float, str]:
+    def rate(self, tasks: Sequence[TaskSpec] = ()) -> tuple[float, str]:
         """Seconds per work unit: this run's, else the earlier runs' (of `tasks`), else nominal."""
         if self.work_units > 0:
             return self.work_s / self.work_units, THIS_RUN
@@ -124,7 +124,7 @@ class Eta:
             seconds[tid] = s
             weight[source] = weight.get(source, 0.0) + s
         total = simulate_remaining(left, fresh_scheduler(self.scheduler), seconds, set(started))
-        return total, max(weight, key=weight.get)
+        return total, max(weight, key=lambda k: weight[k])
 
 
 class Progress:

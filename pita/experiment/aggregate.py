@@ -282,7 +282,7 @@ def plot_frontier(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -
                         xytext=(3, 3),
                         textcoords="offset points",
                     )
-    scale, linthresh = kl_axis([get(r, "kl")[0] for r in points])
+    scale, linthresh = kl_axis([k for r in points if (k := get(r, "kl")[0]) is not None])
     for ax, label in zip(axes, ("avg reward", "pass@1")):
         if scale == "symlog":
             ax.set_xscale("symlog", linthresh=linthresh)

@@ -48,9 +48,12 @@ def duration_key(cfg: Any, device_kind: str) -> Callable[[Any], str]:
     from omegaconf import OmegaConf
 
     try:
-        work = OmegaConf.to_container(cfg, resolve=True)
+        resolved = OmegaConf.to_container(cfg, resolve=True)
     except Exception:  # a partial config in a unit test: no print, ids still distinguish
-        work = {}
+        resolved = {}
+    work: dict[str, Any] = (
+        {str(k): v for k, v in resolved.items()} if isinstance(resolved, dict) else {}
+    )
     work = {k: v for k, v in work.items() if k not in NOT_WORK}
     if isinstance(work.get("experiment"), dict):  # seeds of a sweep take as long as each other
         work["experiment"] = {k: v for k, v in work["experiment"].items() if k != "seed"}

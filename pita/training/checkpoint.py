@@ -598,7 +598,7 @@ def resume_guard(checkpoint: str | None, logger: logging.Logger):
         def __enter__(self):
             return self
 
-        def __exit__(self, kind, exc, tb):
+        def __exit__(self, kind, exc, _tb):
             oom = kind is not None and "out of memory" in str(exc).lower()
             if checkpoint and isinstance(exc, Exception) and not self.began and not oom:
                 first = (str(exc).strip().splitlines() or [kind.__name__])[0][:200]
