@@ -49,20 +49,17 @@ FailureClass  # the one list of failure classes (pita/core/errors.py); TaskOutco
 total_bytes  # DevicePlacement: the model's weight bytes (tests: bytes_per_device sums to it)
 _.rejected_connections  # WorkerPool: connections dropped unauthenticated (test_pool_faults)
 
-# --- TEMPORARY: owned by another change, decided at merge ------------------------------------
-# Dead or test-only code in files another change of issue 20 rewrites; each goes (or is wired)
-# in that change, and its entry here with it.
-step_time_s  # pita/training/loop.py: StepResult.step_time_s, never read; StepResult only by tests
-_.from_text  # pita/datasets/star_graph.py: StarGraph.from_text, tests only (rendering rework?)
-_.to_text  # pita/datasets/star_graph.py: StarGraph.to_text, tests only
-_.graph_of  # pita/datasets/star_graph.py: StarGraphTask.graph_of, tests only
-_.prompt_length  # pita/datasets/star_graph.py: StarGraphTask.prompt_length, tests only
-_.reachable  # pita/datasets/goal_walk.py: GoalWalkTask.reachable, tests only
-_.optimal_kl  # pita/datasets/goal_walk.py: GoalWalkTask.optimal_kl, tests only
-EXIT_CONFIG  # pita/experiment/run.py: exit code 2; cli.py (config change) returns a literal 2
-weights_bytes  # MemoryEstimate: tests only; estimates.py (algorithm-table change) sums weights
+# --- Kept for tests on purpose (decided at the merge of issue 20) ------------------------------
+# Ground truth the tests check the tasks and the training loop against; small, and each is
+# the task's own definition of what a test would otherwise have to re-derive.
+step_time_s  # pita/training/loop.py StepResult: tests/test_training_stack.py reads each step
+_.to_text  # pita/datasets/star_graph.py: the official text form, the round-trip tests' oracle
+_.graph_of  # pita/datasets/star_graph.py: prompt -> graph, the rendering round-trip tests
+_.prompt_length  # pita/datasets/star_graph.py: tests/test_star_graph.py checks prompt shapes
+_.reachable  # pita/datasets/goal_walk.py: tests/test_goal_walk.py checks the walk's targets
+_.optimal_kl  # pita/datasets/goal_walk.py: tests/test_goal_walk.py checks the optimum's KL
+weights_bytes  # pita/runtime/batch_size/search.py MemoryEstimate: the batch-size tests' oracle
 # Not reported by vulture (a string, or a name another object uses), dead all the same:
-# - pita/experiment/config.py: cs.store(group="algo", name="algo_schema", ...) - no config uses it
 # - pita/training/checkpoint.py: Checkpointer.enabled - never read (AlgoConfig.enabled's name hides it)
 # - pita/training/ddp.py: DistContext.backend - never read (other `backend`s hide it)
 

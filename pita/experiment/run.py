@@ -37,7 +37,7 @@ from pita.experiment.plan import check_resources, plan_experiment
 
 log = logging.getLogger("pita")
 
-EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130  # 2 (bad config): cli.py
 
 
 def make_gpu_manager(cfg: DictConfig) -> GPUManager:
