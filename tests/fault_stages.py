@@ -11,7 +11,7 @@ import json
 import os
 import time
 
-from pita.runtime.context import StageContext
+from pita.runtime.context import StageContext, write_stand_in_outputs
 
 
 def _marker(ctx: StageContext, what: str) -> None:
@@ -42,6 +42,7 @@ def sleep_stage(ctx: StageContext) -> dict:
     time.sleep(duration)
     (ctx.out_dir / "artifact.txt").write_text(f"{ctx.task.id} by {os.getpid()}\n")
     _marker(ctx, "finished")
+    write_stand_in_outputs(ctx)
     return {"slept_s": duration, "pid": os.getpid(), "inputs": ctx.task.inputs}
 
 
@@ -60,6 +61,7 @@ def hang_stage(ctx: StageContext) -> dict:
 
 
 def noop_stage(ctx: StageContext) -> dict:
+    write_stand_in_outputs(ctx)
     return {}
 
 

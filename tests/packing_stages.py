@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from pita.runtime.context import StageContext
+from pita.runtime.context import StageContext, write_stand_in_outputs
 
 
 def threads_stage(ctx: StageContext) -> dict:
@@ -13,6 +13,7 @@ def threads_stage(ctx: StageContext) -> dict:
     import torch
 
     time.sleep(float(os.environ.get("PITA_TEST_SLEEP", "0.3")))
+    write_stand_in_outputs(ctx)
     return {
         "torch_threads": torch.get_num_threads(),
         "omp": os.environ.get("OMP_NUM_THREADS"),

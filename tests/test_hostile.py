@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -300,3 +301,91 @@ def test_aggregate_survives_inf_nan_mixed_keys_and_bad_yaml(tmp_path):
     assert main([str(sweep), "--out", str(tmp_path / "agg")]) == 0
     table = (tmp_path / "agg" / "aggregate.md").read_text()
     assert "inf" not in table and "nan" not in table.lower().replace("n_runs", "")
+
+
+# --- lock first, then write ---------------------------------------------------------------------
+
+
+def test_refused_new_run_writes_nothing_in_the_locked_folder(tmp_path):
+    """Another orchestrator holds the folder (a real flock, from this test process): a new
+    run pointed at it exits 2 before Hydra writes `.hydra/` or run.log."""
+    target = tmp_path / "outputs" / "busy"
+    with RunLock(target):
+        before = sorted(p.name for p in target.iterdir())
+        proc = run_cli(
+            ["experiment=smoke", "algos=[reference]", f"hydra.run.dir={target}"], tmp_path
+        )
+        assert "in use by pid" in _one_line_exit_2(proc)
+        assert sorted(p.name for p in target.iterdir()) == before == [".lock"]
+
+
+def test_refused_resume_changes_nothing(finished_run, tmp_path):
+    run_dir = _copy_run(finished_run, tmp_path)
+    files = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"}
+    with RunLock(run_dir):
+        proc = run_cli(["resume_from=" + str(run_dir), "executor.progress=false"], tmp_path)
+        assert "in use by pid" in _one_line_exit_2(proc)
+    after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert after == files  # saved config, run.log, journal: untouched
+
+
+def test_dry_run_creates_no_folder(tmp_path):
+    proc = run_cli(["experiment=smoke", "algos=[reference]", "dry_run=true"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Estimated wall time" in proc.stdout
+    assert not (tmp_path / "outputs").exists()
+
+
+# --- command-line and saved-config edges ----------------------------------------------------------
+
+
+def test_missing_config_dir_is_one_line_exit_2(tmp_path):
+    proc = run_cli(["--config-dir", str(tmp_path / "nonexistent")], tmp_path)
+    assert "no such folder" in _one_line_exit_2(proc)
+
+
+def test_interpolation_error_in_an_experiment_file_names_file_and_line(tmp_path):
+    conf = tmp_path / "myconf" / "experiment"
+    conf.mkdir(parents=True)
+    (conf / "mine.yaml").write_text("# @package _global_\nexperiment:\n  name: ${oops}\n")
+    proc = run_cli(["--config-dir", str(tmp_path / "myconf"), "experiment=mine"], tmp_path)
+    assert "set in myconf/experiment/mine.yaml:3" in _one_line_exit_2(proc)
+
+
+def test_type_error_in_a_saved_config_is_one_line(finished_run, tmp_path):
+    run_dir = _copy_run(finished_run, tmp_path)
+    saved = run_dir / ".hydra" / "config.yaml"
+    head, _, tail = saved.read_text().partition("\npretrain:\n")
+    tail = re.sub(r"(?m)^  lr: .*$", "  lr: abc", tail, count=1)  # a float key, hand-edited
+    saved.write_text(f"{head}\npretrain:\n{tail}")
+    proc = run_cli(["resume_from=" + str(run_dir)], tmp_path)
+    assert "pretrain.lr" in _one_line_exit_2(proc)
+
+
+def test_resume_auto_with_a_relative_dataset_path_finds_its_own_run(tmp_path, monkeypatch):
+    """run() saves dataset.path made absolute; the same command line (relative path) must
+    still describe the same run for resume_from=auto (it was refused as 'another run')."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from pita.experiment import cli
+    from pita.experiment.preflight import absolutize_paths
+
+    monkeypatch.chdir(tmp_path)
+    overrides = ["dataset=gsm8k", "dataset.path=data.jsonl", "model=local"]
+    saved = cli.compose_config(overrides)
+    absolutize_paths(saved)
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    args = SimpleNamespace(config_name=None, config_dir=None)
+    assert cli._same_run_overrides(str(run_dir), overrides, args) == []
+
+
+def test_overridden_stage_that_writes_nothing_fails_its_task(tmp_path):
+    args = ["experiment=smoke", "algos=[reference]", "executor.progress=false"]
+    args += ["+executor.stage_overrides.any.evaluate_merge=tests.fault_stages:forgetful_stage"]
+    proc = run_cli(args, tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "declared output(s): metrics.json" in proc.stdout + proc.stderr

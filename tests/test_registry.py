@@ -142,15 +142,16 @@ def test_a_row_declares_the_outputs_and_models_of_its_stages(name):
     assert set(row.models) == set(row.round_stages), "each stage says which models it holds"
 
 
-def test_stage_outputs_come_from_the_row_and_an_override_declares_nothing():
+def test_stage_outputs_come_from_the_row_and_bind_an_override_too():
     assert registry.stage_outputs("QSharp-HF", "collect") == (Artifact.RECORDS, Artifact.PAIRS)
     assert registry.stage_outputs("DPO", "train") == (Artifact.MODEL,)
     assert registry.stage_outputs("GRPO", "evaluate_merge") == (Artifact.METRICS,)
     assert registry.stage_outputs("any", "pretrain") == (Artifact.MODEL,)
     assert registry.stage_outputs("diagnostic", "device_check") == ()
     plugged = {"QSharp": {"train": "mypkg.mod:train"}, "any": {"evaluate": "mypkg.mod:ev"}}
-    assert registry.stage_outputs("QSharp", "train", plugged) == ()
-    assert registry.stage_outputs("PITA", "evaluate", plugged) == ()
+    # issue 21: outputs are the stage's contract; an override that writes nothing fails
+    assert registry.stage_outputs("QSharp", "train", plugged) == (Artifact.VALUE_MODEL,)
+    assert registry.stage_outputs("PITA", "evaluate", plugged) == (Artifact.SAMPLES,)
     assert registry.stage_outputs("PITA", "train", plugged) == (Artifact.VALUE_MODEL,)
 
 

@@ -252,9 +252,10 @@ def stage_outputs(
 ) -> tuple[str, ...]:
     """What the task folder of (algo, stage) must hold besides result.json and log.txt: the
     worker refuses to commit a folder without them and resume redoes a folder whose manifest
-    lacks one. A function plugged in with executor.stage_overrides declares nothing."""
-    dotted = lookup(algo, stage, overrides)
-    if dotted is None or dotted != lookup(algo, stage) or (algo, stage) in EXTRA_FUNCTIONS:
+    lacks one. They are the stage's contract: a function plugged in with
+    executor.stage_overrides must write them too (one that writes nothing fails its task
+    instead of leaving a run without results)."""
+    if lookup(algo, stage, overrides) is None or (algo, stage) in EXTRA_FUNCTIONS:
         return ()
     row = ALGORITHMS.get(algo)
     if row is not None and stage in row.functions:

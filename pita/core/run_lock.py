@@ -54,12 +54,24 @@ def _process_start(pid: int) -> str | None:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
 
 
+# Run folders whose lock this process holds and shares (realpath -> holders): the command
+# line takes the lock before Hydra writes `.hydra/` (`acquire(share=True)`), and `run()`
+# takes it again inside the same process. An unshared lock is exclusive even in-process.
+_HELD: dict[str, int] = {}
+
+
 class RunLock:
     def __init__(self, run_dir: Path | str):
         self.path = RunPaths(run_dir).lock
         self._fd: int | None = None
+        self._nested = False
 
-    def acquire(self) -> RunLock:
+    def acquire(self, share: bool = False) -> RunLock:
+        key = os.path.realpath(self.path)
+        if _HELD.get(key):  # this process holds it already: a nested holder, no second flock
+            _HELD[key] += 1
+            self._nested = True
+            return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = open_control(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -80,6 +92,8 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         self._fd = fd
+        if share:
+            _HELD[key] = 1
         return self
 
     def holder(self) -> str:
@@ -102,13 +116,20 @@ class RunLock:
         return f"pid {pid} on {socket.gethostname()}" + (f" since {since}" if since else "")
 
     def release(self) -> None:
+        key = os.path.realpath(self.path)
+        if self._nested:
+            self._nested = False
+            _HELD[key] = max(0, _HELD.get(key, 1) - 1)
+            return
         if self._fd is not None:
+            _HELD.pop(key, None)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
 
     def __enter__(self) -> RunLock:
-        return self.acquire()
+        held = self._fd is not None or self._nested  # acquired already: `with` just releases
+        return self if held else self.acquire()
 
     def __exit__(self, *exc) -> None:
         self.release()

@@ -43,11 +43,17 @@ from pita.experiment.cli_extras import (
     find_resumable,
     help_text,
 )
-from pita.experiment.config import register_configs, resume_path_errors, validate
+from pita.experiment.config import (
+    register_configs,
+    resume_path_errors,
+    set_search_dirs,
+    validate,
+)
 
 CONF_DIR = conf_dir()
 LOCAL_LAUNCHERS = ("BasicLauncher",)  # Hydra's launcher classes that run jobs in this process
 LAST_COMPOSE: dict[str, str] = {}
+HELD_LOCKS: list[Any] = []  # run folder locks taken before Hydra or run() write anything
 EXIT_CODE_FILE = "exit_code"  # a remote job's exit code, read by the sweep's end (aggregate.py)
 # Keys a resumed run may change: where and how it runs, never what it computes.
 RESUME_SAFE_PREFIXES = (
@@ -188,6 +194,8 @@ def compose_config(
         overrides = _sweep_to_single(overrides)
     except Exception as exc:
         raise ConfigError(format_compose_error(exc, overrides)) from None
+    if config_dir and not Path(config_dir).expanduser().is_dir():
+        raise ConfigError(f"--config-dir {config_dir}: no such folder")
     GlobalHydra.instance().clear()
     search_path = create_config_search_path(str(CONF_DIR))
     if config_dir:  # what Hydra does for --config-dir
@@ -199,6 +207,15 @@ def compose_config(
         )
         LAST_COMPOSE["launcher"] = str(
             OmegaConf.select(cfg, "hydra.launcher._target_", default="") or ""
+        )
+        try:  # where Hydra will put the run (locked before Hydra writes there)
+            run_dir = OmegaConf.select(cfg, "hydra.run.dir", default="")
+        except Exception:  # an interpolation error: validate() reports it, with its file
+            run_dir = ""
+        LAST_COMPOSE["run_dir"] = str(run_dir or "")
+        set_search_dirs(  # where an interpolation error's file is looked for
+            [CONF_DIR, *([Path(config_dir).expanduser()] if config_dir else [])]
+            + [Path(str(p).removeprefix("file://")) for p in cfg.hydra.get("searchpath", [])]
         )
         if "hydra" in cfg:  # as hydra.compose(return_hydra_config=False)
             from omegaconf import open_dict, read_write
@@ -212,6 +229,14 @@ def compose_config(
         GlobalHydra.instance().clear()
 
 
+def load_saved_config(path: Path) -> Any:
+    """A run's saved `.hydra/config.yaml`, read as a control file (no symlink, yours, at most
+    16 MB: pita/core/safe_files.py)."""
+    from pita.core.safe_files import read_control_text
+
+    return OmegaConf.create(read_control_text(path))
+
+
 def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfig, Path]:
     """The saved config of `resume_dir` with only run-safe overrides applied."""
     errors = resume_path_errors(resume_dir, PROJECT_ROOT)
@@ -221,15 +246,23 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
     if not run_dir.exists():
         run_dir = PROJECT_ROOT / resume_dir
     try:
-        saved = OmegaConf.load(RunPaths(run_dir).saved_config)
+        saved = load_saved_config(RunPaths(run_dir).saved_config)
     except Exception as exc:
         raise ConfigError(
             f"resume_from={resume_dir!r}: saved config unreadable ({_first_line(exc)})"
         ) from None
     from pita.experiment.config import PitaConfig, drop_retired_algo_keys
 
-    assert isinstance(saved, DictConfig)  # a run's saved config is a mapping
-    cfg = OmegaConf.merge(OmegaConf.structured(PitaConfig), drop_retired_algo_keys(saved))
+    if not isinstance(saved, DictConfig):
+        raise ConfigError(f"resume_from={resume_dir!r}: saved config is not a mapping")
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(PitaConfig), drop_retired_algo_keys(saved))
+    except Exception as exc:  # a hand-edited value of the wrong type: one line, not a traceback
+        key = getattr(exc, "full_key", "") or "?"
+        raise ConfigError(
+            f"resume_from={resume_dir!r}: saved config {RunPaths(run_dir).saved_config}: "
+            f"{key}: {_first_line(exc)}"
+        ) from None
     assert isinstance(cfg, DictConfig)
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
@@ -356,9 +389,16 @@ def main(argv: list[str] | None = None) -> None:
         except ConfigError as exc:
             _print_config_error(exc)
             sys.exit(2)
-        _setup_resume_logging(run_dir)
-        from pita.experiment.run import run
+        from pita.experiment.run import lock_run_folder, run
 
+        if cfg.dry_run:  # a dry run touches no file of the run
+            _setup_console_logging()
+            sys.exit(_run_checked(lambda: run(cfg, run_dir, resumed=True)))
+        lock = _run_checked(lambda: lock_run_folder(cfg, run_dir, share=True))
+        if isinstance(lock, int):
+            sys.exit(lock)
+        HELD_LOCKS.append(lock)
+        _setup_resume_logging(run_dir)
         sys.exit(_run_checked(lambda: run(cfg, run_dir, resumed=True)))
 
     if not info_only:
@@ -371,6 +411,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["PITA_COMMAND"] = json.dumps(
         [sys.argv[0], *argv]
     )  # as typed, for run_info.json (jobs too)
+    if not info_only and not args.multirun and remote_launcher() is None:
+        overrides = _lock_before_hydra(cfg, overrides)
     given = set(args.overrides)
     sys.argv = [
         sys.argv[0],
@@ -378,6 +420,36 @@ def main(argv: list[str] | None = None) -> None:
         *overrides,
     ]  # Hydra parses sys.argv
     _hydra_main()
+
+
+def _lock_before_hydra(cfg: DictConfig, overrides: list[str]) -> list[str]:
+    """A single local run: Hydra writes `.hydra/` into the run folder before `run()` starts,
+    so the folder is checked and locked here first (a refused second orchestrator changes
+    nothing), and `hydra.run.dir` is pinned to the folder locked. A dry run never reaches
+    Hydra: it prints the plan here and creates no folder."""
+    from pita.experiment.run import lock_run_folder, run
+
+    given = next((o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")), None)
+    run_dir = given.strip("'\"") if given is not None else LAST_COMPOSE.get("run_dir") or ""
+    if cfg.dry_run:
+        _setup_console_logging()
+        sys.exit(_run_checked(lambda: run(cfg, Path(run_dir or "outputs/dry_run"))))
+    if not run_dir or "'" in run_dir or "${" in run_dir:
+        return overrides  # an interpolated folder: Hydra resolves it, run() locks it
+    lock = _run_checked(lambda: lock_run_folder(cfg, Path(run_dir), share=True))
+    if isinstance(lock, int):
+        sys.exit(lock)
+    HELD_LOCKS.append(lock)  # held until this process exits (the kernel drops it then)
+    rest = [o for o in overrides if not o.startswith("hydra.run.dir=")]
+    return [*rest, f"hydra.run.dir='{run_dir}'"]
+
+
+def _setup_console_logging() -> None:
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    console = logging.StreamHandler(sys.stdout)
+    console.setFormatter(logging.Formatter("%(message)s"))
+    root.handlers[:] = [console]
 
 
 def _composed_for_help(overrides: list[str], args: Any) -> dict | None:
@@ -402,8 +474,11 @@ def _same_run_overrides(run_dir: str, overrides: list[str], args) -> list[str]:
     to the config `run_dir` was started with (else a ConfigError naming the differences)."""
     composed = compose_config(overrides, args.config_name, args.config_dir)
     from pita.experiment.config import drop_retired_algo_keys
+    from pita.experiment.preflight import absolutize_paths
 
-    loaded = OmegaConf.load(RunPaths(run_dir).saved_config)
+    absolutize_paths(composed)  # the saved config holds them absolute (run() wrote it so)
+
+    loaded = load_saved_config(RunPaths(run_dir).saved_config)
     assert isinstance(loaded, DictConfig)  # a run's saved config is a mapping
     saved = drop_retired_algo_keys(loaded)
     diff = config_differences(

@@ -92,19 +92,37 @@ def non_finite_errors(node: Any, key: str = "") -> list[str]:
     return []
 
 
+SEARCH_DIRS: list[Path] = []  # the config search path of the last composition (cli.py)
+
+
+def set_search_dirs(dirs: list[Path]) -> None:
+    """Where `interpolation_error` looks for the file that set a value (pita's conf/,
+    --config-dir, hydra.searchpath), set by the command line when it composes."""
+    SEARCH_DIRS[:] = [Path(d) for d in dirs]
+
+
+def _where_set(raw: str, dirs: list[Path]) -> str:
+    """`in <file>:<line>` of the first yaml line holding `raw`, else `on the command line`."""
+    for folder in dirs:
+        for f in sorted(folder.rglob("*.yaml")) if folder.is_dir() else []:
+            for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
+                if raw in line:
+                    return f"in {f.relative_to(folder.parent)}:{n}"
+    return "on the command line"
+
+
 def interpolation_error(cfg: DictConfig, exc: Exception, conf_dir: Path | None) -> str:
     """`experiment.name='${oops}': cannot resolve (Interpolation key 'oops' not found); set
-    in conf/experiment/x.yaml` - one line with the key and, when found, the file."""
+    in conf/experiment/x.yaml:3` - one line with the key and, when found, file and line
+    (pita's conf/, then --config-dir and hydra.searchpath folders)."""
     key = str(getattr(exc, "full_key", "") or "")
     raw: Any = OmegaConf.to_container(cfg, resolve=False)
     for part in key.split(".") if key else []:
         raw = raw.get(part) if isinstance(raw, dict) else None
     where = "on the command line"
-    if conf_dir is not None and isinstance(raw, str):
-        for f in sorted(Path(conf_dir).rglob("*.yaml")):
-            if raw in f.read_text(errors="replace"):
-                where = f"in {f.relative_to(Path(conf_dir).parent)}"
-                break
+    if isinstance(raw, str):
+        dirs = [*([conf_dir] if conf_dir is not None else []), *SEARCH_DIRS]
+        where = _where_set(raw, dirs)
     detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return f"{key or 'config'}={raw!r}: interpolation cannot be resolved ({detail}); set {where}"
 

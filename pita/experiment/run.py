@@ -136,6 +136,21 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
     print(f"Estimated wall time: ~{format_duration(seconds)} ({source}).")
 
 
+def lock_run_folder(cfg: DictConfig, run_dir: Path, share: bool = False) -> RunLock:
+    """Check the run folder (yours, nobody else can write it, its output folders writable)
+    and take its lock, before anything is written in it. The command line calls this
+    before Hydra writes `.hydra/` (`share=True`); `run()` calls it again (nested in the
+    same process)."""
+    paths = RunPaths(run_dir)
+    trust_group = bool(cfg.system.get("trust_group", False))
+    for folder in (run_dir, paths.tasks):  # a folder others can write steers what resume trusts
+        check_folder(folder, trust_group)
+    for folder in (paths.logs, paths.results, paths.workers):  # fail now, not after the run
+        check_writable(folder)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return RunLock(run_dir).acquire(share=share)
+
+
 def check_writable(folder: Path) -> None:
     """A folder pita will write into exists as a writable folder, or can be created."""
     if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
@@ -191,13 +206,7 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
         print_dry_run(plan, cfg, gpu)
         return EXIT_OK
 
-    trust_group = bool(cfg.system.get("trust_group", False))
-    for folder in (run_dir, paths.tasks):  # a folder others can write steers what resume trusts
-        check_folder(folder, trust_group)
-    for folder in (paths.logs, paths.results, paths.workers):  # fail now, not after the run
-        check_writable(folder)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with RunLock(run_dir):  # one orchestrator per run folder (a second one exits 2)
+    with lock_run_folder(cfg, run_dir):  # one orchestrator per run folder (a second exits 2)
         return _run_locked(cfg, run_dir, paths, gpu, plan, resumed, absolutized)
 
 

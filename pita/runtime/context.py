@@ -167,6 +167,22 @@ class StageContext:
         )
 
 
+def write_stand_in_outputs(ctx: StageContext) -> None:
+    """Satisfy the task's declared outputs with empty stand-ins (an empty `.json` list, an
+    empty `.jsonl`, a folder holding one empty file): for stages that stand in for a real
+    one's timing or faults (benches, tests). Outputs are the stage's contract whoever
+    implements it (pita/algos/registry.py `stage_outputs`)."""
+    for name in ctx.task.outputs:
+        path = ctx.out_dir / name
+        if name.endswith(".json"):
+            path.write_text("[]\n")
+        elif name.endswith(".jsonl"):
+            path.write_text("")
+        else:
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "stand_in").write_text("")
+
+
 def chain_config(cfg: DictConfig | dict, task: TaskSpec) -> DictConfig:
     """The config a stage sees: the run's config with `dataset` and `model` replaced by the
     task's own chain groups. One channel: in a multi-dataset experiment the selected
