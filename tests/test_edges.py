@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import stat
 
 import pytest
@@ -166,7 +167,7 @@ def test_a_token_in_the_environment_turns_token_auth_on_for_an_explicit_address(
 
 
 def test_sweep_watcher_prints_each_job_start_and_end_once(tmp_path):
-    from pita.experiment.aggregate import AggregateCallback, SweepWatcher
+    from pita.experiment.aggregate import SWEEP_WATCHER, AggregateCallback, SweepWatcher
 
     lines: list[str] = []
     sweep = tmp_path / "multirun"
@@ -194,11 +195,16 @@ def test_sweep_watcher_prints_each_job_start_and_end_once(tmp_path):
     )
     callback = AggregateCallback()
     callback.on_multirun_start(local)
-    assert callback.watcher is None  # a local sweep's jobs print their own lines
+    assert SWEEP_WATCHER[0] is None  # a local sweep's jobs print their own lines
     remote = OmegaConf.merge(local, {"hydra": {"launcher": {"_target_": "x.LocalLauncher"}}})
     callback.on_multirun_start(remote)
-    assert callback.watcher is not None and callback.watcher.finished == {"0", "1"}
-    callback.watcher.stop()
+    watcher = SWEEP_WATCHER[0]
+    try:
+        assert watcher is not None and watcher.finished == {"0", "1"}  # an earlier sweep's
+        pickle.dumps(callback)  # submitit pickles the callbacks with each job
+    finally:
+        SWEEP_WATCHER[0] = None
+        watcher.stop()
 
 
 def test_sweep_watcher_thread_prints_while_jobs_run(tmp_path):

@@ -409,6 +409,9 @@ class SweepWatcher:
         self.poll()
 
 
+SWEEP_WATCHER: list[SweepWatcher | None] = [None]  # the launching process's running watcher
+
+
 def _runs_elsewhere(config: Any) -> bool:
     target = str(getattr(getattr(config.hydra, "launcher", None), "_target_", "") or "")
     return bool(target) and not target.endswith("BasicLauncher")
@@ -420,19 +423,18 @@ class AggregateCallback(_HydraCallback):
     the worst one becomes the sweep's exit code (pita/experiment/cli.py). While such jobs
     run, a `SweepWatcher` prints a line per job start and end."""
 
-    watcher: SweepWatcher | None = None
-
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         if _runs_elsewhere(config):  # a local sweep's jobs print their own lines
-            self.watcher = SweepWatcher(Path(str(config.hydra.sweep.dir)))
-            self.watcher.started = {p.name for p in self.watcher._jobs()}  # an earlier sweep's
-            self.watcher.finished = set(self.watcher.started)
-            self.watcher.start()
+            watcher = SweepWatcher(Path(str(config.hydra.sweep.dir)))
+            watcher.started = {p.name for p in watcher._jobs()}  # an earlier sweep's jobs
+            watcher.finished = set(watcher.started)
+            watcher.start()
+            SWEEP_WATCHER[0] = watcher  # not on self: submitit pickles the callbacks
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        if self.watcher is not None:
-            self.watcher.stop()
-            self.watcher = None
+        watcher, SWEEP_WATCHER[0] = SWEEP_WATCHER[0], None
+        if watcher is not None:
+            watcher.stop()
         sweep_dir = Path(str(config.hydra.sweep.dir))
         codes = []
         for f in sweep_dir.glob(f"*/{JOB_EXIT_CODE}"):
