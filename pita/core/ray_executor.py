@@ -101,7 +101,7 @@ def enable_token_auth(address: str | None) -> None:
         return
     os.environ["RAY_AUTH_MODE"] = "token"  # read by this process's Ray and by its children
     try:
-        from ray._raylet import Config
+        from ray._raylet import Config  # type: ignore[attr-defined]
 
         Config.initialize("")  # Ray caches its config: re-read it (as Ray's own helper does)
     except (ImportError, AttributeError):
@@ -128,7 +128,7 @@ def probe_ray_auth(address: str | None, timeout_s: float = AUTH_PROBE_TIMEOUT_S)
     if not _explicit(address):
         return
     try:
-        from ray._raylet import GcsClient
+        from ray._raylet import GcsClient  # type: ignore[attr-defined]
     except ImportError:
         return
     outcome: list[BaseException] = []
