@@ -223,3 +223,28 @@ def test_sweep_watcher_thread_prints_while_jobs_run(tmp_path):
         assert lines == [f"job 0 started: {tmp_path / '0'}"]  # printed by the thread
     finally:
         watcher.stop()
+
+
+def test_a_refusing_cluster_is_reported_by_the_auth_probe_not_after_ray_init_retries(
+    tmp_path, monkeypatch
+):
+    """Ray 2.60's GCS answers a client without the token with `InvalidAuthToken`; ray.init
+    would retry it for ~20 s and say only "Failed to connect to Ray cluster"."""
+    ray_raylet = pytest.importorskip("ray._raylet")
+    from ray.exceptions import AuthenticationError
+
+    from pita.core import ray_executor as rx
+    from pita.core.errors import ConfigError
+
+    def refuse(address):
+        raise AuthenticationError("RPC error: InvalidAuthToken: Authentication token is missing")
+
+    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(ray_raylet, "GcsClient", refuse, raising=False)
+    rx.probe_ray_auth("auto")  # a cluster Ray finds itself: Ray's own token handling
+    with pytest.raises(ConfigError, match="requires token authentication and no token was found"):
+        rx.probe_ray_auth("10.0.0.1:6379")
+    monkeypatch.setattr(ray_raylet, "GcsClient", lambda address: None, raising=False)
+    rx.probe_ray_auth("10.0.0.1:6379")  # accepted: ray.init connects
