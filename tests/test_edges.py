@@ -81,6 +81,7 @@ def test_slurm_launcher_without_sbatch_is_one_line_and_exit_2(tmp_path, monkeypa
 
     _path_without_sbatch(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(cli.LAST_COMPOSE, "launcher", "")  # later tests see no SLURM launcher
     with pytest.raises(SystemExit) as done:
         cli.main(["-m", "hydra/launcher=slurm", "experiment=smoke"])
     assert done.value.code == 2
