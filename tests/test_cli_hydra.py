@@ -155,6 +155,7 @@ def test_submitit_local_launcher_checks_devices_in_the_job(tmp_path):
     assert "error: system.devices=[3]" in err  # the job, on its node, found no such GPU
     ok = run_cli([*args, "system.devices=cpu"], cwd=tmp_path, timeout=300)
     assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "job 0 finished (exit 0)" in ok.stdout  # the sweep said when its job ended
 
 
 def test_launcher_kind_comes_from_the_composed_config(tmp_path):

@@ -14,7 +14,10 @@ Install: `pip install "ray[default]"`; start a cluster (`ray start --head` ...),
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
+import threading
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,15 @@ def _ray():
             "or use executor=local"
         ) from None
     return ray
+
+
+def _ray_auth_error() -> type[BaseException]:
+    """ray.exceptions.AuthenticationError (Ray >= 2.52), else a class nothing raises."""
+    try:
+        from ray.exceptions import AuthenticationError
+    except ImportError:
+        return ConnectionRefusedError
+    return AuthenticationError
 
 
 RAY_PROBE_TIMEOUT_S = 5.0
@@ -57,6 +69,101 @@ def probe_ray_address(address: str | None, timeout_s: float = RAY_PROBE_TIMEOUT_
         ) from None
 
 
+AUTH_HINT = (
+    "set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH, or the file ~/.ray/auth_token) to the "
+    "cluster's token (`ray get-auth-token` on its head node prints it)"
+)
+AUTH_PROBE_TIMEOUT_S = 10.0
+
+
+def _explicit(address: str | None) -> bool:
+    """A `host:port` of a running cluster (not local/auto, not a Ray Client `ray://`)."""
+    return address not in (None, "", "local", "auto") and "://" not in str(address)
+
+
+def token_source() -> str | None:
+    """Where Ray would read its auth token from (its own order), or None when nowhere."""
+    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
+        return "RAY_AUTH_TOKEN"
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH", "").strip()
+    if path:
+        return path
+    default = Path.home() / ".ray" / "auth_token"
+    return str(default) if default.is_file() else None
+
+
+def enable_token_auth(address: str | None) -> None:
+    """Ray turns token auth on by itself only for a cluster it finds (`auto`); with an
+    explicit address it connects without the token and the cluster refuses it. Do what Ray
+    does for `auto`: a token in the environment or the token file enables token mode
+    (unless RAY_AUTH_MODE says otherwise)."""
+    if not _explicit(address) or "RAY_AUTH_MODE" in os.environ or token_source() is None:
+        return
+    os.environ["RAY_AUTH_MODE"] = "token"  # read by this process's Ray and by its children
+    try:
+        from ray._raylet import Config  # type: ignore[attr-defined]
+
+        Config.initialize("")  # Ray caches its config: re-read it (as Ray's own helper does)
+    except (ImportError, AttributeError):
+        pass
+
+
+def auth_error(address: str | None, message: str) -> ConfigError | None:
+    """The config error for a Ray authentication failure `message` (None: not one): which
+    credential is missing or refused, never "no Ray cluster reachable"."""
+    low = message.lower()
+    if not any(k in low for k in ("authentication", "unauthenticated", "auth token", "authtoken")):
+        return None
+    source = token_source() if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else None
+    if source is None:
+        what = "requires token authentication and no token was found"
+    else:
+        what = f"refused the token from {source}"
+    return ConfigError(f"executor.ray_address={address!r}: the Ray cluster {what}; {AUTH_HINT}")
+
+
+def probe_ray_auth(address: str | None, timeout_s: float = AUTH_PROBE_TIMEOUT_S) -> None:
+    """Ask the cluster's GCS once whether it accepts this client: ray.init would retry a
+    refused token for a long time and then report only "Failed to connect"."""
+    if not _explicit(address):
+        return
+    try:
+        from ray._raylet import GcsClient  # type: ignore[attr-defined]
+    except ImportError:
+        return
+    outcome: list[BaseException] = []
+
+    def _probe() -> None:
+        try:
+            GcsClient(address=str(address))
+        except BaseException as exc:  # noqa: BLE001 - judged below
+            outcome.append(exc)
+
+    with _quiet_stderr():  # Ray's C++ client logs each refusal to fd 2
+        t = threading.Thread(target=_probe, name="pita-ray-auth-probe", daemon=True)
+        t.start()
+        t.join(timeout_s)
+    if outcome:
+        error = auth_error(address, f"{type(outcome[0]).__name__}: {outcome[0]}")
+        if error is not None:
+            raise error
+
+
+class _quiet_stderr:  # noqa: N801 - a context manager
+    """Send file descriptor 2 to /dev/null for a moment (C++ logs bypass sys.stderr)."""
+
+    def __enter__(self) -> None:
+        sys.stderr.flush()
+        self._saved = os.dup(2)
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        os.close(null)
+
+    def __exit__(self, *exc: object) -> None:
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+
+
 class RayExecutor:
     """The `Executor` interface on top of `ray.remote`. `run_task` is the body of each Ray
     task (pita.runtime.worker.run_task_here: the same code path as a local worker); Ray
@@ -67,16 +174,21 @@ class RayExecutor:
         if not ray.is_initialized():
             address = executor_cfg.ray_address
             probe_ray_address(address)
+            enable_token_auth(address)
+            probe_ray_auth(address)
             try:
                 ray.init(
                     address=None if address in (None, "local") else address,
                     ignore_reinit_error=True,
                     log_to_driver=False,
                 )
-            except (ConnectionError, RuntimeError, ValueError) as exc:
+            except (ConnectionError, RuntimeError, ValueError, _ray_auth_error()) as exc:
                 first = next(
                     (ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__
                 )
+                refused = auth_error(address, f"{type(exc).__name__}: {exc}")
+                if refused is not None:
+                    raise refused from None
                 raise ConfigError(
                     f"executor.ray_address={address!r}: no Ray cluster reachable ({first[:160]}); "
                     "start one (`ray start --head`) or use executor.ray_address=local for a Ray "
@@ -93,7 +205,9 @@ class RayExecutor:
     def gpu_memory_mb(self, timeout_s: float = 60.0) -> list[int]:
         """Total MiB of every GPU of the cluster, read with NVML on its own node (one tiny
         Ray task per GPU node, pinned there), in node order; a node whose probe fails
-        counts its GPUs as unknown (0), and the caller falls back to uniform slots."""
+        counts its GPUs as unknown (0), and the caller falls back to uniform slots. The same
+        probe asks each node's torch for CUDA: GPUs that torch cannot use are a config error
+        (one line, exit 2) before any task fails on them."""
         nodes = [
             n
             for n in self.ray.nodes()
@@ -103,21 +217,30 @@ class RayExecutor:
             return []
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        probe = self.ray.remote(num_cpus=0, num_gpus=0, max_retries=0)(nvml_total_mb)
+        probe = self.ray.remote(num_cpus=0, num_gpus=0, max_retries=0)(node_gpu_probe)
         refs = [
             probe.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+                scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
+                name="pita-gpu-probe",
             ).remote()
             for n in nodes
         ]
         sizes: list[int] = []
+        no_cuda = 0
         for node, ref in zip(nodes, refs):
             try:
-                totals = list(self.ray.get(ref, timeout=timeout_s))
-            except Exception:  # noqa: BLE001 - a node without NVML: unknown sizes
-                totals = []
+                found = dict(self.ray.get(ref, timeout=timeout_s))
+            except Exception:  # noqa: BLE001 - a node whose probe failed: unknown sizes
+                found = {}
             n_gpus = int(node["Resources"]["GPU"])
-            sizes += (totals + [0] * n_gpus)[:n_gpus]
+            sizes += (list(found.get("nvml", [])) + [0] * n_gpus)[:n_gpus]
+            if found.get("torch_cuda") is False:
+                no_cuda += n_gpus
+        if no_cuda:
+            raise ConfigError(
+                f"the Ray cluster offers {no_cuda} GPUs but torch on its nodes has no CUDA: "
+                "start it with --num-gpus=0 or install a CUDA torch"
+            )
         return sizes
 
     def submit(
@@ -125,6 +248,7 @@ class RayExecutor:
     ) -> Future:
         kind, _ = self.slots()
         options: dict[str, Any] = {"num_gpus": task.gpus} if kind == "gpu" else {"num_cpus": 1}
+        options["name"] = task.id  # the Ray dashboard and `ray list tasks` show the task id
         ref = self._remote.options(**options).remote(
             task.to_dict(), cfg_dict, str(run_dir), attempt
         )
@@ -150,6 +274,20 @@ class RayExecutor:
 
     def shutdown(self, kill: bool = False, grace_s: float = 5.0) -> None:
         self.ray.shutdown()
+
+
+def node_gpu_probe() -> dict[str, Any]:
+    """What a GPU node offers (runs as a Ray task there): NVML's total MiB per GPU, and
+    whether the node's torch was built with CUDA (None: no torch there). A node that
+    claims GPUs with a CPU torch would fail every GPU task with `Torch not compiled with
+    CUDA enabled`."""
+    try:
+        import torch
+
+        torch_cuda: bool | None = bool(torch.version.cuda or getattr(torch.version, "hip", None))
+    except ImportError:
+        torch_cuda = None
+    return {"nvml": nvml_total_mb(), "torch_cuda": torch_cuda}
 
 
 def nvml_total_mb() -> list[int]:

@@ -341,15 +341,103 @@ except ImportError:  # pragma: no cover
 LAST_SWEEP: dict[str, Any] = {}  # the launching process's view of its last sweep
 
 
+JOB_EXIT_CODE = "exit_code"  # a remote job's exit code file (pita/experiment/cli.py writes it)
+WATCH_INTERVAL_S = 2.0
+
+
+class SweepWatcher:
+    """Prints a line when a job of a sweep that runs elsewhere (submitit, SLURM) starts and
+    when it ends: the launcher itself is silent until every job is done. Hydra's job
+    callbacks run inside the job, so the launching process polls the sweep folder instead:
+    a job's folder appears when it starts, its `exit_code` file when it ends."""
+
+    def __init__(self, sweep_dir: Path, interval_s: float = WATCH_INTERVAL_S, out=None):
+        self.sweep_dir = Path(sweep_dir)
+        self.interval_s = interval_s
+        self.out = out or (lambda line: print(line, flush=True))
+        self.started: set[str] = set()
+        self.finished: set[str] = set()
+        self._stop: Any = None
+        self._thread: Any = None
+
+    def _jobs(self) -> list[Path]:
+        try:
+            found = [p for p in self.sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()]
+        except OSError:  # not created yet
+            return []
+        return sorted(found, key=lambda p: int(p.name))
+
+    def poll(self) -> list[str]:
+        """Report the jobs that started or finished since the last poll."""
+        lines = []
+        for job in self._jobs():
+            if job.name not in self.started:
+                self.started.add(job.name)
+                lines.append(f"job {job.name} started: {job}")
+            code_file = job / JOB_EXIT_CODE
+            if job.name not in self.finished and code_file.is_file():
+                try:
+                    code = code_file.read_text().strip() or "?"
+                except OSError:
+                    continue
+                self.finished.add(job.name)
+                lines.append(f"job {job.name} finished (exit {code})")
+        for line in lines:
+            self.out(line)
+        return lines
+
+    def start(self) -> None:
+        import threading
+
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="pita-sweep-watch", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - progress lines must never break the sweep
+                log.debug("sweep watcher poll failed", exc_info=True)
+
+    def stop(self) -> None:
+        """Stop polling; one last poll reports the jobs that ended since the previous one."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=5)
+            self._thread = None
+        self.poll()
+
+
+SWEEP_WATCHER: list[SweepWatcher | None] = [None]  # the launching process's running watcher
+
+
+def _runs_elsewhere(config: Any) -> bool:
+    target = str(getattr(getattr(config.hydra, "launcher", None), "_target_", "") or "")
+    return bool(target) and not target.endswith("BasicLauncher")
+
+
 class AggregateCallback(_HydraCallback):
     """Hydra callback: aggregate the sweep folder once every job of a multirun finished.
     Jobs that ran elsewhere (SLURM, submitit) left their exit code in `<job>/exit_code`;
-    the worst one becomes the sweep's exit code (pita/experiment/cli.py)."""
+    the worst one becomes the sweep's exit code (pita/experiment/cli.py). While such jobs
+    run, a `SweepWatcher` prints a line per job start and end."""
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        if _runs_elsewhere(config):  # a local sweep's jobs print their own lines
+            watcher = SweepWatcher(Path(str(config.hydra.sweep.dir)))
+            watcher.started = {p.name for p in watcher._jobs()}  # an earlier sweep's jobs
+            watcher.finished = set(watcher.started)
+            watcher.start()
+            SWEEP_WATCHER[0] = watcher  # not on self: submitit pickles the callbacks
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        watcher, SWEEP_WATCHER[0] = SWEEP_WATCHER[0], None
+        if watcher is not None:
+            watcher.stop()
         sweep_dir = Path(str(config.hydra.sweep.dir))
         codes = []
-        for f in sweep_dir.glob("*/exit_code"):
+        for f in sweep_dir.glob(f"*/{JOB_EXIT_CODE}"):
             try:
                 codes.append(int(f.read_text().strip()))
             except (OSError, ValueError):

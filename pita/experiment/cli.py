@@ -301,6 +301,9 @@ def preflight(
 
     absolutize_paths(cfg)
     validate(cfg, project_root=PROJECT_ROOT)
+    from pita.experiment.preflight import check_launcher  # SLURM without sbatch: exit 2 now
+
+    check_launcher(remote_launcher(), overrides)
     if not devices:
         return
     gpu = make_gpu_manager(cfg)

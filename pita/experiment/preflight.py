@@ -259,3 +259,27 @@ def planned_run_dir(cfg: DictConfig, overrides: list[str]) -> Path:
         if o.startswith("hydra.run.dir="):
             return Path(o.split("=", 1)[1])
     return Path("outputs") / str(cfg.experiment.name)
+
+
+# ---- the launcher --------------------------------------------------------------------------
+
+SLURM_LAUNCHER_SUFFIX = "SlurmLauncher"  # submitit's class for hydra/launcher=slurm|submitit_slurm
+
+
+def check_launcher(target: str | None, overrides: list[str] | None = None) -> None:
+    """Refuse a SLURM launcher where `sbatch` is not on PATH, before anything starts:
+    submitit would fail only when submitting the first job, with a long traceback."""
+    from pita.core.errors import ConfigError
+
+    if not target or not str(target).endswith(SLURM_LAUNCHER_SUFFIX):
+        return
+    if shutil.which("sbatch") is not None:
+        return
+    typed = next(
+        (o.split("=", 1)[1] for o in overrides or [] if o.startswith("hydra/launcher=")),
+        "submitit_slurm",
+    )
+    raise ConfigError(
+        f"hydra/launcher={typed}: sbatch not found on PATH; run on a SLURM login node "
+        "or use hydra/launcher=submitit_local"
+    )

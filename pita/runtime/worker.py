@@ -267,7 +267,9 @@ def run_task_here(
 
 class InProcessRunner:
     """The `RunTask` of the in-process executor: tasks share one model LRU and Ctrl-C in a
-    stage stops the run (pdb works)."""
+    stage stops the run (pdb works). Each task runs with a pool worker's thread budget and
+    without library progress bars (`quiet_threads`): left alone, torch takes every core
+    in-process and is many times slower than the pool (issue 22)."""
 
     def __init__(self, model_cache_size: int = 2):
         from pita.runtime.context import ModelCache
@@ -275,9 +277,90 @@ class InProcessRunner:
         self.models = ModelCache(model_cache_size)
 
     def __call__(self, task, cfg_dict: dict, run_dir: str, attempt: int):
-        return run_task_here(
-            task, cfg_dict, run_dir, attempt, models=self.models, reraise_interrupt=True
-        )
+        with quiet_threads(inprocess_threads(cfg_dict)):
+            return run_task_here(
+                task, cfg_dict, run_dir, attempt, models=self.models, reraise_interrupt=True
+            )
+
+
+def inprocess_threads(cfg_dict: dict) -> int:
+    """The torch threads a pool worker would get for one task on this host: the CPU slot's
+    `system.threads_per_worker`, or on a GPU (one task at a time here) the GPU budget."""
+    from pita.core.resources import thread_budget
+
+    per_worker = int((cfg_dict.get("system") or {}).get("threads_per_worker") or 1)
+    kind = "cuda" if os.environ.get("CUDA_VISIBLE_DEVICES") else "cpu"
+    return thread_budget(kind, 1, 1, per_worker)
+
+
+QUIET_ENV = {
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+class quiet_threads:  # noqa: N801 - used as a context manager, like a function
+    """While a task runs in this process: torch uses `threads` threads and transformers,
+    datasets and the hub show no progress bars (as a pool worker: its environment and
+    `Worker._setup_torch`). Every setting is restored on exit, so the caller's own torch
+    work (a notebook, a debugger session) keeps its threads and bars."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self._saved: list[tuple[Any, ...]] = []
+
+    def __enter__(self) -> quiet_threads:
+        for var, value in QUIET_ENV.items():
+            self._saved.append(("env", var, os.environ.get(var)))
+            os.environ[var] = value
+        torch = _optional("torch")
+        if torch is not None:
+            self._saved.append(("torch", torch.get_num_threads()))
+            torch.set_num_threads(self.threads)
+        hf = _optional("transformers.utils.logging")
+        if hf is not None:
+            self._saved.append(("hf", hf.is_progress_bar_enabled(), hf.get_verbosity()))
+            hf.disable_progress_bar()
+            hf.set_verbosity_error()
+        ds = _optional("datasets")
+        if ds is not None and hasattr(ds, "disable_progress_bars"):
+            self._saved.append(("datasets", ds.is_progress_bar_enabled()))
+            ds.disable_progress_bars()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for saved in reversed(self._saved):
+            _restore(saved)
+        self._saved.clear()
+
+
+def _optional(module: str):
+    """`module` if it imports, else None (a stage may not need it)."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None
+
+
+def _restore(saved: tuple[Any, ...]) -> None:
+    what = saved[0]
+    if what == "env":
+        _, var, value = saved
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = value
+    elif what == "torch":
+        sys.modules["torch"].set_num_threads(saved[1])
+    elif what == "hf":
+        hf = sys.modules["transformers.utils.logging"]
+        (hf.enable_progress_bar if saved[1] else hf.disable_progress_bar)()
+        hf.set_verbosity(saved[2])
+    elif what == "datasets" and saved[1]:
+        sys.modules["datasets"].enable_progress_bars()
 
 
 def _close(logger: logging.Logger) -> None:
