@@ -1,0 +1,274 @@
+"""`algos.<NAME>.trl.<key>` and `algos.<NAME>.peft`, checked in the parent before anything starts.
+
+`trl` passes any field of the trainer's TRL config (`DPOConfig` for DPO / RPO, `GRPOConfig`
+for GRPO / GRPO-HF, TrainingArguments included) to the worker, which hands it to the config
+last (pita/algos/trl_common.py `training_args`). Three mistakes are refused here, each one
+line naming the key (exit 2):
+
+- a field the config does not have, with the nearest field (`difflib.get_close_matches`);
+- a value of the wrong type, where the field's annotation makes that cheap to know (fields
+  that are only int / float / bool / None; strings, lists and enum-typed fields are left to
+  TRL's own `__post_init__`, which accepts more than their annotation says, e.g.
+  `scale_rewards=false`);
+- a field pita sets from one of its own keys (`learning_rate` is `algos.<NAME>.lr`, ...):
+  pita's key keeps its meaning, so the message names the key to use instead.
+
+How the fields are known without importing TRL: the parent must stay torch-free (importing
+`trl.trainer.dpo_config` imports transformers' TrainingArguments, which imports torch, and
+takes seconds). So the config dataclasses are read from their source files with `ast`: the
+class's annotated assignments, then its bases' (resolved through the module's imports:
+`_BaseConfig` in trl/trainer/base_config.py, `TrainingArguments` in transformers'
+training_args.py), located with `importlib.util.find_spec` (which finds a top-level package
+without importing it). That is exactly `dataclasses.fields(DPOConfig)` (tests/test_trl_options.py
+checks it against the installed TRL) at the cost of parsing three files once per process.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import functools
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from pita.core.schema import GRPOConfig, PreferenceConfig, peft_errors
+
+# algorithm family -> (TRL module under trl/trainer/, config class)
+TRL_CONFIGS: dict[type, tuple[str, str]] = {
+    PreferenceConfig: ("dpo_config", "DPOConfig"),
+    GRPOConfig: ("grpo_config", "GRPOConfig"),
+}
+
+_BATCH = "algos.{name}.batch_size (cut into training.micro_batch_size x accumulation)"
+_CKPT = "training.checkpoint_every / training.checkpoint_every_minutes"
+# TRL field -> the pita key that sets it (every TRL-trained algorithm)
+PITA_KEYS: dict[str, str] = {
+    "learning_rate": "algos.{name}.lr",
+    "num_train_epochs": "algos.{name}.epochs",
+    "max_steps": "algos.{name}.steps",
+    "per_device_train_batch_size": _BATCH,
+    "gradient_accumulation_steps": _BATCH,
+    "weight_decay": "training.weight_decay",
+    "max_grad_norm": "training.max_grad_norm",
+    "torch_compile": "training.compile",
+    "seed": "experiment.seed",
+    "data_seed": "experiment.seed",
+    "bf16": "training.precision_type / training.mixed_precision",
+    "fp16": "training.precision_type / training.mixed_precision",
+    "gradient_checkpointing": "training.gradient_checkpointing",
+    "activation_checkpointing": "training.gradient_checkpointing",
+    "dataloader_num_workers": "algos.{name}.num_workers",
+    "dataloader_pin_memory": "training.pin_memory",
+    "use_cpu": "system.devices",
+    "save_strategy": _CKPT,
+    "save_steps": _CKPT,
+    "output_dir": "the run folder (pita places the task's files)",
+    "report_to": "logger.backend",
+    "run_name": "logger.backend (runs are named by task id)",
+    "push_to_hub": "nothing: pita never contacts the hub from a task",
+    "resume_from_checkpoint": "resume_from",
+    "peft_config": "algos.{name}.peft",
+}
+FAMILY_KEYS: dict[type, dict[str, str]] = {
+    PreferenceConfig: {"beta": "algos.{name}.beta"},
+    GRPOConfig: {
+        "beta": "algos.{name}.beta",
+        "num_generations": "algos.{name}.num_generations",
+        "max_completion_length": "algos.{name}.max_completion_length",
+        "temperature": "generation.temperature",
+        "top_k": "generation.top_k",
+        "top_p": "generation.top_p",
+    },
+}
+SFT_KEYS = ("loss_type", "loss_weights")  # set by sft_weight > 0 (RPO: [sigmoid, sft])
+_CHECKED_KINDS = {"int", "float", "bool", "None"}
+
+
+def open_trl_dict(schema: type) -> Any:
+    """The Hydra node of an algorithm schema, with its `trl` mapping open (not struct), so
+    `algos.DPO.trl.loss_type=ipo` needs no `+`; what it may hold is `trl_option_errors`' job."""
+    if not any(issubclass(schema, family) for family in TRL_CONFIGS):
+        return schema
+    node = OmegaConf.structured(schema)
+    OmegaConf.set_struct(node.trl, False)
+    return node
+
+
+def trl_config_of(schema: type) -> tuple[str, str] | None:
+    return next((v for k, v in TRL_CONFIGS.items() if issubclass(schema, k)), None)
+
+
+# --- the fields of a TRL config, read from source ----------------------------------------
+
+
+def _package_dir(package: str) -> Path | None:
+    spec = importlib.util.find_spec(package)  # a top-level name: found, not imported
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _module_file(module: str) -> Path | None:
+    """`trl.trainer.dpo_config` -> its .py file, without importing the package."""
+    top, *rest = module.split(".")
+    root = _package_dir(top)
+    if root is None:
+        return None
+    path = root.joinpath(*rest)
+    if path.is_dir():
+        return path / "__init__.py"
+    return path.with_suffix(".py") if path.with_suffix(".py").is_file() else None
+
+
+# Names a package re-exports lazily from its __init__ (not visible to ast): their real module.
+_REEXPORTS = {("transformers", "TrainingArguments"): "transformers.training_args"}
+
+
+@functools.cache
+def _parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
+def _base_module(tree: ast.Module, module: str, name: str) -> str | None:
+    """The module a base class `name` of `module` comes from (its `from ... import`)."""
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and any(a.name == name for a in node.names):
+            if node.level:  # relative: from .base_config import _BaseConfig
+                parent = module.rsplit(".", node.level)[0]
+                source = f"{parent}.{node.module}" if node.module else parent
+            else:
+                source = node.module or ""
+            return _REEXPORTS.get((source, name), source)
+    return None
+
+
+def _annotation_kinds(node: ast.AST | None) -> set[str] | None:
+    """{'int', 'None', ...} of a simple annotation (`int | None`, `Optional[float]`); None when
+    it names anything else (str, list, an enum, ...), so no type is checked."""
+    if isinstance(node, ast.Constant) and node.value is None:
+        return {"None"}
+    if isinstance(node, ast.Name):
+        return {node.id}
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        left, right = _annotation_kinds(node.left), _annotation_kinds(node.right)
+        return None if left is None or right is None else left | right
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
+        if node.value.id == "Optional":
+            inner = _annotation_kinds(node.slice)
+            return None if inner is None else inner | {"None"}
+    return {"?"}
+
+
+def _class_fields(module: str, name: str, depth: int = 0) -> dict[str, set[str] | None]:
+    """field -> annotation kinds of dataclass `name` in `module`, its bases' first."""
+    path = _module_file(module)
+    if path is None or depth > 8:
+        return {}
+    tree = _parse(path)
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
+    if cls is None:
+        return {}
+    fields: dict[str, set[str] | None] = {}
+    for base in cls.bases:
+        if isinstance(base, ast.Name):
+            source = _base_module(tree, module, base.id) or module
+            fields.update(_class_fields(source, base.id, depth + 1))
+    for stmt in cls.body:
+        if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+            continue
+        if "ClassVar" in ast.unparse(stmt.annotation) or _init_false(stmt.value):
+            fields.pop(stmt.target.id, None)
+            continue
+        fields[stmt.target.id] = _annotation_kinds(stmt.annotation)
+    return fields
+
+
+def _init_false(value: ast.AST | None) -> bool:
+    return isinstance(value, ast.Call) and any(
+        k.arg == "init" and isinstance(k.value, ast.Constant) and k.value.value is False
+        for k in value.keywords
+    )
+
+
+@functools.cache
+def trl_fields(module: str, name: str) -> dict[str, set[str] | None]:
+    """The constructor fields of TRL's `trl.trainer.<module>.<name>` with their checkable
+    annotation kinds (None = not checked); empty when TRL is not installed."""
+    return _class_fields(f"trl.trainer.{module}", name)
+
+
+# --- the check -----------------------------------------------------------------------------
+
+
+def _type_ok(kinds: set[str] | None, value: Any) -> bool:
+    if kinds is None or not kinds <= _CHECKED_KINDS:
+        return True
+    if value is None:
+        return "None" in kinds
+    if isinstance(value, bool):
+        return "bool" in kinds
+    if isinstance(value, int):
+        return bool(kinds & {"int", "float"})
+    if isinstance(value, float):
+        return "float" in kinds
+    return False
+
+
+def _expected(kinds: set[str]) -> str:
+    order = ("int", "float", "bool", "None")
+    return " or ".join("null" if k == "None" else k for k in order if k in kinds)
+
+
+def _option_errors(name: str, algo: dict, family: type, config: tuple[str, str]) -> list[str]:
+    options = algo.get("trl") or {}
+    if not isinstance(options, dict):
+        return [f"algos.{name}.trl={options!r}: a mapping of {config[1]} fields"]
+    if not options:
+        return []
+    fields = trl_fields(*config)
+    if not fields:
+        return [f"algos.{name}.trl: cannot read TRL's {config[1]} fields (is trl installed?)"]
+    own = {**PITA_KEYS, **FAMILY_KEYS.get(family, {})}
+    errors = []
+    for key, value in options.items():
+        prefix = f"algos.{name}.trl.{key}"
+        if key not in fields:
+            near = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
+            hint = f"; did you mean {near[0]}?" if near else ""
+            errors.append(f"{prefix}: not a field of TRL's {config[1]}{hint}")
+        elif key in own:
+            errors.append(
+                f"{prefix}={value!r}: set by pita from {own[key].format(name=name)}; use that"
+            )
+        elif key in SFT_KEYS and float(algo.get("sft_weight") or 0) > 0:
+            errors.append(
+                f"{prefix}={value!r}: set by pita from algos.{name}.sft_weight "
+                f"({algo['sft_weight']}: loss_type [sigmoid, sft]); set it to 0 to choose the loss"
+            )
+        elif not _type_ok(fields[key], value):
+            errors.append(f"{prefix}={value!r}: must be {_expected(fields[key] or set())}")
+    return errors
+
+
+def trl_option_errors(algos: dict) -> list[str]:
+    """One line per bad `algos.<NAME>.trl.<key>` or `algos.<NAME>.peft` of a resolved config
+    (every algorithm whose family is TRL-trained; the others have neither key)."""
+    from pita.algos.registry import ALGORITHMS
+
+    errors: list[str] = []
+    for name, algo in algos.items():
+        if name not in ALGORITHMS or not isinstance(algo, (dict, DictConfig)):
+            continue
+        family = next((f for f in TRL_CONFIGS if issubclass(ALGORITHMS[name].schema, f)), None)
+        if family is None:
+            continue
+        errors += _option_errors(name, dict(algo), family, TRL_CONFIGS[family])
+        errors += peft_errors(algo.get("peft"), f"algos.{name}.")
+        if algo.get("peft") is not None and importlib.util.find_spec("peft") is None:
+            errors.append(
+                f"algos.{name}.peft: the peft package is not installed; pip install 'pita[lora]'"
+            )
+    return errors
