@@ -15,6 +15,12 @@
 - The effective batch `algos.<NAME>.batch_size` is kept; it is cut into micro-batches with
   gradient accumulation (`micro_batches`: `training.micro_batch_size` × the task's
   `batch_scale` for hub models, the whole batch for the tiny models built in the run).
+- `algos.<NAME>.trl` (`trl_options`) is handed to the TRL config last, so any field pita
+  does not set from its own keys can be chosen (checked in the parent:
+  pita/experiment/trl_options.py); `applied_options` records what the built config holds.
+- `algos.<NAME>.peft` (`lora_config`): the trainer gets a LoRA config and trains only the
+  adapter; `merged_adapter` saves it to the task's `adapter/` and merges it into the
+  weights, so `model/` is a plain checkpoint for evaluation and the next round.
 - `train_and_save`: the stage's ending (train with the report, save the model, the
   result's common part), the same for DPO, GRPO, GRPO-HF and the reward model.
 - `StageLogCallback`: TRL's log lines go to the task's `log.txt`, to `train_log.jsonl`

@@ -97,10 +97,6 @@ def open_trl_dict(schema: type) -> Any:
     return node
 
 
-def trl_config_of(schema: type) -> tuple[str, str] | None:
-    return next((v for k, v in TRL_CONFIGS.items() if issubclass(schema, k)), None)
-
-
 # --- the fields of a TRL config, read from source ----------------------------------------
 
 
@@ -145,24 +141,23 @@ def _base_module(tree: ast.Module, module: str, name: str) -> str | None:
     return None
 
 
-def _annotation_kinds(node: ast.AST | None) -> set[str] | None:
-    """{'int', 'None', ...} of a simple annotation (`int | None`, `Optional[float]`); None when
-    it names anything else (str, list, an enum, ...), so no type is checked."""
+def _annotation_kinds(node: ast.AST | None) -> set[str]:
+    """The type names of an annotation's union (`int | None` -> {'int', 'None'},
+    `Optional[float]` -> {'float', 'None'}); '?' stands for anything else (a generic, an
+    attribute). A field is type-checked only when every name is int, float, bool or None."""
     if isinstance(node, ast.Constant) and node.value is None:
         return {"None"}
     if isinstance(node, ast.Name):
         return {node.id}
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
-        left, right = _annotation_kinds(node.left), _annotation_kinds(node.right)
-        return None if left is None or right is None else left | right
+        return _annotation_kinds(node.left) | _annotation_kinds(node.right)
     if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
         if node.value.id == "Optional":
-            inner = _annotation_kinds(node.slice)
-            return None if inner is None else inner | {"None"}
+            return _annotation_kinds(node.slice) | {"None"}
     return {"?"}
 
 
-def _class_fields(module: str, name: str, depth: int = 0) -> dict[str, set[str] | None]:
+def _class_fields(module: str, name: str, depth: int = 0) -> dict[str, set[str]]:
     """field -> annotation kinds of dataclass `name` in `module`, its bases' first."""
     path = _module_file(module)
     if path is None or depth > 8:
@@ -171,7 +166,7 @@ def _class_fields(module: str, name: str, depth: int = 0) -> dict[str, set[str] 
     cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
     if cls is None:
         return {}
-    fields: dict[str, set[str] | None] = {}
+    fields: dict[str, set[str]] = {}
     for base in cls.bases:
         if isinstance(base, ast.Name):
             source = _base_module(tree, module, base.id) or module
@@ -194,17 +189,17 @@ def _init_false(value: ast.AST | None) -> bool:
 
 
 @functools.cache
-def trl_fields(module: str, name: str) -> dict[str, set[str] | None]:
-    """The constructor fields of TRL's `trl.trainer.<module>.<name>` with their checkable
-    annotation kinds (None = not checked); empty when TRL is not installed."""
+def trl_fields(module: str, name: str) -> dict[str, set[str]]:
+    """The constructor fields of TRL's `trl.trainer.<module>.<name>` with their annotations'
+    type names (`_annotation_kinds`); empty when TRL is not installed."""
     return _class_fields(f"trl.trainer.{module}", name)
 
 
 # --- the check -----------------------------------------------------------------------------
 
 
-def _type_ok(kinds: set[str] | None, value: Any) -> bool:
-    if kinds is None or not kinds <= _CHECKED_KINDS:
+def _type_ok(kinds: set[str], value: Any) -> bool:
+    if not kinds <= _CHECKED_KINDS:
         return True
     if value is None:
         return "None" in kinds
@@ -249,7 +244,7 @@ def _option_errors(name: str, algo: dict, family: type, config: tuple[str, str])
                 f"({algo['sft_weight']}: loss_type [sigmoid, sft]); set it to 0 to choose the loss"
             )
         elif not _type_ok(fields[key], value):
-            errors.append(f"{prefix}={value!r}: must be {_expected(fields[key] or set())}")
+            errors.append(f"{prefix}={value!r}: must be {_expected(fields[key])}")
     return errors
 
 
