@@ -18,7 +18,8 @@ from tests.conftest import ALGOS, only, run_cli, run_dirs
 
 
 @pytest.mark.parametrize(
-    ("module", "name"), [("dpo_config", "DPOConfig"), ("grpo_config", "GRPOConfig")]
+    ("module", "name"),
+    [("dpo_config", "DPOConfig"), ("grpo_config", "GRPOConfig"), ("reward_config", "RewardConfig")],
 )
 def test_fields_read_from_source_are_the_dataclass_fields(module, name):
     """The ast reading of TRL's source gives exactly the installed config's init fields."""
@@ -85,6 +86,18 @@ def test_peft_rules():
     ]
 
 
+def test_reward_model_options_of_the_hf_variants():
+    """-HF: reward_trl is checked against RewardConfig, with reward_lr / reward_epochs as
+    pita's keys; QSharp-HF has it too (its reward model is TRL's), but no trl / peft."""
+    assert _errors(**{"GRPO-HF": {"reward_trl": {"center_rewards_coefficient": 0.01}}}) == []
+    [typo] = _errors(**{"QSharp-HF": {"reward_trl": {"center_reward_coefficient": 0.1}}})
+    assert typo.startswith("algos.QSharp-HF.reward_trl.center_reward_coefficient: not a field")
+    assert "did you mean center_rewards_coefficient?" in typo
+    [lr] = _errors(**{"GRPO-HF": {"reward_trl": {"learning_rate": 0.1}}})
+    assert "algos.GRPO-HF.reward_lr" in lr
+    assert _errors(**{"QSharp-HF": {"trl": {"nonsense": 1}, "peft": {"r": 0}}}) == []
+
+
 def test_value_guided_algorithms_have_no_trl_keys():
     assert _errors(QSharp={"trl": {"nonsense": 1}}) == []  # the schema walker refuses the key
 
@@ -123,14 +136,15 @@ def _state(path):
 
 @pytest.mark.slow
 def test_trl_options_and_lora_reach_the_trainers(local_family, tmp_path):
-    """DPO with trl.loss_type=ipo trained as a LoRA adapter on q_proj / v_proj, and GRPO with
-    trl.scale_rewards=false and trl.loss_type=dr_grpo: the built TRL configs hold the
-    values (result.json), only the adapted modules' weights moved, the merged `model/`
-    and the adapter are saved, and both policies are evaluated."""
-    assert "DPO" in ALGOS and "GRPO" in ALGOS
+    """DPO with trl.loss_type=ipo trained as a LoRA adapter on q_proj / v_proj, GRPO with
+    trl.scale_rewards=false and trl.loss_type=dr_grpo, GRPO-HF's reward model with
+    reward_trl.center_rewards_coefficient: the built TRL configs hold the values
+    (result.json), only the adapted modules' weights moved, the merged `model/` and the
+    adapter are saved, and the policies are evaluated."""
+    assert {"DPO", "GRPO", "GRPO-HF"} <= set(ALGOS)
     args = [
         *local_family.overrides("gsm8k"),
-        *only("DPO", "GRPO"),
+        *only("DPO", "GRPO", "GRPO-HF"),
         "evaluation.num_samples=2",
         "data_collection.samples_per_example=4",
         "data_collection.max_examples=8",
@@ -147,6 +161,12 @@ def test_trl_options_and_lora_reach_the_trainers(local_family, tmp_path):
         "algos.GRPO.num_generations=4",
         "algos.GRPO.trl.scale_rewards=false",
         "algos.GRPO.trl.loss_type=dr_grpo",
+        "algos.GRPO-HF.samples_per_example=4",
+        "algos.GRPO-HF.steps=1",
+        "algos.GRPO-HF.batch_size=4",
+        "algos.GRPO-HF.num_generations=4",
+        "algos.GRPO-HF.reward_epochs=1",
+        "algos.GRPO-HF.reward_trl.center_rewards_coefficient=0.01",
     ]
     proc = run_cli(args, tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -164,6 +184,9 @@ def test_trl_options_and_lora_reach_the_trainers(local_family, tmp_path):
     grpo = json.loads((tasks / "GRPO.gsm8k.local.r0.train" / "result.json").read_text())
     assert grpo["trl"] == {"scale_rewards": "none", "loss_type": "dr_grpo"} and "peft" not in grpo
 
+    reward = json.loads((tasks / "GRPO-HF.gsm8k.local.r0.reward_model" / "result.json").read_text())
+    assert reward["reward_trl"] == {"center_rewards_coefficient": 0.01}
+
     train_dir = tasks / "DPO.gsm8k.local.r0.train"
     assert (train_dir / "adapter" / "adapter_config.json").is_file()
     before, after = _state(local_family.reference), _state(train_dir / "model")
@@ -173,5 +196,5 @@ def test_trl_options_and_lora_reach_the_trainers(local_family, tmp_path):
 
     with open(run_dir / "results" / "summary.csv") as f:
         rows = {r["algo"]: r for r in csv.DictReader(f)}
-    for algo in ("DPO", "GRPO"):
+    for algo in ("DPO", "GRPO", "GRPO-HF"):
         assert math.isfinite(float(rows[algo]["pass@1"])), rows[algo]

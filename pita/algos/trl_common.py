@@ -232,12 +232,13 @@ def train_and_save(
 ADAPTER = "adapter"  # the LoRA adapter's folder in the task folder (model/ holds it merged)
 
 
-def trl_options(ctx: StageContext) -> dict[str, Any]:
-    """`algos.<NAME>.trl` as a plain dict: any other TRL config field, checked in the parent
-    (pita/experiment/trl_options.py: a field of the config, not one pita sets itself)."""
+def trl_options(ctx: StageContext, key: str = "trl") -> dict[str, Any]:
+    """`algos.<NAME>.trl` (or `.reward_trl`, the -HF reward model's) as a plain dict: any
+    other TRL config field, checked in the parent (pita/experiment/trl_options.py: a field
+    of the config, not one pita sets itself)."""
     from omegaconf import DictConfig, OmegaConf
 
-    value = ctx.algo_cfg.get("trl") or {}
+    value = ctx.algo_cfg.get(key) or {}
     if isinstance(value, DictConfig):
         value = OmegaConf.to_container(value, resolve=True)
     return dict(value)  # type: ignore[arg-type]
@@ -277,7 +278,7 @@ def merged_adapter(ctx: StageContext, model: Any) -> Any:
     return merged
 
 
-def applied_options(args: Any, ctx: StageContext) -> dict[str, Any]:
+def applied_options(args: Any, ctx: StageContext, key: str = "trl") -> dict[str, Any]:
     """For result.json: each `trl` option as the built TRL config holds it (after TRL's
     `__post_init__`: `scale_rewards=false` reads 'none', `loss_type=ipo` ['ipo']), and the
     LoRA spec; empty for a task that sets neither."""
@@ -291,10 +292,10 @@ def applied_options(args: Any, ctx: StageContext) -> dict[str, Any]:
         return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
 
     out: dict[str, Any] = {}
-    options = trl_options(ctx)
+    options = trl_options(ctx, key)
     if options:
-        out["trl"] = {k: plain(getattr(args, k)) for k in options}
-    lora = lora_config(ctx)
+        out[key] = {k: plain(getattr(args, k)) for k in options}
+    lora = lora_config(ctx) if key == "trl" else None  # LoRA trains the policy only
     if lora is not None:
         target = lora.target_modules
         out["peft"] = {

@@ -540,6 +540,12 @@ class RewardModelMixin:
         ge=0,
         note="0 = data_collection.samples_per_example",
     )
+    reward_trl: Dict[str, Any] = spec(
+        "Any other field of TRL's RewardConfig for the proxy reward model, passed as is: "
+        "reward_trl.center_rewards_coefficient=0.01. Checked like trl (reward_lr, "
+        "reward_epochs, ... are pita's keys).",
+        {},
+    )
 
 
 @dataclass

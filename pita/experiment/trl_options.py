@@ -26,6 +26,7 @@ checks it against the installed TRL) at the cost of parsing three files once per
 from __future__ import annotations
 
 import ast
+import dataclasses
 import difflib
 import functools
 import importlib.util
@@ -34,7 +35,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pita.core.schema import GRPOConfig, PreferenceConfig, peft_errors
+from pita.core.schema import GRPOConfig, PreferenceConfig, RewardModelMixin, peft_errors
 
 # algorithm family -> (TRL module under trl/trainer/, config class)
 TRL_CONFIGS: dict[type, tuple[str, str]] = {
@@ -83,6 +84,13 @@ FAMILY_KEYS: dict[type, dict[str, str]] = {
         "top_p": "generation.top_p",
     },
 }
+REWARD_CONFIG = ("reward_config", "RewardConfig")  # algos.<-HF>.reward_trl: the proxy reward model
+REWARD_KEYS = {
+    **PITA_KEYS,
+    "learning_rate": "algos.{name}.reward_lr",
+    "num_train_epochs": "algos.{name}.reward_epochs",
+    "max_steps": "algos.{name}.reward_epochs",
+}
 SFT_KEYS = ("loss_type", "loss_weights")  # set by sft_weight > 0 (RPO: [sigmoid, sft])
 _CHECKED_KINDS = {"int", "float", "bool", "None"}
 
@@ -90,10 +98,12 @@ _CHECKED_KINDS = {"int", "float", "bool", "None"}
 def open_trl_dict(schema: type) -> Any:
     """The Hydra node of an algorithm schema, with its `trl` mapping open (not struct), so
     `algos.DPO.trl.loss_type=ipo` needs no `+`; what it may hold is `trl_option_errors`' job."""
-    if not any(issubclass(schema, family) for family in TRL_CONFIGS):
+    keys = [f.name for f in dataclasses.fields(schema) if f.name in ("trl", "reward_trl")]
+    if not keys:
         return schema
     node = OmegaConf.structured(schema)
-    OmegaConf.set_struct(node.trl, False)
+    for key in keys:
+        OmegaConf.set_struct(node[key], False)
     return node
 
 
@@ -217,50 +227,58 @@ def _expected(kinds: set[str]) -> str:
     return " or ".join("null" if k == "None" else k for k in order if k in kinds)
 
 
-def _option_errors(name: str, algo: dict, family: type, config: tuple[str, str]) -> list[str]:
-    options = algo.get("trl") or {}
+def _option_errors(
+    name: str, algo: dict, key: str, config: tuple[str, str], own: dict[str, str]
+) -> list[str]:
+    """The lines of `algos.<name>.<key>` (trl or reward_trl) against TRL's `config`;
+    `own`: the fields pita sets itself -> the pita key to use instead."""
+    options = algo.get(key) or {}
     if not isinstance(options, dict):
-        return [f"algos.{name}.trl={options!r}: a mapping of {config[1]} fields"]
+        return [f"algos.{name}.{key}={options!r}: a mapping of {config[1]} fields"]
     if not options:
         return []
     fields = trl_fields(*config)
     if not fields:
-        return [f"algos.{name}.trl: cannot read TRL's {config[1]} fields (is trl installed?)"]
-    own = {**PITA_KEYS, **FAMILY_KEYS.get(family, {})}
+        return [f"algos.{name}.{key}: cannot read TRL's {config[1]} fields (is trl installed?)"]
     errors = []
-    for key, value in options.items():
-        prefix = f"algos.{name}.trl.{key}"
-        if key not in fields:
-            near = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
+    for field, value in options.items():
+        prefix = f"algos.{name}.{key}.{field}"
+        if field not in fields:
+            near = difflib.get_close_matches(field, list(fields), n=1, cutoff=0.6)
             hint = f"; did you mean {near[0]}?" if near else ""
             errors.append(f"{prefix}: not a field of TRL's {config[1]}{hint}")
-        elif key in own:
+        elif field in own:
             errors.append(
-                f"{prefix}={value!r}: set by pita from {own[key].format(name=name)}; use that"
+                f"{prefix}={value!r}: set by pita from {own[field].format(name=name)}; use that"
             )
-        elif key in SFT_KEYS and float(algo.get("sft_weight") or 0) > 0:
+        elif key == "trl" and field in SFT_KEYS and float(algo.get("sft_weight") or 0) > 0:
             errors.append(
                 f"{prefix}={value!r}: set by pita from algos.{name}.sft_weight "
                 f"({algo['sft_weight']}: loss_type [sigmoid, sft]); set it to 0 to choose the loss"
             )
-        elif not _type_ok(fields[key], value):
-            errors.append(f"{prefix}={value!r}: must be {_expected(fields[key])}")
+        elif not _type_ok(fields[field], value):
+            errors.append(f"{prefix}={value!r}: must be {_expected(fields[field])}")
     return errors
 
 
 def trl_option_errors(algos: dict) -> list[str]:
-    """One line per bad `algos.<NAME>.trl.<key>` or `algos.<NAME>.peft` of a resolved config
-    (every algorithm whose family is TRL-trained; the others have neither key)."""
+    """One line per bad `algos.<NAME>.trl.<key>`, `.reward_trl.<key>` or `.peft` of a resolved
+    config (the algorithms whose schema has them: the TRL-trained families, the -HF reward
+    model)."""
     from pita.algos.registry import ALGORITHMS
 
     errors: list[str] = []
     for name, algo in algos.items():
         if name not in ALGORITHMS or not isinstance(algo, (dict, DictConfig)):
             continue
-        family = next((f for f in TRL_CONFIGS if issubclass(ALGORITHMS[name].schema, f)), None)
+        schema, algo = ALGORITHMS[name].schema, dict(algo)
+        if issubclass(schema, RewardModelMixin):
+            errors += _option_errors(name, algo, "reward_trl", REWARD_CONFIG, REWARD_KEYS)
+        family = next((f for f in TRL_CONFIGS if issubclass(schema, f)), None)
         if family is None:
             continue
-        errors += _option_errors(name, dict(algo), family, TRL_CONFIGS[family])
+        own = {**PITA_KEYS, **FAMILY_KEYS.get(family, {})}
+        errors += _option_errors(name, algo, "trl", TRL_CONFIGS[family], own)
         errors += peft_errors(algo.get("peft"), f"algos.{name}.")
         if algo.get("peft") is not None and importlib.util.find_spec("peft") is None:
             errors.append(
