@@ -1,9 +1,12 @@
-"""`algos.<NAME>.trl.<key>` and `algos.<NAME>.peft`, checked in the parent before anything starts.
+"""`algos.<NAME>.trl.<key>`, `.reward_trl.<key>` and `.peft`, checked in the parent before
+anything starts.
 
 `trl` passes any field of the trainer's TRL config (`DPOConfig` for DPO / RPO, `GRPOConfig`
 for GRPO / GRPO-HF, TrainingArguments included) to the worker, which hands it to the config
-last (pita/algos/trl_common.py `training_args`). Three mistakes are refused here, each one
-line naming the key (exit 2):
+last (pita/algos/trl_common.py `training_args`); `reward_trl` does the same with
+`RewardConfig` for the proxy reward model of the -HF variants. Both mappings are registered
+open (`open_trl_dict`), so `algos.GRPO.trl.scale_rewards=false` needs no `+`. Three mistakes
+are refused here, each one line naming the key (exit 2):
 
 - a field the config does not have, with the nearest field (`difflib.get_close_matches`);
 - a value of the wrong type, where the field's annotation makes that cheap to know (fields
@@ -21,6 +24,9 @@ class's annotated assignments, then its bases' (resolved through the module's im
 training_args.py), located with `importlib.util.find_spec` (which finds a top-level package
 without importing it). That is exactly `dataclasses.fields(DPOConfig)` (tests/test_trl_options.py
 checks it against the installed TRL) at the cost of parsing three files once per process.
+
+`peft` (LoRA) is checked by its rule in pita/core/schema.py (`peft_errors`), and peft must
+be installed (`pip install 'pita[lora]'`).
 """
 
 from __future__ import annotations
