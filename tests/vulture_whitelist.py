@@ -72,4 +72,7 @@ warm_start_layers  # pita/models/value_model.py: algo.get("warm_start_layers")
 value_head  # pita/models/value_model.py and guidance: algo.get("value_head")
 lr_schedule  # pita/algos/value_training.py: algo.get("lr_schedule")
 holdout_fraction  # pita/algos/value_training.py: algo.get("holdout_fraction")
+peft  # pita/algos/trl_common.py, pita/experiment/trl_options.py: algo.get("peft")
+trl  # the same: algo.get("trl")
+reward_trl  # the same: algo.get("reward_trl")
 _.bounded  # pita/core/schema.py Rule.bounded: tests/test_schema.py checks every numeric key has one

@@ -291,13 +291,16 @@ def train(ctx: StageContext) -> dict:
     from trl import DPOConfig
 
     from pita.algos.trl_common import (
+        applied_options,
         effective_batch,
         load_trainable_lm,
+        lora_config,
         policy_start_dir,
         quiet,
         stage_log_callback,
         train_and_save,
         training_args,
+        trl_options,
     )
     from pita.models.loading import load_tokenizer
 
@@ -334,6 +337,7 @@ def train(ctx: StageContext) -> dict:
         steps=int(algo.steps),
         beta=float(algo.beta),
         max_length=None,
+        options=trl_options(ctx),
         **loss,
     )
     ids = pairs_as_ids(records, tok.eos_token_id)
@@ -345,6 +349,7 @@ def train(ctx: StageContext) -> dict:
             train_dataset=Dataset.from_dict(ids),
             processing_class=tok,
             callbacks=[stage_log_callback(ctx)],
+            peft_config=lora_config(ctx),  # LoRA: the frozen reference stays ref_model (π_ref)
         )
     )
     check_token_dataset(trainer.train_dataset, ids)
@@ -371,4 +376,4 @@ def train(ctx: StageContext) -> dict:
             "logps/rejected",
         ),
     )
-    return {"pairs": len(records), "start": start_dir, **end}
+    return {"pairs": len(records), "start": start_dir, **end, **applied_options(args, ctx)}

@@ -23,6 +23,10 @@ Where it departs from the paper / TRL defaults:
   start. The `prompt` text column is only what TRL passes to reward functions (ours read
   `example` and `completion_ids`) and its logs.
 - Sampling uses `generation.temperature / top_k / top_p`, as evaluation does.
+- `algos.<NAME>.trl.<field>` sets any other GRPOConfig field (`scale_rewards=false`,
+  `loss_type=dr_grpo`, ...). With `algos.<NAME>.peft` (LoRA) TRL computes the KL reference
+  by disabling the adapter, so it is the round's start policy: π_ref in round 0, round
+  k−1's merged policy after (full fine-tuning keeps π_ref in every round).
 """
 
 from __future__ import annotations
@@ -119,13 +123,16 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
     from trl import GRPOConfig
 
     from pita.algos.trl_common import (
+        applied_options,
         effective_batch,
         load_trainable_lm,
+        lora_config,
         policy_start_dir,
         quiet,
         stage_log_callback,
         train_and_save,
         training_args,
+        trl_options,
     )
     from pita.models.loading import load_tokenizer
 
@@ -159,7 +166,9 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
         top_p=float(gen.top_p),
         disable_dropout=True,
         log_completions=False,
+        options=trl_options(ctx),
     )
+    lora = lora_config(ctx)
     trainer_cls = token_grpo_trainer([e.prompt_ids for e in examples])
     trainer = quiet(
         trainer_cls(
@@ -169,14 +178,17 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
             train_dataset=dataset,
             processing_class=tok,
             callbacks=[stage_log_callback(ctx)],
+            peft_config=lora,
         )
     )
     ref_model = getattr(trainer, "ref_model", None)
-    assert (ref_model is None) == (float(algo.beta) == 0.0), (
-        "TRL loads a KL reference exactly when beta > 0"
+    assert (ref_model is None) == (float(algo.beta) == 0.0 or lora is not None), (
+        "TRL loads a KL reference exactly when beta > 0 (without LoRA)"
     )
     kl_ref = (
         "none (beta=0)"
+        if float(algo.beta) == 0.0
+        else f"{start_dir} (LoRA: the policy with its adapter disabled)"
         if ref_model is None
         else trainer.accelerator.unwrap_model(ref_model).config._name_or_path
     )
@@ -209,6 +221,7 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
         "start": start_dir,
         "first_reward": first.get("reward"),
         **end,
+        **applied_options(args, ctx),
     }
 
 

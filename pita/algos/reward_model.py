@@ -97,11 +97,13 @@ def train_reward_model(ctx: StageContext) -> dict:
 
     from pita.algos.dpo import read_pairs
     from pita.algos.trl_common import (
+        applied_options,
         effective_batch,
         quiet,
         stage_log_callback,
         train_and_save,
         training_args,
+        trl_options,
     )
     from pita.models.loading import load_tokenizer
     from pita.models.reward_scorer import RewardScorer
@@ -139,6 +141,7 @@ def train_reward_model(ctx: StageContext) -> dict:
         epochs=int(algo.reward_epochs),
         max_length=None,
         disable_dropout=True,
+        options=trl_options(ctx, "reward_trl"),
     )
     trainer = quiet(
         RewardTrainer(
@@ -164,6 +167,7 @@ def train_reward_model(ctx: StageContext) -> dict:
         "train_accuracy": pairwise_accuracy(scorer, train_pairs[:2000]),
         "heldout_accuracy": pairwise_accuracy(scorer, heldout),
         **end,
+        **applied_options(args, ctx, "reward_trl"),
     }
     ctx.logger.info(
         "pairwise accuracy: train %.3f, held-out %.3f",

@@ -15,6 +15,12 @@
 - The effective batch `algos.<NAME>.batch_size` is kept; it is cut into micro-batches with
   gradient accumulation (`micro_batches`: `training.micro_batch_size` × the task's
   `batch_scale` for hub models, the whole batch for the tiny models built in the run).
+- `algos.<NAME>.trl` (`trl_options`) is handed to the TRL config last, so any field pita
+  does not set from its own keys can be chosen (checked in the parent:
+  pita/experiment/trl_options.py); `applied_options` records what the built config holds.
+- `algos.<NAME>.peft` (`lora_config`): the trainer gets a LoRA config and trains only the
+  adapter; `merged_adapter` saves it to the task's `adapter/` and merges it into the
+  weights, so `model/` is a plain checkpoint for evaluation and the next round.
 - `train_and_save`: the stage's ending (train with the report, save the model, the
   result's common part), the same for DPO, GRPO, GRPO-HF and the reward model.
 - `StageLogCallback`: TRL's log lines go to the task's `log.txt`, to `train_log.jsonl`
@@ -212,13 +218,93 @@ def train_and_save(
     Returns (the trained model in eval mode, the common part of the stage's result:
     `steps`, the last logged value of each `logged` key, `performance`)."""
     performance = train_with_report(ctx, trainer)
-    model = trainer.accelerator.unwrap_model(trainer.model).eval()
+    model = merged_adapter(ctx, trainer.accelerator.unwrap_model(trainer.model)).eval()
     save_model(model, tokenizer, ctx.out_dir / artifact)
     return model, {
         "steps": trainer.state.global_step,
         **last_logged(trainer, *logged),
         "performance": performance,
     }
+
+
+# --- algos.<NAME>.trl and algos.<NAME>.peft --------------------------------------------------
+
+ADAPTER = "adapter"  # the LoRA adapter's folder in the task folder (model/ holds it merged)
+
+
+def trl_options(ctx: StageContext, key: str = "trl") -> dict[str, Any]:
+    """`algos.<NAME>.trl` (or `.reward_trl`, the -HF reward model's) as a plain dict: any
+    other TRL config field, checked in the parent (pita/experiment/trl_options.py: a field
+    of the config, not one pita sets itself)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    value = ctx.algo_cfg.get(key) or {}
+    if isinstance(value, DictConfig):
+        value = OmegaConf.to_container(value, resolve=True)
+    return dict(value)  # type: ignore[arg-type]
+
+
+def lora_config(ctx: StageContext):
+    """peft's LoraConfig of `algos.<NAME>.peft` (keys and values checked in the parent,
+    pita/core/schema.py `PEFT_KEYS`), or None for full fine-tuning."""
+    spec = ctx.algo_cfg.get("peft")
+    if spec is None:
+        return None
+    from omegaconf import OmegaConf
+    from peft import LoraConfig
+
+    from pita.core.schema import PEFT_KEYS
+
+    spec = OmegaConf.to_container(spec, resolve=True) if not isinstance(spec, dict) else spec
+    lora = {k: spec.get(k, default) for k, (default, _) in PEFT_KEYS.items()}
+    return LoraConfig(
+        r=int(lora["r"]),
+        lora_alpha=float(lora["alpha"]),
+        lora_dropout=float(lora["dropout"]),
+        target_modules=lora["target_modules"],
+        task_type="CAUSAL_LM",
+    )
+
+
+def merged_adapter(ctx: StageContext, model: Any) -> Any:
+    """A LoRA-trained model (a peft `PeftModel`): its adapter saved to the task's `adapter/`,
+    then merged into the weights (`merge_and_unload`), so `model/` is a plain checkpoint that
+    evaluation and the next round load unchanged. Any other model is returned as is."""
+    if not hasattr(model, "merge_and_unload"):
+        return model
+    model.save_pretrained(ctx.out_dir / ADAPTER)
+    merged = model.merge_and_unload()
+    ctx.logger.info("LoRA adapter saved to %s/ and merged into the model", ADAPTER)
+    return merged
+
+
+def applied_options(args: Any, ctx: StageContext, key: str = "trl") -> dict[str, Any]:
+    """For result.json: each `trl` option as the built TRL config holds it (after TRL's
+    `__post_init__`: `scale_rewards=false` reads 'none', `loss_type=ipo` ['ipo']), and the
+    LoRA spec; empty for a task that sets neither."""
+    import enum
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, enum.Enum):
+            return value.value
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+
+    out: dict[str, Any] = {}
+    options = trl_options(ctx, key)
+    if options:
+        out[key] = {k: plain(getattr(args, k)) for k in options}
+    lora = lora_config(ctx) if key == "trl" else None  # LoRA trains the policy only
+    if lora is not None:
+        target = lora.target_modules
+        out["peft"] = {
+            "r": lora.r,
+            "alpha": lora.lora_alpha,
+            "dropout": lora.lora_dropout,
+            "target_modules": target if isinstance(target, str) else sorted(target),
+        }
+    return out
 
 
 def training_args(
@@ -229,11 +315,15 @@ def training_args(
     lr: float,
     epochs: int = 1,
     steps: int = 0,
+    options: dict[str, Any] | None = None,
     **extra: Any,
 ):
     """A TRL config for this task: effective batch, lr, epochs or steps, and CPU/GPU settings.
 
-    `extra` are the trainer-specific fields (beta, num_generations, ...).
+    `extra` are the trainer-specific fields (beta, num_generations, ...); `options`
+    (`algos.<NAME>.trl`) come last, so they win over pita's defaults (lr_scheduler_type,
+    warmup_steps, loss_type, ...); the fields pita sets from its own keys were refused in the
+    parent, so they never reach here.
     """
     import torch
 
@@ -262,7 +352,7 @@ def training_args(
         **trl_checkpoint_kwargs(ctx),
     }
     report_to, _ = trl_report_to(ctx)
-    args = config_cls(
+    kwargs = dict(
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=accum,
         learning_rate=lr,
@@ -287,6 +377,13 @@ def training_args(
         **precision_flags(ctx),
         **extra,
     )
+    if options:
+        ctx.logger.info(
+            "algos.%s.trl: %s",
+            ctx.task.algo,
+            ", ".join(f"{k}={v!r}" for k, v in options.items()),
+        )
+    args = config_cls(**{**kwargs, **(options or {})})
     ctx.logger.info(
         "%s: effective batch %d = %d micro x %d accumulation, lr %.2e, %s, %s, device %s",
         config_cls.__name__,

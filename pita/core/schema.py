@@ -540,6 +540,12 @@ class RewardModelMixin:
         ge=0,
         note="0 = data_collection.samples_per_example",
     )
+    reward_trl: Dict[str, Any] = spec(
+        "Any other field of TRL's RewardConfig for the proxy reward model, passed as is: "
+        "reward_trl.center_rewards_coefficient=0.01. Checked like trl (reward_lr, "
+        "reward_epochs, ... are pita's keys).",
+        {},
+    )
 
 
 @dataclass
@@ -608,6 +614,57 @@ class ValueGuidedHFConfig(RewardModelMixin, ValueGuidedConfig):
     """Q#-HF: Q# on rewards relabelled by a proxy reward model."""
 
 
+TRL_HELP = (
+    "Any other field of TRL's {config} (TrainingArguments included), passed as is: "
+    "trl.{example}, trl.lr_scheduler_type=cosine. Checked before the run starts: a field "
+    "{config} lacks, a wrong type, or one pita sets from its own key (lr, epochs, steps, "
+    "batch_size, beta, ...: use that key) is refused."
+)
+PEFT_HELP = (
+    "LoRA instead of full fine-tuning (null): {r: 8, alpha: 16, dropout: 0.0, "
+    "target_modules: all-linear | [q_proj, v_proj]}; the adapter is merged into model/ at the "
+    "end (evaluated like a full model) and kept in the task's adapter/. Needs peft."
+)
+PEFT_KEYS = {  # key: (default, what is allowed)
+    "r": (8, "an integer >= 1"),
+    "alpha": (16, "a number > 0"),
+    "dropout": (0.0, "a number in [0, 1)"),
+    "target_modules": ("all-linear", "all-linear or a non-empty list of module names"),
+}
+
+
+def _peft_value_ok(key: str, value: Any) -> bool:
+    if key == "r":
+        return _is_int(value) and value >= 1
+    if key == "alpha":
+        return _is_number(value) and value > 0
+    if key == "dropout":
+        return _is_number(value) and 0 <= value < 1
+    if isinstance(value, str):
+        return value == "all-linear"
+    return (
+        isinstance(value, (list, tuple))
+        and bool(value)
+        and all(isinstance(v, str) and v for v in value)
+    )
+
+
+def peft_errors(value: Any, prefix: str) -> list[str]:
+    """The rule of `algos.<NAME>.peft` (a dict field, so not a `Rule`): null, or a mapping of
+    PEFT_KEYS with allowed values; one line per bad key."""
+    if value is None:
+        return []
+    if not isinstance(value, Mapping):
+        return [f"{prefix}peft={value!r}: null or a mapping of {', '.join(PEFT_KEYS)}"]
+    errors = []
+    for key, item in value.items():
+        if key not in PEFT_KEYS:
+            errors.append(f"{prefix}peft.{key}: unknown LoRA key; allowed: {', '.join(PEFT_KEYS)}")
+        elif not _peft_value_ok(key, item):
+            errors.append(f"{prefix}peft.{key}={item!r}: {PEFT_KEYS[key][1]}")
+    return errors
+
+
 @dataclass
 class PreferenceConfig(CollectingConfig):
     """DPO, RPO: TRL's DPOTrainer on preference pairs of the policy's samples."""
@@ -619,6 +676,8 @@ class PreferenceConfig(CollectingConfig):
     pairs_per_example: int = spec(
         "At most this many preference pairs per training prompt.", 8, ge=1
     )
+    trl: Dict[str, Any] = spec(TRL_HELP.format(config="DPOConfig", example="loss_type=ipo"), {})
+    peft: Any = spec(PEFT_HELP, None)  # Any: Hydra cannot merge a mapping into a None Dict
 
 
 @dataclass
@@ -630,6 +689,10 @@ class GRPOConfig(TrainedConfig):
         "Completions per prompt (the group).", 8, ge=2, note="GRPO needs a group"
     )
     max_completion_length: int = spec("Completion budget (0 = task length).", 0, ge=0)
+    trl: Dict[str, Any] = spec(
+        TRL_HELP.format(config="GRPOConfig", example="scale_rewards=false"), {}
+    )
+    peft: Any = spec(PEFT_HELP, None)  # Any: Hydra cannot merge a mapping into a None Dict
 
 
 @dataclass

@@ -49,6 +49,7 @@ from pita.core.schema import (  # noqa: F401 (the dataclasses' old home re-expor
     TrainingConfig,
     schema_errors,
 )
+from pita.experiment.trl_options import open_trl_dict, trl_option_errors
 
 
 def dataset_keys(dataset_cfg: Any) -> dict[str, Any]:
@@ -65,7 +66,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="pita_schema", node=PitaConfig)
     for name, schema in ALGO_SCHEMAS.items():  # conf/algo/<x>.yaml: defaults: [<name>, _self_]
-        cs.store(group="algo", name=name, node=schema)
+        cs.store(group="algo", name=name, node=open_trl_dict(schema))
 
 
 # ---------------------------------------------------------------------------------------
@@ -154,6 +155,7 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
     errors += stage_override_errors(ex.get("stage_overrides") or {})
     errors += logger_errors(cfg)
     errors += algo_errors(resolved.get("algos") or {})
+    errors += trl_option_errors(resolved.get("algos") or {})
     if not any(a.get("enabled") for a in (resolved.get("algos") or {}).values()) and not errors:
         errors.append("algos: no algorithm enabled; set e.g. algos.QSharp.enabled=true")
     if cfg.resume_from is not None:

@@ -1,0 +1,200 @@
+"""`algos.<NAME>.trl.<field>` (any TRL config field) and `algos.<NAME>.peft` (LoRA): checked in
+the parent before anything starts (pita/experiment/trl_options.py), passed to the trainers
+(pita/algos/trl_common.py), and a LoRA adapter merged into `model/` and evaluated like a
+full model."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+
+import pytest
+
+from tests.conftest import ALGOS, only, run_cli, run_dirs
+
+# --- the parent-side check (fast, no torch) ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [("dpo_config", "DPOConfig"), ("grpo_config", "GRPOConfig"), ("reward_config", "RewardConfig")],
+)
+def test_fields_read_from_source_are_the_dataclass_fields(module, name):
+    """The ast reading of TRL's source gives exactly the installed config's init fields."""
+    import trl
+
+    from pita.experiment.trl_options import trl_fields
+
+    real = {f.name for f in dataclasses.fields(getattr(trl, name)) if f.init}
+    assert set(trl_fields(module, name)) == real
+
+
+def _errors(**algos):
+    from pita.experiment.trl_options import trl_option_errors
+
+    return trl_option_errors(algos)
+
+
+def test_typo_names_the_nearest_field():
+    [line] = _errors(DPO={"trl": {"los_type": "ipo"}})
+    assert line == "algos.DPO.trl.los_type: not a field of TRL's DPOConfig; did you mean loss_type?"
+    [line] = _errors(GRPO={"trl": {"scale_reward": False}})
+    assert "did you mean scale_rewards?" in line
+
+
+def test_pita_keys_win_and_are_named():
+    [lr] = _errors(GRPO={"trl": {"learning_rate": 0.1}})
+    assert lr == "algos.GRPO.trl.learning_rate=0.1: set by pita from algos.GRPO.lr; use that"
+    [temp] = _errors(GRPO={"trl": {"temperature": 0.5}})
+    assert "generation.temperature" in temp
+    [beta] = _errors(DPO={"trl": {"beta": 0.5}})
+    assert "algos.DPO.beta" in beta
+    [sft] = _errors(RPO={"sft_weight": 1.0, "trl": {"loss_type": "ipo"}})
+    assert "algos.RPO.sft_weight" in sft
+    assert _errors(DPO={"sft_weight": 0.0, "trl": {"loss_type": "ipo"}}) == []
+
+
+def test_types_checked_where_cheap_and_passthrough_values_accepted():
+    [bad] = _errors(GRPO={"trl": {"epsilon": "wide"}})
+    assert bad == "algos.GRPO.trl.epsilon='wide': must be float"
+    assert (
+        _errors(
+            GRPO={
+                "trl": {"scale_rewards": False, "loss_type": "dr_grpo", "num_iterations": 2},
+            },
+            DPO={"trl": {"lr_scheduler_type": "constant", "warmup_steps": 2, "max_length": None}},
+        )
+        == []
+    )
+
+
+def test_peft_rules():
+    assert _errors(DPO={"peft": None}) == []
+    assert _errors(GRPO={"peft": {"r": 4, "alpha": 8, "target_modules": ["q_proj"]}}) == []
+    assert _errors(GRPO={"peft": {"target_modules": "all-linear", "dropout": 0.1}}) == []
+    got = _errors(
+        DPO={"peft": {"r": 0, "alpha": 0, "dropout": 1.0, "target_modules": [], "rank": 2}}
+    )
+    assert got == [
+        "algos.DPO.peft.r=0: an integer >= 1",
+        "algos.DPO.peft.alpha=0: a number > 0",
+        "algos.DPO.peft.dropout=1.0: a number in [0, 1)",
+        "algos.DPO.peft.target_modules=[]: all-linear or a non-empty list of module names",
+        "algos.DPO.peft.rank: unknown LoRA key; allowed: r, alpha, dropout, target_modules",
+    ]
+
+
+def test_reward_model_options_of_the_hf_variants():
+    """-HF: reward_trl is checked against RewardConfig, with reward_lr / reward_epochs as
+    pita's keys; QSharp-HF has it too (its reward model is TRL's), but no trl / peft."""
+    assert _errors(**{"GRPO-HF": {"reward_trl": {"center_rewards_coefficient": 0.01}}}) == []
+    [typo] = _errors(**{"QSharp-HF": {"reward_trl": {"center_reward_coefficient": 0.1}}})
+    assert typo.startswith("algos.QSharp-HF.reward_trl.center_reward_coefficient: not a field")
+    assert "did you mean center_rewards_coefficient?" in typo
+    [lr] = _errors(**{"GRPO-HF": {"reward_trl": {"learning_rate": 0.1}}})
+    assert "algos.GRPO-HF.reward_lr" in lr
+    assert _errors(**{"QSharp-HF": {"trl": {"nonsense": 1}, "peft": {"r": 0}}}) == []
+
+
+def test_value_guided_algorithms_have_no_trl_keys():
+    assert _errors(QSharp={"trl": {"nonsense": 1}}) == []  # the schema walker refuses the key
+
+
+def test_typo_on_the_command_line_is_one_line_exit_2_and_starts_nothing(tmp_path):
+    proc = run_cli(
+        [*only("DPO"), "experiment.name=typo", "algos.DPO.trl.los_type=ipo"], tmp_path, timeout=120
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert "algos.DPO.trl.los_type" in line and "did you mean loss_type?" in line
+    assert run_dirs(tmp_path, "typo") == []
+
+
+def test_conflict_on_the_command_line_is_exit_2(tmp_path):
+    proc = run_cli(
+        [*only("GRPO"), "experiment.name=conflict", "algos.GRPO.trl.num_generations=4"],
+        tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert "algos.GRPO.num_generations" in line
+    assert run_dirs(tmp_path, "conflict") == []
+
+
+# --- end to end on the local family ------------------------------------------------------------
+
+
+def _state(path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_trl_options_and_lora_reach_the_trainers(local_family, tmp_path):
+    """DPO with trl.loss_type=ipo trained as a LoRA adapter on q_proj / v_proj, GRPO with
+    trl.scale_rewards=false and trl.loss_type=dr_grpo, GRPO-HF's reward model with
+    reward_trl.center_rewards_coefficient: the built TRL configs hold the values
+    (result.json), only the adapted modules' weights moved, the merged `model/` and the
+    adapter are saved, and the policies are evaluated."""
+    assert {"DPO", "GRPO", "GRPO-HF"} <= set(ALGOS)
+    args = [
+        *local_family.overrides("gsm8k"),
+        *only("DPO", "GRPO", "GRPO-HF"),
+        "evaluation.num_samples=2",
+        "data_collection.samples_per_example=4",
+        "data_collection.max_examples=8",
+        "executor.progress=false",
+        "experiment.name=trlopt",
+        "algos.DPO.samples_per_example=4",
+        "algos.DPO.epochs=1",
+        "algos.DPO.batch_size=8",
+        "algos.DPO.lr=0.05",
+        "algos.DPO.trl.loss_type=ipo",
+        "algos.DPO.peft={r: 4, alpha: 8, target_modules: [q_proj, v_proj]}",
+        "algos.GRPO.steps=2",
+        "algos.GRPO.batch_size=8",
+        "algos.GRPO.num_generations=4",
+        "algos.GRPO.trl.scale_rewards=false",
+        "algos.GRPO.trl.loss_type=dr_grpo",
+        "algos.GRPO-HF.samples_per_example=4",
+        "algos.GRPO-HF.steps=1",
+        "algos.GRPO-HF.batch_size=4",
+        "algos.GRPO-HF.num_generations=4",
+        "algos.GRPO-HF.reward_epochs=1",
+        "algos.GRPO-HF.reward_trl.center_rewards_coefficient=0.01",
+    ]
+    proc = run_cli(args, tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [run_dir] = run_dirs(tmp_path, "trlopt")
+    tasks = run_dir / "tasks"
+
+    dpo = json.loads((tasks / "DPO.gsm8k.local.r0.train" / "result.json").read_text())
+    assert dpo["trl"] == {"loss_type": ["ipo"]}
+    assert dpo["peft"] == {
+        "r": 4,
+        "alpha": 8.0,
+        "dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"],
+    }
+    grpo = json.loads((tasks / "GRPO.gsm8k.local.r0.train" / "result.json").read_text())
+    assert grpo["trl"] == {"scale_rewards": "none", "loss_type": "dr_grpo"} and "peft" not in grpo
+
+    reward = json.loads((tasks / "GRPO-HF.gsm8k.local.r0.reward_model" / "result.json").read_text())
+    assert reward["reward_trl"] == {"center_rewards_coefficient": 0.01}
+
+    train_dir = tasks / "DPO.gsm8k.local.r0.train"
+    assert (train_dir / "adapter" / "adapter_config.json").is_file()
+    before, after = _state(local_family.reference), _state(train_dir / "model")
+    assert before.keys() == after.keys()  # a plain checkpoint: no lora_ names left
+    moved = {k for k in before if not (before[k] == after[k]).all()}
+    assert moved and all(".q_proj." in k or ".v_proj." in k for k in moved), moved
+
+    with open(run_dir / "results" / "summary.csv") as f:
+        rows = {r["algo"]: r for r in csv.DictReader(f)}
+    for algo in ("DPO", "GRPO", "GRPO-HF"):
+        assert math.isfinite(float(rows[algo]["pass@1"])), rows[algo]
