@@ -280,7 +280,3 @@ class TaskPaths:
             if file_sha256(self.final / rel) != entry.get("sha256"):
                 return f"{rel} does not match its sha256"
         return None
-
-    def is_complete(self, required: Iterable[str] = ()) -> bool:
-        """True iff the folder's manifest verifies (see `verify`)."""
-        return self.verify(required) is None
