@@ -225,7 +225,7 @@ def run_workers(
         with console.status(f"starting {len(tasks)} worker(s) and running device_check ..."):
             futures = {i: pool.submit(t, [i], cfg_dict, run_dir) for i, t in tasks.items()}
             wait(list(futures.values()), timeout=timeout + 10)
-        committed = {i: TaskPaths(run_dir, t.id).is_complete() for i, t in tasks.items()}
+        committed = {i: TaskPaths(run_dir, t.id).verify() is None for i, t in tasks.items()}
         interrupted = False
     finally:
         pool.shutdown(kill=interrupted or not all(f.done() for f in futures.values()))

@@ -6,10 +6,13 @@ from __future__ import annotations
 import os
 import pickle
 import stat
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
-from tests.conftest import only, run_cli, run_dirs
+from tests.conftest import ROOT, only, run_cli, run_dirs
 
 # ---- the in-process mode ----------------------------------------------------------------------
 
@@ -132,36 +135,40 @@ def test_ray_auth_failures_name_the_missing_or_refused_credential(tmp_path, monk
     assert "refused the token from RAY_AUTH_TOKEN; set RAY_AUTH_TOKEN" in line
 
 
-def test_a_token_in_the_environment_turns_token_auth_on_for_an_explicit_address(
-    tmp_path, monkeypatch
-):
+def test_a_token_in_the_environment_turns_token_auth_on_for_an_explicit_address(tmp_path):
     """Ray enables token mode by itself only for `auto`: an explicit address went without
-    the token and was refused (reported as "no Ray cluster reachable")."""
+    the token and was refused (reported as "no Ray cluster reachable"). Run in a child
+    process: Ray caches its auth config process-wide, and a later in-process local Ray of
+    this test session must not inherit it."""
     pytest.importorskip("ray")
-    from pita.core import ray_executor as rx
+    body = textwrap.dedent(
+        f"""
+        import os
+        from pathlib import Path
+        from pita.core import ray_executor as rx
 
-    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path))
-    rx.enable_token_auth("10.0.0.1:6379")
-    assert "RAY_AUTH_MODE" not in os.environ  # no token anywhere: nothing to send
-    (tmp_path / ".ray").mkdir()
-    (tmp_path / ".ray" / "auth_token").write_text("abc\n")
-    assert rx.token_source() == str(tmp_path / ".ray" / "auth_token")
-    rx.enable_token_auth("local")
-    assert "RAY_AUTH_MODE" not in os.environ  # a new local Ray: Ray decides
-    rx.enable_token_auth("10.0.0.1:6379")
-    assert os.environ["RAY_AUTH_MODE"] == "token"
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    rx.enable_token_auth("10.0.0.1:6379")
-    assert os.environ["RAY_AUTH_MODE"] == "disabled"  # the user's explicit choice stays
-    monkeypatch.delenv("RAY_AUTH_MODE")
-    try:
-        from ray._raylet import Config
-
-        Config.initialize("")  # leave Ray's cached config as the environment says
-    except (ImportError, AttributeError):
-        pass
+        home = Path({str(tmp_path)!r})
+        rx.enable_token_auth("10.0.0.1:6379")
+        assert "RAY_AUTH_MODE" not in os.environ  # no token anywhere: nothing to send
+        (home / ".ray").mkdir()
+        (home / ".ray" / "auth_token").write_text("abc\\n")
+        assert rx.token_source() == str(home / ".ray" / "auth_token")
+        rx.enable_token_auth("local")
+        assert "RAY_AUTH_MODE" not in os.environ  # a new local Ray: Ray decides
+        rx.enable_token_auth("10.0.0.1:6379")
+        assert os.environ["RAY_AUTH_MODE"] == "token"
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+        rx.enable_token_auth("10.0.0.1:6379")
+        assert os.environ["RAY_AUTH_MODE"] == "disabled"  # the user's explicit choice stays
+        print("ok")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env.update(HOME=str(tmp_path), PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-c", body], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
 
 
 # ---- submitit sweeps: a line per job start and end -------------------------------------------

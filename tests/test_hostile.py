@@ -389,3 +389,24 @@ def test_overridden_stage_that_writes_nothing_fails_its_task(tmp_path):
     proc = run_cli(args, tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "declared output(s): metrics.json" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rounds_of_training=100000", "rounds_of_training=100000: must be <= 20"),
+        ("dataset.num_nodes=1000000000", "dataset.num_nodes=1000000000: must be <= 100000"),
+    ],
+)
+def test_huge_sizes_are_refused_before_anything_is_built(tmp_path, override, message):
+    proc = run_cli([override, "dry_run=true"], tmp_path, timeout=60)
+    assert message in _one_line_exit_2(proc)
+
+
+def test_dry_run_of_the_largest_accepted_plan_finishes(tmp_path):
+    """20 rounds of every algorithm on 64 fake GPUs (~17k tasks): planned, estimated and
+    simulated (the timeout is a hang guard: it never finished before the ceilings)."""
+    args = ["rounds_of_training=20", "system.devices=fake:64", "dry_run=true"]
+    proc = run_cli(args, tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Estimated wall time" in proc.stdout

@@ -117,6 +117,8 @@ class Scheduler:
         waiting: list[str] = []  # tasks that did not fit, in priority order
         self.held = {}
         for task in sorted(ready, key=self.priority, reverse=True):
+            if all(len(d.running) >= self.max_tasks for d in self.devices):
+                break  # every device is full: the rest wait (a plan of 100k tasks stays fast)
             per_device_mb = -(-task.mem_mb // task.gpus)
             candidates = [
                 d

@@ -727,7 +727,7 @@ class PitaConfig:
     # algos.<NAME>: each row's own schema (pita/algos/registry.py), from conf/algo/*.yaml
     algos: Dict[str, Any] = field(default_factory=dict)
     rounds_of_training: int = spec(
-        "Rounds per chain (round r collects with round r-1's guide).", 1, ge=1, le=100
+        "Rounds per chain (round r collects with round r-1's guide).", 1, ge=1, le=20
     )
     batch_size_safety_margin: float = spec(
         "Fraction of free device memory the auto batch size may use; LOWER is safer.",

@@ -163,10 +163,11 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
 
     from pita.datasets import validate_dataset_cfg
 
-    try:  # which keys a task has, and their ranges, are the task's own (pita/datasets)
-        validate_dataset_cfg(dataset_keys(cfg.dataset))
-    except ValueError as exc:
-        errors.append(str(exc))
+    if not any(e.startswith("dataset.") for e in errors):  # one line per bad key, and no
+        try:  # task built from a size already refused; the task's own keys (pita/datasets)
+            validate_dataset_cfg(dataset_keys(cfg.dataset))
+        except ValueError as exc:
+            errors.append(str(exc))
     if errors:
         raise ConfigError(errors)
 

@@ -538,8 +538,16 @@ def estimate(
 def fill_estimates(plan: Any, cfg: Any, device_mb: list[int] | None = None) -> None:
     """Set `mem_mb` and `mem_source` of every task of the plan (the planner's one call)."""
     sizes = ModelSizes()
-    peaks = PeakEstimator(cfg, peaks_cache_path())
+    plain = _plain(cfg)  # read per task: a dict is ~50x faster than OmegaConf nodes
+    peaks = PeakEstimator(plain, peaks_cache_path())
     for task in plan.tasks.values():
         task.mem_mb, task.mem_source = estimate(
-            task, cfg, sizes=sizes, peaks=peaks, device_mb=device_mb
+            task, plain, sizes=sizes, peaks=peaks, device_mb=device_mb
         )
+
+
+def _plain(cfg: Any) -> Any:
+    """The resolved config as plain dicts and lists (a plain mapping is returned as is)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
