@@ -49,28 +49,25 @@ def _one_line_exit_2(proc) -> str:
 # --- symlinks and special files in a run folder -------------------------------------------
 
 
-def test_symlinked_lock_does_not_overwrite_its_target(finished_run, tmp_path):
+def _planted_link_is_refused(finished_run, tmp_path, name: str) -> None:
+    """`<run>/<name> -> ~/important.txt`: a resume exits 2 naming the link, the file is intact."""
     run_dir = _copy_run(finished_run, tmp_path)
     victim = tmp_path / "important.txt"
     victim.write_text("precious\n")
-    (run_dir / ".lock").unlink()
-    (run_dir / ".lock").symlink_to(victim)
+    (run_dir / name).unlink()
+    (run_dir / name).symlink_to(victim)
     proc = run_cli(["resume_from=" + str(run_dir), "executor.progress=false"], tmp_path)
     line = _one_line_exit_2(proc)
-    assert "symbolic link" in line and ".lock" in line
+    assert "symbolic link" in line and name in line
     assert victim.read_text() == "precious\n"
+
+
+def test_symlinked_lock_does_not_overwrite_its_target(finished_run, tmp_path):
+    _planted_link_is_refused(finished_run, tmp_path, ".lock")
 
 
 def test_symlinked_journal_is_refused(finished_run, tmp_path):
-    run_dir = _copy_run(finished_run, tmp_path)
-    victim = tmp_path / "important.txt"
-    victim.write_text("precious\n")
-    (run_dir / "journal.jsonl").unlink()
-    (run_dir / "journal.jsonl").symlink_to(victim)
-    proc = run_cli(["resume_from=" + str(run_dir), "executor.progress=false"], tmp_path)
-    line = _one_line_exit_2(proc)
-    assert "journal.jsonl" in line and "symbolic link" in line
-    assert victim.read_text() == "precious\n"
+    _planted_link_is_refused(finished_run, tmp_path, "journal.jsonl")
 
 
 def test_lock_that_is_a_folder_is_one_line(tmp_path):
