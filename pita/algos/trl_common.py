@@ -142,7 +142,7 @@ def precision_flags(ctx: StageContext) -> dict[str, bool]:
 def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
     """trainer.train(), then the task's training_metrics.png and performance_summary.txt
     (the same report as the hand-written training loops); returns the summary."""
-    from pita.runtime.kit import precision_for, task_tracker, trl_report_to
+    from pita.runtime.kit import precision_for, task_tracker
     from pita.training.checkpoint import time_checkpoint_callback
     from pita.training.loop import TrainingMetrics
     from pita.training.report import trainer_metrics_callback, write_training_report
@@ -153,13 +153,12 @@ def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
     metrics = TrainingMetrics(ctx.device)
     trainer.add_callback(trainer_metrics_callback(metrics, samples_per_step=per_step))
-    _, env = trl_report_to(ctx)
     if str(logger_cfg(ctx.cfg).get("backend")) != "none":  # TRL reports to none: our tracker
         trainer.add_callback(trl_callback(task_tracker(ctx)))
     minutes = float(ctx.cfg.training.get("checkpoint_every_minutes", 0.0) or 0.0)
     if args.save_strategy != "no" and minutes > 0:
         trainer.add_callback(time_checkpoint_callback(minutes))
-    _train_resumable(ctx, trainer, metrics, env)
+    _train_resumable(ctx, trainer, metrics)
     return write_training_report(
         ctx.out_dir,
         metrics,
@@ -172,7 +171,7 @@ def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
     )
 
 
-def _train_resumable(ctx: StageContext, trainer: Any, metrics: Any, env: dict[str, str]) -> None:
+def _train_resumable(ctx: StageContext, trainer: Any, metrics: Any) -> None:
     """trainer.train(), resumed from the task's newest checkpoint whose proof verifies (see
     pita/training/checkpoint.py), with its train log, metric rows and loss sums replayed so
     the task's `train_log.jsonl` holds every step and `train_loss` covers them all. A
@@ -185,21 +184,20 @@ def _train_resumable(ctx: StageContext, trainer: Any, metrics: Any, env: dict[st
 
     args = trainer.args
     if args.save_strategy == "no":
-        with scoped_env(env):
-            trainer.train()
+        trainer.train()
         return
     train_log = ctx.out_dir / Artifact.TRAIN_LOG
     identity = checkpoint_identity(ctx)
     trainer.add_callback(ck.checkpoint_commit_callback(identity, train_log, metrics, trainer))
     max_steps = int(args.max_steps) if int(args.max_steps) > 0 else None
-    resume = last_trl_checkpoint(ctx, max_steps)
+    resume = last_trl_checkpoint(ctx, max_steps, identity)
     if resume:
         ctx.logger.info("resumed from checkpoint %s (step %s)", resume, resume.rsplit("-", 1)[-1])
         ck.restore_trl_logs(resume, train_log, metrics)
         trainer.add_callback(ck.resume_loop_callback(trainer, resume))
     guard = ck.resume_guard(resume, ctx.logger)
     trainer.add_callback(guard)
-    with scoped_env({**env, "TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"}), guard:
+    with scoped_env({"TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"}), guard:
         if resume and max_steps is not None and int(resume.rsplit("-", 1)[-1]) >= max_steps:
             ck.finish_from_checkpoint(trainer, resume)
         else:
@@ -327,7 +325,7 @@ def training_args(
     """
     import torch
 
-    from pita.runtime.kit import trl_checkpoint_kwargs, trl_report_to
+    from pita.runtime.kit import trl_checkpoint_kwargs
     from pita.training.loop import dataloader_kwargs
 
     offline()
@@ -351,7 +349,6 @@ def training_args(
         "output_dir": str(ctx.out_dir / Artifact.TRAINER_SCRATCH),
         **trl_checkpoint_kwargs(ctx),
     }
-    report_to, _ = trl_report_to(ctx)
     kwargs = dict(
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=accum,
@@ -369,7 +366,9 @@ def training_args(
         seed=ctx.seed,
         data_seed=ctx.seed,
         logging_steps=0.05,  # about 20 log lines per run, whatever its length
-        report_to=report_to,  # none: train_with_report forwards TRL's logs to the task's tracker
+        # TRL opens no tracker of its own (W&B would get a second run per task, MLflow its
+        # refused file store): train_with_report forwards TRL's logs to the task's tracker
+        report_to="none",
         run_name=ctx.task.id,
         **saving,  # checkpoints every training.checkpoint_every steps into tasks/<id>.checkpoints/
         push_to_hub=False,

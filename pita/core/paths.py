@@ -49,6 +49,12 @@ MANIFEST_VERSION = 2  # 1: sizes only (not trusted any more: such folders are re
 ALWAYS_REQUIRED = (Artifact.RESULT, Artifact.LOG)  # what every committed task folder holds
 
 
+def pita_cache_dir() -> Path:
+    """Per-user caches of measurements (batch sizes, task peaks, task durations):
+    `$PITA_CACHE_DIR`, else `~/.cache/pita`."""
+    return Path(os.environ.get("PITA_CACHE_DIR", Path.home() / ".cache" / "pita"))
+
+
 def current_umask() -> int:
     """The process umask, without the set-and-restore race of os.umask where possible."""
     try:

@@ -127,6 +127,9 @@ class Eta:
         return total, max(weight, key=lambda k: weight[k])
 
 
+ETA_REFRESH_S = 2.0  # the live table's ETA is recomputed at most this often
+
+
 class Progress:
     def __init__(
         self,
@@ -156,6 +159,8 @@ class Progress:
         self.eta_interval_s = eta_interval_s
         self.started: dict[str, float] = {}  # running task -> when it started
         self._eta: tuple[float, str, float] | None = None  # (seconds left, source, computed at)
+        self._eta_stale = False  # a task ended since the last estimate
+        self._eta_lock = threading.RLock()
         self._eta_logged = (already_done, time.time())  # (done count, time) of the last line
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
@@ -188,19 +193,29 @@ class Progress:
 
     # ---- ETA -----------------------------------------------------------------------------
     def update_eta(self) -> None:
-        """Recompute the ETA (after a task event); it never takes the run down."""
+        """Recompute the ETA (a simulation of every unfinished task); it never takes the
+        run down. Task events only mark it stale: it is recomputed when a line is logged,
+        or at most every `ETA_REFRESH_S` for the live table, not once per event."""
         if self.eta is None:
             return
-        now = time.time()
-        try:
-            seconds, source = self.eta.remaining(self.started, now)
-        except Exception:  # an estimate, not worth a failed run
-            log.debug("ETA estimate failed", exc_info=True)
-            return
-        self._eta = (seconds, source, now)
+        with self._eta_lock:
+            now = time.time()
+            self._eta_stale = False
+            try:
+                seconds, source = self.eta.remaining(dict(self.started), now)
+            except Exception:  # an estimate, not worth a failed run
+                log.debug("ETA estimate failed", exc_info=True)
+                return
+            self._eta = (seconds, source, now)
 
     def eta_left(self) -> tuple[float, str] | None:
         """(seconds left now, source) from the last estimate, counted down since."""
+        if (
+            self._eta_stale
+            and self._eta is not None
+            and time.time() - self._eta[2] >= ETA_REFRESH_S
+        ):
+            self.update_eta()
         if self._eta is None:
             return None
         seconds, source, at = self._eta
@@ -227,6 +242,8 @@ class Progress:
             return  # the end says how long it took
         if finished - count < self.eta_every and time.time() - at < self.eta_interval_s:
             return
+        if self._eta_stale:
+            self.update_eta()
         line = self.eta_line()
         if line is not None:
             log.info("%s", line)
@@ -278,16 +295,19 @@ class Progress:
     # ---- events from the DagRunner ---------------------------------------------------------
     def event(self, kind: str, task: TaskSpec, info: Any) -> None:
         self._log_event(kind, task, info)
-        if kind == "running":
-            self.started[task.id] = time.time()
-            return
-        self.started.pop(task.id, None)
-        if self.eta is not None:
+        with self._eta_lock:  # the ticker thread reads these while it recomputes
+            if kind == "running":
+                self.started[task.id] = time.time()
+                return
+            self.started.pop(task.id, None)
+            if self.eta is None:
+                return
             if kind == "done":
                 self.eta.durations.observe(task, info.wall_s)
             if kind in ("done", "failed", "skipped"):
                 self.eta.finished.add(task.id)
-            self.update_eta()
+            self._eta_stale = True
+        if self.eta is not None:
             if kind != "skipped":  # the skips of a failure's dependants follow it at once
                 self._maybe_log_eta()
 

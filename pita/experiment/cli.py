@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(lock, int):
             sys.exit(lock)
         HELD_LOCKS.append(lock)
-        _setup_resume_logging(run_dir)
+        _setup_console_logging(run_dir)
         sys.exit(_run_checked(lambda: run(cfg, run_dir, resumed=True)))
 
     if not info_only:
@@ -445,14 +445,6 @@ def _lock_before_hydra(cfg: DictConfig, overrides: list[str]) -> list[str]:
     HELD_LOCKS.append(lock)  # held until this process exits (the kernel drops it then)
     rest = [o for o in overrides if not o.startswith("hydra.run.dir=")]
     return [*rest, f"hydra.run.dir='{run_dir}'"]
-
-
-def _setup_console_logging() -> None:
-    root = logging.getLogger()
-    root.setLevel(logging.INFO)
-    console = logging.StreamHandler(sys.stdout)
-    console.setFormatter(logging.Formatter("%(message)s"))
-    root.handlers[:] = [console]
 
 
 def _composed_for_help(overrides: list[str], args: Any) -> dict | None:
@@ -524,14 +516,18 @@ def _run_checked(fn) -> int:
         return 130
 
 
-def _setup_resume_logging(run_dir: Path) -> None:
+def _setup_console_logging(run_dir: Path | None = None) -> None:
+    """Short lines on the console, and `run.log` of `run_dir` appended when one is given
+    (a resume; a dry run writes no file). Hydra's job logging does the same for new runs."""
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     console = logging.StreamHandler(sys.stdout)
     console.setFormatter(logging.Formatter("%(message)s"))
-    file = logging.FileHandler(RunPaths(run_dir).run_log, mode="a")
-    file.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
-    root.handlers[:] = [console, file]
+    root.handlers[:] = [console]
+    if run_dir is not None:
+        file = logging.FileHandler(RunPaths(run_dir).run_log, mode="a")
+        file.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
+        root.handlers.append(file)
 
 
 def _hydra_main() -> None:

@@ -41,6 +41,7 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 from pita.algos.registry import Held, stage_models
+from pita.core.paths import pita_cache_dir
 from pita.models.placement import BYTES_PER_PARAM
 
 log = logging.getLogger(__name__)
@@ -411,9 +412,7 @@ def peak_key(task: Any, cfg: Any) -> str:
 
 
 def peaks_cache_path() -> Path:
-    return (
-        Path(os.environ.get("PITA_CACHE_DIR", Path.home() / ".cache" / "pita")) / "task_peaks.json"
-    )
+    return pita_cache_dir() / "task_peaks.json"
 
 
 class PeakEstimator:

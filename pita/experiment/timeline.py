@@ -16,7 +16,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 
 from pita.algos.registry import ANY
 from pita.core.journal import read_events
-from pita.core.paths import RunPaths, atomic_write_json, atomic_write_text
+from pita.core.paths import RunPaths, atomic_write_json, atomic_write_text, pita_cache_dir
 
 log = logging.getLogger("pita.report")
 
@@ -37,10 +36,7 @@ TASK_END = {"task_done": "done", "task_failed": "failed"}
 
 
 def durations_cache_path() -> Path:
-    return (
-        Path(os.environ.get("PITA_CACHE_DIR", Path.home() / ".cache" / "pita"))
-        / "task_durations.json"
-    )
+    return pita_cache_dir() / "task_durations.json"
 
 
 def duration_key(cfg: Any, device_kind: str) -> Callable[[Any], str]:
@@ -89,7 +85,6 @@ def record_durations(
         if tid in tasks:
             data[key(tasks[tid])] = {"wall_s": round(wall, 3), "run": str(run_dir)}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, data)
     except OSError as exc:
         log.warning("cannot write the durations cache %s: %s", path, exc)
@@ -292,7 +287,6 @@ def write_time_report(run_dir: Path, tasks: Mapping[str, Any], labels: list[str]
     labels = list(labels) + [f"device {i}" for i in range(len(labels), n_devices)]
     rows = time_rows(all_spans, wall, labels)
     table = time_markdown(rows, wall)
-    paths.results.mkdir(parents=True, exist_ok=True)
     atomic_write_text(paths.results / "time.md", table)
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=TIME_COLUMNS)

@@ -9,17 +9,15 @@ to measure and uses the fallback.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
+from pita.core.paths import pita_cache_dir
 from pita.runtime.context import StageContext
 
 
 def cache_path() -> Path:
-    return (
-        Path(os.environ.get("PITA_CACHE_DIR", Path.home() / ".cache" / "pita")) / "batch_sizes.json"
-    )
+    return pita_cache_dir() / "batch_sizes.json"
 
 
 def generation_batch_size(

@@ -10,7 +10,7 @@ knows no task; a stage asks this module for the task's instances:
 - `trl_checkpoint_kwargs(ctx)`, `last_trl_checkpoint(ctx)`: the same for a TRL Trainer.
 - `checkpoint_identity(ctx)`: what a checkpoint must have been written by (task id, hashes
   of the resolved config and of the inputs' manifests): one from another run is refused.
-- `task_tracker(ctx)`, `trl_report_to(ctx)`: the task's `logger.backend` (TRL's logs reach
+- `task_tracker(ctx)`: the task's `logger.backend` (TRL's logs reach
   the task's tracker through a callback, TRL reports to nothing itself).
 - `precision_for(ctx)`: `choose_precision` from `training.*`, logged to the task log.
 - `train_step(ctx, model, optimizer, ...)`: a `TrainStep` from `training.*` / `system.*`
@@ -104,7 +104,7 @@ def checkpointer(ctx: StageContext, *, writer: bool = True) -> Checkpointer:
         writer=writer,
         logger=ctx.logger,
         identity=checkpoint_identity(ctx),
-        trust_group=bool(ctx.cfg.system.get("trust_group", False)),
+        trust_group=trust_group(ctx),
     )
 
 
@@ -115,17 +115,25 @@ def trl_checkpoint_kwargs(ctx: StageContext) -> dict[str, Any]:
     return checkpoint.trl_checkpoint_kwargs(checkpoint_dir(ctx), *checkpoint_every(ctx))
 
 
-def last_trl_checkpoint(ctx: StageContext, max_step: int | None = None) -> str | None:
+def trust_group(ctx: StageContext) -> bool:
+    """`system.trust_group`: a teammate's (same group) checkpoints count as yours."""
+    return bool(ctx.cfg.system.get("trust_group", False))
+
+
+def last_trl_checkpoint(
+    ctx: StageContext, max_step: int | None = None, identity: dict[str, str] | None = None
+) -> str | None:
     """The newest Trainer checkpoint of the task whose proof verifies (half-written ones
-    removed; foreign, corrupt or past `max_step` ones moved aside with a WARNING)."""
+    removed; foreign, corrupt or past `max_step` ones moved aside with a WARNING).
+    `identity`: the task's `checkpoint_identity`, when the caller has it already."""
     from pita.training import checkpoint
 
     return checkpoint.last_trl_checkpoint(
         checkpoint_dir(ctx),
-        checkpoint_identity(ctx),
+        identity if identity is not None else checkpoint_identity(ctx),
         max_step,
         ctx.logger,
-        trust_group=bool(ctx.cfg.system.get("trust_group", False)),
+        trust_group=trust_group(ctx),
     )
 
 
@@ -142,15 +150,6 @@ def task_tracker(ctx: StageContext) -> Tracker:
     if not is_main_rank():
         return Tracker()
     return open_tracker(ctx.cfg, ctx.run_dir, ctx.task.id, logger=ctx.logger)
-
-
-def trl_report_to(ctx: StageContext) -> tuple[list[str] | str, dict[str, str]]:
-    """(`report_to` for the task's TRL config, environment the integration reads): `"none"`,
-    TRL opens no tracker of its own; `trl_common` forwards its logs to `task_tracker(ctx)`
-    with `pita.training.tracking.trl_callback`."""
-    from pita.training import tracking
-
-    return tracking.trl_report_to(ctx.cfg, ctx.run_dir, ctx.task.id)
 
 
 # --- precision and the optimizer step -------------------------------------------------------
@@ -185,8 +184,7 @@ def train_step(
 ) -> TrainStep:
     """A TrainStep configured from `training.*` / `system.*` of the task; its metrics go
     to the task's `logger.backend` too (rank 0 of a gang only)."""
-    from pita.training.loop import TrainStep, is_main_rank
-    from pita.training.tracking import Tracker
+    from pita.training.loop import TrainStep
 
     device = device or ctx.device
     if precision is None:
@@ -202,5 +200,5 @@ def train_step(
         compile_status=compile_status,
         logger=ctx.logger,
         sync_every=sync_every,
-        tracker=task_tracker(ctx) if is_main_rank() else Tracker(),
+        tracker=task_tracker(ctx),  # a tracker that writes nothing off rank 0
     )

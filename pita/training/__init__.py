@@ -10,7 +10,7 @@
 - `ddp`: `training.parallel_strategy=data_parallel`, DDP over k local processes
   (`run_data_parallel`, `wrap_model`).
 - `checkpoint`: in-task checkpoints in a folder (`Checkpointer`, the TRL Trainer's).
-- `tracking`: the `logger` group's backends (`open_tracker`, `trl_report_to`).
+- `tracking`: the `logger` group's backends (`open_tracker`, `trl_callback`).
 
 These modules take values (a model, a folder, a logger config, a run dir, a name) and know
 no task: what builds them from a stage's context is `pita/runtime/kit.py`, the per-rank

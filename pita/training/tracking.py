@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import importlib.util
 import logging
 import os
 import re
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -85,6 +87,7 @@ def log_dir(run_dir: str | Path, backend: str) -> Path:
 _ILLEGAL = re.compile(r"[^A-Za-z0-9_\-./]+")
 
 
+@functools.lru_cache(maxsize=4096)  # the same few keys, every optimizer step
 def metric_name(key: str) -> str:
     """`key` legal in every backend (and a readable path): MLflow, the strictest, takes
     only letters, digits, `_ - . / : space` and refuses `eta=0`; kept are letters, digits
@@ -376,8 +379,6 @@ class MlflowTracker(Tracker):
             self.client.log_batch(self.run_id, params=items[i : i + 100])
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        import time
-
         from mlflow.entities import Metric
 
         now = time.time()
@@ -388,8 +389,6 @@ class MlflowTracker(Tracker):
     def _flush(self) -> None:
         """One transaction for what the last seconds logged (a sqlite write per optimizer
         step would cost tens of ms each)."""
-        import time
-
         batch, self._pending, self._flushed = self._pending, [], time.time()
         with self._locked():
             for i in range(0, len(batch), 1000):  # MLflow takes at most 1000 metrics per batch
@@ -506,16 +505,6 @@ def _raise(exc: BaseException) -> None:
 
 
 # --- TRL / transformers Trainer -------------------------------------------------------------
-
-
-def trl_report_to(
-    cfg: Any, run_dir: str | Path, name: str
-) -> tuple[list[str] | str, dict[str, str]]:
-    """(`report_to` for a TRL config, environment variables for its integrations): always
-    `"none"` and nothing. TRL's own trackers would open a second run per task (W&B: a run
-    of its own, or the process's current run, i.e. another task's) and MLflow's default file
-    store; the task's tracker gets TRL's logs through `trl_callback` instead."""
-    return "none", {}
 
 
 class scoped_env:
