@@ -136,11 +136,14 @@ def aggregate_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = dict(zip(KEYS, key))
         row["n_runs"] = len({m["run"] for m in members})
         for m in metrics:
-            values = [x[m] for x in members if isinstance(x.get(m), float) and math.isfinite(x[m])]
+            values = [x[m] for x in members if isinstance(x.get(m), float) and not math.isnan(x[m])]
             if not values:
                 continue
+            finite = all(math.isfinite(v) for v in values)  # an infinite KL: docs/ALGORITHMS.md
             row[f"{m}_mean"] = statistics.fmean(values)
-            row[f"{m}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
+            row[f"{m}_std"] = (
+                (statistics.stdev(values) if len(values) > 1 else 0.0) if finite else None
+            )
             row[f"{m}_min"], row[f"{m}_max"] = min(values), max(values)
         out.append(row)
     out.sort(
@@ -215,6 +218,20 @@ def kl_axis(kls: Sequence[float]) -> tuple[str, float | None]:
     return "symlog", max(1e-2, values[cut])
 
 
+INF_EDGE = 1.25  # an infinite KL is drawn at this multiple of the largest finite one
+
+
+def frontier_x(kls: Sequence[float]) -> tuple[list[float], float | None]:
+    """The frontier plot's x of each KL: finite values as they are, +inf (a row with
+    samples off π_ref's support under its rule; docs/ALGORITHMS.md, "KL: the three
+    columns") at the `∞` edge right of every finite one; the edge is None without one."""
+    finite = [k for k in kls if math.isfinite(k)]
+    if len(finite) == len(kls):
+        return list(kls), None
+    edge = INF_EDGE * max([abs(k) for k in finite] + [0.8])
+    return [k if math.isfinite(k) else edge for k in kls], edge
+
+
 def plot_frontier(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> bool:
     """avg reward vs KL and pass@1 vs KL; one line per (config, algo, family, round) through
     its η points. Rows are aggregated (`<m>_mean` / `<m>_std`) or a single run's (`<m>`).
@@ -233,6 +250,8 @@ def plot_frontier(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -
     points = [r for r in rows if get(r, "kl")[0] is not None]
     if not points:
         return False
+    kl_x, inf_edge = frontier_x([get(r, "kl")[0] or 0.0 for r in points])
+    x_of = {id(r): x for r, x in zip(points, kl_x)}
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(11, 4.2), layout="constrained")
@@ -255,7 +274,7 @@ def plot_frontier(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -
         color = f"C{(ALGO_ORDER.index(algo) if algo in ALGO_ORDER else i) % 10}"
         label = f"{algo} {family} r{int(rnd)}" + (f" [{config}]" if config else "")
         for ax, metric in zip(axes, ("avg_reward", "pass@1")):
-            xs = [get(r, "kl") for r in members]
+            xs = [(x_of[id(r)], get(r, "kl")[1]) for r in members]
             ys = [get(r, metric) for r in members]
             keep = [(x, y) for x, y in zip(xs, ys) if y[0] is not None]
             if not keep:
@@ -284,6 +303,17 @@ def plot_frontier(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -
                     )
     scale, linthresh = kl_axis([k for r in points if (k := get(r, "kl")[0]) is not None])
     for ax, label in zip(axes, ("avg reward", "pass@1")):
+        if inf_edge is not None:
+            ax.axvline(inf_edge, color="grey", lw=0.8, ls=":")
+            ax.annotate(
+                "KL = ∞ (off π_ref's support)",
+                (inf_edge, 0.02),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                fontsize=6,
+                ha="right",
+                color="grey",
+            )
         if scale == "symlog":
             ax.set_xscale("symlog", linthresh=linthresh)
         ax.set_xlabel(
