@@ -38,7 +38,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -372,18 +372,6 @@ def _generate_batch(
         torch.stack(blps, dim=1).tolist(),
         lengths.tolist(),
     )
-
-
-def sequence_logprobs(
-    model: torch.nn.Module,
-    prompts: list[list[int]],
-    responses: list[list[int]],
-    **kwargs: Any,
-) -> list[list[float]]:
-    """Teacher-forced log π(response_t | prompt, response_<t) for every response token,
-    under the sampling rule given (the first half of :func:`forced_logprobs`, whose
-    keywords these are)."""
-    return forced_logprobs(model, prompts, responses, **kwargs)[0]
 
 
 def forced_logprobs(

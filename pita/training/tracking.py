@@ -8,7 +8,8 @@
   `tensorboard --logdir outputs/<name>/<timestamp>/logs/tensorboard`.
 - `wandb`: exactly one W&B run per task (`name=<task id>`, `group=<experiment>/<run
   folder>`), `mode=offline` unless `logger.mode=online`: no API key, never a prompt
-  (`wandb sync <run>/logs/wandb/wandb/offline-run-*` uploads later).
+  (`wandb sync <run>/logs/wandb/wandb/offline-run-*` uploads later; a retried task's
+  folders share its run id and disjoint steps, so they sync as one run).
 - `mlflow`: one MLflow run per task in the experiment `experiment.name`; the tracking URI
   is `logger.tracking_uri`, else one sqlite store `outputs/mlflow/mlflow.db` for every run
   under the outputs folder (one file lock; artifacts in `outputs/mlflow/artifacts`; MLflow 3
@@ -283,7 +284,14 @@ def wandb_run_id(run_dir: str | Path, name: str) -> str:
 class WandbTracker(Tracker):
     """One W&B run. Offline unless `logger.mode=online`: `WANDB_MODE` and the API key are
     never consulted then, so no key is needed and nothing prompts; the console is not
-    captured (the worker's log is ours)."""
+    captured (the worker's log is ours).
+
+    A retried task's attempts log into one run id, offline one `offline-run-*-<id>` folder
+    each, which `wandb sync` replays in start-time order into one run. W&B cannot rewrite
+    history and drops a step at or below the run's last one, so each attempt starts after
+    the earlier attempts' last step: steps the retry re-trains after its checkpoint that a
+    dead attempt had already written to its `.wandb` file are skipped
+    (`pita.training.wandb_log.last_written_step`)."""
 
     backend = "wandb"
 
@@ -299,7 +307,10 @@ class WandbTracker(Tracker):
         super().__init__()
         import wandb
 
+        from pita.training.wandb_log import last_written_step
+
         folder.mkdir(parents=True, exist_ok=True)
+        self.written_before = last_written_step(folder, run_id) if run_id else None
         mode = str(cfg.get("mode") or "offline")
         if mode == "online" and not wandb.login(prompt=False, verify=False):  # never a prompt
             raise RuntimeError(
@@ -326,6 +337,8 @@ class WandbTracker(Tracker):
             )
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        if self.written_before is not None and step <= self.written_before:
+            return  # an earlier attempt of this task wrote it: the synced run keeps that one
         self.run.log(_numeric(metrics), step=step)
 
     def close(self) -> None:
