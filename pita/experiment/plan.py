@@ -222,6 +222,7 @@ class Planner:
     ) -> None:
         """Every round of one (algo, dataset, family) chain; no edge leaves the chain."""
         spec_algo = ALGORITHMS[algo]
+        schema = f"{spec_algo.schema.__module__}:{spec_algo.schema.__qualname__}"
         n_rounds = 1 if spec_algo.single_round else int(self.cfg.rounds_of_training)
         chain = ChainRound()
         for r in range(n_rounds):
@@ -229,7 +230,13 @@ class Planner:
             for stage in spec_algo.round_stages:
                 inputs = stage_inputs(stage, chain, base_inputs)
                 spec = dict(
-                    algo=algo, round=r, inputs=inputs, gpus=gpus, mem_mb=mem_mb(stage), **common
+                    algo=algo,
+                    algo_schema=schema,
+                    round=r,
+                    inputs=inputs,
+                    gpus=gpus,
+                    mem_mb=mem_mb(stage),
+                    **common,
                 )
                 chain.produced[stage] = self.add_stage(stage, spec, _deps_of(inputs))
             if "collect" in chain.produced:

@@ -1,9 +1,16 @@
 """What a stage function receives: `def stage(ctx: StageContext) -> dict | None`.
 
 A stage is a plain function looked up by (algorithm, stage) in `pita/algos/registry.py`.
-It reads its config from `ctx.cfg` only — the worker has already put the chain's own
-dataset and model family into `ctx.cfg.dataset` / `ctx.cfg.model`, so a stage of a
-multi-dataset experiment never sees another chain's groups — its inputs through
+It reads its settings as typed, read-only values of the schema (pita/core/schema.py),
+built once per chain: `ctx.algo` (the registry row's schema class; `ctx.algo_as(Schema)`
+narrows it for the type checker), `ctx.training`, `ctx.system`, `ctx.generation`,
+`ctx.evaluation`, `ctx.data_collection`, `ctx.pretrain`, `ctx.model`, `ctx.experiment`,
+`ctx.logger_settings`. A default lives on its field only: a stage never restates one with
+`.get("key", default)` (tests/test_schema.py scans for them). `ctx.cfg`, the chain's
+read-only DictConfig, stays for what is not a schema group (`executor.stage_overrides`,
+the dataset's own keys). The worker has already put the chain's own dataset and model
+family into the config, so a stage of a multi-dataset experiment never sees another
+chain's groups. A stage gets its inputs through
 `ctx.input(...)`, loads models through `ctx.load_model(...)` (the worker's LRU, so shards
 of one stage do not reload weights), writes artifacts under `ctx.out_dir` (a temporary
 folder committed atomically when the function returns) and returns a small JSON-able
@@ -18,12 +25,15 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
+from pita.core import schema as S
 from pita.core.paths import Artifact, RunPaths
 from pita.core.tasks import TaskSpec
+
+T = TypeVar("T")
 
 
 class ModelCache:
@@ -47,6 +57,49 @@ class ModelCache:
         self._items.clear()
 
 
+@dataclass(frozen=True)
+class StageSettings:
+    """The typed values of one chain's config (read-only schema instances)."""
+
+    algo: S.ReferenceConfig
+    experiment: S.ExperimentConfig
+    system: S.SystemConfig
+    training: S.TrainingConfig
+    generation: S.GenerationConfig
+    data_collection: S.DataCollectionConfig
+    evaluation: S.EvaluationConfig
+    pretrain: S.PretrainConfig
+    model: S.ModelConfig
+    logger: S.LoggerConfig
+
+
+def stage_settings(cfg: DictConfig | dict, task: TaskSpec) -> StageSettings:
+    """`cfg`'s groups as schema instances; `algos.<task.algo>` as the class the planner named
+    in `task.algo_schema` (the registry row's; ReferenceConfig for tasks outside a chain)."""
+    plain = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(plain, dict), "a run's config is a mapping"
+
+    def group(name: str) -> Any:
+        return plain.get(name) or {}
+
+    algo_schema: type = S.ReferenceConfig
+    if task.algo_schema:
+        module, _, attr = task.algo_schema.partition(":")
+        algo_schema = getattr(importlib.import_module(module), attr)
+    return StageSettings(
+        algo=S.settings(algo_schema, group("algos").get(task.algo)),
+        experiment=S.settings(S.ExperimentConfig, group("experiment")),
+        system=S.settings(S.SystemConfig, group("system")),
+        training=S.settings(S.TrainingConfig, group("training")),
+        generation=S.settings(S.GenerationConfig, group("generation")),
+        data_collection=S.settings(S.DataCollectionConfig, group("data_collection")),
+        evaluation=S.settings(S.EvaluationConfig, group("evaluation")),
+        pretrain=S.settings(S.PretrainConfig, group("pretrain")),
+        model=S.settings(S.ModelConfig, group("model")),
+        logger=S.settings(S.LoggerConfig, group("logger")),
+    )
+
+
 @dataclass
 class StageContext:
     task: TaskSpec
@@ -60,11 +113,72 @@ class StageContext:
     chain_merged: bool = (
         False  # cfg already carries the task's dataset/family (the worker caches it)
     )
+    settings: StageSettings | None = None  # built from cfg unless given (the worker caches it)
 
     def __post_init__(self) -> None:
         if not self.chain_merged:
             self.cfg = chain_config(self.cfg, self.task)
             self.chain_merged = True
+        if self.settings is None:
+            self.settings = stage_settings(self.cfg, self.task)
+
+    @property
+    def _s(self) -> StageSettings:
+        assert self.settings is not None, "built in __post_init__"
+        return self.settings
+
+    @property
+    def algo(self) -> S.ReferenceConfig:
+        """`algos.<task.algo>` as its registry row's schema class."""
+        return self._s.algo
+
+    def algo_as(self, schema: type[T]) -> T:
+        """`ctx.algo`, narrowed to the schema a stage was written for (refused otherwise:
+        a stage plugged into the wrong algorithm fails here, not on a missing key)."""
+        algo = self._s.algo
+        if not isinstance(algo, schema):
+            raise TypeError(
+                f"algos.{self.task.algo} is a {type(algo).__name__}; this stage needs a "
+                f"{schema.__name__}"  # type: ignore[attr-defined]
+            )
+        return algo
+
+    @property
+    def experiment(self) -> S.ExperimentConfig:
+        return self._s.experiment
+
+    @property
+    def system(self) -> S.SystemConfig:
+        return self._s.system
+
+    @property
+    def training(self) -> S.TrainingConfig:
+        return self._s.training
+
+    @property
+    def generation(self) -> S.GenerationConfig:
+        return self._s.generation
+
+    @property
+    def data_collection(self) -> S.DataCollectionConfig:
+        return self._s.data_collection
+
+    @property
+    def evaluation(self) -> S.EvaluationConfig:
+        return self._s.evaluation
+
+    @property
+    def pretrain(self) -> S.PretrainConfig:
+        return self._s.pretrain
+
+    @property
+    def model(self) -> S.ModelConfig:
+        return self._s.model
+
+    @property
+    def logger_settings(self) -> S.LoggerConfig:
+        """`logger.*` (`ctx.logger` is the task's log)."""
+        return self._s.logger
 
     @property
     def algo_cfg(self) -> DictConfig:

@@ -159,9 +159,11 @@ def execute_task(
         )
         fn = resolve_function(task.fn)
         reset_peak_memory()
+        cfg, settings = _stage_config(cfg_dict, task)
         ctx = StageContext(
             task=task,
-            cfg=_stage_config(cfg_dict, task),
+            cfg=cfg,
+            settings=settings,
             run_dir=Path(run_dir),
             out_dir=tmp,
             logger=logger,
@@ -214,22 +216,28 @@ def execute_task(
 _CONFIG_CACHE: dict = {
     "source": None,
     "by_chain": {},
-}  # last plain dict; its DictConfig per (dataset, family)
+}  # last plain dict; its DictConfig per (dataset, family), its settings per algo too
 
 
 def _stage_config(cfg_dict: dict, task) -> Any:
-    """The config a stage sees: the run's config with `dataset` and `model` replaced by the
-    task's own chain groups (one channel; in a multi-dataset experiment the selected
-    groups would be another chain's). OmegaConf.create on the full config costs ~10 ms and
-    every task of a run sends the same dict, so a worker builds it once per chain."""
-    from pita.runtime.context import chain_config
+    """(config, typed settings) a stage sees: the run's config with `dataset` and `model`
+    replaced by the task's own chain groups (one channel; in a multi-dataset experiment the
+    selected groups would be another chain's), and its groups as schema instances.
+    OmegaConf.create on the full config costs ~10 ms and every task of a run sends the same
+    dict, so a worker builds both once per chain."""
+    from pita.runtime.context import chain_config, stage_settings
 
     if _CONFIG_CACHE["source"] != cfg_dict:
         _CONFIG_CACHE.update(source=cfg_dict, by_chain={})
+    by_chain = _CONFIG_CACHE["by_chain"]
     key = (task.dataset, task.family)
-    if key not in _CONFIG_CACHE["by_chain"]:
-        _CONFIG_CACHE["by_chain"][key] = chain_config(cfg_dict, task)
-    return _CONFIG_CACHE["by_chain"][key]
+    if key not in by_chain:
+        by_chain[key] = chain_config(cfg_dict, task)
+    cfg = by_chain[key]
+    chain = (*key, task.algo, task.algo_schema)
+    if chain not in by_chain:
+        by_chain[chain] = stage_settings(cfg, task)
+    return cfg, by_chain[chain]
 
 
 def run_task_here(
