@@ -23,7 +23,7 @@ import importlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -114,6 +114,17 @@ class StageContext:
         False  # cfg already carries the task's dataset/family (the worker caches it)
     )
     settings: StageSettings | None = None  # built from cfg unless given (the worker caches it)
+    # the typed settings, one attribute per group (set from `settings`)
+    algo: S.ReferenceConfig = field(init=False)  # `algos.<task.algo>`, its row's schema class
+    experiment: S.ExperimentConfig = field(init=False)
+    system: S.SystemConfig = field(init=False)
+    training: S.TrainingConfig = field(init=False)
+    generation: S.GenerationConfig = field(init=False)
+    data_collection: S.DataCollectionConfig = field(init=False)
+    evaluation: S.EvaluationConfig = field(init=False)
+    pretrain: S.PretrainConfig = field(init=False)
+    model: S.ModelConfig = field(init=False)
+    logger_settings: S.LoggerConfig = field(init=False)  # `logger.*` (`logger` is the task log)
 
     def __post_init__(self) -> None:
         if not self.chain_merged:
@@ -121,68 +132,19 @@ class StageContext:
             self.chain_merged = True
         if self.settings is None:
             self.settings = stage_settings(self.cfg, self.task)
-
-    @property
-    def _s(self) -> StageSettings:
-        assert self.settings is not None, "built in __post_init__"
-        return self.settings
-
-    @property
-    def algo(self) -> S.ReferenceConfig:
-        """`algos.<task.algo>` as its registry row's schema class."""
-        return self._s.algo
+        for f in fields(StageSettings):
+            name = "logger_settings" if f.name == "logger" else f.name
+            setattr(self, name, getattr(self.settings, f.name))
 
     def algo_as(self, schema: type[T]) -> T:
-        """`ctx.algo`, narrowed to the schema a stage was written for (refused otherwise:
+        """`ctx.algo` narrowed to the schema a stage was written for (refused otherwise:
         a stage plugged into the wrong algorithm fails here, not on a missing key)."""
-        algo = self._s.algo
-        if not isinstance(algo, schema):
+        if not isinstance(self.algo, schema):
             raise TypeError(
-                f"algos.{self.task.algo} is a {type(algo).__name__}; this stage needs a "
+                f"algos.{self.task.algo} is a {type(self.algo).__name__}; this stage needs a "
                 f"{schema.__name__}"  # type: ignore[attr-defined]
             )
-        return algo
-
-    @property
-    def experiment(self) -> S.ExperimentConfig:
-        return self._s.experiment
-
-    @property
-    def system(self) -> S.SystemConfig:
-        return self._s.system
-
-    @property
-    def training(self) -> S.TrainingConfig:
-        return self._s.training
-
-    @property
-    def generation(self) -> S.GenerationConfig:
-        return self._s.generation
-
-    @property
-    def data_collection(self) -> S.DataCollectionConfig:
-        return self._s.data_collection
-
-    @property
-    def evaluation(self) -> S.EvaluationConfig:
-        return self._s.evaluation
-
-    @property
-    def pretrain(self) -> S.PretrainConfig:
-        return self._s.pretrain
-
-    @property
-    def model(self) -> S.ModelConfig:
-        return self._s.model
-
-    @property
-    def logger_settings(self) -> S.LoggerConfig:
-        """`logger.*` (`ctx.logger` is the task's log)."""
-        return self._s.logger
-
-    @property
-    def algo_cfg(self) -> DictConfig:
-        return self.cfg.algos[self.task.algo]
+        return self.algo
 
     def input(self, name: str) -> Path | list[Path]:
         """The committed folder(s) of the task(s) this task consumes under `name`."""
