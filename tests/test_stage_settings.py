@@ -17,6 +17,7 @@ from pita.core.tasks import TaskSpec
 from pita.experiment import cli
 from pita.experiment.plan import plan_experiment
 from pita.runtime.context import StageContext
+from tests.conftest import ROOT
 
 EVERY_ALGO = [f"algos.{name}.enabled=true" for name in ALGORITHMS]
 
@@ -92,10 +93,16 @@ def _schema_keys() -> set[str]:
     return out
 
 
+def _empty(node: ast.expr) -> bool:
+    return isinstance(node, (ast.Dict, ast.List, ast.Tuple)) and not (
+        node.keys if isinstance(node, ast.Dict) else node.elts
+    )
+
+
 def _restated_defaults(source: str, keys: set[str]) -> list[tuple[int, str]]:
     """(line, key) of each `x.get("<key>", <default>)` and `x.get("<key>") or <default>`."""
     tree = ast.parse(source)
-    hits = []
+    hits = set()
     for node in ast.walk(tree):
         call = node.values[0] if isinstance(node, ast.BoolOp) else node
         if not (
@@ -108,10 +115,14 @@ def _restated_defaults(source: str, keys: set[str]) -> list[tuple[int, str]]:
         ):
             continue
         two_args = len(call.args) == 2 and call is node
-        or_default = isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or)
+        or_default = (
+            isinstance(node, ast.BoolOp)
+            and isinstance(node.op, ast.Or)
+            and not _empty(node.values[-1])  # `or {}`: a missing group, no default restated
+        )
         if two_args or or_default:
-            hits.append((node.lineno, call.args[0].value))
-    return hits
+            hits.add((node.lineno, call.args[0].value))
+    return sorted(hits)
 
 
 def test_the_scan_finds_restated_defaults():
@@ -121,5 +132,30 @@ def test_the_scan_finds_restated_defaults():
         'b = ev.get("num_samples") or 1\n'
         'c = row.get("wall_s", 0.0)\n'
         'd = ev.get("num_samples")\n'
+        'e = cfg.get("num_samples") or {}\n'
     )
     assert _restated_defaults(source, keys) == [(1, "checkpoint_every_minutes"), (2, "num_samples")]
+
+
+# `.get` of a name a schema also uses, on a mapping that is not a config group.
+NOT_CONFIG = {
+    ("pita/core/monitor.py", "devices"): "a worker's info, not system.devices",
+    ("pita/core/progress.py", "progress"): "a worker's info, not executor.progress",
+    ("pita/experiment/timeline.py", "devices"): "a journal event, not system.devices",
+    ("pita/models/placement.py", "trust_remote_code"): "from_pretrained's keyword arguments",
+    ("pita/models/value_model.py", "loss_type"): "a saved value model's own config file",
+}
+
+
+def test_no_module_restates_a_schema_default():
+    """A `.get("key", default)` of a schema key restates (and once contradicted) the default
+    the schema owns: the typed settings (`ctx.training`, ...) or the composed config read
+    the key instead."""
+    keys = _schema_keys()
+    found = [
+        f"{path.relative_to(ROOT)}:{line}: .get({key!r}, ...)"
+        for path in sorted((ROOT / "pita").rglob("*.py"))
+        for line, key in _restated_defaults(path.read_text(), keys)
+        if (str(path.relative_to(ROOT)), key) not in NOT_CONFIG
+    ]
+    assert not found, "\n".join(found)

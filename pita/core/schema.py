@@ -764,6 +764,13 @@ def schema_errors(
     return errors
 
 
+def default_of(dotted: str, schema: type | None = None) -> Any:
+    """The default `schema` (PitaConfig unless given) declares for a dotted key
+    (`training.micro_batch_size`, or `num_generations` of an algorithm's schema)."""
+    f = dict(leaf_fields(schema or PitaConfig))[dotted]
+    return f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+
+
 # --- typed settings: a stage's values as schema instances (issue 33) ----------------------
 
 T = TypeVar("T")
@@ -802,7 +809,7 @@ def settings(schema: type[T], node: Mapping[str, Any] | None) -> T:
             settings(sub, value) if sub is not None and isinstance(value, Mapping) else value
         )
     instance = schema(**values)
-    instance.__class__ = _frozen_class(schema)
+    object.__setattr__(instance, "__class__", _frozen_class(schema))
     return instance
 
 

@@ -142,7 +142,7 @@ def lock_run_folder(cfg: DictConfig, run_dir: Path, share: bool = False) -> RunL
     before Hydra writes `.hydra/` (`share=True`); `run()` calls it again (nested in the
     same process)."""
     paths = RunPaths(run_dir)
-    trust_group = bool(cfg.system.get("trust_group", False))
+    trust_group = bool(cfg.system.trust_group)
     for folder in (run_dir, paths.tasks):  # a folder others can write steers what resume trusts
         check_folder(folder, trust_group)
     for folder in (paths.logs, paths.results, paths.workers):  # fail now, not after the run

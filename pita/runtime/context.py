@@ -6,7 +6,7 @@ built once per chain: `ctx.algo` (the registry row's schema class; `ctx.algo_as(
 narrows it for the type checker), `ctx.training`, `ctx.system`, `ctx.generation`,
 `ctx.evaluation`, `ctx.data_collection`, `ctx.pretrain`, `ctx.model`, `ctx.experiment`,
 `ctx.logger_settings`. A default lives on its field only: a stage never restates one with
-`.get("key", default)` (tests/test_schema.py scans for them). `ctx.cfg`, the chain's
+`.get("key", default)` (tests/test_stage_settings.py scans for them). `ctx.cfg`, the chain's
 read-only DictConfig, stays for what is not a schema group (`executor.stage_overrides`,
 the dataset's own keys). The worker has already put the chain's own dataset and model
 family into the config, so a stage of a multi-dataset experiment never sees another
@@ -171,9 +171,7 @@ class StageContext:
             folder = folder / Artifact.VALUE_MODEL
         return self.models.get(
             f"value:{folder}",
-            lambda: ValueModel.load(
-                folder, device=self.device, attn_impl=self.cfg.system.attn_impl
-            ),
+            lambda: ValueModel.load(folder, device=self.device, attn_impl=self.system.attn_impl),
         )
 
     def load_model(self, name_or_path: Path | str) -> Any:
@@ -190,7 +188,7 @@ class StageContext:
                 family=self.task.family,
                 family_cfg=self.cfg.model,
                 device=self.device,
-                attn_impl=self.cfg.system.attn_impl,
+                attn_impl=self.system.attn_impl,
                 logger=self.logger,
             ),
         )
@@ -212,13 +210,13 @@ class StageContext:
                 f"dataset {task.name} is scored by a reward model: set model.reward=<a "
                 f"sequence-classification checkpoint> (family {self.task.family} has none)"
             )
-        batch = self.cfg.data_collection.reward_batch_size
+        batch = self.data_collection.reward_batch_size
         task.scorer = self.models.get(
             f"rm-text:{family.reward}",
             lambda: load_text_scorer(
                 family.reward,
                 device=self.device,
-                dtype=self.cfg.model.get("dtype", "auto"),
+                dtype=self.model.dtype,
                 batch_size=batch if isinstance(batch, int) else 32,
                 trust_remote_code=family.trust_remote_code,
             ),
@@ -238,9 +236,7 @@ class StageContext:
         """A per-task seed: the run seed mixed with the task id (stable across resumes)."""
         import zlib
 
-        return (int(self.cfg.experiment.seed) * 1_000_003 + zlib.crc32(self.task.id.encode())) % (
-            2**31
-        )
+        return (int(self.experiment.seed) * 1_000_003 + zlib.crc32(self.task.id.encode())) % (2**31)
 
 
 def write_stand_in_outputs(ctx: StageContext) -> None:

@@ -295,8 +295,9 @@ def inprocess_threads(cfg_dict: dict) -> int:
     """The torch threads a pool worker would get for one task on this host: the CPU slot's
     `system.threads_per_worker`, or on a GPU (one task at a time here) the GPU budget."""
     from pita.core.resources import thread_budget
+    from pita.core.schema import SystemConfig, settings
 
-    per_worker = int((cfg_dict.get("system") or {}).get("threads_per_worker") or 1)
+    per_worker = settings(SystemConfig, cfg_dict.get("system")).threads_per_worker
     kind = "cuda" if os.environ.get("CUDA_VISIBLE_DEVICES") else "cpu"
     return thread_budget(kind, 1, 1, per_worker)
 

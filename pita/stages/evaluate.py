@@ -41,8 +41,8 @@ from pita.runtime.context import StageContext
 
 def test_examples(ctx: StageContext, task) -> list:
     examples = task.test_examples()
-    if ctx.cfg.evaluation.max_prompts:
-        examples = examples[: ctx.cfg.evaluation.max_prompts]
+    if ctx.evaluation.max_prompts:
+        examples = examples[: ctx.evaluation.max_prompts]
     return examples
 
 
@@ -80,12 +80,12 @@ class EvalPolicy:
 
 
 def generation_rule(ctx: StageContext) -> SamplingRule:
-    gen = ctx.cfg.generation
+    gen = ctx.generation
     return SamplingRule(int(gen.top_k), float(gen.temperature), float(gen.top_p))
 
 
 def guided_rule(ctx: StageContext, algo: str) -> SamplingRule:
-    gen = ctx.cfg.generation
+    gen = ctx.generation
     return SamplingRule(
         int(ctx.cfg.algos[algo].guidance.top_k), float(gen.temperature), float(gen.top_p)
     )
@@ -121,7 +121,7 @@ def eval_policies(ctx: StageContext, ref) -> list[EvalPolicy]:
                 hook_factory=guided_hook_factory(ctx, guide_dir, float(eta)) if eta > 0 else None,
                 is_reference=not eta > 0,
             )
-            for eta in ctx.cfg.evaluation.etas
+            for eta in ctx.evaluation.etas
         ]
     return [
         EvalPolicy(None, ctx.load_model(ctx.input("policy") / Artifact.MODEL), generation_rule(ctx))
@@ -147,14 +147,14 @@ def evaluate_shard(ctx: StageContext) -> dict:
     all_examples = test_examples(ctx, task)
     part = ctx.shard_slice(len(all_examples))
     indices = list(range(len(all_examples)))[part]
-    k = int(ctx.cfg.evaluation.num_samples)
+    k = int(ctx.evaluation.num_samples)
     prompt_index = [i for i in indices for _ in range(k)]
     prompts = [all_examples[i].prompt_ids for i in prompt_index]
     examples = [all_examples[i] for i in prompt_index]
-    gen = ctx.cfg.generation
+    gen = ctx.generation
     max_new = int(gen.max_new_tokens or task.max_new_tokens)
     bs = generation_batch_size(
-        ctx, ctx.cfg.evaluation.batch_size, model=ref, prompts=prompts, max_new_tokens=max_new
+        ctx, ctx.evaluation.batch_size, model=ref, prompts=prompts, max_new_tokens=max_new
     )
     n_records = 0
     policies = eval_policies(ctx, ref)
@@ -252,7 +252,7 @@ def evaluate_merge(ctx: StageContext) -> dict:
                 [r["example"] for r in recs],
                 [r["answer"] for r in recs],
                 rewards,
-                seed=int(ctx.cfg.experiment.seed),
+                seed=int(ctx.experiment.seed),
             ),
             "avg_reward": mean(rewards),
             "kl": mean([r["kl"] for r in recs]),
