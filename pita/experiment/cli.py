@@ -93,7 +93,10 @@ def format_compose_error(exc: BaseException, overrides: list[str]) -> str:
         )
     m = re.search(r"Could not override '([^']+)'", text)
     if m:
-        return f"{m.group(1)}: unknown key (not in pita's config schema, see conf/ and pita/core/schema.py)"
+        from pita.core.schema import UNKNOWN_KEY
+        from pita.experiment.config import with_hint
+
+        return with_hint(f"{m.group(1)}: {UNKNOWN_KEY}")
     m = re.search(r"Could not find '(hydra/launcher)/([^']+)'", text)
     if m:
         have = sorted(p.stem for p in (CONF_DIR / "hydra" / "launcher").glob("*.yaml"))

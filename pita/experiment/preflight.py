@@ -216,7 +216,7 @@ def _offline_model_errors(families: list[tuple[str, str, Any]], reward: bool = T
         if not cached:
             errors.append(
                 f"{key}={repo!r}: not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
-                f"{why}; download it first (huggingface-cli download {repo}) or set {key} to a local folder"
+                f"{why}; download it first (hf download {repo}) or set {key} to a local folder"
             )
     if not errors and not offline:
         os.environ["HF_HUB_OFFLINE"] = "1"  # workers inherit it: no minutes of retries each
