@@ -7,8 +7,9 @@ bad group option or invalid value becomes one line naming the key and what is al
 with exit code 2, before a folder or a process exists. Then `@hydra.main` runs as usual
 (sweeps, launchers and `.hydra/` included).
 
-`resume_from=<run dir>` bypasses composition: the run's saved config is reused, only
-run-safe keys may be overridden, and the run continues in its own folder.
+`resume_from=<run dir>` bypasses composition: the run's saved config is reused, any key
+may be overridden (the tasks it touches run again, the rest is kept:
+pita/experiment/resume_fix.py), and the run continues in its own folder.
 `resume_from=auto` resumes the newest run of `experiment.name` if it did not finish (a
 SLURM requeue finishes its run), else starts a new one; so does rerunning into an existing
 run folder (`hydra.run.dir=<run dir>`).
@@ -267,23 +268,40 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
             f"{key}: {_first_line(exc)}"
         ) from None
     assert isinstance(cfg, DictConfig)
-    for o in overrides:
-        key = o.split("=", 1)[0].lstrip("+~")
-        if not key.startswith(RESUME_SAFE_PREFIXES):
-            raise ConfigError(
-                f"{key}: cannot change on resume (the run's saved config is reused); "
-                f"allowed: system.devices, executor.*, dry_run"
-            )
-        if key == "resume_from":
-            continue
-        try:
-            value = OmegaConf.from_dotlist([o.lstrip("+")])
-            cfg = OmegaConf.merge(cfg, value)
-        except Exception as exc:
-            raise ConfigError(f"{o}: {_first_line(exc)}") from None
-    assert isinstance(cfg, DictConfig)
+    cfg = apply_resume_overrides(cfg, overrides)
     cfg.resume_from = str(run_dir)
     return cfg, run_dir
+
+
+def apply_resume_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """A resume's `key=value` overrides onto the saved config. Any key may change (the
+    tasks it touches run again: pita/experiment/resume_fix.py); a config group
+    (`dataset=gsm8k`) selects another experiment and Hydra's own keys fix the run folder,
+    so both are refused with one line."""
+    from pita.core.schema import UNKNOWN_KEY
+    from pita.experiment.config import with_hint
+
+    for o in overrides:
+        key, _, value = o.partition("=")
+        bare = key.lstrip("+~")
+        if bare == "resume_from":
+            continue
+        if bare.startswith("hydra") or "/" in bare or (CONF_DIR / bare).is_dir():
+            raise ConfigError(
+                f"{o}: a config group or Hydra setting cannot change on resume (it describes "
+                f"another run); set its keys one by one (e.g. {bare.split('/')[0]}.<key>=...), "
+                f"or start a new run"
+            )
+        if key.startswith("~"):
+            raise ConfigError(f"{o}: a key cannot be removed on resume; set it to another value")
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{bare}={value}"]))
+        except Exception as exc:
+            if type(exc).__name__ == "ConfigKeyError":
+                raise ConfigError(with_hint(f"{bare}: {UNKNOWN_KEY}")) from None
+            raise ConfigError(f"{o}: {_first_line(exc)}") from None
+    assert isinstance(cfg, DictConfig)
+    return cfg
 
 
 def preflight(
