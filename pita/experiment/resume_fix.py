@@ -38,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from pita.core.dag import Plan
 from pita.core.paths import RunPaths, TaskPaths, atomic_write_json, atomic_write_text
 from pita.core.tasks import TaskSpec
+from pita.experiment.cli_extras import flatten
 
 log = logging.getLogger("pita")
 
@@ -76,22 +77,11 @@ IDENTITY = (
 PLACEMENT_ONLY = ("memory_gb",)  # family_cfg keys that place a task, not what it computes
 
 
-def flat(node: Any, prefix: str = "") -> dict[str, Any]:
-    """Dotted leaf keys of a resolved config (lists are leaves; an empty mapping has none,
-    so `trl: {}` and `trl: {loss_type: x}` differ by `trl.loss_type` alone)."""
-    if isinstance(node, Mapping):
-        out: dict[str, Any] = {}
-        for k, v in node.items():
-            out.update(flat(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: node}
-
-
 def changed_keys(
     saved: Mapping, new: Mapping, unchanged_prefixes: tuple[str, ...]
 ) -> dict[str, tuple]:
     """key -> (saved value, new value) for every leaf that differs, except run-safe ones."""
-    a, b = flat(saved), flat(new)
+    a, b = flatten(saved), flatten(new)
     out = {}
     for key in sorted(set(a) | set(b)):
         if key.startswith(unchanged_prefixes) or key in ("resume_from", "dry_run"):
