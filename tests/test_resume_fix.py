@@ -105,30 +105,39 @@ def test_a_bad_fix_is_still_one_line_exit_2(override, expected, tmp_path, capsys
     assert expected in line, line
 
 
+TOKEN = "hf_" + "PlantedSecret0" * 3  # a token-shaped secret, planted where a user keeps it
+
+
 @pytest.mark.slow
 def test_the_printed_advice_after_a_failed_task_finishes_the_run(tmp_path):
     """A value TRL refuses only inside the trainer (generation_batch_size not divisible by
     the group: arithmetic across fields, not a choice) fails GRPO's train task; the run
     prints the resume command; that command with the fixed key finishes the run, keeping
-    the pretrained reference."""
+    the pretrained reference. Secrets (issue 34 item 3): HF_TOKEN / WANDB_API_KEY in the
+    environment of both runs and a hub_token tried on the command line end up in no file of
+    the run folder."""
+    env = {"HF_TOKEN": TOKEN, "WANDB_API_KEY": TOKEN[::-1]}
     args = ["experiment=smoke", *only("GRPO"), "experiment.name=fix"]
-    first = run_cli([*args, "algos.GRPO.trl.generation_batch_size=3"], tmp_path, timeout=900)
+    first = run_cli([*args, "algos.GRPO.trl.generation_batch_size=3"], tmp_path, env, timeout=900)
     assert first.returncode == 1, first.stdout + first.stderr
     advice = re.search(
-        r"finish the run with: (python run_parallel\.py resume_from=\S+)", first.stdout
+        r"finish the run with: python run_parallel\.py (resume_from=\S+)", first.stdout
     )
     assert advice, first.stdout
+    resume = advice.group(1)
     [run_dir] = run_dirs(tmp_path, "fix")
-    assert advice.group(1).endswith(f"resume_from={run_dir}")
+    assert resume == f"resume_from={run_dir}"
+    refused = run_cli([resume, f"algos.GRPO.trl.hub_token={TOKEN}"], tmp_path, env, timeout=300)
+    assert refused.returncode == 2 and TOKEN not in refused.stdout + refused.stderr
     fix = "algos.GRPO.trl.generation_batch_size=16"
-    dry = run_cli([advice.group(1).split(" ", 2)[2], fix, "dry_run=true"], tmp_path, timeout=300)
+    dry = run_cli([resume, fix, "dry_run=true"], tmp_path, env, timeout=300)
     assert dry.returncode == 0, dry.stdout + dry.stderr
     assert re.search(
         r"GRPO\.goal_walk\.tiny\.r0\.train\s+reads algos\.GRPO\.trl\.generation_batch_size",
         dry.stdout,
     )
     assert "pretrain.goal_walk.tiny" not in dry.stdout.split("Resume:")[1]  # kept
-    second = run_cli([advice.group(1).split(" ", 2)[2], fix], tmp_path, timeout=900)
+    second = run_cli([resume, fix], tmp_path, env, timeout=900)
     assert second.returncode == 0, second.stdout + second.stderr
     events = journal(run_dir)
     changed = next(i for i, e in enumerate(events) if e["event"] == "run_changed")
@@ -138,3 +147,8 @@ def test_the_printed_advice_after_a_failed_task_finishes_the_run(tmp_path):
     saved = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     assert saved.algos.GRPO.trl.generation_batch_size == 16
     assert json.loads((run_dir / "plan.json").read_text())["tasks"]
+    files = [p for p in run_dir.rglob("*") if p.is_file() and not p.is_symlink()]
+    assert len(files) > 20
+    for secret in (TOKEN, TOKEN[::-1]):
+        leaked = [str(p) for p in files if secret.encode() in p.read_bytes()]
+        assert leaked == [], leaked

@@ -146,6 +146,31 @@ def test_secrets_and_remote_code_refused_without_echoing_the_value():
     assert lines[3].startswith("algos.GRPO.trl.hub_model_id: looks like a secret")
 
 
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("algos.DPO.trl.hub_token={token}", "algos.DPO.trl.hub_token"),
+        ("algos.GRPO-HF.reward_trl.hub_token={token}", "algos.GRPO-HF.reward_trl.hub_token"),
+        ("logger.tracking_uri=https://bob:{token}@mlflow.example.com", "logger.tracking_uri"),
+        ("dataset.hub_id={token}", "dataset.hub_id"),
+    ],
+)
+def test_a_secret_on_the_command_line_is_refused_and_never_echoed(
+    override, key, tmp_path, capsys, monkeypatch
+):
+    from pita.experiment import cli
+
+    monkeypatch.chdir(tmp_path)
+    token = "hf_" + "PlantedSecret0" * 3
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([override.format(token=token)])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2
+    assert token not in out + err
+    assert any(line.startswith(f"error: {key}") for line in err.splitlines()), err
+    assert not (tmp_path / "outputs").exists()
+
+
 def test_option_files_are_read_like_control_files(tmp_path):
     from pita.experiment.trl_values import option_file_error as check
 

@@ -96,6 +96,27 @@ def non_finite_errors(node: Any, key: str = "") -> list[str]:
     return []
 
 
+def secret_errors(node: Any, key: str = "") -> list[str]:
+    """`<key>: looks like a secret` for every string of a resolved config that holds a token
+    or a URL with a password (the config is written into the run folder and every task's
+    result); its value is never printed. `algos.<NAME>.trl` is checked by its own rule
+    (pita/experiment/trl_values.py)."""
+    from pita.experiment.trl_values import SECRET_VALUE, secret_error
+
+    if isinstance(node, str):
+        return [line] if SECRET_VALUE.search(node) and (line := secret_error(key, "", node)) else []
+    if isinstance(node, dict):
+        return [
+            m
+            for k, v in node.items()
+            if k not in ("trl", "reward_trl")
+            for m in secret_errors(v, f"{key}.{k}" if key else str(k))
+        ]
+    if isinstance(node, list):
+        return [m for i, v in enumerate(node) for m in secret_errors(v, f"{key}[{i}]")]
+    return []
+
+
 SEARCH_DIRS: list[Path] = []  # the config search path of the last composition (cli.py)
 
 
@@ -145,6 +166,7 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
     if non_finite:  # the range checks below would compare NaN and pass
         raise ConfigError(non_finite)
     errors = [with_hint(e) for e in schema_errors(resolved, PitaConfig)]
+    errors += secret_errors(resolved)
     try:
         validate_devices_spec(cfg.system.devices)
     except ConfigError as exc:

@@ -34,7 +34,8 @@ from typing import Any
 
 SECRET_NAME = re.compile(r"token|secret|passw|api_?key|credential", re.IGNORECASE)
 SECRET_ALLOWED = {"pad_token", "eos_token", "include_num_input_tokens_seen"}  # names, not secrets
-SECRET_VALUE = re.compile(r"\b(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,})")
+# a hub / API token, or a URL carrying a password (`https://user:pw@host`)
+SECRET_VALUE = re.compile(r"\b(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,})|://[^/\s:@]+:[^/\s@]+@")
 # space-separated option lists or mappings, not one choice
 NOT_CHOICES = frozenset({"debug", "lr_scheduler_kwargs", "fsdp"})
 FILE_OPTIONS = ("deepspeed", "fsdp_config", "accelerator_config")
@@ -267,8 +268,8 @@ def secret_error(prefix: str, field: str, value: Any) -> str | None:
     if (SECRET_NAME.search(field) and field not in SECRET_ALLOWED) or looks_secret:
         return (
             f"{prefix}: looks like a secret; refused, its value is not shown (pita never pushes to a "
-            f"hub, and the config is written into the run folder); set HF_TOKEN in the environment "
-            f"if a download needs it"
+            f"hub, and the config is written into the run folder); pass secrets in the environment "
+            f"(HF_TOKEN, WANDB_API_KEY, MLFLOW_TRACKING_PASSWORD), which pita never writes"
         )
     return None
 
