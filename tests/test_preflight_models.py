@@ -71,7 +71,7 @@ def test_lora_target_modules_that_match_nothing(tmp_path, capsys, monkeypatch):
     base = ["dataset=gsm8k", _data(tmp_path), *_family(model), *only("DPO")]
     line = _exit_2([*base, "+algos.DPO.peft={r: 4, target_modules: [q_proj, c_attn]}"], capsys)
     assert line.startswith(
-        "error: algos.DPO.peft.target_modules=['q_proj', 'c_attn']: c_attn match no module of "
+        "error: algos.DPO.peft.target_modules=['q_proj', 'c_attn']: c_attn matches no module of "
         f"model.reference='{model}'; its modules end in: q_proj, up_proj"
     )
     built_in = ["system.devices=cpu", *only("DPO"), "+algos.DPO.peft={target_modules: [c_attn]}"]
@@ -132,3 +132,20 @@ def test_hub_dataset_not_cached_while_the_hub_cannot_be_reached(tmp_path, capsys
     monkeypatch.setattr(preflight, "HUB_HOST", "hub.invalid")
     line = _exit_2(args, capsys)
     assert "openai/gsm8k is not in the local cache and huggingface.co cannot be reached" in line
+
+
+def test_preflight_reads_a_bounded_part_of_a_huge_dataset_file(tmp_path):
+    """A 1 GB dataset file without a newline (sparse: no disk used) is not read whole:
+    the first lines' check stops at MAX_LINE_CHARS and leaves the record to the task."""
+    from omegaconf import OmegaConf
+
+    from pita.experiment.preflight import MAX_LINE_CHARS, _jsonl_errors
+
+    huge = tmp_path / "huge.jsonl"
+    with open(huge, "wb") as f:
+        f.truncate(2**30)
+    assert MAX_LINE_CHARS < 2**30
+    assert _jsonl_errors(OmegaConf.create({"dataset": {"path": str(huge)}})) == []
+    blank_first = tmp_path / "blank.jsonl"
+    blank_first.write_text("\n" * 1000 + '{"question": "q", "answer": "1"}\n')
+    assert _jsonl_errors(OmegaConf.create({"dataset": {"path": str(blank_first)}})) == []

@@ -295,12 +295,13 @@ def apply_resume_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
         if key.startswith("~"):
             raise ConfigError(f"{o}: a key cannot be removed on resume; set it to another value")
         try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{bare}={value}"]))
+            merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{bare}={value}"]))
         except Exception as exc:
             if type(exc).__name__ == "ConfigKeyError":
                 raise ConfigError(with_hint(f"{bare}: {UNKNOWN_KEY}")) from None
             raise ConfigError(f"{o}: {_first_line(exc)}") from None
-    assert isinstance(cfg, DictConfig)
+        assert isinstance(merged, DictConfig)  # a mapping merged into a mapping
+        cfg = merged
     return cfg
 
 

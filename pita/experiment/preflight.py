@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 
 PATH_KEYS = ("path", "train_path", "cache_dir")  # dataset.<key>: local paths
 JSONL_LINES_CHECKED = 5
+MAX_LINE_CHARS = 4 * 2**20
 MIN_FREE_MB = 64
 HUB_HOST, HUB_PROBE_S = "huggingface.co", 3.0
 _TRUE = ("1", "true", "yes", "on")
@@ -94,8 +95,16 @@ def _jsonl_errors(cfg: DictConfig) -> list[str]:
 def _first_lines_problem(path: Path) -> str | None:
     try:
         with open(path, encoding="utf-8") as f:
-            seen = 0
-            for n, line in enumerate(f, 1):
+            seen, eof = 0, False
+            # bounded whatever the file holds: at most JSONL_LINES_CHECKED records, each read
+            # up to MAX_LINE_CHARS (a longer first record is left to the task)
+            for n in range(1, JSONL_LINES_CHECKED * 100 + 1):
+                line = f.readline(MAX_LINE_CHARS)
+                if not line:
+                    eof = True
+                    break
+                if len(line) == MAX_LINE_CHARS and not line.endswith("\n"):
+                    return None
                 if not line.strip():
                     continue
                 try:
@@ -107,7 +116,7 @@ def _first_lines_problem(path: Path) -> str | None:
                 seen += 1
                 if seen >= JSONL_LINES_CHECKED:
                     break
-            return None if seen else f"{path.name} holds no records"
+            return None if seen or not eof else f"{path.name} holds no records"
     except UnicodeDecodeError:
         return f"{path.name} is not UTF-8 text"
     except OSError as exc:

@@ -194,9 +194,10 @@ def lora_target_errors(cfg: DictConfig, families: Iterable[tuple[str, str, Any]]
             if missing:
                 leaves = sorted({m.rsplit(".", 1)[-1] for m in modules})
                 shown = ", ".join(leaves[:14]) + (" ..." if len(leaves) > 14 else "")
+                verb = "matches" if len(missing) == 1 else "match"
                 errors.append(
                     f"algos.{name}.peft.target_modules={list(targets)}: {', '.join(map(str, missing))} "
-                    f"match no module of model.reference={ref!r}; its modules end in: {shown} "
+                    f"{verb} no module of model.reference={ref!r}; its modules end in: {shown} "
                     f"(or use target_modules=all-linear)"
                 )
                 break
