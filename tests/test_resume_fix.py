@@ -86,6 +86,16 @@ def test_dry_run_of_a_resume_with_a_fix_lists_what_runs_and_why(tmp_path, capsys
     assert {p.name: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
+def test_a_relative_resume_folder_reaches_the_workers_absolute(tmp_path, monkeypatch):
+    """`resume_from=outputs/x/<ts>` as typed from the user's folder: workers run from pita's
+    folder, where the relative path named nothing (GRPO's train then took the pretrained
+    model's path for a hub id)."""
+    monkeypatch.chdir(tmp_path)
+    _saved_run(tmp_path, [])
+    cfg, run_dir = cli.load_resume_config("run", [])
+    assert run_dir == tmp_path / "run" and cfg.resume_from == str(tmp_path / "run")
+
+
 @pytest.mark.parametrize(
     ("override", "expected"),
     [

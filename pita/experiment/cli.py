@@ -249,6 +249,7 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
     run_dir = Path(resume_dir).expanduser()
     if not run_dir.exists():
         run_dir = PROJECT_ROOT / resume_dir
+    run_dir = run_dir.absolute()  # workers run from pita's folder: a relative one means another
     try:
         saved = load_saved_config(RunPaths(run_dir).saved_config)
     except Exception as exc:
