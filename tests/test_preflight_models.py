@@ -59,6 +59,8 @@ def test_model_with_fewer_positions_than_the_budget(tmp_path, capsys, monkeypatc
     line = _exit_2([*base, "dataset.max_new_tokens=64", "dataset.max_prompt_tokens=200"], capsys)
     assert "(200 + 64)" in line
     assert not (tmp_path / "outputs").exists()
+    followed = [*base, "dataset.max_new_tokens=56", "dataset.max_prompt_tokens=200"]
+    cli.preflight(cli.compose_config(followed), followed)  # the advice, followed: no error
 
 
 def test_lora_target_modules_that_match_nothing(tmp_path, capsys, monkeypatch):
@@ -76,6 +78,11 @@ def test_lora_target_modules_that_match_nothing(tmp_path, capsys, monkeypatch):
     )
     built_in = ["system.devices=cpu", *only("DPO"), "+algos.DPO.peft={target_modules: [c_attn]}"]
     assert "model.reference='<built in the run>'" in _exit_2(built_in, capsys)
+    for followed in (  # the advice, followed: an existing module, or all-linear
+        [*base, "+algos.DPO.peft={r: 4, target_modules: [q_proj, up_proj]}"],
+        [*base, "+algos.DPO.peft={r: 4, target_modules: all-linear}"],
+    ):
+        cli.preflight(cli.compose_config(followed), followed)
 
 
 def test_lora_targets_that_exist_pass(tmp_path):
