@@ -110,6 +110,8 @@ BAD = [
         "algos.DPO.trl.deepspeed: needs the deepspeed package",
     ),
     (["algos.DPO.trl.trust_remote_code=true"], "set model.trust_remote_code=true instead"),
+    (["dataset=gsm8kk"], "dataset=gsm8kk: no such dataset config; available: "),
+    (["dataset=gsm8kk"], "; did you mean dataset=gsm8k?"),
 ]
 
 
@@ -208,6 +210,10 @@ def _conf_copy(tmp_path, monkeypatch, name: str, text: str) -> None:
         (
             "# @package _global_\nexperiment:\n  nmae: typo\n",
             "conf/experiment/mine.yaml: experiment.nmae: Key 'nmae'",
+        ),
+        (
+            "# @package _global_\nexperiment:\n  nmae: typo\n",
+            "; did you mean experiment.name?",
         ),
     ],
 )

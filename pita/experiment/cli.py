@@ -24,6 +24,7 @@ checks values only: devices and placement are checked in the job, on its node.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -82,7 +83,10 @@ def format_compose_error(exc: BaseException, overrides: list[str]) -> str:
     cause = exc.__cause__ or exc.__context__
     full_key = getattr(cause, "full_key", None)
     if m and full_key:  # a bad key or value inside a config file
-        return f"conf/{m.group(1)}.yaml: {full_key}: {_first_line(cause)}"
+        from pita.experiment.config import did_you_mean
+
+        hint = did_you_mean(str(full_key)) if type(cause).__name__ == "ConfigKeyError" else ""
+        return f"conf/{m.group(1)}.yaml: {full_key}: {_first_line(cause)}{hint}"
     odd = next((o for o in overrides if not o.isascii()), None)
     if odd is not None and ("LexerNoViableAlt" in text or "token recognition error" in text):
         key, _, value = odd.partition("=")
@@ -109,7 +113,9 @@ def format_compose_error(exc: BaseException, overrides: list[str]) -> str:
     if m:
         group, name = m.group(1), m.group(2)
         options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-        return f"{group}={name}: no such {group} config; available: {', '.join(options)}"
+        near = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+        hint = f"; did you mean {group}={near[0]}?" if near else ""
+        return f"{group}={name}: no such {group} config; available: {', '.join(options)}{hint}"
     m = re.search(r"Error merging override (\S+)", text)
     if m:
         cause = exc.__cause__ or exc.__context__
@@ -506,7 +512,8 @@ def _same_run_overrides(run_dir: str, overrides: list[str], args) -> list[str]:
         raise ConfigError(
             f"resume of {run_dir}: this command line describes another run ("
             f"{'; '.join(diff[:4])}{' ...' if len(diff) > 4 else ''}); pass resume_from={run_dir} "
-            f"alone to finish it, or change experiment.name for a new run"
+            f"alone to finish it as it was, resume_from={run_dir} <key>=<value> to finish it with "
+            f"other values (the tasks they touch run again), or change experiment.name for a new run"
         )
     return [
         o for o in overrides if o.split("=", 1)[0].lstrip("+~").startswith(RESUME_SAFE_PREFIXES)
