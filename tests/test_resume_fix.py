@@ -31,7 +31,7 @@ def _touched(change: list[str]) -> dict[str, str]:
     keys = changed_keys(
         OmegaConf.to_container(old_cfg, resolve=True),
         OmegaConf.to_container(new_cfg, resolve=True),
-        cli.RESUME_SAFE_PREFIXES,
+        lambda key: key.startswith(cli.RESUME_SAFE_PREFIXES),
     )
     return touched_tasks(old, new, keys)
 

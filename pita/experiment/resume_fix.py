@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,14 +77,12 @@ IDENTITY = (
 PLACEMENT_ONLY = ("memory_gb",)  # family_cfg keys that place a task, not what it computes
 
 
-def changed_keys(
-    saved: Mapping, new: Mapping, unchanged_prefixes: tuple[str, ...]
-) -> dict[str, tuple]:
+def changed_keys(saved: Mapping, new: Mapping, run_safe: Callable[[str], bool]) -> dict[str, tuple]:
     """key -> (saved value, new value) for every leaf that differs, except run-safe ones."""
     a, b = flatten(saved), flatten(new)
     out = {}
     for key in sorted(set(a) | set(b)):
-        if key.startswith(unchanged_prefixes) or key in ("resume_from", "dry_run"):
+        if run_safe(key) or key in ("resume_from", "dry_run"):
             continue
         if a.get(key, "<absent>") != b.get(key, "<absent>"):
             out[key] = (a.get(key, "<absent>"), b.get(key, "<absent>"))
@@ -154,7 +152,7 @@ def touched_tasks(old: Plan, new: Plan, keys: Mapping[str, tuple]) -> dict[str, 
 
 
 def plan_change(
-    cfg: DictConfig, run_dir: Path, old: Plan, build: Any, unchanged_prefixes: tuple[str, ...]
+    cfg: DictConfig, run_dir: Path, old: Plan, build: Any, run_safe: Callable[[str], bool]
 ) -> Change | None:
     """The change `cfg` makes to the run saved in `run_dir` (None: same config, the saved
     plan is reused as it is). `build(cfg) -> Plan` plans the new config."""
@@ -173,7 +171,7 @@ def plan_change(
         old_values = OmegaConf.to_container(before, resolve=False)
         new = OmegaConf.to_container(cfg, resolve=False)
     assert isinstance(old_values, dict) and isinstance(new, dict)
-    keys = changed_keys(old_values, new, unchanged_prefixes)
+    keys = changed_keys(old_values, new, run_safe)
     if not keys:
         return None
     plan = build(cfg)

@@ -224,7 +224,10 @@ def resume_change(cfg: DictConfig, run_dir: Path, gpu: GPUManager, saved: Plan):
     from pita.experiment.cli import RESUME_SAFE_PREFIXES
     from pita.experiment.resume_fix import plan_change
 
-    return plan_change(cfg, run_dir, saved, lambda c: build_plan(c, gpu), RESUME_SAFE_PREFIXES)
+    def run_safe(key: str) -> bool:  # where and how the run goes, never what it computes
+        return key.startswith(RESUME_SAFE_PREFIXES)
+
+    return plan_change(cfg, run_dir, saved, lambda c: build_plan(c, gpu), run_safe)
 
 
 def print_resume_dry_run(plan: Plan, run_dir: Path, change) -> None:
