@@ -199,15 +199,43 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
     paths = RunPaths(run_dir)
     gpu = make_gpu_manager(cfg)
     plan = Plan.load(paths.plan) if resumed else build_plan(cfg, gpu)
+    change = resume_change(cfg, run_dir, gpu, plan) if resumed else None
+    if change is not None:
+        plan = change.plan
     if resumed:
         check_plan_fits(plan, gpu, cfg)
     if cfg.dry_run:
         warn_stage_overrides(cfg, plan)
         print_dry_run(plan, cfg, gpu)
+        if resumed:
+            print_resume_dry_run(plan, run_dir, change)
         return EXIT_OK
 
     with lock_run_folder(cfg, run_dir):  # one orchestrator per run folder (a second exits 2)
+        if change is not None:
+            from pita.experiment.resume_fix import apply_change
+
+            apply_change(cfg, run_dir, change)
         return _run_locked(cfg, run_dir, paths, gpu, plan, resumed, absolutized)
+
+
+def resume_change(cfg: DictConfig, run_dir: Path, gpu: GPUManager, saved: Plan):
+    """What a resume's other values change (pita/experiment/resume_fix.py), or None."""
+    from pita.experiment.cli import RESUME_SAFE_PREFIXES
+    from pita.experiment.resume_fix import plan_change
+
+    def run_safe(key: str) -> bool:  # where and how the run goes, never what it computes
+        return key.startswith(RESUME_SAFE_PREFIXES)
+
+    return plan_change(cfg, run_dir, saved, lambda c: build_plan(c, gpu), run_safe)
+
+
+def print_resume_dry_run(plan: Plan, run_dir: Path, change) -> None:
+    """Which tasks a resume will run, and why (a changed key, a failure, an input)."""
+    from pita.core.resume import resume_reasons
+    from pita.experiment.resume_fix import print_resume_plan
+
+    print_resume_plan(plan, resume_reasons(plan, run_dir, change and change.touched), change)
 
 
 def _run_locked(
@@ -373,7 +401,11 @@ def _run_locked(
             tail = TaskPaths(run_dir, tid).failed(runner.attempts.get(tid, 1)) / Artifact.LOG
             if tail.is_file():
                 log.error("    log: %s (%s)", tail, last_line(tail.read_text(errors="replace")))
-        log.error("Fix the cause, then finish the run with: %s", resume_command(run_dir))
+        log.error(
+            "Fix the cause, then finish the run with: %s (add key=value to change a setting: "
+            "the tasks it touches run again, the rest is kept; add dry_run=true to list them)",
+            resume_command(run_dir),
+        )
         _end_lines(paths)
         return EXIT_FAILED
     log.info("All %d tasks done in %.1fs.", len(plan.tasks), time.time() - t0)
