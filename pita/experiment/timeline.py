@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from pita.algos.registry import ANY
+from pita.core import user_cache
 from pita.core.journal import read_events
-from pita.core.paths import RunPaths, atomic_write_json, atomic_write_text, pita_cache_dir
+from pita.core.paths import RunPaths, atomic_write_text, pita_cache_dir
 
 log = logging.getLogger("pita.report")
 
@@ -59,12 +60,12 @@ def duration_key(cfg: Any, device_kind: str) -> Callable[[Any], str]:
 
 
 def load_durations(path: Path | None = None) -> dict[str, float]:
-    """Recorded durations, key -> seconds ({} when there is no readable cache)."""
-    try:
-        data = json.loads((path or durations_cache_path()).read_text())
-        return {k: float(v["wall_s"]) for k, v in data.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return {}
+    """Recorded durations, key -> seconds ({} when there is no trustworthy cache: see
+    pita/core/user_cache.py)."""
+    path = path or durations_cache_path()
+    return user_cache.entries(
+        user_cache.read_json(path, "durations"), path, "durations", lambda v: float(v["wall_s"])
+    )
 
 
 def record_durations(
@@ -75,21 +76,13 @@ def record_durations(
     walls = done_walls(read_events(RunPaths(run_dir).journal))
     if not walls:
         return 0
-    try:
-        data = json.loads(path.read_text()) if path.is_file() else {}
-        if not isinstance(data, dict):
-            data = {}
-    except (OSError, ValueError):
-        data = {}
-    for tid, wall in walls.items():
-        if tid in tasks:
-            data[key(tasks[tid])] = {"wall_s": round(wall, 3), "run": str(run_dir)}
-    try:
-        atomic_write_json(path, data)
-    except OSError as exc:
-        log.warning("cannot write the durations cache %s: %s", path, exc)
-        return 0
-    return len(walls)
+
+    def add(data: dict[str, Any]) -> None:
+        for tid, wall in walls.items():
+            if tid in tasks:
+                data[key(tasks[tid])] = {"wall_s": round(wall, 3), "run": str(run_dir)}
+
+    return len(walls) if user_cache.update_json(path, "durations", add) else 0
 
 
 def done_walls(events: list[dict[str, Any]]) -> dict[str, float]:
