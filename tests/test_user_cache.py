@@ -14,7 +14,7 @@ import pytest
 
 from pita.core import user_cache
 from pita.experiment.estimates import PeakEstimator
-from pita.experiment.timeline import load_durations, record_durations
+from pita.experiment.timeline import load_history, record_durations
 from pita.runtime.batch_size.cache import BatchSizeCache
 from pita.runtime.batch_size.search import SearchResult
 
@@ -53,7 +53,7 @@ if os.geteuid() == 0:  # root can make another user's file
 
 def _read(kind: str, path):
     if kind == "durations":
-        return load_durations(path)
+        return load_history(path).exact
     if kind == "peaks":
         return PeakEstimator({}, path).peaks
     return BatchSizeCache(path)._read()
@@ -88,7 +88,7 @@ def test_entries_of_the_wrong_shape_are_skipped_the_rest_kept(tmp_path, caplog):
     path.write_text(json.dumps({"a": {"wall_s": 2.5}, "b": {"wall": 1}, "c": "x", "d": None}))
     user_cache._warned.clear()
     with caplog.at_level(logging.WARNING, logger="pita.cache"):
-        assert load_durations(path) == {"a": 2.5}
+        assert load_history(path).exact == {"a": 2.5}
     assert ["3 entries of the wrong shape" in r.getMessage() for r in caplog.records] == [True]
 
 
@@ -144,7 +144,7 @@ def test_record_durations_over_a_fifo_does_not_hang(tmp_path):
     cache = tmp_path / "task_durations.json"
     os.mkfifo(cache)
     n = _in_thread(record_durations, tmp_path, {"a": _task("a")}, lambda t: t.id, cache)
-    assert n == 1 and load_durations(cache) == {"a": 1.5}
+    assert n == 1 and load_history(cache).exact == {"a": 1.5}
 
 
 def test_a_dry_run_with_hostile_caches_finishes_with_one_warning_each(tmp_path):

@@ -23,6 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from pita.core.paths import Artifact, RunPaths
+from pita.core.progress import progress_line
 from pita.core.tasks import TaskSpec
 
 
@@ -65,6 +66,12 @@ class StageContext:
         if not self.chain_merged:
             self.cfg = chain_config(self.cfg, self.task)
             self.chain_merged = True
+
+    def report_progress(self, done: int, total: int, unit: str = "step", detail: str = "") -> None:
+        """Tell the orchestrator how far the task is (`step 412/1000 loss 0.31`): the live
+        table shows it and the ETA projects the task's time left from it
+        (pita/core/progress.py). Every stage's progress goes through here."""
+        self.heartbeat(progress_line(done, total, unit, detail))
 
     @property
     def algo_cfg(self) -> DictConfig:
