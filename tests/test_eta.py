@@ -129,6 +129,7 @@ def test_progress_lines_round_trip_and_other_lines_say_nothing():
 
 def test_a_running_task_left_from_its_progress_else_its_estimate_else_unknown():
     assert task_left(10.0, 4.0, None) == 6.0  # no progress yet, within its estimate
+    assert task_left(10.0, 12.0, None) == 0.0  # a little past: a heartbeat may be on its way
     assert task_left(10.0, 40.0, None) is None  # past its estimate, nothing to go by
     assert task_left(10.0, 40.0, 0.0) is None  # it said 0/N: no pace yet
     assert task_left(10.0, 40.0, 0.5) == 40.0  # its own pace: as long again
@@ -294,6 +295,13 @@ def test_the_dry_run_scales_earlier_durations_by_task_size_and_names_those_witho
     evaluate = later.tasks[grpo.id.replace(".train", ".evaluate")]
     assert durations.estimate(evaluate) == (pytest.approx(10.0), SCALED)  # same size
     line = history_line(later, durations)
+    # a second recorded size of GRPO's train (16 steps in 100 s): a start-up of 20 s plus
+    # 5 s a step, so 64 steps are 20 + 320 s, not 640 s in proportion
+    _journal(tmp_path / "journal.jsonl", [{"event": "task_done", "task": grpo.id, "wall_s": 100.0}])
+    record_durations(tmp_path, later.tasks, duration_key(after, gpu.kind))
+    longer = compose_config(["experiment=smoke", "algos.GRPO.steps=64"])
+    estimate = task_durations(longer, gpu).estimate(plan_experiment(longer, 1).tasks[grpo.id])
+    assert estimate == (pytest.approx(340.0), SCALED)
     blind = [t.id for t in later.tasks.values() if t.algo == "GRPO-HF"]
     assert line.startswith(f"No history for {len(blind)} of {len(later.tasks)} task(s)")
     assert blind[0] in line and grpo.id not in line

@@ -118,6 +118,9 @@ class TaskDurations:
 # Below this share of its work done, a task's projection (elapsed / share) is mostly its
 # start-up (model load, tokenizing): the estimate still counts when it says more is left.
 EARLY_FRACTION = 0.05
+# A task with no progress is "unknown" only this long past its estimate: estimates of
+# short tasks are noisy, and a stage's first progress line takes a heartbeat to arrive.
+OVERDUE_GRACE_S = 10.0
 PROGRESS_RE = re.compile(r"^(?P<unit>[A-Za-z][\w-]*) (?P<done>\d+)/(?P<total>\d+)(?:\s|$)")
 
 
@@ -142,16 +145,16 @@ def task_left(estimate: float, elapsed: float, fraction: float | None) -> float 
 
     With progress f > 0: elapsed x (1 - f) / f, the task's own pace; early on (f below
     EARLY_FRACTION) the estimate's `estimate - elapsed` wins when larger. Without progress:
-    what is left of the estimate while there is some, then unknown: a task past its
-    estimate is never counted as about to end.
+    what is left of the estimate while there is some, then (OVERDUE_GRACE_S past it)
+    unknown: a task well past its estimate is never counted as about to end.
     """
     if fraction is not None and fraction > 0:
         projected = elapsed * (1.0 - fraction) / fraction
         if fraction < EARLY_FRACTION:
             return max(projected, estimate - elapsed)
         return projected
-    if elapsed < estimate:
-        return estimate - elapsed
+    if elapsed < estimate + OVERDUE_GRACE_S:
+        return max(0.0, estimate - elapsed)
     return None
 
 

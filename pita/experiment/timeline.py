@@ -156,12 +156,33 @@ class DurationHistory:
     by_kind: dict[str, list[tuple[float, float]]]
 
     def scaled(self, task: Any, key: DurationKey) -> float | None:
-        """Seconds of earlier tasks of `task`'s kind, scaled by size (mean of the ratios)."""
+        """Seconds of `task` from earlier tasks of its kind: with two sizes or more, a line
+        through them (a fixed start-up plus seconds per unit of size, `fit_line`); with one,
+        in proportion to size (the start-up scales too: an over-estimate for a larger task)."""
         seen = self.by_kind.get(key.kind(task))
         if not seen:
             return None
         size = _product(task_size(task, key.cfg))
+        line = fit_line(seen)
+        if line is not None:
+            return line[0] + line[1] * size
         return sum(wall * size / old for wall, old in seen) / len(seen)
+
+
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """(start-up s, s per unit) by least squares over (seconds, size) points, both kept
+    non-negative; None with fewer than two distinct sizes."""
+    if len({size for _, size in points}) < 2:
+        return None
+    n = len(points)
+    mx = sum(s for _, s in points) / n
+    my = sum(w for w, _ in points) / n
+    var = sum((s - mx) ** 2 for _, s in points)
+    slope = max(0.0, sum((s - mx) * (w - my) for w, s in points) / var)
+    start = my - slope * mx
+    if start < 0:  # through the origin instead
+        return 0.0, sum(w * s for w, s in points) / sum(s * s for _, s in points)
+    return start, slope
 
 
 def _entry(value: Any) -> tuple[float, str | None, float | None]:
