@@ -163,7 +163,7 @@ def test_a_task_past_its_estimate_never_leaves_the_eta_below_its_own_remaining_t
     assert "estimate of 2 s, and reports no progress; the rest at least 3 s" in line
     progress.worker_info = lambda: [{"task": "s0.train", "progress": "step 500/1000 loss 0.1"}]
     progress.update_eta()
-    assert progress.eta_line().startswith("0/3 tasks, ETA 2 h 00 min (")
+    assert progress.eta_line() == "0/3 tasks, ETA 2 h 00 min (from the running tasks' progress)"
     assert progress.task_progress("s0.train") == "50 %, 40 min 00 s left"
     assert "50 %" in str(progress._table().columns[3]._cells)
 

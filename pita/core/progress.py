@@ -34,8 +34,9 @@ log = logging.getLogger("pita.progress")
 # Seconds per planner work unit before anything was measured (neither in this run nor in an
 # earlier one): the default experiment took 765 task seconds for 90.4 units on a 2-core CPU.
 NOMINAL_S_PER_WORK = 8.0
-THIS_RUN, EARLIER, SCALED, WORK_UNITS = (
+THIS_RUN, PACE, EARLIER, SCALED, WORK_UNITS = (
     "from this run's durations",
+    "from the running tasks' progress",
     "from earlier runs' durations",
     "from earlier runs' durations scaled by task size",
     "from work units: no earlier run",
@@ -223,8 +224,10 @@ class Eta:
             s, source = expected[tid]
             if tid in started:
                 s = out.left[tid] or 0.0
-            else:  # a running task of its kind is slower than expected: so will this be
-                s = max(s, pace.get(task_kind(t), 0.0))
+                if out.fraction.get(tid, 0.0) >= EARLY_FRACTION:
+                    source = PACE
+            elif pace.get(task_kind(t), 0.0) > s:  # a running task of its kind is slower
+                s, source = pace[task_kind(t)], PACE
             seconds[tid] = s
             weight[source] = weight.get(source, 0.0) + s
         out.seconds = simulate_remaining(
