@@ -171,14 +171,15 @@ def test_a_task_past_its_estimate_never_leaves_the_eta_below_its_own_remaining_t
 def test_a_real_stage_slower_than_its_estimate_moves_the_eta_with_its_progress(
     tmp_path, monkeypatch
 ):
-    """A real worker runs tests.fault_stages:progress_stage (3 s of load without progress,
+    """A real worker runs tests.fault_stages:progress_stage (2 s of load without progress,
     then 30 steps of 0.1 s, each reported) against an estimate of 0.5 s. While it loads
     past its estimate the ETA says unknown; once it reports, the ETA is at least its own
     time left at its pace plus the task after it; the table shows its share."""
     from pita.core.gpu_manager import GPUManager
     from pita.core.worker_pool import WorkerPool
 
-    monkeypatch.setenv("PITA_TEST_LOAD_S", "3")
+    monkeypatch.setattr("pita.core.progress.OVERDUE_GRACE_S", 0.0)  # unknown at once
+    monkeypatch.setenv("PITA_TEST_LOAD_S", "2")
     monkeypatch.setenv("PITA_TEST_STEPS", "30")
     monkeypatch.setenv("PITA_TEST_STEP_S", "0.1")
     slow = TaskSpec(
