@@ -444,6 +444,7 @@ def train_loop(ctx: StageContext, run: ValueRun) -> None:
 
     n, batch, weight = run.n, run.batch, run.tensors[3]
     model, optim, sched, gen = run.model, run.optim, run.sched, run.gen
+    detail = ""  # the last log window's loss, shown with every step's progress
     for step in range(run.start, run.steps):
         if run.cursor + batch > n:  # the next epoch, freshly shuffled
             run.order, run.cursor = torch.randperm(n, generator=gen).to(run.device), 0
@@ -454,7 +455,8 @@ def train_loop(ctx: StageContext, run: ValueRun) -> None:
         shares = [1.0] if len(parts) == 1 else [weight[m].sum() / weight[idx].sum() for m in parts]
         run.trainer.run(parts, run.loss_fn, weights=shares, samples=len(idx))
         if (step + 1) % run.log_every == 0 or step + 1 == run.steps:
-            _log_window(ctx, run, step + 1)
+            detail = _log_window(ctx, run, step + 1)
+        ctx.report_progress(step + 1, run.steps, "step", detail)
         run.ckpt.maybe_save(
             step + 1,
             lambda: {"model": model, "optimizer": optim, "scheduler": sched},
@@ -475,9 +477,9 @@ def _recent_means(run: ValueRun) -> tuple[list[dict], float, float]:
     return recent, mean_loss, mean_acc
 
 
-def _log_window(ctx: StageContext, run: ValueRun, done: int) -> None:
-    """The window's mean loss / accuracy, the held-out accuracy by response position (where
-    learning stops), and the heartbeat."""
+def _log_window(ctx: StageContext, run: ValueRun, done: int) -> str:
+    """Log the window's mean loss / accuracy and the held-out accuracy by response position
+    (where learning stops); returns the detail the progress line shows until the next."""
     from pita.algos import value_diagnostics
 
     recent, mean_loss, mean_acc = _recent_means(run)
@@ -498,7 +500,7 @@ def _log_window(ctx: StageContext, run: ValueRun, done: int) -> None:
             "held-out balanced accuracy by response position: %s",
             value_diagnostics.format_positions(acc),
         )
-    ctx.heartbeat(f"step {done}/{run.steps} loss {recent[-1]['loss']:.4f}")
+    return f"loss {recent[-1]['loss']:.4f}"
 
 
 def finish(ctx: StageContext, run: ValueRun, t0: float) -> dict:

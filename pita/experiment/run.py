@@ -100,17 +100,12 @@ def build_plan(cfg: DictConfig, gpu: GPUManager) -> Plan:
 
 def task_durations(cfg: DictConfig, gpu: GPUManager) -> TaskDurations:
     """Expected task durations: earlier runs' recorded ones (pita/experiment/timeline.py),
-    then work units; the run adds its own finished tasks as they come."""
-    from pita.experiment.timeline import duration_key, load_durations
+    exact or of the same kind scaled by size, then work units; the run adds its own
+    finished tasks as they come."""
+    from pita.experiment.timeline import duration_key, load_history
 
-    return TaskDurations(load_durations(), duration_key(cfg, gpu.kind))
-
-
-def estimated_wall_time(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> tuple[float, str]:
-    """(seconds, source): the plan simulated on the devices with the expected durations."""
-    durations = task_durations(cfg, gpu)
-    eta = Eta(plan.tasks, set(), durations, make_scheduler(cfg, gpu))
-    return eta.remaining({}, time.time())
+    key, history = duration_key(cfg, gpu.kind), load_history()
+    return TaskDurations(history.exact, key, lambda t: history.scaled(t, key))
 
 
 def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
@@ -132,8 +127,25 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
         print(
             f"{t.id:58s} {devs:9s} {t.mem_mb / 1024:7.2f} {t.priority:6.1f}  {t.mem_source[:40]:40s} {deps}"
         )
-    seconds, source = estimated_wall_time(plan, cfg, gpu)
+    durations = task_durations(cfg, gpu)
+    seconds, source = Eta(plan.tasks, set(), durations, make_scheduler(cfg, gpu)).remaining(
+        {}, time.time()
+    )
     print(f"Estimated wall time: ~{format_duration(seconds)} ({source}).")
+    print(history_line(plan, durations))
+
+
+def history_line(plan: Plan, durations: TaskDurations) -> str:
+    """Which tasks the estimate has no measured duration for (their own or their kind's,
+    scaled by size), so a reader knows how far to trust it."""
+    blind = [t.id for t in plan.tasks.values() if durations.history(t) is None]
+    if not blind:
+        return "Every task's estimate comes from a measured duration (its own or its kind's)."
+    shown = ", ".join(blind[:6]) + (f" (+{len(blind) - 6} more)" if len(blind) > 6 else "")
+    return (
+        f"No history for {len(blind)} of {len(plan.tasks)} task(s), estimated from work "
+        f"units: {shown}."
+    )
 
 
 def lock_run_folder(cfg: DictConfig, run_dir: Path, share: bool = False) -> RunLock:

@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pita.core import schema as S
 from pita.core.paths import Artifact, RunPaths
+from pita.core.progress import progress_line
 from pita.core.tasks import TaskSpec
 
 T = TypeVar("T")
@@ -145,6 +146,12 @@ class StageContext:
                 f"{schema.__name__}"  # type: ignore[attr-defined]
             )
         return self.algo
+
+    def report_progress(self, done: int, total: int, unit: str = "step", detail: str = "") -> None:
+        """Tell the orchestrator how far the task is (`step 412/1000 loss 0.31`): the live
+        table shows it and the ETA projects the task's time left from it
+        (pita/core/progress.py). Every stage's progress goes through here."""
+        self.heartbeat(progress_line(done, total, unit, detail))
 
     def input(self, name: str) -> Path | list[Path]:
         """The committed folder(s) of the task(s) this task consumes under `name`."""

@@ -158,8 +158,10 @@ def evaluate_shard(ctx: StageContext) -> dict:
     )
     n_records = 0
     policies = eval_policies(ctx, ref)
+    total = len(policies) * len(prompts)  # prompts generated, every η's
     with open(ctx.out_dir / Artifact.SAMPLES, "w") as f:
-        for policy in policies:
+        for i, policy in enumerate(policies):
+            before = i * len(prompts)
             generator = torch.Generator(device="cpu").manual_seed(ctx.seed)
             out = generate(
                 policy.model,
@@ -171,6 +173,9 @@ def evaluate_shard(ctx: StageContext) -> dict:
                 do_sample=True,
                 generator=generator,
                 offset_hook_factory=policy.hook_factory,
+                on_batch=lambda done, b=before, e=policy.eta: ctx.report_progress(
+                    b + done, total, "prompts", f"eta={e}"
+                ),
                 **policy.rule.kwargs(),
             )
             if policy.is_reference:  # sampled from π_ref^rule itself
@@ -209,7 +214,6 @@ def evaluate_shard(ctx: StageContext) -> dict:
                 len(prompts),
                 sum(rewards) / len(rewards),
             )
-            ctx.heartbeat(f"eta={policy.eta} done")
     lines = placement_lines(ref, "reference") + [
         line for p in policies if p.model is not ref for line in placement_lines(p.model, "policy")
     ]

@@ -237,6 +237,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
             yield ids, mask, labels, counts, n_tokens, n_targets, rng_after
 
     stream = prefetch(batches()) if cuda else batches()
+    detail = ""  # the last logged loss, shown with every step's progress
     for i, (ids, mask, labels, counts, n_tokens, n_targets, rng_after) in enumerate(
         stream, start=start
     ):
@@ -260,7 +261,8 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
             ctx.logger.info(
                 "step %d/%d loss %.4f lr %.2e", i + 1, pcfg.steps, last["loss"], step.lr()
             )
-            ctx.heartbeat(f"step {i + 1}/{pcfg.steps}")
+            detail = f"loss {last['loss']:.4f}"
+        ctx.report_progress(i + 1, pcfg.steps, "step", detail)
         ckpt.maybe_save(
             i + 1,
             lambda: {"model": model, "optimizer": optim, "scheduler": sched},
