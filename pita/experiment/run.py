@@ -24,7 +24,7 @@ from pita.core.dag import Plan
 from pita.core.errors import ConfigError, ExecutorBroken
 from pita.core.executor import Executor
 from pita.core.gpu_manager import GPUManager
-from pita.core.journal import Journal
+from pita.core.journal import RUN_FILE_ERRNOS, Journal, RunFileError, run_file_error
 from pita.core.parallel_executor import DagRunner, DeviceState, Scheduler, simulate
 from pita.core.parallel_generation import ParallelDataGenerator
 from pita.core.paths import Artifact, RunPaths, TaskPaths, atomic_write_json
@@ -224,11 +224,38 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
         return EXIT_OK
 
     with lock_run_folder(cfg, run_dir):  # one orchestrator per run folder (a second exits 2)
-        if change is not None:
-            from pita.experiment.resume_fix import apply_change
+        try:
+            if change is not None:
+                from pita.experiment.resume_fix import apply_change
 
-            apply_change(cfg, run_dir, change)
-        return _run_locked(cfg, run_dir, paths, gpu, plan, resumed, absolutized)
+                apply_change(cfg, run_dir, change)
+            return _run_locked(cfg, run_dir, paths, gpu, plan, resumed, absolutized)
+        except RunFileError as exc:  # the journal cannot be opened: immutable, read-only
+            return run_files_failed(run_dir, exc)
+        except OSError as exc:  # plan.json, run_info.json on a full disk, before any task
+            if exc.errno not in RUN_FILE_ERRNOS:
+                raise
+            return run_files_failed(run_dir, exc)
+
+
+def run_files_failed(run_dir: Path, exc: BaseException, journal: Journal | None = None) -> int:
+    """The run's own files cannot be written (a full disk, an immutable journal or task
+    folder): one line naming the file and the cause, and the command that finishes the
+    run once the cause is gone. Finished tasks are kept (their folders prove it)."""
+    if isinstance(exc, OSError):
+        exc = run_file_error(run_dir, exc)
+    if journal is not None:
+        try:
+            journal.append("run_failed", reason=str(exc))
+        except RunFileError:
+            pass  # the journal itself is what failed
+        journal.close()
+    log.error(
+        "Run stopped: %s. Finished tasks are kept; once that is fixed, finish the run with: %s",
+        exc,
+        resume_command(run_dir),
+    )
+    return EXIT_FAILED
 
 
 def resume_change(cfg: DictConfig, run_dir: Path, gpu: GPUManager, saved: Plan):
@@ -341,6 +368,7 @@ def _run_locked(
     )
     interrupted = False
     lost: str | None = None
+    files_failed: RunFileError | None = None
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
     t0 = time.time()
     try:
@@ -354,6 +382,9 @@ def _run_locked(
     ) as exc:  # a pool thread stopped: fail now, loudly, rather than wait forever
         lost = str(exc)
         summary = runner.summary
+    except RunFileError as exc:  # a full disk, an immutable journal or task folder: stop now
+        files_failed = exc
+        summary = runner.summary
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
         monitor.stop()
@@ -362,8 +393,10 @@ def _run_locked(
                 monitor.sample()  # a last summary while the workers still report
             except Exception:
                 pass
-        executor.shutdown(kill=interrupted or lost is not None)
+        executor.shutdown(kill=interrupted or lost is not None or files_failed is not None)
         _record_durations(run_dir, plan, durations.key)
+    if files_failed is not None:
+        return run_files_failed(run_dir, files_failed, journal)
     if lost is not None:
         journal.append(
             "run_failed", reason=lost, done=len(runner.done), wall_s=round(time.time() - t0, 2)
