@@ -140,7 +140,7 @@ def execute_task(
     """
 
     from pita.core.journal import run_folder_problem
-    from pita.core.paths import Artifact, TaskPaths, atomic_write_json, non_finite_numbers
+    from pita.core.paths import Artifact, TaskPaths, atomic_write_json, nan_numbers
     from pita.runtime.context import StageContext, resolve_function
 
     paths = TaskPaths(run_dir, task.id)
@@ -180,11 +180,9 @@ def execute_task(
         result = fn(ctx) or {}
         wall = round(time.time() - t0, 3)
         result = {"task_id": task.id, "wall_s": wall, "attempt": attempt, **result}
-        bad = non_finite_numbers(result)
+        bad = nan_numbers(result)
         if bad:  # a NaN metric is a failed task, not a row of the results table
-            raise FloatingPointError(
-                f"non-finite value(s) in the stage's result: {', '.join(bad[:5])}"
-            )
+            raise FloatingPointError(f"NaN value(s) in the stage's result: {', '.join(bad[:5])}")
         peak = peak_memory_mb()
         if peak:
             result["peak_gpu_mb"] = peak
