@@ -108,9 +108,10 @@ def test_the_tiny_family_keeps_the_builtin_number_tokenizer(tmp_path):
 
 
 def _algo(init, warm_start=True):
-    from omegaconf import OmegaConf
+    from pita.core.schema import ValueGuidedConfig, settings
 
-    return OmegaConf.create(
+    return settings(
+        ValueGuidedConfig,
         {
             "init": init,
             "warm_start": warm_start,
@@ -120,7 +121,7 @@ def _algo(init, warm_start=True):
             "V_min": 0.0,
             "V_max": 1.0,
             "value_head": "v",
-        }
+        },
     )
 
 

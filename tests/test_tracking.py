@@ -324,7 +324,7 @@ def test_mlflow_retry_reopens_the_tasks_run_in_the_runs_sqlite_store(tmp_path):
     mlflow = pytest.importorskip("mlflow")
     from omegaconf import OmegaConf
 
-    from pita.training.tracking import mlflow_uri, open_tracker
+    from pita.training.tracking import logger_cfg, mlflow_uri, open_tracker
 
     cfg = OmegaConf.create(
         {"experiment": {"name": "t"}, "logger": {"backend": "mlflow", "tags": ["x y"]}}
@@ -334,7 +334,7 @@ def test_mlflow_retry_reopens_the_tasks_run_in_the_runs_sqlite_store(tmp_path):
         tracker.log({"train/loss": 1.0, "eval@k": 2.0}, attempt + 1)
         tracker.close()
         assert not tracker.failed
-    uri = mlflow_uri(cfg.logger, tmp_path)
+    uri = mlflow_uri(logger_cfg(cfg), tmp_path)
     assert uri == f"sqlite:///{tmp_path.resolve()}/logs/mlflow/mlflow.db"
     client = mlflow.MlflowClient(uri)
     exp = client.get_experiment_by_name("t")

@@ -241,12 +241,14 @@ def generate(
     generator: torch.Generator | None = None,
     offset_hook_factory: Callable[[], OffsetHook] | None = None,
     force_full_length: bool = False,
+    on_batch: Callable[[int], None] | None = None,
 ) -> GenerationOutput:
     """Generate a continuation for every prompt (token ids in, token ids out).
 
     ``eos_token_id`` may be a list (e.g. Llama 3's several end tokens). Sampling draws
     from ``generator`` (seed it for reproducible samples). ``offset_hook_factory`` is
-    called once per batch; see :class:`OffsetHook`.
+    called once per batch; see :class:`OffsetHook`. ``on_batch(done)`` is called after
+    each batch with the number of prompts done (a stage's progress report).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: must be >= 1")
@@ -297,6 +299,8 @@ def generate(
                     out.responses[i] = tokens[b][:length]
                     out.logprobs[i] = lps[b][:length]
                     out.base_logprobs[i] = blps[b][:length]
+                if on_batch is not None:
+                    on_batch(min(n, start + batch_size))
     finally:
         model.train(was_training)
     return out

@@ -45,8 +45,8 @@ from pita.runtime.context import StageContext
 
 def test_examples(ctx: StageContext, task) -> list:
     examples = task.test_examples()
-    if ctx.cfg.evaluation.max_prompts:
-        examples = examples[: ctx.cfg.evaluation.max_prompts]
+    if ctx.evaluation.max_prompts:
+        examples = examples[: ctx.evaluation.max_prompts]
     return examples
 
 
@@ -84,12 +84,12 @@ class EvalPolicy:
 
 
 def generation_rule(ctx: StageContext) -> SamplingRule:
-    gen = ctx.cfg.generation
+    gen = ctx.generation
     return SamplingRule(int(gen.top_k), float(gen.temperature), float(gen.top_p))
 
 
 def guided_rule(ctx: StageContext, algo: str) -> SamplingRule:
-    gen = ctx.cfg.generation
+    gen = ctx.generation
     return SamplingRule(
         int(ctx.cfg.algos[algo].guidance.top_k), float(gen.temperature), float(gen.top_p)
     )
@@ -125,7 +125,7 @@ def eval_policies(ctx: StageContext, ref) -> list[EvalPolicy]:
                 hook_factory=guided_hook_factory(ctx, guide_dir, float(eta)) if eta > 0 else None,
                 is_reference=not eta > 0,
             )
-            for eta in ctx.cfg.evaluation.etas
+            for eta in ctx.evaluation.etas
         ]
     return [
         EvalPolicy(None, ctx.load_model(ctx.input("policy") / Artifact.MODEL), generation_rule(ctx))
@@ -178,19 +178,21 @@ def evaluate_shard(ctx: StageContext) -> dict:
     all_examples = test_examples(ctx, task)
     part = ctx.shard_slice(len(all_examples))
     indices = list(range(len(all_examples)))[part]
-    k = int(ctx.cfg.evaluation.num_samples)
+    k = int(ctx.evaluation.num_samples)
     prompt_index = [i for i in indices for _ in range(k)]
     prompts = [all_examples[i].prompt_ids for i in prompt_index]
     examples = [all_examples[i] for i in prompt_index]
-    gen = ctx.cfg.generation
+    gen = ctx.generation
     max_new = int(gen.max_new_tokens or task.max_new_tokens)
     bs = generation_batch_size(
-        ctx, ctx.cfg.evaluation.batch_size, model=ref, prompts=prompts, max_new_tokens=max_new
+        ctx, ctx.evaluation.batch_size, model=ref, prompts=prompts, max_new_tokens=max_new
     )
     n_records = 0
     policies = eval_policies(ctx, ref)
+    total = len(policies) * len(prompts)  # prompts generated, every η's
     with open(ctx.out_dir / Artifact.SAMPLES, "w") as f:
-        for policy in policies:
+        for i, policy in enumerate(policies):
+            before = i * len(prompts)
             generator = torch.Generator(device="cpu").manual_seed(ctx.seed)
             out = generate(
                 policy.model,
@@ -202,6 +204,9 @@ def evaluate_shard(ctx: StageContext) -> dict:
                 do_sample=True,
                 generator=generator,
                 offset_hook_factory=policy.hook_factory,
+                on_batch=lambda done, b=before, e=policy.eta: ctx.report_progress(
+                    b + done, total, "prompts", f"eta={e}"
+                ),
                 **policy.rule.kwargs(),
             )
             kls = sample_kls(
@@ -232,7 +237,6 @@ def evaluate_shard(ctx: StageContext) -> dict:
                 len(prompts),
                 sum(rewards) / len(rewards),
             )
-            ctx.heartbeat(f"eta={policy.eta} done")
     lines = placement_lines(ref, "reference") + [
         line for p in policies if p.model is not ref for line in placement_lines(p.model, "policy")
     ]
@@ -275,7 +279,7 @@ def evaluate_merge(ctx: StageContext) -> dict:
                 [r["example"] for r in recs],
                 [r["answer"] for r in recs],
                 rewards,
-                seed=int(ctx.cfg.experiment.seed),
+                seed=int(ctx.experiment.seed),
             ),
             "avg_reward": mean(rewards),
             **kl_columns(recs),

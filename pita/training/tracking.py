@@ -47,7 +47,10 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
 from pita.core.schema import LOGGER_BACKENDS as BACKENDS
+from pita.core.schema import LoggerConfig, settings
 
 _PACKAGES = {
     "tensorboard": ("tensorboard", "tensorboard"),
@@ -69,14 +72,15 @@ def missing_package(backend: str) -> str | None:
     return None
 
 
-def logger_cfg(cfg: Any) -> Mapping:
-    """`cfg.logger` as a plain mapping (configs built without the group: backend none)."""
+def logger_cfg(cfg: Any) -> LoggerConfig:
+    """`cfg.logger` as its typed settings (a config built without the group: the schema's
+    defaults, backend none)."""
     node = cfg.get("logger") if hasattr(cfg, "get") else None
-    if node is None:
-        return {"backend": "none"}
-    if hasattr(node, "items"):
-        return {k: v for k, v in node.items()}
-    return dict(node)
+    if isinstance(node, LoggerConfig):
+        return node
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_container(node, resolve=True)
+    return settings(LoggerConfig, dict(node or {}))
 
 
 def log_dir(run_dir: str | Path, backend: str) -> Path:
@@ -140,9 +144,9 @@ def flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str | 
     return out
 
 
-def tag_list(lcfg: Mapping) -> list[str]:
+def tag_list(lcfg: LoggerConfig) -> list[str]:
     """`logger.tags` as strings (a W&B tag is at most 64 characters)."""
-    tags = lcfg.get("tags") or []
+    tags: Any = lcfg.tags
     if isinstance(tags, str):
         tags = [tags]
     return [str(t)[:64] for t in tags if str(t)]
@@ -300,7 +304,7 @@ class WandbTracker(Tracker):
         folder: Path,
         name: str,
         group: str,
-        cfg: Mapping,
+        cfg: LoggerConfig,
         config: Mapping[str, Any] | None = None,
         run_id: str | None = None,
     ):
@@ -311,7 +315,7 @@ class WandbTracker(Tracker):
 
         folder.mkdir(parents=True, exist_ok=True)
         self.written_before = last_written_step(folder, run_id) if run_id else None
-        mode = str(cfg.get("mode") or "offline")
+        mode = cfg.mode
         if mode == "online" and not wandb.login(prompt=False, verify=False):  # never a prompt
             raise RuntimeError(
                 "logger.mode=online needs a W&B API key (`wandb login` or WANDB_API_KEY); "
@@ -322,7 +326,7 @@ class WandbTracker(Tracker):
                 console="off", silent=True, disable_git=True, x_disable_stats=True
             )
             self.run = wandb.init(
-                project=str(cfg.get("project") or "pita"),
+                project=cfg.project,
                 name=name,
                 group=group,
                 job_type=name.split(".", 1)[0],
@@ -457,11 +461,11 @@ def mlflow_folder(run_dir: str | Path) -> Path:
     return log_dir(run, "mlflow")
 
 
-def mlflow_uri(cfg: Mapping, run_dir: str | Path) -> str:
+def mlflow_uri(cfg: LoggerConfig, run_dir: str | Path) -> str:
     """`logger.tracking_uri`, else the shared sqlite store of `mlflow_folder` (MLflow 3
     accepts it; a bare file store it refuses)."""
-    if cfg.get("tracking_uri"):
-        return str(cfg["tracking_uri"])
+    if cfg.tracking_uri:
+        return cfg.tracking_uri
     return f"sqlite:///{mlflow_folder(run_dir) / 'mlflow.db'}"
 
 
@@ -507,7 +511,7 @@ class SafeTracker(Tracker):
         self._guard("close", self.inner.close)
 
 
-def _backend_tracker(cfg: Any, lcfg: Mapping, backend: str, run_dir: str | Path, name: str):
+def _backend_tracker(cfg: Any, lcfg: LoggerConfig, backend: str, run_dir: str | Path, name: str):
     need = missing_package(backend)
     if need:
         raise RuntimeError(f"logger.backend={backend}: the package is not installed; {need}")
@@ -524,7 +528,7 @@ def _backend_tracker(cfg: Any, lcfg: Mapping, backend: str, run_dir: str | Path,
         return WandbTracker(folder, name, group, lcfg, config_dict(cfg), run_id)
     if backend == "mlflow":
         folder = mlflow_folder(run_dir)
-        own_store = not lcfg.get("tracking_uri")
+        own_store = not lcfg.tracking_uri
         return MlflowTracker(
             mlflow_uri(lcfg, run_dir),
             experiment,
@@ -549,7 +553,7 @@ def open_tracker(
     config as its params and `logger.tags` as its tags. It never raises: a backend that
     cannot open, log or close is a WARNING on `logger` (the task log) and tracks nothing."""
     lcfg = logger_cfg(cfg)
-    backend = str(lcfg.get("backend") or "none")
+    backend = lcfg.backend
     if backend == "none":
         return Tracker()
     try:
