@@ -152,11 +152,14 @@ def read_rows(run_dir: Path, trust_group: bool = False) -> list[dict[str, Any]]:
 
 
 SUMMARY_KEYS = ("algo", "dataset", "family", "round", "eta")  # what every summary row has
+# +inf is a value here: a row whose samples left π_ref's support under its rule
+# (docs/ALGORITHMS.md, "KL: the three columns")
+MAY_BE_INFINITE = ("kl",)
 
 
 def clean_rows(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], int, int]:
     """(rows, bad cells, bad rows): a metric cell that is not a finite number (nan, inf,
-    text in a column of numbers) is dropped from its row; a row whose round is not a whole number, whose η is
+    text in a column of numbers; a `kl` of +inf is kept) is dropped from its row; a row whose round is not a whole number, whose η is
     neither empty nor a finite number, or which names no algo / dataset / family is
     dropped whole. The caller says how many in one WARNING."""
     numeric = {k for r in rows for k, v in r.items() if _finite(v)}  # text columns stay text
@@ -178,7 +181,14 @@ def clean_rows(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], in
         for k, v in r.items():
             if k in NOT_METRICS or k in KEYS or k == "run" or v is None:
                 continue
-            if isinstance(v, float) and not math.isfinite(v) or isinstance(v, str) and k in numeric:
+            infinite_kl = v == math.inf and k in MAY_BE_INFINITE  # a value (ALGORITHMS.md)
+            if (
+                isinstance(v, float)
+                and not math.isfinite(v)
+                and not infinite_kl
+                or isinstance(v, str)
+                and k in numeric
+            ):
                 del row[k]
                 bad_cells += 1
         kept.append(row)
