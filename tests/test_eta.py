@@ -127,6 +127,29 @@ def test_progress_lines_round_trip_and_other_lines_say_nothing():
     assert parse_progress("") is None
 
 
+def test_report_progress_is_one_helper_that_throttles_and_always_passes_the_last(tmp_path):
+    """Stages call ctx.report_progress every step; the heartbeat gets the first line, at
+    most one per PROGRESS_EVERY_S after it, and the last (a gang's rank 0 pipes each)."""
+    from omegaconf import OmegaConf
+
+    from pita.runtime.context import StageContext
+
+    sent: list[str] = []
+    ctx = StageContext(
+        task=_task("t"),
+        cfg=OmegaConf.create({}),
+        run_dir=tmp_path,
+        out_dir=tmp_path,
+        logger=logging.getLogger("t"),
+        heartbeat=sent.append,
+        chain_merged=True,
+    )
+    for i in range(1000):
+        ctx.report_progress(i + 1, 1000, "step", "loss 0.1")
+    assert sent[0] == "step 1/1000 loss 0.1" and sent[-1] == "step 1000/1000 loss 0.1"
+    assert len(sent) < 1000 and all(parse_progress(line) for line in sent)
+
+
 def test_a_running_task_left_from_its_progress_else_its_estimate_else_unknown():
     assert task_left(10.0, 4.0, None) == 6.0  # no progress yet, within its estimate
     assert task_left(10.0, 12.0, None) == 0.0  # a little past: a heartbeat may be on its way
