@@ -260,13 +260,10 @@ def run_files_failed(run_dir: Path, exc: BaseException, journal: Journal | None 
 
 def resume_change(cfg: DictConfig, run_dir: Path, gpu: GPUManager, saved: Plan):
     """What a resume's other values change (pita/experiment/resume_fix.py), or None."""
-    from pita.experiment.cli import RESUME_SAFE_PREFIXES
+    from pita.core.schema import resume_safe  # affects="place" | "record": never a result
     from pita.experiment.resume_fix import plan_change
 
-    def run_safe(key: str) -> bool:  # where and how the run goes, never what it computes
-        return key.startswith(RESUME_SAFE_PREFIXES)
-
-    return plan_change(cfg, run_dir, saved, lambda c: build_plan(c, gpu), run_safe)
+    return plan_change(cfg, run_dir, saved, lambda c: build_plan(c, gpu), resume_safe)
 
 
 def print_resume_dry_run(plan: Plan, run_dir: Path, change) -> None:
