@@ -173,7 +173,7 @@ def _dataset_task(cfg: DictConfig, name: str) -> str:
     from pita.experiment.plan import _group_cfg
 
     try:
-        return str(_group_cfg(cfg, "dataset", name).get("name", name))
+        return str(_group_cfg(cfg, "dataset", name)["name"])
     except Exception:  # noqa: BLE001 - planning reports a bad dataset group itself
         return name
 

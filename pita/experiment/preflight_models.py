@@ -29,6 +29,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from pita.core.schema import DatasetConfig, settings
+
 MAX_JSON_BYTES = 4 * 2**20
 MAX_HEADER_BYTES = 32 * 2**20
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
@@ -129,18 +131,22 @@ def module_names(ref: str) -> list[str] | None:
 # --- the checks ---------------------------------------------------------------------------------
 
 
-def _hub_datasets(cfg: DictConfig) -> list[tuple[str, dict[str, Any]]]:
-    """(dataset name, its config) of every hub task of the experiment."""
+def _hub_datasets(cfg: DictConfig) -> list[tuple[str, DatasetConfig]]:
+    """(dataset name, its typed settings) of every hub task of the experiment."""
+    from omegaconf import OmegaConf
+
     from pita.datasets import REGISTRY
     from pita.experiment.plan import _group_cfg
 
     out = []
     for name in list(cfg.experiment.datasets) or [cfg.dataset.name]:
         try:
-            ds = _group_cfg(cfg, "dataset", name)
+            group = _group_cfg(cfg, "dataset", name)
+            node = OmegaConf.to_container(group) if isinstance(group, DictConfig) else group
+            ds = settings(DatasetConfig, dict(node or {}))
         except Exception:  # noqa: BLE001 - planning reports a bad dataset group itself
             continue
-        if REGISTRY.get(str(ds.get("name", name))) == "hub":
+        if REGISTRY.get(ds.name) == "hub":
             out.append((name, ds))
     return out
 
@@ -151,9 +157,9 @@ def position_errors(cfg: DictConfig, families: Iterable[tuple[str, str, Any]]) -
 
     errors = []
     for ds_name, ds in _hub_datasets(cfg):
-        spec = SPECS.get(str(ds.get("name", ds_name)))
-        new = ds.get("max_new_tokens") or (spec.max_new_tokens if spec else 0)
-        prompt = ds.get("max_prompt_tokens") or 0
+        spec = SPECS.get(ds.name)
+        new = ds.max_new_tokens or (spec.max_new_tokens if spec else 0)
+        prompt = ds.max_prompt_tokens or 0
         for _, _, fam in families:
             if fam.is_builtin:
                 continue
@@ -228,12 +234,12 @@ def hub_dataset_errors(cfg: DictConfig, offline: bool, reachable: Any) -> list[s
 
     wanted = []
     for ds_name, ds in _hub_datasets(cfg):
-        if ds.get("path"):
+        if ds.path:
             continue  # local files (their first lines are checked by preflight)
-        spec = SPECS.get(str(ds.get("name", ds_name)))
-        hub_id = ds.get("hub_id") or (spec.hub_id if spec else None)
+        spec = SPECS.get(ds.name)
+        hub_id = ds.hub_id or (spec.hub_id if spec else None)
         if hub_id:
-            wanted.append((ds_name, str(hub_id), ds.get("cache_dir")))
+            wanted.append((ds_name, str(hub_id), ds.cache_dir))
     if not wanted or (not offline and reachable()):
         return []
     why = "HF_HUB_OFFLINE is set" if offline else "huggingface.co cannot be reached"

@@ -261,7 +261,12 @@ def _option_errors(
             errors.append(
                 f"{prefix}={value!r}: set by pita from {own[field].format(name=name)}; use that"
             )
-        elif key == "trl" and field in SFT_KEYS and float(algo.get("sft_weight") or 0) > 0:
+        elif (
+            key == "trl"
+            and field in SFT_KEYS
+            and "sft_weight" in algo
+            and float(algo["sft_weight"]) > 0
+        ):
             errors.append(
                 f"{prefix}={value!r}: set by pita from algos.{name}.sft_weight "
                 f"({algo['sft_weight']}: loss_type [sigmoid, sft]); set it to 0 to choose the loss"
