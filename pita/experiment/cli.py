@@ -63,6 +63,7 @@ RESUME_SAFE_PREFIXES = (
     "executor.",
     "dry_run",
     "resume_from",
+    "system.trust_group",  # who may read the run, never what it computes
 )
 
 
@@ -245,6 +246,10 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
     run_dir = Path(resume_dir).expanduser()
     if not run_dir.exists():
         run_dir = PROJECT_ROOT / resume_dir
+    from pita.core.safe_files import share_with_group
+
+    # a teammate's saved config is read only when this command line trusts the group
+    share_with_group(any(o.lstrip("+").lower() == "system.trust_group=true" for o in overrides))
     try:
         saved = load_saved_config(RunPaths(run_dir).saved_config)
     except Exception as exc:
@@ -269,7 +274,7 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
         if not key.startswith(RESUME_SAFE_PREFIXES):
             raise ConfigError(
                 f"{key}: cannot change on resume (the run's saved config is reused); "
-                f"allowed: system.devices, executor.*, dry_run"
+                f"allowed: system.devices, executor.*, system.trust_group, dry_run"
             )
         if key == "resume_from":
             continue
