@@ -67,13 +67,19 @@ def _teammate() -> None:
         )
 
 
+def _run_as(prefix: list[str], args: list[str], cwd: Path, **env: str):
+    """run_parallel.py under `prefix` (a `setpriv` command line) in `cwd`."""
+    return subprocess.run(
+        [*prefix, sys.executable, str(ROOT / "run_parallel.py"), *args],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 def _as_teammate(args: list[str], home: Path) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "HOME": str(home),
-        "PITA_CACHE_DIR": str(home / "cache"),
-    }
     as_mate = [
         "setpriv",
         f"--reuid={MATE}",
@@ -82,14 +88,7 @@ def _as_teammate(args: list[str], home: Path) -> subprocess.CompletedProcess:
         "--inh-caps=+dac_read_search",
         "--ambient-caps=+dac_read_search",
     ]
-    return subprocess.run(
-        [*as_mate, sys.executable, str(ROOT / "run_parallel.py"), *args],
-        cwd=home,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return _run_as(as_mate, args, home, HOME=str(home), PITA_CACHE_DIR=str(home / "cache"))
 
 
 @pytest.fixture
@@ -138,14 +137,10 @@ def test_a_teammate_resumes_a_group_writable_run_with_trust_group(shared_place):
             ":"
         )[2]
     )
-    again = subprocess.run(
-        ["setpriv", f"--groups=0,{gid}", sys.executable, str(ROOT / "run_parallel.py")]
-        + ["resume_from=" + str(run), "system.trust_group=true"],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
+    again = _run_as(
+        ["setpriv", f"--groups=0,{gid}"],
+        ["resume_from=" + str(run), "system.trust_group=true"],
+        tmp_path,
     )
     assert again.returncode == 0, again.stdout + again.stderr
     assert "4 already done" in again.stdout + again.stderr
