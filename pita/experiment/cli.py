@@ -251,6 +251,10 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
     if not run_dir.exists():
         run_dir = PROJECT_ROOT / resume_dir
     run_dir = run_dir.absolute()  # workers run from pita's folder: a relative one means another
+    from pita.core.safe_files import share_with_group
+
+    # a teammate's saved config is read only when this command line trusts the group
+    share_with_group(any(o.lstrip("+").lower() == "system.trust_group=true" for o in overrides))
     try:
         saved = load_saved_config(RunPaths(run_dir).saved_config)
     except Exception as exc:

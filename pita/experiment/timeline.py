@@ -19,12 +19,12 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from pita.algos.registry import ANY
 from pita.core import user_cache
 from pita.core.journal import read_events
-from pita.core.paths import RunPaths, atomic_write_json, atomic_write_text, pita_cache_dir
+from pita.core.paths import RunPaths, atomic_write_text, pita_cache_dir
 from pita.core.schema import result_config
 
 log = logging.getLogger("pita.report")
