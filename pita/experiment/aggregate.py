@@ -416,6 +416,8 @@ def frontier_figure(rows: Sequence[dict[str, Any]], title: str = ""):
             )
         if scale == "symlog":
             ax.set_xscale("symlog", linthresh=linthresh)
+        if inf_edge is not None:  # the ∞ points inside the frame, not on its edge
+            ax.set_xlim(right=inf_edge * (1.5 if scale == "symlog" else 1.08))
         ax.set_xlabel(
             "KL(π ‖ π_ref)"
             + (f" (symlog: linear below {linthresh:.2g})" if scale == "symlog" else "")

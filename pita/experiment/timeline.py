@@ -1,5 +1,6 @@
 """Where the time went: task durations across runs (for the ETA), and at the end of a run
-`results/timeline.png` (a Gantt per device) and the time table `results/time.{md,csv}`.
+`results/timeline.png` (a Gantt per device: pita/experiment/timeline_plot.py) and the time
+table `results/time.{md,csv}`.
 
 Everything here reads the journal (`task_running` / `task_done` / `task_failed` events, with
 their timestamps and devices): it is the run's history, resumed sessions included. The
@@ -257,6 +258,8 @@ class Span:
     start: float
     end: float
     outcome: str  # done | failed | running (no end event: interrupted)
+    attempt: int = 1  # > 1: a retry
+    failure: str | None = None  # a failed attempt's class (oom, killed, error, ...)
 
     @property
     def seconds(self) -> float:
@@ -284,7 +287,7 @@ def spans(events: list[dict[str, Any]], tasks: Mapping[str, Any]) -> tuple[list[
             open_[e["task"]] = e
         elif kind in TASK_END and e.get("task") in open_:
             start = open_.pop(e["task"])
-            out.append(_span(start, tasks, t0, ts, TASK_END[kind]))
+            out.append(_span(start, tasks, t0, ts, TASK_END[kind], e.get("failure")))
         if sessions:
             sessions[-1][1] = ts
     _close_open(open_, out, tasks, t0, last_ts)
@@ -294,7 +297,14 @@ def spans(events: list[dict[str, Any]], tasks: Mapping[str, Any]) -> tuple[list[
     return out, wall
 
 
-def _span(start: dict, tasks: Mapping[str, Any], t0: float, end: float, outcome: str) -> Span:
+def _span(
+    start: dict,
+    tasks: Mapping[str, Any],
+    t0: float,
+    end: float,
+    outcome: str,
+    failure: str | None = None,
+) -> Span:
     t = tasks.get(start["task"])
     stage = t.stage if t is not None else start["task"].split(".")[-1]
     chain = t.chain if t is not None else "?"
@@ -308,6 +318,8 @@ def _span(start: dict, tasks: Mapping[str, Any], t0: float, end: float, outcome:
         start["ts"] - t0,
         end - t0,
         outcome,
+        int(start.get("attempt") or 1),
+        failure if outcome == "failed" else None,
     )
 
 
@@ -387,40 +399,6 @@ def time_markdown(rows: list[dict[str, Any]], wall: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_timeline(all_spans: list[Span], labels: list[str], path: Path) -> None:
-    """A Gantt per device: one bar per task attempt, coloured by stage (failed: hatched)."""
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-
-    stages = sorted({s.stage for s in all_spans})
-    colour = {st: f"C{i % 10}" for i, st in enumerate(stages)}
-    fig = Figure(figsize=(11, 1.2 + 0.55 * len(labels)), layout="constrained")
-    ax = fig.subplots()
-    for s in all_spans:
-        for d in s.devices:
-            ax.broken_barh(
-                [(s.start, max(s.seconds, 1e-3))],
-                (d - 0.4, 0.8),
-                facecolors=colour[s.stage],
-                edgecolor="black" if s.outcome == "done" else "red",
-                linewidth=0.3,
-                hatch=None if s.outcome == "done" else "//",
-            )
-    ax.set_yticks(range(len(labels)), labels)
-    ax.set_ylim(-0.6, len(labels) - 0.4)
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds since the first task started")
-    ax.grid(axis="x", alpha=0.3)
-    ax.legend(
-        handles=[Patch(color=colour[st], label=st) for st in stages],
-        fontsize=7,
-        loc="upper left",
-        bbox_to_anchor=(1.0, 1.0),
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-
-
 def write_time_report(
     run_dir: Path,
     tasks: Mapping[str, Any],
@@ -444,5 +422,7 @@ def write_time_report(
     writer.writeheader()
     writer.writerows(rows)
     atomic_write_text(paths.results / "time.csv", buf.getvalue())
-    plot_timeline(all_spans, labels, paths.results / "timeline.png")
+    from pita.experiment.timeline_plot import draw_timeline, timeline_model
+
+    draw_timeline(timeline_model(all_spans, labels), paths.results / "timeline.png")
     return table
