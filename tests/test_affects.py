@@ -146,18 +146,23 @@ def _saved_run(tmp_path, composed: dict):
     return run_dir
 
 
-def test_resume_accepts_the_keys_that_affect_no_result_and_refuses_the_rest(tmp_path, composed):
+def test_resume_accepts_any_key_and_only_result_keys_count_as_a_change(tmp_path, composed):
+    """Issue 34: a resume may change any key; the keys that affect no result touch no task
+    (tests/test_resume_fix.py checks which tasks the others re-run); an unknown key is refused."""
+    from pita.experiment.resume_fix import changed_keys
+
     run_dir = _saved_run(tmp_path, composed)
-    cfg, _ = cli.load_resume_config(
-        str(run_dir), ["system.threads_per_worker=2", "logger.tags=[a]", "executor.max_retries=5"]
-    )
+    safe = ["system.threads_per_worker=2", "logger.tags=[a]", "executor.max_retries=5"]
+    cfg, _ = cli.load_resume_config(str(run_dir), safe)
     assert cfg.system.threads_per_worker == 2 and cfg.executor.max_retries == 5
-    for override in ("system.attn_impl=sdpa", "training.lr=1", "algos.GRPO.beta=0.5"):
-        with pytest.raises(ConfigError) as err:
-            cli.load_resume_config(str(run_dir), [override])
-        assert f"allowed: {cli.RESUME_SAFE_TEXT}" in str(err.value)
-    with pytest.raises(ConfigError):
-        cli.load_resume_config(str(run_dir), ["+executor.stage_overrides.GRPO.train=m:f"])
+    saved = OmegaConf.to_container(cli.load_resume_config(str(run_dir), [])[0], resolve=True)
+    assert changed_keys(saved, OmegaConf.to_container(cfg, resolve=True), S.resume_safe) == {}
+    for override in ("system.attn_impl=sdpa", "algos.GRPO.beta=0.5"):
+        changed, _ = cli.load_resume_config(str(run_dir), [override])
+        new = OmegaConf.to_container(changed, resolve=True)
+        assert list(changed_keys(saved, new, S.resume_safe)) == [override.split("=")[0]]
+    with pytest.raises(ConfigError, match="training.lr: unknown key"):
+        cli.load_resume_config(str(run_dir), ["training.lr=1"])
 
 
 def test_the_refusal_names_the_derived_keys():
