@@ -170,7 +170,8 @@ def test_two_reference_rules_are_never_pooled(tmp_path):
 
 # --- the run's rules (issue 34 item 4) ------------------------------------------------------
 
-ROW = ["QSharp", "goal_walk", "tiny", 0, 5.0, 40, 80, 0.5, 0.5, 0.5, 0.4, 1.0]
+# the summary's columns (HEADER): ..., pass@1, maj@k, avg_reward, kl, kl_full, off_support, wall_s
+ROW = ["QSharp", "goal_walk", "tiny", 0, 5.0, 40, 80, 0.5, 0.5, 0.5, 0.4, 0.4, 0.0, 1.0]
 
 
 def _aggregate_cli(capsys, *args: str) -> tuple[int, list[str]]:
@@ -241,7 +242,7 @@ def test_a_run_folder_given_alone_gets_its_aggregate_beside_it(tmp_path, capsys)
 
 def test_bad_cells_are_skipped_with_one_warning_that_counts_them(tmp_path, capsys, caplog):
     sweep = tmp_path / "sweep"
-    bad = ["QSharp", "goal_walk", "tiny", 0, 5.0, 40, 80, "nan", "inf", "-inf", "x?", 1.0]
+    bad = ["QSharp", "goal_walk", "tiny", 0, 5.0, 40, 80, "nan", "inf", "-inf", "x?", 0.4, 0, 1]
     _job(sweep / "0", 0, [ROW, bad])  # 4 bad cells in one row, the rest of it kept
     _job(sweep / "1", 1, [ROW, ["QSharp", "goal_walk", "tiny", "abc", 5.0, 40, 80, 0.9]])
     _job(sweep / "2", 2, [ROW, ["QSharp", "goal_walk", "tiny", 0.5, 5.0, 40, 80, 0.9]])

@@ -78,6 +78,11 @@ class Algorithm:
     is_reference: bool = False  # evaluates π_ref itself, once per sampling rule (no training)
     schema: type = ReferenceConfig  # its `algos.<NAME>` keys (pita/core/schema.py)
 
+    @property
+    def schema_path(self) -> str:
+        """ "module:Class" of `schema`: how a task names it to its worker (`ctx.algo`)."""
+        return f"{self.schema.__module__}:{self.schema.__qualname__}"
+
 
 # Stages every chain shares unless an algorithm names its own function.
 SHARED_FUNCTIONS: dict[str, str] = {

@@ -27,7 +27,7 @@ import functools
 import re
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, TypeVar
 
 # --- choice lists (each owned here; the modules that act on them import them) ---------------
 
@@ -762,6 +762,55 @@ def schema_errors(
         if values and rule is not None and not rule.ok(value):
             errors.append(f"{prefix}{name}={value!r}: {rule.text(value)}")
     return errors
+
+
+def default_of(dotted: str, schema: type | None = None) -> Any:
+    """The default `schema` (PitaConfig unless given) declares for a dotted key
+    (`training.micro_batch_size`, or `num_generations` of an algorithm's schema)."""
+    f = dict(leaf_fields(schema or PitaConfig))[dotted]
+    return f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+
+
+# --- typed settings: a stage's values as schema instances (issue 33) ----------------------
+
+T = TypeVar("T")
+
+
+def _refuse_write(self: Any, name: str, value: Any = None) -> None:
+    raise dataclasses.FrozenInstanceError(
+        f"cannot assign to field {name!r}: a stage's settings are read-only"
+    )
+
+
+@functools.cache
+def _frozen_class(schema: type) -> type:
+    """A subclass of `schema` whose instances refuse assignment (the schema classes stay
+    plain dataclasses: Hydra merges overrides into them)."""
+    return type(
+        schema.__name__,
+        (schema,),
+        {"__setattr__": _refuse_write, "__delattr__": _refuse_write, "__module__": __name__},
+    )
+
+
+def settings(schema: type[T], node: Mapping[str, Any] | None) -> T:
+    """A read-only instance of `schema` holding `node`'s values (a resolved config group:
+    plain dicts and lists): what a stage reads instead of digging keys out by string. A key
+    `node` lacks takes the field's default, the one home of every default; a key the schema
+    lacks is left out (the config was validated against the schema before any worker
+    started)."""
+    node = node or {}
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(schema):  # type: ignore[arg-type]
+        if f.name not in node or not f.init:
+            continue
+        value, sub = node[f.name], nested_schema(f)
+        values[f.name] = (
+            settings(sub, value) if sub is not None and isinstance(value, Mapping) else value
+        )
+    instance = schema(**values)
+    object.__setattr__(instance, "__class__", _frozen_class(schema))
+    return instance
 
 
 def leaf_fields(schema: type, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:

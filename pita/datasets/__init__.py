@@ -85,6 +85,12 @@ def _module(name: str):
     return importlib.import_module(module if "." in module else f"{__name__}.{module}")
 
 
+def with_defaults(dataset_cfg: Mapping) -> dict:
+    """`dataset_cfg` with the task's own defaults (its module's DEFAULTS) under it."""
+    cfg = _as_dict(dataset_cfg)
+    return {**getattr(_module(cfg["name"]), "DEFAULTS", {}), **cfg}
+
+
 def validate_dataset_cfg(dataset_cfg: Mapping) -> None:
     """Raise ValueError naming every bad key: "dataset.<key>=<value>: <what is allowed>".
 

@@ -155,8 +155,8 @@ SUMMARY_KEYS = ("algo", "dataset", "family", "round", "eta")  # what every summa
 
 
 def clean_rows(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], int, int]:
-    """(rows, bad cells, bad rows): a metric cell that is not a finite number (nan, inf,
-    text in a column of numbers) is dropped from its row; a row whose round is not a whole number, whose η is
+    """(rows, bad cells, bad rows): a metric cell that is not a number pita writes (nan, inf
+    outside `kl`, text in a column of numbers) is dropped from its row; a row whose round is not a whole number, whose η is
     neither empty nor a finite number, or which names no algo / dataset / family is
     dropped whole. The caller says how many in one WARNING."""
     numeric = {k for r in rows for k, v in r.items() if _finite(v)}  # text columns stay text
@@ -178,7 +178,7 @@ def clean_rows(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], in
         for k, v in r.items():
             if k in NOT_METRICS or k in KEYS or k == "run" or v is None:
                 continue
-            if isinstance(v, float) and not math.isfinite(v) or isinstance(v, str) and k in numeric:
+            if isinstance(v, str) and k in numeric or not _finite(v) and _bad_number(k, v):
                 del row[k]
                 bad_cells += 1
         kept.append(row)
@@ -190,6 +190,16 @@ def skipped_line(bad_cells: int, bad_rows: int, n_runs: int) -> str:
     parts = [f"{bad_cells} cell(s) that are not finite numbers (nan, inf, text)"] * bool(bad_cells)
     parts += [f"{bad_rows} row(s) whose round, η or names are not valid"] * bool(bad_rows)
     return f"skipped {' and '.join(parts)} in the summaries of {n_runs} run(s)"
+
+
+INFINITE_OK = ("kl",)  # kl = inf is a result (samples off π_ref's support: ALGORITHMS.md)
+
+
+def _bad_number(column: str, v: Any) -> bool:
+    """A float cell that is no result: nan anywhere, ±inf outside INFINITE_OK (+inf only)."""
+    if not isinstance(v, float):
+        return False
+    return math.isnan(v) or not (column in INFINITE_OK and v == math.inf)
 
 
 def _finite(v: Any) -> bool:
@@ -222,11 +232,14 @@ def aggregate_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = dict(zip(KEYS, key))
         row["n_runs"] = len({m["run"] for m in members})
         for m in metrics:
-            values = [x[m] for x in members if isinstance(x.get(m), float) and math.isfinite(x[m])]
+            values = [x[m] for x in members if isinstance(x.get(m), float) and not math.isnan(x[m])]
             if not values:
                 continue
+            finite = all(math.isfinite(v) for v in values)  # an infinite KL: docs/ALGORITHMS.md
             row[f"{m}_mean"] = statistics.fmean(values)
-            row[f"{m}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
+            row[f"{m}_std"] = (
+                (statistics.stdev(values) if len(values) > 1 else 0.0) if finite else None
+            )
             row[f"{m}_min"], row[f"{m}_max"] = min(values), max(values)
         out.append(row)
     out.sort(
@@ -301,6 +314,20 @@ def kl_axis(kls: Sequence[float]) -> tuple[str, float | None]:
     return "symlog", max(1e-2, values[cut])
 
 
+INF_EDGE = 1.25  # an infinite KL is drawn at this multiple of the largest finite one
+
+
+def frontier_x(kls: Sequence[float]) -> tuple[list[float], float | None]:
+    """The frontier plot's x of each KL: finite values as they are, +inf (a row with
+    samples off π_ref's support under its rule; docs/ALGORITHMS.md, "KL: the three
+    columns") at the `∞` edge right of every finite one; the edge is None without one."""
+    finite = [k for k in kls if math.isfinite(k)]
+    if len(finite) == len(kls):
+        return list(kls), None
+    edge = INF_EDGE * max([abs(k) for k in finite] + [0.8])
+    return [k if math.isfinite(k) else edge for k in kls], edge
+
+
 def plot_frontier(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> bool:
     """avg reward vs KL and pass@1 vs KL; one line per (config, algo, family, round) through
     its η points. Rows are aggregated (`<m>_mean` / `<m>_std`) or a single run's (`<m>`).
@@ -318,7 +345,8 @@ def _point(r: dict, m: str) -> tuple[float | None, float]:
     if f"{m}_mean" in r:
         return r.get(f"{m}_mean"), r.get(f"{m}_std") or 0.0
     v = r.get(m)
-    return (v if _finite(v) else None), 0.0
+    number = isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+    return (v if number else None), 0.0  # +inf KL: drawn at the ∞ edge (frontier_x)
 
 
 def frontier_figure(rows: Sequence[dict[str, Any]], title: str = ""):
@@ -328,6 +356,8 @@ def frontier_figure(rows: Sequence[dict[str, Any]], title: str = ""):
     points = [r for r in rows if _point(r, "kl")[0] is not None]
     if not points:
         return None
+    kl_x, inf_edge = frontier_x([_point(r, "kl")[0] or 0.0 for r in points])
+    x_of = {id(r): x for r, x in zip(points, kl_x)}
     from matplotlib.figure import Figure
 
     lines: dict[tuple, list[dict]] = {}
@@ -359,7 +389,7 @@ def frontier_figure(rows: Sequence[dict[str, Any]], title: str = ""):
             if not keep:
                 continue
             drawn = ax.errorbar(
-                [_point(r, "kl")[0] or 0.0 for r in keep],  # None was filtered out above
+                [x_of[id(r)] for r in keep],  # +inf drawn at the ∞ edge
                 [_point(r, metric)[0] or 0.0 for r in keep],
                 xerr=[_point(r, "kl")[1] for r in keep],
                 yerr=[_point(r, metric)[1] for r in keep],
@@ -374,7 +404,7 @@ def frontier_figure(rows: Sequence[dict[str, Any]], title: str = ""):
                 if r.get("eta") is not None and len(order) <= ETA_LABELS_UP_TO:
                     ax.annotate(
                         f"η={_fmt(r['eta'])}",
-                        (_point(r, "kl")[0], _point(r, metric)[0]),
+                        (x_of[id(r)], _point(r, metric)[0]),
                         fontsize=6,
                         xytext=(3, 3),
                         textcoords="offset points",
@@ -384,6 +414,17 @@ def frontier_figure(rows: Sequence[dict[str, Any]], title: str = ""):
             labels.append(label.replace("$", r"\$"))
     scale, linthresh = kl_axis([k for r in points if (k := _point(r, "kl")[0]) is not None])
     for ax, label in zip(axes, ("avg reward", "pass@1")):
+        if inf_edge is not None:
+            ax.axvline(inf_edge, color="grey", lw=0.8, ls=":")
+            ax.annotate(
+                "KL = ∞ (off π_ref's support)",
+                (inf_edge, 0.02),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                fontsize=6,
+                ha="right",
+                color="grey",
+            )
         if scale == "symlog":
             ax.set_xscale("symlog", linthresh=linthresh)
         ax.set_xlabel(

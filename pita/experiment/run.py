@@ -100,17 +100,12 @@ def build_plan(cfg: DictConfig, gpu: GPUManager) -> Plan:
 
 def task_durations(cfg: DictConfig, gpu: GPUManager) -> TaskDurations:
     """Expected task durations: earlier runs' recorded ones (pita/experiment/timeline.py),
-    then work units; the run adds its own finished tasks as they come."""
-    from pita.experiment.timeline import duration_key, load_durations
+    exact or of the same kind scaled by size, then work units; the run adds its own
+    finished tasks as they come."""
+    from pita.experiment.timeline import duration_key, load_history
 
-    return TaskDurations(load_durations(), duration_key(cfg, gpu.kind))
-
-
-def estimated_wall_time(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> tuple[float, str]:
-    """(seconds, source): the plan simulated on the devices with the expected durations."""
-    durations = task_durations(cfg, gpu)
-    eta = Eta(plan.tasks, set(), durations, make_scheduler(cfg, gpu))
-    return eta.remaining({}, time.time())
+    key, history = duration_key(cfg, gpu.kind), load_history()
+    return TaskDurations(history.exact, key, lambda t: history.scaled(t, key))
 
 
 def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
@@ -132,8 +127,25 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
         print(
             f"{t.id:58s} {devs:9s} {t.mem_mb / 1024:7.2f} {t.priority:6.1f}  {t.mem_source[:40]:40s} {deps}"
         )
-    seconds, source = estimated_wall_time(plan, cfg, gpu)
+    durations = task_durations(cfg, gpu)
+    seconds, source = Eta(plan.tasks, set(), durations, make_scheduler(cfg, gpu)).remaining(
+        {}, time.time()
+    )
     print(f"Estimated wall time: ~{format_duration(seconds)} ({source}).")
+    print(history_line(plan, durations))
+
+
+def history_line(plan: Plan, durations: TaskDurations) -> str:
+    """Which tasks the estimate has no measured duration for (their own or their kind's,
+    scaled by size), so a reader knows how far to trust it."""
+    blind = [t.id for t in plan.tasks.values() if durations.history(t) is None]
+    if not blind:
+        return "Every task's estimate comes from a measured duration (its own or its kind's)."
+    shown = ", ".join(blind[:6]) + (f" (+{len(blind) - 6} more)" if len(blind) > 6 else "")
+    return (
+        f"No history for {len(blind)} of {len(plan.tasks)} task(s), estimated from work "
+        f"units: {shown}."
+    )
 
 
 def lock_run_folder(cfg: DictConfig, run_dir: Path, share: bool = False) -> RunLock:
@@ -142,7 +154,7 @@ def lock_run_folder(cfg: DictConfig, run_dir: Path, share: bool = False) -> RunL
     before Hydra writes `.hydra/` (`share=True`); `run()` calls it again (nested in the
     same process)."""
     paths = RunPaths(run_dir)
-    trust_group = bool(cfg.system.get("trust_group", False))
+    trust_group = bool(cfg.system.trust_group)
     share_with_group(trust_group)  # the lock is the group's too (0660), its files readable
     for folder in (run_dir, paths.tasks):  # a folder others can write steers what resume trusts
         check_folder(folder, trust_group)
@@ -201,15 +213,24 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
     paths = RunPaths(run_dir)
     gpu = make_gpu_manager(cfg)
     plan = Plan.load(paths.plan) if resumed else build_plan(cfg, gpu)
+    change = resume_change(cfg, run_dir, gpu, plan) if resumed else None
+    if change is not None:
+        plan = change.plan
     if resumed:
         check_plan_fits(plan, gpu, cfg)
     if cfg.dry_run:
         warn_stage_overrides(cfg, plan)
         print_dry_run(plan, cfg, gpu)
+        if resumed:
+            print_resume_dry_run(plan, run_dir, change)
         return EXIT_OK
 
     with lock_run_folder(cfg, run_dir):  # one orchestrator per run folder (a second exits 2)
         try:
+            if change is not None:
+                from pita.experiment.resume_fix import apply_change
+
+                apply_change(cfg, run_dir, change)
             return _run_locked(cfg, run_dir, paths, gpu, plan, resumed, absolutized)
         except RunFileError as exc:  # the journal cannot be opened: immutable, read-only
             return run_files_failed(run_dir, exc)
@@ -237,6 +258,25 @@ def run_files_failed(run_dir: Path, exc: BaseException, journal: Journal | None 
         resume_command(run_dir),
     )
     return EXIT_FAILED
+
+
+def resume_change(cfg: DictConfig, run_dir: Path, gpu: GPUManager, saved: Plan):
+    """What a resume's other values change (pita/experiment/resume_fix.py), or None."""
+    from pita.experiment.cli import RESUME_SAFE_PREFIXES
+    from pita.experiment.resume_fix import plan_change
+
+    def run_safe(key: str) -> bool:  # where and how the run goes, never what it computes
+        return key.startswith(RESUME_SAFE_PREFIXES)
+
+    return plan_change(cfg, run_dir, saved, lambda c: build_plan(c, gpu), run_safe)
+
+
+def print_resume_dry_run(plan: Plan, run_dir: Path, change) -> None:
+    """Which tasks a resume will run, and why (a changed key, a failure, an input)."""
+    from pita.core.resume import resume_reasons
+    from pita.experiment.resume_fix import print_resume_plan
+
+    print_resume_plan(plan, resume_reasons(plan, run_dir, change and change.touched), change)
 
 
 def _run_locked(
@@ -408,7 +448,11 @@ def _run_locked(
             tail = TaskPaths(run_dir, tid).failed(runner.attempts.get(tid, 1)) / Artifact.LOG
             if tail.is_file():
                 log.error("    log: %s (%s)", tail, last_line(tail.read_text(errors="replace")))
-        log.error("Fix the cause, then finish the run with: %s", resume_command(run_dir))
+        log.error(
+            "Fix the cause, then finish the run with: %s (add key=value to change a setting: "
+            "the tasks it touches run again, the rest is kept; add dry_run=true to list them)",
+            resume_command(run_dir),
+        )
         _end_lines(paths)
         return EXIT_FAILED
     log.info("All %d tasks done in %.1fs.", len(plan.tasks), time.time() - t0)

@@ -46,11 +46,7 @@ def checkpoint_dir(ctx: StageContext) -> Path:
 
 def checkpoint_every(ctx: StageContext) -> tuple[int, float]:
     """(`training.checkpoint_every` steps, `training.checkpoint_every_minutes`); 0 = off."""
-    tr = ctx.cfg.training
-    return (
-        int(tr.get("checkpoint_every", 0) or 0),
-        float(tr.get("checkpoint_every_minutes", 0.0) or 0.0),
-    )
+    return ctx.training.checkpoint_every, ctx.training.checkpoint_every_minutes
 
 
 # keys a resume may change without changing what a task computes (cf. the CLI's resume-safe keys)
@@ -117,7 +113,7 @@ def trl_checkpoint_kwargs(ctx: StageContext) -> dict[str, Any]:
 
 def trust_group(ctx: StageContext) -> bool:
     """`system.trust_group`: a teammate's (same group) checkpoints count as yours."""
-    return bool(ctx.cfg.system.get("trust_group", False))
+    return ctx.system.trust_group
 
 
 def last_trl_checkpoint(
@@ -161,10 +157,9 @@ def precision_for(
     """`choose_precision` from the task's `training.*` keys, logged to its task log."""
     from pita.training.precision import choose_precision
 
-    tr = ctx.cfg.training
     return choose_precision(
-        str(tr.precision_type),
-        bool(tr.mixed_precision),
+        ctx.training.precision_type,
+        ctx.training.mixed_precision,
         device or ctx.device,
         compute_capability,
         logger=ctx.logger,
@@ -194,8 +189,8 @@ def train_step(
         optimizer,
         precision,
         scheduler=scheduler,
-        max_grad_norm=ctx.cfg.training.max_grad_norm,
-        clear_cache_interval=ctx.cfg.system.clear_cache_interval,
+        max_grad_norm=ctx.training.max_grad_norm,
+        clear_cache_interval=ctx.system.clear_cache_interval,
         device=device,
         compile_status=compile_status,
         logger=ctx.logger,
