@@ -255,7 +255,7 @@ def test_bad_cells_are_skipped_with_one_warning_that_counts_them(tmp_path, capsy
     assert len(warnings) == 2, warnings
     assert "3/results/summary.csv is not a results summary" in warnings[0]
     assert warnings[1] == (
-        "skipped 4 cell(s) that are not finite numbers (nan, inf, text) and 2 row(s) whose "
+        "skipped 4 cell(s) that are not numbers pita writes (nan, inf, text) and 2 row(s) whose "
         "round, η or names are not valid in the summaries of 4 run(s)"
     )
     with open(tmp_path / "agg" / "aggregate.csv", newline="") as f:
@@ -286,6 +286,7 @@ def test_run_folders_are_read_under_the_runs_rules(tmp_path, capsys):
     os.chown(run, nobody.pw_uid, nobody.pw_gid)
     code, err = _aggregate_cli(capsys, sweep, "--out", tmp_path / "agg")
     assert code == 2 and len(err) == 1 and "owned by uid" in err[0], err
+    assert err[0].endswith("needs --trust-group)")
     os.chown(run, nobody.pw_uid, os.getegid())  # shared with our group, on purpose
     code, err = _aggregate_cli(capsys, sweep, "--out", tmp_path / "agg", "--trust-group")
     assert code == 0, err

@@ -187,7 +187,9 @@ def clean_rows(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], in
 
 def skipped_line(bad_cells: int, bad_rows: int, n_runs: int) -> str:
     """The one WARNING line that counts what `clean_rows` skipped."""
-    parts = [f"{bad_cells} cell(s) that are not finite numbers (nan, inf, text)"] * bool(bad_cells)
+    parts = [f"{bad_cells} cell(s) that are not numbers pita writes (nan, inf, text)"] * bool(
+        bad_cells
+    )
     parts += [f"{bad_rows} row(s) whose round, η or names are not valid"] * bool(bad_rows)
     return f"skipped {' and '.join(parts)} in the summaries of {n_runs} run(s)"
 
@@ -787,7 +789,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return 0 if aggregate(args, out, trust_group=trust_group) else 1
     except ConfigError as exc:  # UnsafeFile too: one line, as run_parallel.py
-        for line in exc.messages:
+        for line in exc.messages:  # this tool's switch for a group's runs is --trust-group
+            line = line.replace("needs system.trust_group=true", "needs --trust-group")
             print(f"error: {line}", file=sys.stderr)
         return 2
     except OSError as exc:  # a folder vanished or a read failed while aggregating
