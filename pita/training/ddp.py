@@ -39,6 +39,7 @@ tensors, not tasks.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing
@@ -50,7 +51,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -168,6 +169,31 @@ def wrap_model(
 
     device_ids = [torch.device(dist.device).index] if dist.device.startswith("cuda") else None
     return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def full_state_dict(model: torch.nn.Module, dist: DistContext | None) -> dict[str, Any]:
+    """`model`'s whole state dict on the CPU. FSDP2: every shard gathered (a collective:
+    every rank calls it, in the same order); otherwise the model's own."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+        for k, v in model.state_dict().items()
+    }
+
+
+@contextlib.contextmanager
+def gathered(net: Any, dist: DistContext | None) -> Iterator[None]:
+    """FSDP2: the root module's own parameters unsharded while the body reads the model
+    outside its forward (held-out diagnostics); every rank must enter. No-op otherwise."""
+    if dist is None or dist.world_size == 1 or dist.strategy != "fsdp":
+        yield
+        return
+    net.unshard()
+    try:
+        yield
+    finally:
+        net.reshard()
 
 
 # --- the rank side ----------------------------------------------------------------------------
