@@ -70,6 +70,11 @@ def nan_stage(ctx: StageContext) -> dict:
     return {"rows": [{"eta": 0.0, "pass@1": float("nan")}]}
 
 
+def infinite_kl_stage(ctx: StageContext) -> dict:
+    """A row whose policy sampled outside π_ref's top-k: its `kl` is +inf, by definition."""
+    return {"rows": [{"eta": None, "pass@1": 0.5, "kl": float("inf"), "off_support": 0.25}]}
+
+
 def forgetful_stage(ctx: StageContext) -> dict:
     """Writes nothing although its task declares an output."""
     return {}

@@ -484,17 +484,21 @@ def test_durations_are_recorded_per_task_and_config_and_read_back(tmp_path):
         tmp_path / "journal.jsonl",
         [{"ts": 1.0, "event": "task_done", "task": "DPO.goal_walk.tiny.r0.train", "wall_s": 12.5}],
     )
-    cfg = OmegaConf.create({"experiment": {"name": "x", "seed": 0}, "training": {"lr": 1e-3}})
+    cfg = OmegaConf.create(
+        {"experiment": {"name": "x", "seed": 0}, "training": {"max_grad_norm": 1.0}}
+    )
     key = duration_key(cfg, "cpu")
     cache = tmp_path / "cache" / "task_durations.json"
     assert record_durations(tmp_path, plan.tasks, key, cache) == 1
     task = plan.tasks["DPO.goal_walk.tiny.r0.train"]
     assert load_history(cache).exact == {key(task): 12.5}
     other_seed = OmegaConf.create(
-        {"experiment": {"name": "x", "seed": 1}, "training": {"lr": 1e-3}}
+        {"experiment": {"name": "x", "seed": 1}, "training": {"max_grad_norm": 1.0}}
     )
     assert duration_key(other_seed, "cpu")(task) == key(task)  # a seed sweep shares durations
-    other_lr = OmegaConf.create({"experiment": {"name": "x", "seed": 0}, "training": {"lr": 1e-4}})
+    other_lr = OmegaConf.create(
+        {"experiment": {"name": "x", "seed": 0}, "training": {"max_grad_norm": 0.5}}
+    )
     assert duration_key(other_lr, "cpu")(task) != key(task)
     assert duration_key(cfg, "cuda")(task) != key(task)
     assert load_history(tmp_path / "absent.json").exact == {}

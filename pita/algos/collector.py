@@ -49,6 +49,8 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pita.core.schema import ValueGuidedConfig
+
 
 def score_in_batches(
     task: Any, examples: Sequence, responses: Sequence[Sequence[int]], batch_size: int
@@ -295,7 +297,7 @@ def collect_shard(ctx: Any, *, pairs: bool) -> tuple[list[dict], dict]:
     task = ctx.build_task()
     tok = task.tokenizer
     examples = task.train_examples()
-    dc, gen, algo = ctx.cfg.data_collection, ctx.cfg.generation, ctx.algo_cfg
+    dc, gen, algo = ctx.data_collection, ctx.generation, ctx.algo_as(ValueGuidedConfig)
     if dc.max_examples:
         examples = examples[: dc.max_examples]
     part = ctx.shard_slice(len(examples))
@@ -336,10 +338,8 @@ def collect_shard(ctx: Any, *, pairs: bool) -> tuple[list[dict], dict]:
         seed=ctx.seed,
         report=ctx.report_progress,
     )
-    samples = int(
-        algo.get("samples_per_example", 0) or dc.samples_per_example
-    )  # per-algo override, if any
-    recipe = str(dc.get("recipe", "rollouts"))
+    samples = algo.samples_per_example or dc.samples_per_example  # per-algo override, if any
+    recipe = dc.recipe
     dropped = None
     if recipe == "ground_truth_vs_first_wrong":
         hook = None  # one offline round of π_ref samples (module docstring)

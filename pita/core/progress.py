@@ -225,12 +225,13 @@ class Eta:
                 continue
             elapsed, f = max(0.0, now - started[tid]), fractions.get(tid)
             out.elapsed[tid], out.expected[tid] = elapsed, expected[tid][0]
-            out.left[tid] = rest = task_left(expected[tid][0], elapsed, f, first.get(tid, (0, 0)))
+            remaining = task_left(expected[tid][0], elapsed, f, first.get(tid, (0.0, 0.0)))
+            out.left[tid] = remaining
             if f is not None:
                 out.fraction[tid] = f
-            if f is not None and f >= EARLY_FRACTION and rest is not None:
+            if f is not None and f >= EARLY_FRACTION and remaining is not None:
                 kind = task_kind(left[tid])
-                pace[kind] = max(pace.get(kind, 0.0), elapsed + rest)
+                pace[kind] = max(pace.get(kind, 0.0), elapsed + remaining)
         seconds: dict[str, float] = {}
         weight: dict[str, float] = {}
         for tid, t in left.items():

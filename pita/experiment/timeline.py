@@ -1,5 +1,6 @@
 """Where the time went: task durations across runs (for the ETA), and at the end of a run
-`results/timeline.png` (a Gantt per device) and the time table `results/time.{md,csv}`.
+`results/timeline.png` (a Gantt per device: pita/experiment/timeline_plot.py) and the time
+table `results/time.{md,csv}`.
 
 Everything here reads the journal (`task_running` / `task_done` / `task_failed` events, with
 their timestamps and devices): it is the run's history, resumed sessions included. The
@@ -25,11 +26,10 @@ from pita.algos.registry import ANY
 from pita.core import user_cache
 from pita.core.journal import read_events
 from pita.core.paths import RunPaths, atomic_write_text, pita_cache_dir
+from pita.core.schema import result_config
 
 log = logging.getLogger("pita.report")
 
-# Config sections that do not change how long a task works (where, how it is logged).
-NOT_WORK = ("system", "executor", "logger", "hydra", "resume_from", "dry_run")
 TASK_END = {"task_done": "done", "task_failed": "failed"}
 
 
@@ -126,7 +126,9 @@ class DurationKey:
             {str(k): v for k, v in resolved.items()} if isinstance(resolved, dict) else {}
         )
         self.cfg = work
-        work = {k: v for k, v in work.items() if k not in NOT_WORK}
+        # what a task computes changes how long it works; where it runs and what is recorded
+        # do not (the device kind is in the key itself): `schema.result_config`
+        work = result_config(work)
         if isinstance(work.get("experiment"), dict):  # seeds of a sweep take as long
             work["experiment"] = {k: v for k, v in work["experiment"].items() if k != "seed"}
         blob = json.dumps(work, sort_keys=True, default=str)
@@ -208,11 +210,19 @@ def load_history(path: Path | None = None) -> DurationHistory:
 
 
 def record_durations(
-    run_dir: Path, tasks: Mapping[str, Any], key: Callable[[Any], str], path: Path | None = None
+    run_dir: Path,
+    tasks: Mapping[str, Any],
+    key: Callable[[Any], str],
+    path: Path | None = None,
+    *,
+    events: list[dict[str, Any]] | None = None,
 ) -> int:
-    """Add this run's finished tasks' durations to the cache; how many were recorded."""
+    """Add this run's finished tasks' durations to the cache; how many were recorded.
+    `events`: the run's journal when the caller has read it already."""
     path = path or durations_cache_path()
-    walls = done_walls(read_events(RunPaths(run_dir).journal))
+    if events is None:
+        events = read_events(RunPaths(run_dir).journal)
+    walls = done_walls(events)
     if not walls:
         return 0
 
@@ -248,6 +258,8 @@ class Span:
     start: float
     end: float
     outcome: str  # done | failed | running (no end event: interrupted)
+    attempt: int = 1  # > 1: a retry
+    failure: str | None = None  # a failed attempt's class (oom, killed, error, ...)
 
     @property
     def seconds(self) -> float:
@@ -275,7 +287,7 @@ def spans(events: list[dict[str, Any]], tasks: Mapping[str, Any]) -> tuple[list[
             open_[e["task"]] = e
         elif kind in TASK_END and e.get("task") in open_:
             start = open_.pop(e["task"])
-            out.append(_span(start, tasks, t0, ts, TASK_END[kind]))
+            out.append(_span(start, tasks, t0, ts, TASK_END[kind], e.get("failure")))
         if sessions:
             sessions[-1][1] = ts
     _close_open(open_, out, tasks, t0, last_ts)
@@ -285,7 +297,14 @@ def spans(events: list[dict[str, Any]], tasks: Mapping[str, Any]) -> tuple[list[
     return out, wall
 
 
-def _span(start: dict, tasks: Mapping[str, Any], t0: float, end: float, outcome: str) -> Span:
+def _span(
+    start: dict,
+    tasks: Mapping[str, Any],
+    t0: float,
+    end: float,
+    outcome: str,
+    failure: str | None = None,
+) -> Span:
     t = tasks.get(start["task"])
     stage = t.stage if t is not None else start["task"].split(".")[-1]
     chain = t.chain if t is not None else "?"
@@ -299,6 +318,8 @@ def _span(start: dict, tasks: Mapping[str, Any], t0: float, end: float, outcome:
         start["ts"] - t0,
         end - t0,
         outcome,
+        int(start.get("attempt") or 1),
+        failure if outcome == "failed" else None,
     )
 
 
@@ -378,44 +399,17 @@ def time_markdown(rows: list[dict[str, Any]], wall: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_timeline(all_spans: list[Span], labels: list[str], path: Path) -> None:
-    """A Gantt per device: one bar per task attempt, coloured by stage (failed: hatched)."""
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-
-    stages = sorted({s.stage for s in all_spans})
-    colour = {st: f"C{i % 10}" for i, st in enumerate(stages)}
-    fig = Figure(figsize=(11, 1.2 + 0.55 * len(labels)), layout="constrained")
-    ax = fig.subplots()
-    for s in all_spans:
-        for d in s.devices:
-            ax.broken_barh(
-                [(s.start, max(s.seconds, 1e-3))],
-                (d - 0.4, 0.8),
-                facecolors=colour[s.stage],
-                edgecolor="black" if s.outcome == "done" else "red",
-                linewidth=0.3,
-                hatch=None if s.outcome == "done" else "//",
-            )
-    ax.set_yticks(range(len(labels)), labels)
-    ax.set_ylim(-0.6, len(labels) - 0.4)
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds since the first task started")
-    ax.grid(axis="x", alpha=0.3)
-    ax.legend(
-        handles=[Patch(color=colour[st], label=st) for st in stages],
-        fontsize=7,
-        loc="upper left",
-        bbox_to_anchor=(1.0, 1.0),
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-
-
-def write_time_report(run_dir: Path, tasks: Mapping[str, Any], labels: list[str]) -> str | None:
-    """results/timeline.png and results/time.{md,csv}; the table's text (None: no task ran)."""
+def write_time_report(
+    run_dir: Path,
+    tasks: Mapping[str, Any],
+    labels: list[str],
+    *,
+    events: list[dict[str, Any]] | None = None,
+) -> str | None:
+    """results/timeline.png and results/time.{md,csv}; the table's text (None: no task ran).
+    `events`: the run's journal when the caller has read it already."""
     paths = RunPaths(run_dir)
-    all_spans, wall = spans(read_events(paths.journal), tasks)
+    all_spans, wall = spans(read_events(paths.journal) if events is None else events, tasks)
     if not all_spans:
         return None
     n_devices = max([len(labels)] + [d + 1 for s in all_spans for d in s.devices])
@@ -428,5 +422,7 @@ def write_time_report(run_dir: Path, tasks: Mapping[str, Any], labels: list[str]
     writer.writeheader()
     writer.writerows(rows)
     atomic_write_text(paths.results / "time.csv", buf.getvalue())
-    plot_timeline(all_spans, labels, paths.results / "timeline.png")
+    from pita.experiment.timeline_plot import draw_timeline, timeline_model
+
+    draw_timeline(timeline_model(all_spans, labels), paths.results / "timeline.png")
     return table

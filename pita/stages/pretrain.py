@@ -15,8 +15,8 @@ model and its tokenizer are written with `save_pretrained` into `model/`, next t
 
 Training mechanics come from `pita.training`: precision (`training.mixed_precision` /
 `precision_type`), exact gradient accumulation, clipping, `system.clear_cache_interval`,
-`training.compile` and `training.gradient_checkpointing`, and DDP over the task's gang
-with `training.parallel_strategy=data_parallel`. The tiny policy trains on its whole batch
+`training.compile` and `training.gradient_checkpointing`, and DDP or FSDP2 over the task's
+gang with `training.parallel_strategy=data_parallel | fsdp`. The tiny policy trains on its whole batch
 at once (`training.micro_batch_size` is sized for hub models and would only slow it down);
 it is cut into micro-batches when `training.accumulation_steps` is set or an OOM retry
 halves the task's `batch_scale`. With `training.checkpoint_every` the loop checkpoints
@@ -103,7 +103,7 @@ def _family_policy(ctx: StageContext, family):
     model = load_causal_lm(
         family.reference,
         dtype="float32",
-        attn_impl=ctx.cfg.system.attn_impl,
+        attn_impl=ctx.system.attn_impl,
         trust_remote_code=family.trust_remote_code,
     )
     if model.config.pad_token_id is None:
@@ -134,7 +134,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     from pita.models.catalog import resolve_family
     from pita.models.tiny import build_tiny_llama
     from pita.runtime.kit import checkpointer, train_step
-    from pita.training.ddp import wrap_model
+    from pita.training.ddp import full_state_dict, wrap_model
     from pita.training.loop import (
         compile_model,
         enable_gradient_checkpointing,
@@ -145,7 +145,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     from pita.training.precision import training_device
     from pita.training.report import write_training_report
 
-    tr, pcfg = ctx.cfg.training, ctx.cfg.pretrain
+    tr, pcfg = ctx.training, ctx.pretrain
     world = dist.world_size if dist else 1
     # pretrain.batch_size is the effective batch over all ranks; each rank cuts its share
     # into micro-batches whose gradients add up to those of the whole share.
@@ -169,7 +169,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
             pad_token_id=tok.pad_token_id,
             eos_token_id=tok.eos_token_id,
             seed=ctx.seed,
-            attn_impl=ctx.cfg.system.attn_impl,
+            attn_impl=ctx.system.attn_impl,
         )
     else:
         model, task = _family_policy(ctx, family)
@@ -181,19 +181,20 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
             task.name,
         )
     device = torch.device(
-        training_device(ctx.cfg.system.gpu_mode, ctx.device).device
+        training_device(ctx.system.gpu_mode, ctx.device).device
     )  # system.gpu_mode
     model.to(device).train()
     checkpointing = enable_gradient_checkpointing(model, tr.gradient_checkpointing, ctx.logger)
     compiled = compile_model(model, tr.compile, tr.compile_mode, logger=ctx.logger)
-    net = wrap_model(model, dist)  # DDP all-reduces the gradients; the same model otherwise
-    wd = pcfg.get("weight_decay")
+    # DDP all-reduces the gradients; FSDP2 shards the model in place (the optimizer comes after)
+    net = wrap_model(model, dist)
+    wd = pcfg.weight_decay
     optim = torch.optim.AdamW(
         model.parameters(), lr=pcfg.lr, weight_decay=tr.weight_decay if wd is None else wd
     )
     sched = (
         official_schedule(optim, pcfg.steps)
-        if pcfg.get("lr_schedule", "cosine") == "official"
+        if pcfg.lr_schedule == "official"
         else get_cosine_schedule_with_warmup(optim, pcfg.warmup_steps, pcfg.steps)
     )
     # Figures are read back every 50 steps (the log interval), not every step: no host sync.
@@ -270,10 +271,11 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
             extra=lambda state=rng_after: {"rng": state},
         )
 
+    state = full_state_dict(model, dist) if dist is not None else None  # FSDP2: gathered
     if dist is not None and not dist.is_main:
         return {}  # rank 0 writes the model and the report
     model.eval()
-    model.save_pretrained(ctx.out_dir / Artifact.MODEL)
+    model.save_pretrained(ctx.out_dir / Artifact.MODEL, state_dict=state)
     task.save_tokenizer(str(ctx.out_dir / Artifact.MODEL))
     perf = write_training_report(
         ctx.out_dir,
