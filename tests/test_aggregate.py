@@ -170,7 +170,8 @@ def test_two_reference_rules_are_never_pooled(tmp_path):
 
 # --- the run's rules (issue 34 item 4) ------------------------------------------------------
 
-ROW = ["QSharp", "goal_walk", "tiny", 0, 5.0, 40, 80, 0.5, 0.5, 0.5, 0.4, 2.4, 0.0, 1.0]
+# the summary's columns (HEADER): ..., pass@1, maj@k, avg_reward, kl, kl_full, off_support, wall_s
+ROW = ["QSharp", "goal_walk", "tiny", 0, 5.0, 40, 80, 0.5, 0.5, 0.5, 0.4, 0.4, 0.0, 1.0]
 
 
 def _aggregate_cli(capsys, *args: str) -> tuple[int, list[str]]:
@@ -241,7 +242,7 @@ def test_a_run_folder_given_alone_gets_its_aggregate_beside_it(tmp_path, capsys)
 
 def test_bad_cells_are_skipped_with_one_warning_that_counts_them(tmp_path, capsys, caplog):
     sweep = tmp_path / "sweep"
-    bad = ["QSharp", "goal_walk", "tiny", 0, 5.0, 40, 80, "nan", "inf", "-inf", "x?", 2.4, 0.0, 1.0]
+    bad = ["QSharp", "goal_walk", "tiny", 0, 5.0, 40, 80, "nan", "inf", "-inf", "x?", 0.4, 0, 1]
     _job(sweep / "0", 0, [ROW, bad])  # 4 bad cells in one row, the rest of it kept
     _job(sweep / "1", 1, [ROW, ["QSharp", "goal_walk", "tiny", "abc", 5.0, 40, 80, 0.9]])
     _job(sweep / "2", 2, [ROW, ["QSharp", "goal_walk", "tiny", 0.5, 5.0, 40, 80, 0.9]])
@@ -254,7 +255,7 @@ def test_bad_cells_are_skipped_with_one_warning_that_counts_them(tmp_path, capsy
     assert len(warnings) == 2, warnings
     assert "3/results/summary.csv is not a results summary" in warnings[0]
     assert warnings[1] == (
-        "skipped 4 cell(s) that are not finite numbers (nan, inf, text) and 2 row(s) whose "
+        "skipped 4 cell(s) that are not numbers pita writes (nan, inf, text) and 2 row(s) whose "
         "round, η or names are not valid in the summaries of 4 run(s)"
     )
     with open(tmp_path / "agg" / "aggregate.csv", newline="") as f:
@@ -285,6 +286,7 @@ def test_run_folders_are_read_under_the_runs_rules(tmp_path, capsys):
     os.chown(run, nobody.pw_uid, nobody.pw_gid)
     code, err = _aggregate_cli(capsys, sweep, "--out", tmp_path / "agg")
     assert code == 2 and len(err) == 1 and "owned by uid" in err[0], err
+    assert err[0].endswith("needs --trust-group)")
     os.chown(run, nobody.pw_uid, os.getegid())  # shared with our group, on purpose
     code, err = _aggregate_cli(capsys, sweep, "--out", tmp_path / "agg", "--trust-group")
     assert code == 0, err

@@ -127,6 +127,29 @@ def test_progress_lines_round_trip_and_other_lines_say_nothing():
     assert parse_progress("") is None
 
 
+def test_report_progress_is_one_helper_that_throttles_and_always_passes_the_last(tmp_path):
+    """Stages call ctx.report_progress every step; the heartbeat gets the first line, at
+    most one per PROGRESS_EVERY_S after it, and the last (a gang's rank 0 pipes each)."""
+    from omegaconf import OmegaConf
+
+    from pita.runtime.context import StageContext
+
+    sent: list[str] = []
+    ctx = StageContext(
+        task=_task("t"),
+        cfg=OmegaConf.create({}),
+        run_dir=tmp_path,
+        out_dir=tmp_path,
+        logger=logging.getLogger("t"),
+        heartbeat=sent.append,
+        chain_merged=True,
+    )
+    for i in range(1000):
+        ctx.report_progress(i + 1, 1000, "step", "loss 0.1")
+    assert sent[0] == "step 1/1000 loss 0.1" and sent[-1] == "step 1000/1000 loss 0.1"
+    assert len(sent) < 1000 and all(parse_progress(line) for line in sent)
+
+
 def test_a_running_task_left_from_its_progress_else_its_estimate_else_unknown():
     assert task_left(10.0, 4.0, None) == 6.0  # no progress yet, within its estimate
     assert task_left(10.0, 12.0, None) == 0.0  # a little past: a heartbeat may be on its way
@@ -135,6 +158,9 @@ def test_a_running_task_left_from_its_progress_else_its_estimate_else_unknown():
     assert task_left(10.0, 40.0, 0.5) == 40.0  # its own pace: as long again
     assert task_left(100.0, 1.0, 0.01) == 99.0  # early: the start-up skews the pace
     assert task_left(2.0, 2400.0, 0.9) == pytest.approx(266.7, abs=0.1)
+    # first seen at 20 % after 100 s (start-up, or a resumed checkpoint): 60 % more in 300 s
+    assert task_left(10.0, 400.0, 0.8, first=(100.0, 0.2)) == pytest.approx(100.0)
+    assert task_left(10.0, 101.0, 0.21, first=(100.0, 0.2)) == pytest.approx(101 * 0.79 / 0.21)
 
 
 def test_a_task_past_its_estimate_never_leaves_the_eta_below_its_own_remaining_time():
@@ -210,8 +236,9 @@ def test_a_real_stage_slower_than_its_estimate_moves_the_eta_with_its_progress(
     paced = [(r, shown) for r, _, shown in seen if r.fraction.get("slow", 0) >= 0.05]
     assert paced, "no progress reached the orchestrator"
     for r, shown in paced:
-        f, elapsed = r.fraction["slow"], r.elapsed["slow"]
-        assert r.seconds >= elapsed * (1 - f) / f + 1.0 - 1e-6
+        f, left = r.fraction["slow"], r.left["slow"]
+        assert left is not None and (left > 0 or f == 1.0)  # at its own pace, never "done"
+        assert r.seconds >= left + 1.0 - 1e-6  # its own time left, then the task after it
         assert shown.startswith(f"{100 * f:.0f} %, ")
 
 
@@ -457,17 +484,21 @@ def test_durations_are_recorded_per_task_and_config_and_read_back(tmp_path):
         tmp_path / "journal.jsonl",
         [{"ts": 1.0, "event": "task_done", "task": "DPO.goal_walk.tiny.r0.train", "wall_s": 12.5}],
     )
-    cfg = OmegaConf.create({"experiment": {"name": "x", "seed": 0}, "training": {"lr": 1e-3}})
+    cfg = OmegaConf.create(
+        {"experiment": {"name": "x", "seed": 0}, "training": {"max_grad_norm": 1.0}}
+    )
     key = duration_key(cfg, "cpu")
     cache = tmp_path / "cache" / "task_durations.json"
     assert record_durations(tmp_path, plan.tasks, key, cache) == 1
     task = plan.tasks["DPO.goal_walk.tiny.r0.train"]
     assert load_history(cache).exact == {key(task): 12.5}
     other_seed = OmegaConf.create(
-        {"experiment": {"name": "x", "seed": 1}, "training": {"lr": 1e-3}}
+        {"experiment": {"name": "x", "seed": 1}, "training": {"max_grad_norm": 1.0}}
     )
     assert duration_key(other_seed, "cpu")(task) == key(task)  # a seed sweep shares durations
-    other_lr = OmegaConf.create({"experiment": {"name": "x", "seed": 0}, "training": {"lr": 1e-4}})
+    other_lr = OmegaConf.create(
+        {"experiment": {"name": "x", "seed": 0}, "training": {"max_grad_norm": 0.5}}
+    )
     assert duration_key(other_lr, "cpu")(task) != key(task)
     assert duration_key(cfg, "cuda")(task) != key(task)
     assert load_history(tmp_path / "absent.json").exact == {}

@@ -12,6 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from pita.core.paths import atomic_write_json
+from pita.core.schema import resume_safe
 from pita.experiment import cli
 from pita.experiment.resume_fix import changed_keys, touched_tasks
 from pita.experiment.run import build_plan, make_gpu_manager
@@ -31,7 +32,7 @@ def _touched(change: list[str]) -> dict[str, str]:
     keys = changed_keys(
         OmegaConf.to_container(old_cfg, resolve=True),
         OmegaConf.to_container(new_cfg, resolve=True),
-        lambda key: key.startswith(cli.RESUME_SAFE_PREFIXES),
+        resume_safe,
     )
     return touched_tasks(old, new, keys)
 

@@ -459,5 +459,8 @@ def test_wandb_offline_folders_of_a_retried_task_sync_as_one_run(tmp_path, monke
         }
         assert runs <= {(run_id, "task")}, runs
         steps.append(history_steps(path))
-    assert steps[0] == list(range(1, 8)) and steps[1] == [], (folders, steps)  # the kill lost its steps
+    assert steps[0] == list(range(1, 8)) and steps[1] == [], (
+        folders,
+        steps,
+    )  # the kill lost its steps
     assert steps[2] == [8, 9, 10]  # 6-7 were on disk already; 8 was not

@@ -144,6 +144,7 @@ def test_secrets_and_remote_code_refused_without_echoing_the_value():
     assert "set model.trust_remote_code=true instead" in lines[1]
     assert lines[2].startswith("algos.GRPO.trl.model_init_kwargs.trust_remote_code:")
     assert lines[3].startswith("algos.GRPO.trl.hub_model_id: looks like a secret")
+    assert _errors(DPO={"trl": {"average_tokens_across_devices": True, "pad_token": "<pad>"}}) == []
 
 
 @pytest.mark.parametrize(

@@ -140,16 +140,27 @@ def parse_progress(line: str) -> float | None:
     return min(1.0, int(m["done"]) / int(m["total"]))
 
 
-def task_left(estimate: float, elapsed: float, fraction: float | None) -> float | None:
+def task_left(
+    estimate: float,
+    elapsed: float,
+    fraction: float | None,
+    first: tuple[float, float] = (0.0, 0.0),
+) -> float | None:
     """Seconds a running task has left, or None when nothing can say (past its estimate and
     no progress reported).
 
-    With progress f > 0: elapsed x (1 - f) / f, the task's own pace; early on (f below
-    EARLY_FRACTION) the estimate's `estimate - elapsed` wins when larger. Without progress:
+    With progress f > 0: the task's own pace. Measured from `first` (seconds into the task
+    and share done when its progress was first seen) once EARLY_FRACTION more is done, so
+    its start-up (model load, a trainer's set-up) or a resumed checkpoint's steps do not
+    count as pace; before that, elapsed x (1 - f) / f, and while f is below
+    EARLY_FRACTION the estimate's `estimate - elapsed` wins when larger. Without progress:
     what is left of the estimate while there is some, then (OVERDUE_GRACE_S past it)
     unknown: a task well past its estimate is never counted as about to end.
     """
     if fraction is not None and fraction > 0:
+        e0, f0 = first
+        if fraction - f0 >= EARLY_FRACTION and elapsed > e0:
+            return (elapsed - e0) * (1.0 - fraction) / (fraction - f0)
         projected = elapsed * (1.0 - fraction) / fraction
         if fraction < EARLY_FRACTION:
             return max(projected, estimate - elapsed)
@@ -197,9 +208,11 @@ class Eta:
         started: dict[str, float],
         now: float,
         fractions: Mapping[str, float | None] | None = None,
+        first: Mapping[str, tuple[float, float]] | None = None,
     ) -> Remaining:
-        """The plan's time left given the running tasks' start times and progress shares."""
-        fractions = fractions or {}
+        """The plan's time left given the running tasks' start times, progress shares and
+        (`first`) when their progress was first seen (see `task_left`)."""
+        fractions, first = fractions or {}, first or {}
         left = {tid: t for tid, t in self.tasks.items() if tid not in self.finished}
         out = Remaining(0.0, THIS_RUN)
         if not left:
@@ -212,12 +225,13 @@ class Eta:
                 continue
             elapsed, f = max(0.0, now - started[tid]), fractions.get(tid)
             out.elapsed[tid], out.expected[tid] = elapsed, expected[tid][0]
-            out.left[tid] = task_left(expected[tid][0], elapsed, f)
+            remaining = task_left(expected[tid][0], elapsed, f, first.get(tid, (0.0, 0.0)))
+            out.left[tid] = remaining
             if f is not None:
                 out.fraction[tid] = f
-            if f is not None and f >= EARLY_FRACTION:
+            if f is not None and f >= EARLY_FRACTION and remaining is not None:
                 kind = task_kind(left[tid])
-                pace[kind] = max(pace.get(kind, 0.0), elapsed / f)
+                pace[kind] = max(pace.get(kind, 0.0), elapsed + remaining)
         seconds: dict[str, float] = {}
         weight: dict[str, float] = {}
         for tid, t in left.items():
@@ -278,6 +292,7 @@ class Progress:
         self.eta_every = eta_every or max(1, round(n_tasks / 10))
         self.eta_interval_s = eta_interval_s
         self.started: dict[str, float] = {}  # running task -> when it started
+        self._first: dict[str, tuple[float, float]] = {}  # its first progress: (s in, share)
         self._eta: tuple[Remaining, float] | None = None  # (the last estimate, computed at)
         self._eta_stale = False  # a task ended since the last estimate
         self._eta_lock = threading.RLock()
@@ -337,7 +352,10 @@ class Progress:
             self._eta_stale = False
             try:
                 fractions = {t: parse_progress(line) for t, line in self.latest_progress().items()}
-                estimate = self.eta.estimate(dict(self.started), now, fractions)
+                for tid, f in fractions.items():
+                    if f and tid in self.started and tid not in self._first:
+                        self._first[tid] = (now - self.started[tid], f)
+                estimate = self.eta.estimate(dict(self.started), now, fractions, self._first)
             except Exception:  # an estimate, not worth a failed run
                 log.debug("ETA estimate failed", exc_info=True)
                 return
@@ -453,6 +471,7 @@ class Progress:
                 self.started[task.id] = time.time()
                 return
             self.started.pop(task.id, None)
+            self._first.pop(task.id, None)
             if self.eta is None:
                 return
             if kind == "done":

@@ -152,14 +152,11 @@ def read_rows(run_dir: Path, trust_group: bool = False) -> list[dict[str, Any]]:
 
 
 SUMMARY_KEYS = ("algo", "dataset", "family", "round", "eta")  # what every summary row has
-# +inf is a value here: a row whose samples left π_ref's support under its rule
-# (docs/ALGORITHMS.md, "KL: the three columns")
-MAY_BE_INFINITE = ("kl",)
 
 
 def clean_rows(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], int, int]:
-    """(rows, bad cells, bad rows): a metric cell that is not a finite number (nan, inf,
-    text in a column of numbers; a `kl` of +inf is kept) is dropped from its row; a row whose round is not a whole number, whose η is
+    """(rows, bad cells, bad rows): a metric cell that is not a number pita writes (nan, inf
+    outside `kl`, text in a column of numbers) is dropped from its row; a row whose round is not a whole number, whose η is
     neither empty nor a finite number, or which names no algo / dataset / family is
     dropped whole. The caller says how many in one WARNING."""
     numeric = {k for r in rows for k, v in r.items() if _finite(v)}  # text columns stay text
@@ -181,14 +178,7 @@ def clean_rows(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], in
         for k, v in r.items():
             if k in NOT_METRICS or k in KEYS or k == "run" or v is None:
                 continue
-            infinite_kl = v == math.inf and k in MAY_BE_INFINITE  # a value (ALGORITHMS.md)
-            if (
-                isinstance(v, float)
-                and not math.isfinite(v)
-                and not infinite_kl
-                or isinstance(v, str)
-                and k in numeric
-            ):
+            if isinstance(v, str) and k in numeric or not _finite(v) and _bad_number(k, v):
                 del row[k]
                 bad_cells += 1
         kept.append(row)
@@ -197,9 +187,21 @@ def clean_rows(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], in
 
 def skipped_line(bad_cells: int, bad_rows: int, n_runs: int) -> str:
     """The one WARNING line that counts what `clean_rows` skipped."""
-    parts = [f"{bad_cells} cell(s) that are not finite numbers (nan, inf, text)"] * bool(bad_cells)
+    parts = [f"{bad_cells} cell(s) that are not numbers pita writes (nan, inf, text)"] * bool(
+        bad_cells
+    )
     parts += [f"{bad_rows} row(s) whose round, η or names are not valid"] * bool(bad_rows)
     return f"skipped {' and '.join(parts)} in the summaries of {n_runs} run(s)"
+
+
+INFINITE_OK = ("kl",)  # kl = inf is a result (samples off π_ref's support: ALGORITHMS.md)
+
+
+def _bad_number(column: str, v: Any) -> bool:
+    """A float cell that is no result: nan anywhere, ±inf outside INFINITE_OK (+inf only)."""
+    if not isinstance(v, float):
+        return False
+    return math.isnan(v) or not (column in INFINITE_OK and v == math.inf)
 
 
 def _finite(v: Any) -> bool:
@@ -345,7 +347,8 @@ def _point(r: dict, m: str) -> tuple[float | None, float]:
     if f"{m}_mean" in r:
         return r.get(f"{m}_mean"), r.get(f"{m}_std") or 0.0
     v = r.get(m)
-    return (v if _finite(v) else None), 0.0
+    number = isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+    return (v if number else None), 0.0  # +inf KL: drawn at the ∞ edge (frontier_x)
 
 
 def frontier_figure(rows: Sequence[dict[str, Any]], title: str = ""):
@@ -788,7 +791,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return 0 if aggregate(args, out, trust_group=trust_group) else 1
     except ConfigError as exc:  # UnsafeFile too: one line, as run_parallel.py
-        for line in exc.messages:
+        for line in exc.messages:  # this tool's switch for a group's runs is --trust-group
+            line = line.replace("needs system.trust_group=true", "needs --trust-group")
             print(f"error: {line}", file=sys.stderr)
         return 2
     except OSError as exc:  # a folder vanished or a read failed while aggregating

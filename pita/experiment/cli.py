@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pita.core.errors import ConfigError
 from pita.core.paths import RunPaths
+from pita.core.schema import resume_safe
 from pita.experiment.cli_extras import (
     PROJECT_ROOT,
     conf_dir,
@@ -57,15 +58,6 @@ LOCAL_LAUNCHERS = ("BasicLauncher",)  # Hydra's launcher classes that run jobs i
 LAST_COMPOSE: dict[str, str] = {}
 HELD_LOCKS: list[Any] = []  # run folder locks taken before Hydra or run() write anything
 EXIT_CODE_FILE = "exit_code"  # a remote job's exit code, read by the sweep's end (aggregate.py)
-# Keys a resumed run may change: where and how it runs, never what it computes.
-RESUME_SAFE_PREFIXES = (
-    "system.devices",
-    "system.threads_per_worker",
-    "system.use_parallel_execution",
-    "executor.",
-    "dry_run",
-    "resume_from",
-)
 
 
 def _first_line(text: object) -> str:
@@ -256,6 +248,10 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
     if not run_dir.exists():
         run_dir = PROJECT_ROOT / resume_dir
     run_dir = run_dir.absolute()  # workers run from pita's folder: a relative one means another
+    from pita.core.safe_files import share_with_group
+
+    # a teammate's saved config is read only when this command line trusts the group
+    share_with_group(any(o.lstrip("+").lower() == "system.trust_group=true" for o in overrides))
     try:
         saved = load_saved_config(RunPaths(run_dir).saved_config)
     except Exception as exc:
@@ -505,9 +501,7 @@ def _same_run_overrides(run_dir: str, overrides: list[str], args) -> list[str]:
     loaded = load_saved_config(RunPaths(run_dir).saved_config)
     assert isinstance(loaded, DictConfig)  # a run's saved config is a mapping
     saved = drop_retired_algo_keys(loaded)
-    diff = config_differences(
-        saved, composed, RESUME_SAFE_PREFIXES + ("system.use_parallel_execution",)
-    )
+    diff = config_differences(saved, composed, resume_safe)
     if diff:
         raise ConfigError(
             f"resume of {run_dir}: this command line describes another run ("
@@ -515,9 +509,7 @@ def _same_run_overrides(run_dir: str, overrides: list[str], args) -> list[str]:
             f"alone to finish it as it was, resume_from={run_dir} <key>=<value> to finish it with "
             f"other values (the tasks they touch run again), or change experiment.name for a new run"
         )
-    return [
-        o for o in overrides if o.split("=", 1)[0].lstrip("+~").startswith(RESUME_SAFE_PREFIXES)
-    ]
+    return [o for o in overrides if resume_safe(o.split("=", 1)[0].lstrip("+~"))]
 
 
 def _resolve_auto_resume(overrides: list[str], args) -> tuple[str | None, list[str]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -209,8 +210,8 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: node}
 
 
-def config_differences(saved: Any, composed: Any, safe_prefixes: tuple[str, ...]) -> list[str]:
-    """`key: saved -> now` for every key (outside `safe_prefixes`) whose value differs."""
+def config_differences(saved: Any, composed: Any, safe: Callable[[str], bool]) -> list[str]:
+    """`key: saved -> now` for every key (but the `safe` ones) whose value differs."""
     from omegaconf import OmegaConf
 
     a = flatten(OmegaConf.to_container(saved, resolve=True))
@@ -218,5 +219,5 @@ def config_differences(saved: Any, composed: Any, safe_prefixes: tuple[str, ...]
     return [
         f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
         for k in sorted(set(a) | set(b))
-        if not k.startswith(safe_prefixes) and a.get(k) != b.get(k)
+        if not safe(k) and a.get(k) != b.get(k)
     ]

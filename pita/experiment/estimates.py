@@ -44,7 +44,7 @@ from typing import Any, cast
 from pita.algos.registry import ALGORITHMS, Held, stage_models
 from pita.core import user_cache
 from pita.core.paths import pita_cache_dir
-from pita.core.schema import ModelConfig, default_of, settings
+from pita.core.schema import ModelConfig, default_of, memory_keys, settings
 from pita.models.placement import BYTES_PER_PARAM
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 WORKER_OVERHEAD_MB = 512
 PEAK_MARGIN = 1.10  # a measured peak, plus 10 % (allocator rounding, a longer batch next time)
 HUB_PROMPT_TOKENS, HUB_NEW_TOKENS = 512, 256  # a hub task that sets no length of its own
+UNKNOWN_VOCAB = 80  # the built-in family's vocabulary on a task without node tokens
 SCHEMA_DEFAULT_GB = default_of("model.memory_gb")  # "nobody said"
 # Bytes per element by dtype name: placement's weight table (the same numbers the gang
 # placement uses) plus the other names a config.json may store.
@@ -252,7 +253,8 @@ def tiny_vocab(ds: Mapping[str, Any]) -> int:
     """The task vocabulary of an offline dataset: node tokens + separators + specials."""
     from pita.datasets import with_defaults
 
-    return int(with_defaults(ds)["num_nodes"]) + 16
+    nodes = with_defaults(ds).get("num_nodes")  # a hub task has no node tokens
+    return int(nodes) + 16 if nodes else UNKNOWN_VOCAB
 
 
 def _get(cfg: Any, dotted: str) -> Any:
@@ -419,21 +421,13 @@ def analytic_mb(task: Any, cfg: Any, sizes: ModelSizes) -> tuple[int, str] | Non
 
 
 def peak_key(task: Any, cfg: Any) -> str:
-    """(algo, stage, family, dataset) + a fingerprint of what changes the peak."""
-    settings = {
-        k: _get(cfg, k)
-        for k in (
-            "generation.batch_size",
-            "generation.max_new_tokens",
-            "evaluation.batch_size",
-            "evaluation.num_samples",
-            "pretrain.batch_size",
-            "training.micro_batch_size",
-            "training.gradient_checkpointing",
-        )
-    }
-    settings["algo"] = _algo_get(cfg, task.algo, "batch_size")
-    blob = json.dumps([task.family_cfg, task.dataset_cfg, settings], sort_keys=True, default=str)
+    """(algo, stage, family, dataset) + a fingerprint of what changes the peak: the chain's
+    model and dataset groups and every key whose field says `memory=True` (the run's and the
+    algorithm's: `schema.memory_keys`)."""
+    keys = {k: _get(cfg, k) for k in memory_keys()}
+    row = ALGORITHMS.get(task.algo)
+    own = {k: _algo_get(cfg, task.algo, k) for k in memory_keys(row.schema)} if row else {}
+    blob = json.dumps([task.family_cfg, task.dataset_cfg, keys, own], sort_keys=True, default=str)
     stage = task.stage.removesuffix("_merge")
     return f"{task.algo}|{stage}|{task.family}|{task.dataset}|{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 

@@ -27,7 +27,6 @@ class LockedRunLog(logging.FileHandler):
         from pita.core.run_lock import RunLock
 
         try:
-            # not `self.lock`: logging.Handler keeps its own thread lock there
             self.run_lock: RunLock | None = RunLock(Path(filename).parent).acquire(share=True)
         except ConfigError as exc:
             for line in exc.messages:
@@ -37,6 +36,7 @@ class LockedRunLog(logging.FileHandler):
 
     def close(self) -> None:
         super().close()
+        # not `self.lock`: logging.Handler keeps its own thread lock under that name
         lock, self.run_lock = getattr(self, "run_lock", None), None
         if lock is not None:
             lock.release()

@@ -58,10 +58,12 @@ def environment_errors(
 
     errors = _jsonl_errors(cfg)
     families = _families(cfg)
-    errors += _family_errors(cfg, families, gpu_kind)
+    family_errors = _family_errors(cfg, families, gpu_kind)
+    errors += family_errors
     reachable = _probe_once()  # one probe of the hub for models and datasets
     errors += _offline_model_errors(families, reward=_needs_reward(cfg), reachable=reachable)
-    errors += hub_dataset_errors(cfg, hub_offline(), reachable)
+    if not family_errors:  # a hub task on the built-in family: that line says it all
+        errors += hub_dataset_errors(cfg, hub_offline(), reachable)
     errors += position_errors(cfg, families)
     errors += lora_target_errors(cfg, families)
     if output_dir is not None:

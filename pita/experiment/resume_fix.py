@@ -12,9 +12,9 @@ when
   algorithm's tasks),
 
 and everything downstream of a task that runs again runs again too (pita/core/resume.py).
-The rest is kept. Keys that only say where and how the run goes (`system.devices`,
-`executor.*`: `RESUME_SAFE_PREFIXES` of the command line) and keys that only say where
-results are recorded (`RECORD_PREFIXES`) touch no task. `dry_run=true` with `resume_from`
+The rest is kept. Keys that only say where and how the run goes or where results are recorded (their
+field's `affects="place"` / `"record"`: `schema.resume_safe`; `RECORD_PREFIXES` for the
+few outside it) touch no task. `dry_run=true` with `resume_from`
 lists each task that will run and why, and changes nothing.
 
 Applying a change (`apply_change`, under the run lock) first removes the committed

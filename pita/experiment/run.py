@@ -31,7 +31,7 @@ from pita.core.paths import Artifact, RunPaths, TaskPaths, atomic_write_json
 from pita.core.progress import Eta, TaskDurations, format_duration
 from pita.core.resume import completed_tasks, remove_stale_tmp
 from pita.core.run_lock import RunLock
-from pita.core.safe_files import check_folder
+from pita.core.safe_files import check_folder, share_with_group
 from pita.experiment.config import validate
 from pita.experiment.plan import check_resources, plan_experiment
 
@@ -155,6 +155,7 @@ def lock_run_folder(cfg: DictConfig, run_dir: Path, share: bool = False) -> RunL
     same process)."""
     paths = RunPaths(run_dir)
     trust_group = bool(cfg.system.trust_group)
+    share_with_group(trust_group)  # the lock is the group's too (0660), its files readable
     for folder in (run_dir, paths.tasks):  # a folder others can write steers what resume trusts
         check_folder(folder, trust_group)
     for folder in (paths.logs, paths.results, paths.workers):  # fail now, not after the run
@@ -207,6 +208,7 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
 
     absolutized = absolutize_paths(cfg)  # workers run from the project root, not the user's folder
     validate(cfg)
+    share_with_group(bool(cfg.system.trust_group))  # every control file read
     run_dir = Path(run_dir)
     paths = RunPaths(run_dir)
     gpu = make_gpu_manager(cfg)
@@ -260,13 +262,10 @@ def run_files_failed(run_dir: Path, exc: BaseException, journal: Journal | None 
 
 def resume_change(cfg: DictConfig, run_dir: Path, gpu: GPUManager, saved: Plan):
     """What a resume's other values change (pita/experiment/resume_fix.py), or None."""
-    from pita.experiment.cli import RESUME_SAFE_PREFIXES
+    from pita.core.schema import resume_safe  # affects="place" | "record": never a result
     from pita.experiment.resume_fix import plan_change
 
-    def run_safe(key: str) -> bool:  # where and how the run goes, never what it computes
-        return key.startswith(RESUME_SAFE_PREFIXES)
-
-    return plan_change(cfg, run_dir, saved, lambda c: build_plan(c, gpu), run_safe)
+    return plan_change(cfg, run_dir, saved, lambda c: build_plan(c, gpu), resume_safe)
 
 
 def print_resume_dry_run(plan: Plan, run_dir: Path, change) -> None:

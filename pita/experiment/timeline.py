@@ -26,11 +26,10 @@ from pita.algos.registry import ANY
 from pita.core import user_cache
 from pita.core.journal import read_events
 from pita.core.paths import RunPaths, atomic_write_text, pita_cache_dir
+from pita.core.schema import result_config
 
 log = logging.getLogger("pita.report")
 
-# Config sections that do not change how long a task works (where, how it is logged).
-NOT_WORK = ("system", "executor", "logger", "hydra", "resume_from", "dry_run")
 TASK_END = {"task_done": "done", "task_failed": "failed"}
 
 
@@ -127,7 +126,9 @@ class DurationKey:
             {str(k): v for k, v in resolved.items()} if isinstance(resolved, dict) else {}
         )
         self.cfg = work
-        work = {k: v for k, v in work.items() if k not in NOT_WORK}
+        # what a task computes changes how long it works; where it runs and what is recorded
+        # do not (the device kind is in the key itself): `schema.result_config`
+        work = result_config(work)
         if isinstance(work.get("experiment"), dict):  # seeds of a sweep take as long
             work["experiment"] = {k: v for k, v in work["experiment"].items() if k != "seed"}
         blob = json.dumps(work, sort_keys=True, default=str)
@@ -209,11 +210,19 @@ def load_history(path: Path | None = None) -> DurationHistory:
 
 
 def record_durations(
-    run_dir: Path, tasks: Mapping[str, Any], key: Callable[[Any], str], path: Path | None = None
+    run_dir: Path,
+    tasks: Mapping[str, Any],
+    key: Callable[[Any], str],
+    path: Path | None = None,
+    *,
+    events: list[dict[str, Any]] | None = None,
 ) -> int:
-    """Add this run's finished tasks' durations to the cache; how many were recorded."""
+    """Add this run's finished tasks' durations to the cache; how many were recorded.
+    `events`: the run's journal when the caller has read it already."""
     path = path or durations_cache_path()
-    walls = done_walls(read_events(RunPaths(run_dir).journal))
+    if events is None:
+        events = read_events(RunPaths(run_dir).journal)
+    walls = done_walls(events)
     if not walls:
         return 0
 
@@ -390,10 +399,17 @@ def time_markdown(rows: list[dict[str, Any]], wall: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_time_report(run_dir: Path, tasks: Mapping[str, Any], labels: list[str]) -> str | None:
-    """results/timeline.png and results/time.{md,csv}; the table's text (None: no task ran)."""
+def write_time_report(
+    run_dir: Path,
+    tasks: Mapping[str, Any],
+    labels: list[str],
+    *,
+    events: list[dict[str, Any]] | None = None,
+) -> str | None:
+    """results/timeline.png and results/time.{md,csv}; the table's text (None: no task ran).
+    `events`: the run's journal when the caller has read it already."""
     paths = RunPaths(run_dir)
-    all_spans, wall = spans(read_events(paths.journal), tasks)
+    all_spans, wall = spans(read_events(paths.journal) if events is None else events, tasks)
     if not all_spans:
         return None
     n_devices = max([len(labels)] + [d + 1 for s in all_spans for d in s.devices])

@@ -32,7 +32,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-SECRET_NAME = re.compile(r"token|secret|passw|api_?key|credential", re.IGNORECASE)
+SECRET_NAME = re.compile(r"(^|_)token$|secret|passw|api_?key|credential", re.IGNORECASE)
 SECRET_ALLOWED = {"pad_token", "eos_token", "include_num_input_tokens_seen"}  # names, not secrets
 # a hub / API token, or a URL carrying a password (`https://user:pw@host`)
 SECRET_VALUE = re.compile(r"\b(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,})|://[^/\s:@]+:[^/\s@]+@")

@@ -49,14 +49,10 @@ def checkpoint_every(ctx: StageContext) -> tuple[int, float]:
     return ctx.training.checkpoint_every, ctx.training.checkpoint_every_minutes
 
 
-# keys a resume may change without changing what a task computes (cf. the CLI's resume-safe keys)
-_NOT_COMPUTED = ("executor", "dry_run", "resume_from", "hydra")
-_NOT_COMPUTED_SYSTEM = ("devices", "threads_per_worker", "use_parallel_execution", "trust_group")
-
-
 def checkpoint_identity(ctx: StageContext) -> dict[str, str]:
     """What a checkpoint of this task must carry to be restored: the task id, a sha256 of
-    the task's resolved config (without the keys a resume may change) and one of its
+    the task's resolved config (without the keys that do not change its result:
+    `schema.result_config`, from each field's `affects`) and one of its
     inputs' committed manifests. A checkpoint copied from a run with another seed, config
     or inputs differs in one of them."""
     import hashlib
@@ -65,12 +61,9 @@ def checkpoint_identity(ctx: StageContext) -> dict[str, str]:
     from omegaconf import OmegaConf
 
     from pita.core.paths import TaskPaths, file_sha256
+    from pita.core.schema import result_config
 
-    cfg = OmegaConf.to_container(ctx.cfg, resolve=True)
-    for key in _NOT_COMPUTED:
-        cfg.pop(key, None)
-    for key in _NOT_COMPUTED_SYSTEM:
-        (cfg.get("system") or {}).pop(key, None)
+    cfg = result_config(OmegaConf.to_container(ctx.cfg, resolve=True))  # type: ignore[arg-type]
     inputs: dict[str, str] = {}
     for ref in ctx.task.inputs.values():
         for task_id in ref if isinstance(ref, list) else [ref]:
