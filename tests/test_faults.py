@@ -101,10 +101,8 @@ def test_hung_worker_times_out(tmp_path):
         *sleep_overrides(),
         "+executor.stage_overrides.reference.evaluate_merge=tests.fault_stages:hang_stage",
     ]
-    t0 = time.time()
-    proc = run_cli(args, tmp_path, timeout=120)
+    proc = run_cli(args, tmp_path, timeout=120)  # a hang guard, not a claim about speed
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert time.time() - t0 < 90
     [run_dir] = run_dirs(tmp_path, "hang")
     failed = [e for e in journal(run_dir) if e["event"] == "task_failed"]
     assert failed and failed[0]["failure"] == "timeout" and "task_timeout_s" in failed[0]["message"]

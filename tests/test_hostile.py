@@ -272,10 +272,26 @@ def test_three_hundred_fake_devices_are_refused_at_once():
 
 
 def test_unreachable_ray_address_fails_within_the_deadline():
+    """An address that never answers (a listener whose accept queue is full drops every
+    new SYN, so the connection hangs) is refused by the probe's deadline, not by a refused
+    connection: the message names the timeout. A closed port is refused as well."""
+    import contextlib
     import socket
 
     from pita.core.ray_executor import probe_ray_address
 
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(socket.socket())
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        port = server.getsockname()[1]
+        for _ in range(3):  # fill the accept queue; nobody accepts
+            client = stack.enter_context(socket.socket())
+            client.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                client.connect(("127.0.0.1", port))
+        with pytest.raises(ConfigError, match=r"': no Ray .*TimeoutError within 2 s"):
+            probe_ray_address(f"127.0.0.1:{port}", timeout_s=2)
     with socket.socket() as s:  # a port nobody listens on: bind, never listen
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

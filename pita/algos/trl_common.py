@@ -83,15 +83,16 @@ def policy_start_dir(ctx: StageContext) -> str:
 
 def load_trainable_lm(ctx: StageContext, path: str):
     """A fresh fp32 copy of a causal LM for training (never the worker's cached copy: the
-    trainers patch `forward` and change the weights). Mixed precision is autocast's job."""
-    from pita.models.loading import load_causal_lm
+    trainers patch `forward` and change the weights), through the stages' one loader."""
+    from pita.models.placement import load_stage_lm
 
-    return load_causal_lm(
+    return load_stage_lm(
         path,
-        dtype="float32",
+        family=ctx.task.family,
+        family_cfg=ctx.cfg.model,
         device=ctx.device,
         attn_impl=ctx.system.attn_impl,
-        trust_remote_code=ctx.model.trust_remote_code,
+        trainable=True,
     )
 
 
