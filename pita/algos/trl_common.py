@@ -207,7 +207,12 @@ def _train_resumable(ctx: StageContext, trainer: Any, metrics: Any) -> None:
 
 
 def train_and_save(
-    ctx: StageContext, trainer: Any, tokenizer: Any, artifact: str, logged: tuple[str, ...]
+    ctx: StageContext,
+    trainer: Any,
+    tokenizer: Any,
+    artifact: str,
+    logged: tuple[str, ...],
+    options: str = "trl",
 ) -> tuple[Any, dict[str, Any]]:
     """The ending every TRL stage shares: `train_with_report` (resuming from the task's
     newest committed checkpoint; training_metrics.png, performance_summary.txt), then the
@@ -216,7 +221,8 @@ def train_and_save(
     removed, its checkpoints go with the task's checkpoint folder once committed).
 
     Returns (the trained model in eval mode, the common part of the stage's result:
-    `steps`, the last logged value of each `logged` key, `performance`)."""
+    `steps`, the last logged value of each `logged` key, `performance` and the TRL options
+    of `algos.<NAME>.<options>` as the built config holds them)."""
     performance = train_with_report(ctx, trainer)
     model = merged_adapter(ctx, trainer.accelerator.unwrap_model(trainer.model)).eval()
     save_model(model, tokenizer, ctx.out_dir / artifact)
@@ -224,6 +230,7 @@ def train_and_save(
         "steps": trainer.state.global_step,
         **last_logged(trainer, *logged),
         "performance": performance,
+        **applied_options(trainer.args, ctx, options),
     }
 
 
