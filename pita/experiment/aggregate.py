@@ -32,6 +32,7 @@ import re
 import statistics
 import sys
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -215,75 +216,111 @@ def kl_axis(kls: Sequence[float]) -> tuple[str, float | None]:
     return "symlog", max(1e-2, values[cut])
 
 
+def _value(r: dict, m: str) -> tuple[float | None, float]:
+    """(mean, std) of metric `m` in an aggregated row (`<m>_mean` / `<m>_std`) or a single
+    run's (`<m>`, std 0); mean None when the row has no finite value."""
+    if f"{m}_mean" in r:
+        return r.get(f"{m}_mean"), r.get(f"{m}_std") or 0.0
+    v = r.get(m)
+    finite = isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))
+    return (v if finite else None), 0.0
+
+
+@dataclass
+class FrontierPoint:
+    kl: float
+    kl_std: float
+    y: float
+    y_std: float
+    eta: Any  # the row's η (None for a policy's row)
+
+
+@dataclass
+class FrontierLine:
+    """One (config, algo, family, round) through its η points, per metric, by KL."""
+
+    label: str
+    color: str
+    points: dict[str, list[FrontierPoint]]  # metric -> points
+
+
+FRONTIER_METRICS = (("avg_reward", "avg reward"), ("pass@1", "pass@1"))
+
+
+def frontier_lines(rows: Sequence[dict[str, Any]]) -> list[FrontierLine]:
+    """The frontier's data: the rows with a KL grouped into lines (in the report's algorithm
+    order), each line's points sorted by KL, per metric those with a value."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if _value(r, "kl")[0] is not None:
+            key = (r.get("config") or "", r["algo"], r["family"], r["round"])
+            groups.setdefault(key, []).append(r)
+
+    def order(key: tuple) -> tuple:
+        config, algo, family, rnd = key
+        return config, ALGO_ORDER.index(algo) if algo in ALGO_ORDER else 99, family, rnd
+
+    lines = []
+    for i, key in enumerate(sorted(groups, key=order)):
+        config, algo, family, rnd = key
+        members = sorted(groups[key], key=lambda r: _value(r, "kl")[0] or 0.0)
+        points = {
+            metric: [
+                FrontierPoint(*_value(r, "kl"), *_value(r, metric), r.get("eta"))  # type: ignore[arg-type]
+                for r in members
+                if _value(r, metric)[0] is not None
+            ]
+            for metric, _ in FRONTIER_METRICS
+        }
+        lines.append(
+            FrontierLine(
+                label=f"{algo} {family} r{int(rnd)}" + (f" [{config}]" if config else ""),
+                color=f"C{(ALGO_ORDER.index(algo) if algo in ALGO_ORDER else i) % 10}",
+                points=points,
+            )
+        )
+    return lines
+
+
 def plot_frontier(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> bool:
-    """avg reward vs KL and pass@1 vs KL; one line per (config, algo, family, round) through
-    its η points. Rows are aggregated (`<m>_mean` / `<m>_std`) or a single run's (`<m>`).
-    False when no row has a KL."""
-
-    def get(r: dict, m: str) -> tuple[float | None, float]:
-        if f"{m}_mean" in r:
-            return r.get(f"{m}_mean"), r.get(f"{m}_std") or 0.0
-        v = r.get(m)
-        return (
-            v
-            if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))
-            else None
-        ), 0.0
-
-    points = [r for r in rows if get(r, "kl")[0] is not None]
-    if not points:
+    """avg reward vs KL and pass@1 vs KL: the lines of `frontier_lines` drawn, each point
+    with its error bars and η. False when no row has a KL."""
+    lines = frontier_lines(rows)
+    if not lines:
         return False
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     axes = fig.subplots(1, 2)
-    lines: dict[tuple, list[dict]] = {}
-    for r in points:
-        lines.setdefault((r.get("config") or "", r["algo"], r["family"], r["round"]), []).append(r)
-    for i, ((config, algo, family, rnd), members) in enumerate(
-        sorted(
-            lines.items(),
-            key=lambda kv: (
-                kv[0][0],
-                ALGO_ORDER.index(kv[0][1]) if kv[0][1] in ALGO_ORDER else 99,
-                kv[0][2],
-                kv[0][3],
-            ),
-        )
-    ):
-        members.sort(key=lambda r: get(r, "kl")[0] or 0.0)
-        color = f"C{(ALGO_ORDER.index(algo) if algo in ALGO_ORDER else i) % 10}"
-        label = f"{algo} {family} r{int(rnd)}" + (f" [{config}]" if config else "")
-        for ax, metric in zip(axes, ("avg_reward", "pass@1")):
-            xs = [get(r, "kl") for r in members]
-            ys = [get(r, metric) for r in members]
-            keep = [(x, y) for x, y in zip(xs, ys) if y[0] is not None]
-            if not keep:
+    for line in lines:
+        for ax, (metric, _) in zip(axes, FRONTIER_METRICS):
+            pts = line.points[metric]
+            if not pts:
                 continue
             ax.errorbar(
-                [x[0] for x, _ in keep],
-                [y[0] for _, y in keep],
-                xerr=[x[1] for x, _ in keep],
-                yerr=[y[1] for _, y in keep],
+                [p.kl for p in pts],
+                [p.y for p in pts],
+                xerr=[p.kl_std for p in pts],
+                yerr=[p.y_std for p in pts],
                 marker="o",
                 ms=4,
                 lw=1.2,
                 capsize=2,
-                color=color,
-                linestyle="-" if len(keep) > 1 else "none",
-                label=label,
+                color=line.color,
+                linestyle="-" if len(pts) > 1 else "none",
+                label=line.label,
             )
-            for (x, y), r in zip(keep, [r for r in members if get(r, metric)[0] is not None]):
-                if r.get("eta") is not None:
+            for p in pts:
+                if p.eta is not None:
                     ax.annotate(
-                        f"η={_fmt(r['eta'])}",
-                        (x[0], y[0]),
+                        f"η={_fmt(p.eta)}",
+                        (p.kl, p.y),
                         fontsize=6,
                         xytext=(3, 3),
                         textcoords="offset points",
                     )
-    scale, linthresh = kl_axis([k for r in points if (k := get(r, "kl")[0]) is not None])
-    for ax, label in zip(axes, ("avg reward", "pass@1")):
+    scale, linthresh = kl_axis([k for r in rows if (k := _value(r, "kl")[0]) is not None])
+    for ax, (_, label) in zip(axes, FRONTIER_METRICS):
         if scale == "symlog":
             ax.set_xscale("symlog", linthresh=linthresh)
         ax.set_xlabel(
