@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pita.training.checkpoint import COMPLETE
-from tests.conftest import ROOT, only, run_cli, run_dirs
+from tests.conftest import ROOT, only, run_cli, run_dirs, start_cli
 
 PRETRAIN = "pretrain.goal_walk.tiny"
 ARGS = [
@@ -219,14 +219,7 @@ def _trl_run(algo: str, cwd: Path) -> subprocess.Popen:
         "executor.progress=false",
         "executor.max_retries=12",
     ]
-    return subprocess.Popen(
-        [sys.executable, str(ROOT / "run_parallel.py"), *args],
-        cwd=cwd,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    return start_cli(args, cwd)
 
 
 def _alive(pid: int) -> bool:

@@ -24,16 +24,13 @@ from pita.core.progress import (
     format_duration,
 )
 from pita.core.tasks import TaskSpec
-from tests.conftest import run_cli, run_dirs, sleep_overrides
+from tests.conftest import run_cli, run_ok, sleep_overrides, task_spec
 
 
 def _task(tid: str, stage: str = "train", work: float = 1.0, deps=(), algo="DPO") -> TaskSpec:
-    return TaskSpec(
+    return task_spec(
         id=tid,
         algo=algo,
-        dataset="goal_walk",
-        family="tiny",
-        round=0,
         stage=stage,
         fn="-",
         deps=list(deps),
@@ -126,9 +123,7 @@ def test_a_real_run_logs_its_eta_and_ends_with_the_time_table(tmp_path):
         "executor.progress=false",
         *sleep_overrides(),
     ]
-    proc = run_cli(args, tmp_path, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    [run_dir] = run_dirs(tmp_path, "smoke")
+    run_dir = run_ok(args, tmp_path, "smoke", env=env, timeout=300)
     log = (run_dir / "run.log").read_text()
     end = log.index("All 45 tasks done")
     eta_at = log.find(" tasks, ETA ")

@@ -18,7 +18,7 @@ from pita.core.journal import Journal, read_events, replay
 from pita.core.paths import TaskPaths
 from pita.core.run_lock import RunLock, lock_holder_pid
 from pita.core.safe_files import UnsafeFile, check_folder, read_control
-from tests.conftest import journal, run_cli, run_dirs, sleep_overrides
+from tests.conftest import journal, run_cli, run_dirs, sleep_overrides, slow_env
 from tests.test_faults import BASE, REF
 
 
@@ -182,11 +182,7 @@ def test_sigkilled_run_socket_folder_is_removed_by_the_next(tmp_path, markers):
     from tests.test_faults import _start, _wait_for
 
     victim = "pretrain.goal_walk.tiny"
-    env = {
-        "PITA_TEST_MARKERS": str(markers),
-        "PITA_TEST_SLOW_TASK": victim,
-        "PITA_TEST_SLOW_S": "60",
-    }
+    env = slow_env(markers, victim, 60)
     first = _start([*BASE, *REF, "experiment.name=socks", *sleep_overrides()], tmp_path, env)
     _wait_for(markers / f"{victim}.started")
     [left] = list(Path(tempfile.gettempdir()).glob(f"{SOCKET_DIR_PREFIX}{first.pid}-*"))

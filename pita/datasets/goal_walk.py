@@ -148,15 +148,7 @@ class GoalWalkTask:
         test_size: int = 1000,
         tokenizer: Any = None,
     ):
-        cfg = {
-            "num_nodes": num_nodes,
-            "out_degree": out_degree,
-            "walk_length": walk_length,
-            "seed": seed,
-            "train_size": train_size,
-            "test_size": test_size,
-        }
-        checked(cfg, validate_cfg)
+        checked({k: v for k, v in locals().items() if k in DEFAULTS}, validate_cfg)
         self.num_nodes, self.out_degree, self.walk_length = num_nodes, out_degree, walk_length
         self.seed, self.train_size, self.test_size = seed, train_size, test_size
 

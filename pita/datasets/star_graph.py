@@ -177,15 +177,7 @@ class StarGraphTask:
         seed: int = 0,
         tokenizer: Any = None,
     ):
-        cfg = {
-            "degree": degree,
-            "path_length": path_length,
-            "num_nodes": num_nodes,
-            "train_size": train_size,
-            "test_size": test_size,
-            "seed": seed,
-        }
-        checked(cfg, validate_cfg)
+        checked({k: v for k, v in locals().items() if k in DEFAULTS}, validate_cfg)
         self.degree, self.path_length, self.num_nodes = degree, path_length, num_nodes
         self.train_size, self.test_size, self.seed = train_size, test_size, seed
 
