@@ -157,8 +157,8 @@ def collect(ctx: StageContext) -> dict:
         top_k=gen.top_k,
         top_p=gen.top_p,
         generator=torch.Generator(device="cpu").manual_seed(ctx.seed),
+        on_batch=lambda done: ctx.report_progress(done, len(prompts), "prompts", "sampling"),
     )
-    ctx.heartbeat(f"sampled {len(examples)}")
 
     # Rewards in batches of data_collection.reward_batch_size (one verifier call per batch).
     rb = generation_batch_size(ctx, ctx.data_collection.reward_batch_size, fallback=256)

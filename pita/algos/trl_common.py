@@ -420,6 +420,11 @@ def stage_log_callback(ctx: StageContext):
     t0 = time.time()
 
     class StageLogCallback(TrainerCallback):
+        live = ""  # the last logged loss / reward / kl, shown with every step's progress
+
+        def on_step_end(self, args, state, control, **kwargs):
+            ctx.report_progress(state.global_step, state.max_steps, "step", self.live)
+
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = {k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))}
             record = {
@@ -432,8 +437,10 @@ def stage_log_callback(ctx: StageContext):
                 f.write(json.dumps(record) + "\n")
             shown = ", ".join(f"{k}={v:.4g}" for k, v in logs.items() if _worth_showing(k))
             ctx.logger.info("step %d/%d %s", state.global_step, state.max_steps, shown)
-            live = " ".join(f"{k}={logs[k]:.3g}" for k in ("loss", "reward", "kl") if k in logs)
-            ctx.heartbeat(f"step {state.global_step}/{state.max_steps} {live}".strip())
+            self.live = " ".join(
+                f"{k}={logs[k]:.3g}" for k in ("loss", "reward", "kl") if k in logs
+            )
+            ctx.report_progress(state.global_step, state.max_steps, "step", self.live)
 
     return StageLogCallback()
 

@@ -200,11 +200,12 @@ def find_resumable(outputs: Path, experiment: str) -> Path | None:
     return candidates[0] if candidates and not run_finished(candidates[0]) else None
 
 
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted leaf keys of a resolved config (lists are leaves; an empty mapping has none)."""
     if isinstance(node, dict):
         out: dict[str, Any] = {}
         for k, v in node.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         return out
     return {prefix[:-1]: node}
 
@@ -213,8 +214,8 @@ def config_differences(saved: Any, composed: Any, safe: Callable[[str], bool]) -
     """`key: saved -> now` for every key (but the `safe` ones) whose value differs."""
     from omegaconf import OmegaConf
 
-    a = _flatten(OmegaConf.to_container(saved, resolve=True))
-    b = _flatten(OmegaConf.to_container(composed, resolve=True))
+    a = flatten(OmegaConf.to_container(saved, resolve=True))
+    b = flatten(OmegaConf.to_container(composed, resolve=True))
     return [
         f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
         for k in sorted(set(a) | set(b))

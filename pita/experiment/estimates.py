@@ -42,6 +42,7 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 from pita.algos.registry import ALGORITHMS, Held, stage_models
+from pita.core import user_cache
 from pita.core.paths import pita_cache_dir
 from pita.core.schema import ModelConfig, default_of, memory_keys, settings
 from pita.models.placement import BYTES_PER_PARAM
@@ -447,13 +448,13 @@ class PeakEstimator:
         self.cache_path = cache_path
         self.peaks: dict[str, tuple[float, str]] = {}  # key -> (peak MB, where it was measured)
         if cache_path is not None:
-            try:
-                data = json.loads(Path(cache_path).read_text())
-                self.peaks = {
-                    k: (float(v["peak_mb"]), f"cached peak of {v['task']}") for k, v in data.items()
-                }
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                self.peaks = {}
+            path = Path(cache_path)
+            self.peaks = user_cache.entries(
+                user_cache.read_json(path, "peaks"),
+                path,
+                "peaks",
+                lambda v: (float(v["peak_mb"]), f"cached peak of {v['task']}"),
+            )
 
     def observe(self, task: Any, result: Mapping[str, Any]) -> bool:
         """Record the task's measured peak (MB); True when one was measured."""
@@ -492,22 +493,10 @@ class PeakEstimator:
     def _save(self, key: str, peak_mb: float, task_id: str) -> None:
         if self.cache_path is None:
             return
-        from pita.core.paths import atomic_write_json
-
-        try:
-            data = (
-                json.loads(Path(self.cache_path).read_text())
-                if Path(self.cache_path).is_file()
-                else {}
-            )
-        except (OSError, ValueError):
-            data = {}
-        data[key] = {"peak_mb": round(peak_mb, 1), "task": task_id}
-        try:
-            Path(self.cache_path).parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(Path(self.cache_path), data)
-        except OSError as exc:
-            log.warning("cannot write the peaks cache %s: %s", self.cache_path, exc)
+        entry = {"peak_mb": round(peak_mb, 1), "task": task_id}
+        user_cache.update_json(
+            Path(self.cache_path), "peaks", lambda data: data.update({key: entry})
+        )
 
 
 def family_file_memory_gb(name: str) -> float:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -31,9 +32,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from pita.core import schema as S
 from pita.core.paths import Artifact, RunPaths
+from pita.core.progress import progress_line
 from pita.core.tasks import TaskSpec
 
 T = TypeVar("T")
+
+PROGRESS_EVERY_S = 0.5  # a progress line per half second is plenty for a 2 s heartbeat
 
 
 class ModelCache:
@@ -125,6 +129,7 @@ class StageContext:
     pretrain: S.PretrainConfig = field(init=False)
     model: S.ModelConfig = field(init=False)
     logger_settings: S.LoggerConfig = field(init=False)  # `logger.*` (`logger` is the task log)
+    _reported_at: float = field(default=-1e9, init=False, repr=False)  # report_progress
 
     def __post_init__(self) -> None:
         if not self.chain_merged:
@@ -145,6 +150,18 @@ class StageContext:
                 f"{schema.__name__}"  # type: ignore[attr-defined]
             )
         return self.algo
+
+    def report_progress(self, done: int, total: int, unit: str = "step", detail: str = "") -> None:
+        """Tell the orchestrator how far the task is (`step 412/1000 loss 0.31`): the live
+        table shows it and the ETA projects the task's time left from it
+        (pita/core/progress.py). Every stage's progress goes through here; a stage may
+        call it every step: it passes at most one line per PROGRESS_EVERY_S on (a gang's
+        rank 0 sends each over a pipe), and always the last."""
+        now = time.monotonic()
+        if done < total and now - self._reported_at < PROGRESS_EVERY_S:
+            return
+        self._reported_at = now
+        self.heartbeat(progress_line(done, total, unit, detail))
 
     def input(self, name: str) -> Path | list[Path]:
         """The committed folder(s) of the task(s) this task consumes under `name`."""

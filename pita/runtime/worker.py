@@ -139,14 +139,19 @@ def execute_task(
     and error.json, is kept as `tasks/<id>.attempt<N>.failed/` and resume ignores it.
     """
 
-    from pita.core.paths import Artifact, TaskPaths, atomic_write_json, non_finite_numbers
+    from pita.core.journal import run_folder_problem
+    from pita.core.paths import Artifact, TaskPaths, atomic_write_json, nan_numbers
     from pita.runtime.context import StageContext, resolve_function
 
     paths = TaskPaths(run_dir, task.id)
     tmp = paths.tmp(os.getpid())
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    logger = _task_logger(task.id, tmp / Artifact.LOG)
+    try:  # an immutable tasks/ folder or a full disk: one line for the run, not a dead worker
+        tmp.mkdir(parents=True)
+        logger = _task_logger(task.id, tmp / Artifact.LOG)
+    except OSError as exc:
+        why = run_folder_problem(exc, run_dir) or f"cannot write {tmp}: {exc.strerror or exc}"
+        return False, "error", why, {}
     t0 = time.time()
     try:
         logger.info(
@@ -175,11 +180,9 @@ def execute_task(
         result = fn(ctx) or {}
         wall = round(time.time() - t0, 3)
         result = {"task_id": task.id, "wall_s": wall, "attempt": attempt, **result}
-        bad = non_finite_numbers(result)
+        bad = nan_numbers(result)
         if bad:  # a NaN metric is a failed task, not a row of the results table
-            raise FloatingPointError(
-                f"non-finite value(s) in the stage's result: {', '.join(bad[:5])}"
-            )
+            raise FloatingPointError(f"NaN value(s) in the stage's result: {', '.join(bad[:5])}")
         peak = peak_memory_mb()
         if peak:
             result["peak_gpu_mb"] = peak
@@ -197,18 +200,24 @@ def execute_task(
             if isinstance(exc, (KeyboardInterrupt, SystemExit))
             else classify_exception(exc)
         )
-        if not logger.handlers:  # the commit itself failed (a declared output is missing)
-            logger = _task_logger(task.id, tmp / Artifact.LOG)
-        logger.error("failed (%s): %s\n%s", failure, exc, traceback.format_exc())
-        _close(logger)
-        (tmp / Artifact.ERROR).write_text(
-            json.dumps({"failure": failure, "message": str(exc), "type": type(exc).__name__})
-        )
-        failed_dir = paths.failed(attempt)
-        shutil.rmtree(failed_dir, ignore_errors=True)
-        os.replace(tmp, failed_dir)
+        run_file = run_folder_problem(exc, run_dir, tmp)
+        try:  # on a full disk these writes fail too: the tmp folder stays, resume removes it
+            if not logger.handlers:  # the commit itself failed (a declared output is missing)
+                logger = _task_logger(task.id, tmp / Artifact.LOG)
+            logger.error("failed (%s): %s\n%s", failure, exc, traceback.format_exc())
+            _close(logger)
+            (tmp / Artifact.ERROR).write_text(
+                json.dumps({"failure": failure, "message": str(exc), "type": type(exc).__name__})
+            )
+            failed_dir = paths.failed(attempt)
+            shutil.rmtree(failed_dir, ignore_errors=True)
+            os.replace(tmp, failed_dir)
+        except OSError:
+            _close(logger)
         if failure == "interrupted" and reraise_interrupt:
             raise  # in-process runs: Ctrl-C inside a stage stops the whole run
+        if run_file is not None:
+            return False, "error", run_file, {}
         message = f"{type(exc).__name__}: {exc}".strip().splitlines()
         return False, failure, (message[0][:500] if message else ""), {}
 
