@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from pita.experiment.aggregate import frontier_data
+from pita.results.aggregate import frontier_data
 
 
 def test_rows_become_lines_sorted_by_kl_with_aggregated_errors():

@@ -299,7 +299,7 @@ def test_unreachable_ray_address_fails_within_the_deadline():
 
 
 def test_aggregate_survives_inf_nan_mixed_keys_and_bad_yaml(tmp_path):
-    from pita.experiment.aggregate import main
+    from pita.results.aggregate import main
     from tests.test_aggregate import _job
 
     sweep = tmp_path / "sweep"

@@ -599,6 +599,6 @@ def _hydra_main() -> None:
         return code
 
     _main()
-    from pita.experiment.aggregate import LAST_SWEEP
+    from pita.results.aggregate import LAST_SWEEP
 
     sys.exit(max(worst[0], LAST_SWEEP.get("worst_exit_code", 0)))

@@ -103,10 +103,10 @@ def build_plan(cfg: DictConfig, gpu: GPUManager) -> Plan:
 
 
 def task_durations(cfg: DictConfig, gpu: GPUManager) -> TaskDurations:
-    """Expected task durations: earlier runs' recorded ones (pita/experiment/timeline.py),
+    """Expected task durations: earlier runs' recorded ones (pita/results/timeline.py),
     exact or of the same kind scaled by size, then work units; the run adds its own
     finished tasks as they come."""
-    from pita.experiment.timeline import duration_key, load_history
+    from pita.results.timeline import duration_key, load_history
 
     key, history = duration_key(cfg, gpu.kind), load_history()
     return TaskDurations(history.exact, key, lambda t: history.scaled(t, key))
@@ -391,7 +391,7 @@ def _start_session(
     from pita.core.monitor import Monitor
     from pita.core.progress import Progress
     from pita.experiment.estimates import PeakEstimator, peaks_cache_path
-    from pita.experiment.timeline import done_walls
+    from pita.results.timeline import done_walls
 
     run_dir = paths.root
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
@@ -537,10 +537,10 @@ def _raise_interrupt(_signum, _frame):  # SIGTERM behaves like Ctrl-C: stop, flu
 
 
 def _report(cfg: DictConfig, plan: Plan, run_dir: Path) -> bool:
-    """Results table and plots from the evaluate tasks (pita/experiment/report.py).
+    """Results table and plots from the evaluate tasks (pita/results/report.py).
     False (one ERROR line, the traceback at DEBUG in run.log) when it could not be
     written: the run then exits 1, never 0 with an old or missing summary."""
-    from pita.experiment.report import write_report
+    from pita.results.report import write_report
 
     try:
         write_report(cfg, plan, run_dir)
@@ -579,7 +579,7 @@ def resume_command(run_dir: Path | str) -> str:
 
 def _record_durations(run_dir: Path, plan: Plan, key, events: list[dict]) -> None:
     """Keep this run's task durations for the next run's ETA (never fails the run)."""
-    from pita.experiment.timeline import record_durations
+    from pita.results.timeline import record_durations
 
     try:
         record_durations(run_dir, plan.tasks, key, events=events)
@@ -589,7 +589,7 @@ def _record_durations(run_dir: Path, plan: Plan, key, events: list[dict]) -> Non
 
 def _time_report(run_dir: Path, plan: Plan, labels: list[str], events: list[dict]) -> None:
     """results/timeline.png and the "where the time went" table, also in run.log."""
-    from pita.experiment.timeline import write_time_report
+    from pita.results.timeline import write_time_report
 
     try:
         table = write_time_report(run_dir, plan.tasks, labels, events=events)
@@ -603,7 +603,7 @@ def _time_report(run_dir: Path, plan: Plan, labels: list[str], events: list[dict
 
 def _end_lines(paths: RunPaths) -> None:
     """The run's last lines: where the results and plots are, and what the columns mean."""
-    from pita.experiment.report import legend
+    from pita.results.report import legend
 
     results = paths.results
     if not (results / "summary.md").is_file():

@@ -10,14 +10,14 @@ folder with `results/summary.csv`. `aggregate(run_dirs, out_dir)` reads them and
   the jobs' overrides set apart from seeds (empty when only seeds vary), so a sweep over
   `seed × lr` gives one group per lr, each averaged over its seeds.
 - `matched_kl.csv` / `matched_kl.md`: the guided algorithms' mean pass@1 read at common
-  KL levels along their η curves (pita/experiment/matched_kl.py), when two have curves.
+  KL levels along their η curves (pita/results/matched_kl.py), when two have curves.
 - `plots/frontier_<dataset>.png`: avg reward against KL(π‖π_ref) and pass@1 against KL,
   one line per (algorithm, family, round) through its η values, with ±std error bars: the
   figure these papers are read by. `plot_frontier` draws the same for a single run.
 
 `AggregateCallback` is a Hydra callback (conf/config.yaml registers it): at the end of a
 multirun it aggregates the sweep folder (`outputs/<name>/multirun/<timestamp>/`).
-By hand: `python -m pita.experiment.aggregate outputs/goal_walk/multirun/<ts> [more run dirs]
+By hand: `python -m pita.results.aggregate outputs/goal_walk/multirun/<ts> [more run dirs]
 [--out DIR] [--trust-group]` (default: a new `aggregate-<time>/` folder inside the first
 path, beside it when that path is a run folder).
 
@@ -622,7 +622,7 @@ def write_aggregate(rows: Sequence[dict[str, Any]], out: Path) -> str:
     """aggregate.{csv,md}, the frontier plots and matched_kl.{csv,md} into `out`,
     each atomically; returns the markdown table."""
     from pita.core.paths import atomic_write_text
-    from pita.experiment.matched_kl import write_matched_kl
+    from pita.results.matched_kl import write_matched_kl
 
     atomic_write_text(out / "aggregate.csv", to_csv(rows))
     table = to_markdown(rows)
@@ -800,7 +800,7 @@ class AggregateCallback(_HydraCallback):
 
 
 def default_out_dir(first: Path) -> Path:
-    """Where `python -m pita.experiment.aggregate` writes without --out: a new folder of its
+    """Where `python -m pita.results.aggregate` writes without --out: a new folder of its
     own beside the runs, so the sweep's own aggregate.md is never replaced; beside a run
     folder given alone, never inside it."""
     import time
@@ -822,7 +822,7 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(
-            "usage: python -m pita.experiment.aggregate SWEEP_OR_RUN_DIR [MORE ...] [--out DIR]"
+            "usage: python -m pita.results.aggregate SWEEP_OR_RUN_DIR [MORE ...] [--out DIR]"
             " [--trust-group]\n"
             "  writes aggregate.{csv,md}, matched_kl.{csv,md} and plots/ into DIR\n"
             "  (default: a new aggregate-<time>/ in SWEEP_DIR, or beside RUN_DIR; never into a\n"
