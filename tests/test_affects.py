@@ -20,7 +20,7 @@ from pita.core.paths import RunPaths
 from pita.experiment import cli
 from pita.experiment.estimates import peak_key
 from pita.experiment.plan import plan_experiment
-from pita.experiment.timeline import duration_key
+from pita.results.timeline import duration_key
 from pita.runtime.context import StageContext
 from pita.runtime.kit import checkpoint_identity
 from tests.conftest import ROOT

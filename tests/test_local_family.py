@@ -257,12 +257,14 @@ def test_eta_zero_guided_row_is_the_reference_row_under_the_guided_rule(local_fa
     ref = load_causal_lm(str(local_family.reference), dtype="float32")
     tok = load_tokenizer(str(local_family.reference))
 
+    from pita.core.schema import EvaluationConfig, GenerationConfig, settings
+
     def ctx(algo):
-        return SimpleNamespace(  # the typed sections eval_policies reads (StageContext's)
+        return SimpleNamespace(
             task=SimpleNamespace(algo=algo),
             cfg=cfg,
-            generation=cfg.generation,
-            evaluation=cfg.evaluation,
+            generation=settings(GenerationConfig, cfg.generation),
+            evaluation=settings(EvaluationConfig, cfg.evaluation),
             input=lambda name: local_family.guide,
         )
 

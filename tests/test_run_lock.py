@@ -10,17 +10,13 @@ import pytest
 
 from pita.core.errors import ConfigError
 from pita.core.run_lock import RunLock
-from tests.conftest import journal, run_cli, run_dirs, sleep_overrides
+from tests.conftest import journal, run_cli, run_dirs, sleep_overrides, slow_env
 from tests.test_faults import BASE, REF, _start, _wait_for
 
 
 def test_second_orchestrator_exits_2_naming_the_holder(tmp_path, markers):
     victim = "pretrain.goal_walk.tiny"
-    env = {
-        "PITA_TEST_MARKERS": str(markers),
-        "PITA_TEST_SLOW_TASK": victim,
-        "PITA_TEST_SLOW_S": "60",
-    }
+    env = slow_env(markers, victim, 60)
     first = _start([*BASE, *REF, "experiment.name=locked", *sleep_overrides()], tmp_path, env)
     try:
         _wait_for(markers / f"{victim}.started")

@@ -218,7 +218,7 @@ def test_metric_names_are_legal_everywhere_and_result_tags_keep_rows_apart():
     """One sanitizer for every backend (MLflow refuses `eta=0` and `pass@1`); the results'
     tags carry every column that tells rows apart: two reference rows differ only by their
     sampling rule and must not share a curve."""
-    from pita.experiment.report import RESULT_METRICS, result_tag
+    from pita.results.report import RESULT_METRICS, result_tag
     from pita.training.tracking import metric_name
 
     assert metric_name("eta=0") == "eta_0" and metric_name("pass@1") == "pass_at_1"

@@ -96,15 +96,18 @@ def official_schedule(optim, steps: int):
 def _family_policy(ctx: StageContext, family):
     """(the family's reference as a trainable fp32 causal LM, the task in its tokenizer)."""
     from pita.datasets import build_task
-    from pita.models.loading import load_causal_lm, load_tokenizer
+    from pita.models.loading import load_tokenizer
+    from pita.models.placement import load_stage_lm
 
     tok = load_tokenizer(family.reference, trust_remote_code=family.trust_remote_code)
     task = build_task(ctx.cfg.dataset, tokenizer=tok)
-    model = load_causal_lm(
+    model = load_stage_lm(
         family.reference,
-        dtype="float32",
+        family=ctx.task.family,
+        family_cfg=ctx.cfg.model,
+        device="cpu",  # moved to the training device by the caller
         attn_impl=ctx.system.attn_impl,
-        trust_remote_code=family.trust_remote_code,
+        trainable=True,
     )
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tok.pad_token_id
