@@ -184,6 +184,46 @@ def full_state_dict(model: torch.nn.Module, dist: DistContext | None) -> dict[st
     }
 
 
+class FullState:
+    """A model's (or, with `optimizer`, its optimizer's) state for a `Checkpointer` as full,
+    unsharded tensors keyed by parameter name, whatever the strategy and k: `state_dict`
+    gathers FSDP2's shards (a collective: every rank calls it; rank 0 gets the tensors),
+    `load_state_dict` puts a full state into this rank's shards (or the whole model). So a
+    checkpoint written by k ranks resumes on any k, DDP or FSDP2 or one process.
+
+    Not `torch.distributed.checkpoint`'s sharded files: their `.metadata` is a pickle that
+    DCP loads with `pickle.load`, and a pita checkpoint never unpickles (see
+    pita/training/checkpoint.py). The price: rank 0 holds the whole state while saving."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any = None):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        if self.optimizer is None:
+            return get_model_state_dict(self.model, options=options)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=options)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True)
+        if self.optimizer is None:
+            set_model_state_dict(self.model, state, options=options)
+        else:
+            set_optimizer_state_dict(self.model, self.optimizer, state, options=options)
+
+
 @contextlib.contextmanager
 def gathered(net: Any, dist: DistContext | None) -> Iterator[None]:
     """FSDP2: the root module's own parameters unsharded while the body reads the model
