@@ -62,9 +62,6 @@ def gang_world_size(ctx: StageContext) -> int:
     return max(1, int(ctx.task.gpus))
 
 
-data_parallel_world_size = gang_world_size  # the name before fsdp joined
-
-
 def checkpoint_objects(ctx: StageContext, model: Any, optimizer: Any) -> tuple[Any, Any]:
     """What a loop's `Checkpointer` saves and restores for its model and optimizer: under a
     gang strategy (whatever k, 1 included) their full state keyed by parameter name

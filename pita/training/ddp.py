@@ -471,7 +471,3 @@ def _quiet_launcher_logs() -> None:
     """The launcher's INFO lines (rendezvous, agent state) would flood a task log."""
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.WARNING)
-
-
-# The name callers used before the launcher moved to elastic_launch.
-run_data_parallel = launch_ranks
