@@ -17,6 +17,8 @@ Prints ONE JSON object:
   the steps after the first; best of `--repeats` alternated runs), their `ratio` (= s(k)),
   and `alpha`, solved from
   s(k) = k / (1 + α(k−1)): α = (k / s − 1) / (k − 1) (0: linear; 1: no gain).
+- Each rank (and the one process) uses `--threads` torch threads (1: a core plays a
+  device; more threads in one process would compare 2 cores against 1).
 - `load`: the 1-minute load average before and after, and the CPU count: on a shared
   machine the figures move with the other work on it.
 """
@@ -68,10 +70,14 @@ def main() -> None:
     ap.add_argument("--items", type=int, default=4096)
     ap.add_argument("--ranks", default="2,4", help="gang sizes to time the start-up of")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads of one rank (one core = a device)"
+    )
     ap.add_argument("--strategy", default="data_parallel", choices=("data_parallel", "fsdp"))
     args = ap.parse_args()
     import torch
 
+    torch.set_num_threads(args.threads)  # the ranks get the same (threads_per_rank)
     ranks = [int(k) for k in args.ranks.split(",")]
     load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
