@@ -39,6 +39,7 @@ def prepare(
     """(a StageContext of a Q# train task in `run_dir` with a saved reference, its items)."""
     from omegaconf import OmegaConf
 
+    from pita.algos.registry import ALGORITHMS
     from pita.core.tasks import TaskSpec
     from pita.datasets import build_task
     from pita.experiment.cli import compose_config
@@ -91,6 +92,7 @@ def prepare(
     spec = TaskSpec(
         id="QSharp.bench.tiny.r0.train",
         algo="QSharp",
+        algo_schema=ALGORITHMS["QSharp"].schema_path,
         dataset=dataset,
         family="tiny",
         round=0,

@@ -21,6 +21,7 @@ timed_stage  # bench/scheduler.py: executor.stage_overrides to "bench.workload:t
 AggregateCallback  # conf/config.yaml: hydra.callbacks ... _target_
 _.on_multirun_end  # Hydra's Callback hook
 _.on_multirun_start  # Hydra's Callback hook (starts the sweep watcher)
+LockedRunLog  # conf/hydra/job_logging/pita.yaml: the run.log handler class
 
 # --- called by transformers / TRL / logging / torch ------------------------------------------
 _.on_log  # TrainerCallback hooks (pita/training/report.py, tracking.py, algos/trl_common.py)
@@ -76,3 +77,5 @@ peft  # pita/algos/trl_common.py, pita/experiment/trl_options.py: algo.get("peft
 trl  # the same: algo.get("trl")
 reward_trl  # the same: algo.get("reward_trl")
 _.bounded  # pita/core/schema.py Rule.bounded: tests/test_schema.py checks every numeric key has one
+resume_safe_keys  # pita/core/schema.py: tests/test_affects.py ties docs/operations.md's resume sentence to it
+describe_keys  # the same: the sentence's text, derived from the fields' `affects`

@@ -39,8 +39,8 @@ GANG_STRATEGIES = ("data_parallel", "fsdp")  # the strategies that train on k ra
 
 
 def parallel_strategy(ctx: StageContext) -> str:
-    """`training.parallel_strategy` of the task ("none" when the key is absent)."""
-    return str(ctx.cfg.training.get("parallel_strategy", "none") or "none")
+    """`training.parallel_strategy` of the task (its typed setting)."""
+    return str(ctx.training.parallel_strategy)
 
 
 def gang_world_size(ctx: StageContext) -> int:
@@ -53,7 +53,7 @@ def gang_world_size(ctx: StageContext) -> int:
 
     if parallel_strategy(ctx) not in GANG_STRATEGIES:
         return 1
-    gpu_mode = str(ctx.cfg.system.gpu_mode)
+    gpu_mode = str(ctx.system.gpu_mode)
     if gpu_mode in ("cpu", "single_gpu"):
         return 1
     choice = training_device(gpu_mode, ctx.device)
