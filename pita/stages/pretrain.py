@@ -136,6 +136,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     from pita.datasets import build_task
     from pita.models.catalog import resolve_family
     from pita.models.tiny import build_tiny_llama
+    from pita.runtime.gang import checkpoint_objects
     from pita.runtime.kit import checkpointer, train_step
     from pita.training.ddp import full_state_dict, wrap_model
     from pita.training.loop import (
@@ -215,9 +216,10 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     cuda = device.type == "cuda"
 
     # In-task checkpoints (training.checkpoint_every): a retry continues where the dead attempt stopped.
-    ckpt = checkpointer(ctx, writer=dist is None or dist.is_main)
+    ckpt = checkpointer(ctx, writer=dist is None or dist.is_main, collective=dist is not None)
+    saved_model, saved_optim = checkpoint_objects(ctx, model, optim)  # a gang: full state by name
     start, extra = ckpt.restore(
-        model=model, optimizer=optim, scheduler=sched, step=step, max_step=pcfg.steps
+        model=saved_model, optimizer=saved_optim, scheduler=sched, step=step, max_step=pcfg.steps
     )
     if "rng" in extra:
         rng.setstate(extra["rng"])
@@ -269,7 +271,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
         ctx.report_progress(i + 1, pcfg.steps, "step", detail)
         ckpt.maybe_save(
             i + 1,
-            lambda: {"model": model, "optimizer": optim, "scheduler": sched},
+            lambda: {"model": saved_model, "optimizer": saved_optim, "scheduler": sched},
             step=step,
             extra=lambda state=rng_after: {"rng": state},
         )
