@@ -392,8 +392,12 @@ def _warm_ranks(cfg_dict: dict) -> None:
     this worker's forkserver now, so it imports torch and transformers while other tasks
     run and a later gang's ranks fork warm (pita.training.ddp.warm_forkserver; a no-op
     once it runs)."""
-    strategy = str((cfg_dict.get("training") or {}).get("parallel_strategy") or "none")
-    if strategy in ("data_parallel", "fsdp"):
+    from pita.core.schema import TrainingConfig, settings
+
+    if settings(TrainingConfig, cfg_dict.get("training")).parallel_strategy in (
+        "data_parallel",
+        "fsdp",
+    ):
         from pita.training.ddp import warm_forkserver
 
         warm_forkserver()
