@@ -1,5 +1,5 @@
-"""training.parallel_strategy=data_parallel plans pretrain (the stage that trains with DDP)
-on a gang of every device and trains it with one DDP rank per device (issue 13: the key
+"""training.parallel_strategy=data_parallel plans the training stages on a gang of every
+device (pretrain trains with one DDP rank per device; issue 13: the key
 used to do nothing in a real run)."""
 
 from __future__ import annotations
@@ -19,11 +19,15 @@ from tests.conftest import journal, only, run_cli, run_dirs
         (["training.parallel_strategy=data_parallel", "system.gpu_mode=single_gpu"], 1),
     ],
 )
-def test_pretrain_is_planned_on_a_gang(overrides, gang):
+def test_training_stages_are_planned_on_a_gang(overrides, gang):
     cfg = cli.compose_config(["system.devices=fake:3", *only("reference", "QSharp"), *overrides])
     plan = build_plan(cfg, make_gpu_manager(cfg))
-    assert plan.tasks["pretrain.goal_walk.tiny"].gpus == gang
-    assert {t.gpus for tid, t in plan.tasks.items() if not tid.startswith("pretrain")} == {1}
+    training = {"pretrain", "train"}
+    assert {t.gpus for t in plan.tasks.values() if t.stage in training} == {gang}
+    assert {t.strategy for t in plan.tasks.values() if t.stage in training} == {
+        "ddp" if gang > 1 else "none"
+    }
+    assert {t.gpus for t in plan.tasks.values() if t.stage not in training} == {1}
 
 
 @pytest.mark.slow

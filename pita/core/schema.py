@@ -38,7 +38,7 @@ ATTN_IMPLS = ("eager", "sdpa", "flash_attention_2")
 EXECUTOR_BACKENDS = ("local", "inprocess", "ray")
 PRECISION_TYPES = ("auto", "fp16", "bf16", "fp32")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
-PARALLEL_STRATEGIES = ("none", "data_parallel")
+PARALLEL_STRATEGIES = ("none", "data_parallel", "fsdp")
 LOGGER_BACKENDS = ("none", "tensorboard", "wandb", "mlflow", "csv")
 WANDB_MODES = ("offline", "online", "disabled")
 RECIPES = ("rollouts", "ground_truth_vs_first_wrong")
@@ -290,7 +290,10 @@ class TrainingConfig:
     compile: bool = spec("torch.compile the model.", False)
     compile_mode: str = spec("torch.compile mode.", "default", choices=COMPILE_MODES)
     parallel_strategy: str = spec(
-        "data_parallel: pretrain planned on a gang of every device, one DDP rank per device.",
+        "How a training stage uses a gang of devices: data_parallel = DDP (replicated ranks), "
+        "fsdp = FSDP2 (parameters, gradients and optimizer state sharded; a TRL stage runs DDP "
+        "on CPU, where accelerate has no FSDP). A training task too large for one device gets "
+        "the smallest FSDP gang that fits whatever this says.",
         "none",
         choices=PARALLEL_STRATEGIES,
     )

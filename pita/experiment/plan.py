@@ -20,6 +20,7 @@ from pita.core.dag import Plan, critical_path_priorities
 from pita.core.errors import ConfigError
 from pita.core.tasks import SHARDABLE, TaskSpec, task_id
 from pita.experiment.cli_extras import conf_dir
+from pita.experiment.gangs import TRAINING_STAGES
 
 CONF_DIR = conf_dir()  # conf/ of a checkout, pita/conf/ of an installed wheel
 
@@ -152,11 +153,13 @@ class Planner:
         return tid
 
     def data_parallel_gang(self) -> int:
-        """training.parallel_strategy=data_parallel: pretrain, the stage that trains with DDP
-        (pita/runtime/gang.py run_stage), gets a gang of every device of the run, one rank
-        per device; other stages keep one device (or model.gpus_per_task for sharding)."""
+        """training.parallel_strategy=data_parallel | fsdp: a training stage (pretrain, the
+        reward model, a round's train) gets a gang of every device of the run, one rank per
+        device (pita/runtime/gang.py run_stage); other stages keep one device (or
+        model.gpus_per_task for sharding). pita/experiment/gangs.py then sizes each
+        training task's gang to its estimate and sets how it uses it."""
         strategy = str(self.cfg.training.get("parallel_strategy", "none"))
-        if strategy != "data_parallel" or str(self.cfg.system.gpu_mode) in ("cpu", "single_gpu"):
+        if strategy == "none" or str(self.cfg.system.gpu_mode) in ("cpu", "single_gpu"):
             return 1
         return max(1, self.n_devices)
 
@@ -228,8 +231,14 @@ class Planner:
             chain.produced = {}
             for stage in spec_algo.round_stages:
                 inputs = stage_inputs(stage, chain, base_inputs)
+                gang = self.data_parallel_gang() if stage in TRAINING_STAGES else 1
                 spec = dict(
-                    algo=algo, round=r, inputs=inputs, gpus=gpus, mem_mb=mem_mb(stage), **common
+                    algo=algo,
+                    round=r,
+                    inputs=inputs,
+                    gpus=max(gpus, gang),
+                    mem_mb=mem_mb(stage),
+                    **common,
                 )
                 chain.produced[stage] = self.add_stage(stage, spec, _deps_of(inputs))
             if "collect" in chain.produced:
@@ -238,9 +247,15 @@ class Planner:
 
 
 def plan_experiment(
-    cfg: DictConfig, n_devices: int, *, device_mb: list[int] | None = None, distribute=None
+    cfg: DictConfig,
+    n_devices: int,
+    *,
+    device_mb: list[int] | None = None,
+    distribute=None,
+    device_kind: str = "cpu",
 ) -> Plan:
-    """Build the task DAG. `distribute(n_parts)` gives shard fractions weighted by device."""
+    """Build the task DAG. `distribute(n_parts)` gives shard fractions weighted by device;
+    `device_kind` ("cuda" | "fake" | "cpu") says whether a TRL stage can shard (FSDP)."""
     n_shards = (
         n_devices if cfg.executor.max_shards == 0 else min(n_devices, cfg.executor.max_shards)
     )
@@ -280,6 +295,9 @@ def plan_experiment(
     fill_estimates(plan, cfg, device_mb)  # measured peak > checkpoint size > model.memory_gb
     if device_mb:
         size_gangs(plan, device_mb)
+        from pita.experiment.gangs import size_training_gangs
+
+        size_training_gangs(plan, cfg, device_mb, device_kind)
     check_resources(plan, n_devices, device_mb)
     critical_path_priorities(plan)
     return plan
