@@ -56,12 +56,17 @@ def ran_strategy(task: Any, key: str, device_kind: str) -> str:
     return strategy
 
 
-def cpu_fsdp_note(task_id: str) -> str:
-    """The one line a TRL task under fsdp on CPU logs (dry run and task log)."""
-    return (
-        f"{task_id}: training.parallel_strategy=fsdp runs DDP here (replicated ranks): "
-        "accelerate has no FSDP on CPU, a TRL stage shards only on CUDA"
-    )
+def _check_trl_batch(task: Any, cfg: Any) -> None:
+    """A TRL task's ranks each take an equal share of `algos.<NAME>.batch_size`."""
+    if task.gpus <= 1 or not is_trl(task):
+        return
+    batch = ((cfg.get("algos") or {}).get(task.algo) or {}).get("batch_size")
+    if isinstance(batch, int) and batch % task.gpus:
+        raise ConfigError(
+            f"algos.{task.algo}.batch_size={batch}: task {task.id} trains on a gang of "
+            f"{task.gpus} ranks, each taking an equal share of the batch; use a multiple of "
+            f"{task.gpus}"
+        )
 
 
 class _PerRank:
@@ -105,6 +110,7 @@ def size_training_gangs(plan: Any, cfg: Any, device_mb: list[int], device_kind: 
         need = per_rank(strategy, t.gpus)
         if need <= best[min(t.gpus, len(best)) - 1]:
             t.strategy, t.mem_mb = strategy, need * t.gpus
+            _check_trl_batch(t, plain)
             continue
         one = per_rank("none", 1)
         if is_trl(t) and computes_on_cpu(device_kind):  # only FSDP could fit it: not on CPU
@@ -123,6 +129,7 @@ def size_training_gangs(plan: Any, cfg: Any, device_mb: list[int], device_kind: 
             if per_rank("fsdp", k) <= best[k - 1]:
                 t.gpus, t.strategy, t.mem_mb = k, "fsdp", per_rank("fsdp", k) * k
                 t.mem_source += f"; too large for one device: FSDP over {k}"
+                _check_trl_batch(t, plain)
                 break
         else:
             raise ConfigError(

@@ -154,7 +154,8 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
 
 def gang_notes(plan: Plan, cfg: DictConfig) -> list[str]:
     """One line per TRL task that runs DDP under training.parallel_strategy=fsdp (CPU)."""
-    from pita.experiment.gangs import cpu_fsdp_note, is_trl
+    from pita.algos.trl_common import cpu_fsdp_note
+    from pita.experiment.gangs import is_trl
 
     if str(cfg.training.parallel_strategy) != "fsdp":
         return []

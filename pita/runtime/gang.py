@@ -17,14 +17,16 @@ from pita.runtime.context import ModelCache, StageContext
 
 
 def data_parallel_world_size(ctx: StageContext) -> int:
-    """Ranks for this task: 1 unless `training.parallel_strategy=data_parallel` on a gang.
+    """Ranks for this task: 1 unless it runs on a gang (the planner's `task.strategy` ddp or
+    fsdp; a plan written before it had one: `training.parallel_strategy` other than none).
 
     On CUDA: the GPUs pinned to the task (as `system.gpu_mode` allows). Off CUDA (a `fake:`
     or CPU gang, tests): `task.gpus` gloo processes simulate the gang's devices.
     """
     from pita.training.precision import training_device
 
-    if str(ctx.cfg.training.parallel_strategy) != "data_parallel":
+    strategy = ctx.task.strategy
+    if strategy == "none" and str(ctx.cfg.training.parallel_strategy) == "none":
         return 1
     gpu_mode = str(ctx.cfg.system.gpu_mode)
     if gpu_mode in ("cpu", "single_gpu"):
