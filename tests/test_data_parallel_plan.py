@@ -14,20 +14,35 @@ from tests.conftest import journal, only, run_cli, run_dirs
 @pytest.mark.parametrize(
     "overrides, gang",
     [
-        (["training.parallel_strategy=data_parallel"], 3),
+        (["training.parallel_strategy=data_parallel"], 4),
         (["training.parallel_strategy=none"], 1),
+        (["training.parallel_strategy=fsdp"], 4),
         (["training.parallel_strategy=data_parallel", "system.gpu_mode=single_gpu"], 1),
     ],
 )
 def test_training_stages_are_planned_on_a_gang(overrides, gang):
-    cfg = cli.compose_config(["system.devices=fake:3", *only("reference", "QSharp"), *overrides])
+    """Every training stage (pretrain, the value trainer's and the TRL stages' train, the
+    reward model) gets the gang; the others keep one device. The task's `strategy` is what
+    runs: fsdp for pita's own loops, DDP for a TRL stage on these (fake, CPU) devices."""
+    cfg = cli.compose_config(
+        ["system.devices=fake:4", *only("reference", "QSharp", "GRPO-HF"), *overrides]
+    )
     plan = build_plan(cfg, make_gpu_manager(cfg))
-    training = {"pretrain", "train"}
-    assert {t.gpus for t in plan.tasks.values() if t.stage in training} == {gang}
-    assert {t.strategy for t in plan.tasks.values() if t.stage in training} == {
-        "ddp" if gang > 1 else "none"
+    training = {
+        tid for tid, t in plan.tasks.items() if t.stage in ("pretrain", "train", "reward_model")
     }
-    assert {t.gpus for t in plan.tasks.values() if t.stage not in training} == {1}
+    assert {"pretrain.goal_walk.tiny", "GRPO-HF.goal_walk.tiny.r0.reward_model"} <= training
+    assert {plan.tasks[tid].gpus for tid in training} == {gang}
+    assert {t.gpus for tid, t in plan.tasks.items() if tid not in training} == {1}
+    key = overrides[0].split("=")[1]
+    for tid in training:
+        strategy = plan.tasks[tid].strategy
+        if gang == 1:
+            assert strategy == "none"
+        elif key == "fsdp" and tid.startswith("GRPO-HF"):
+            assert strategy == "ddp"  # accelerate has no FSDP on CPU
+        else:
+            assert strategy == {"data_parallel": "ddp", "fsdp": "fsdp"}[key]
 
 
 @pytest.mark.slow

@@ -16,6 +16,10 @@ GRPO-HF / the reward model) on CPU or `fake:` devices runs DDP under `fsdp` (`ta
 says "ddp", the dry run and the task's log say so in one line), and a TRL task that only
 FSDP could fit is refused. pita's own loops (value trainer, pretrain) shard on CPU with gloo.
 
+A TRL task's gang is the largest (or, when too large for one device, the smallest fitting)
+number of ranks that divides its `algos.<NAME>.batch_size`: every rank takes an equal share,
+so the global batch does not depend on k.
+
 The decision is stored on the task (`gpus`, `strategy`, `mem_mb` = the gang's total, i.e.
 per-rank × k, which the scheduler divides back per device).
 """
@@ -56,17 +60,13 @@ def ran_strategy(task: Any, key: str, device_kind: str) -> str:
     return strategy
 
 
-def _check_trl_batch(task: Any, cfg: Any) -> None:
-    """A TRL task's ranks each take an equal share of `algos.<NAME>.batch_size`."""
-    if task.gpus <= 1 or not is_trl(task):
-        return
+def _shares_batch(task: Any, cfg: Any, k: int) -> bool:
+    """Whether k ranks can each take an equal share of a TRL task's `algos.<NAME>.batch_size`
+    (the global batch does not depend on k; pita's own loops pad a rank's share instead)."""
+    if k <= 1 or not is_trl(task):
+        return True
     batch = ((cfg.get("algos") or {}).get(task.algo) or {}).get("batch_size")
-    if isinstance(batch, int) and batch % task.gpus:
-        raise ConfigError(
-            f"algos.{task.algo}.batch_size={batch}: task {task.id} trains on a gang of "
-            f"{task.gpus} ranks, each taking an equal share of the batch; use a multiple of "
-            f"{task.gpus}"
-        )
+    return not isinstance(batch, int) or batch % k == 0
 
 
 class _PerRank:
@@ -107,10 +107,12 @@ def size_training_gangs(plan: Any, cfg: Any, device_mb: list[int], device_kind: 
         analytic = t.mem_source.startswith("size:")
         per_rank = _PerRank(t, training_memory(t, plain, sizes) if analytic else None)
         strategy = ran_strategy(t, key, device_kind) if t.gpus > 1 else "none"
+        while not _shares_batch(t, plain, t.gpus):  # the largest gang that shares the batch
+            t.gpus -= 1
+        strategy = strategy if t.gpus > 1 else "none"
         need = per_rank(strategy, t.gpus)
         if need <= best[min(t.gpus, len(best)) - 1]:
             t.strategy, t.mem_mb = strategy, need * t.gpus
-            _check_trl_batch(t, plain)
             continue
         one = per_rank("none", 1)
         if is_trl(t) and computes_on_cpu(device_kind):  # only FSDP could fit it: not on CPU
@@ -126,10 +128,9 @@ def size_training_gangs(plan: Any, cfg: Any, device_mb: list[int], device_kind: 
                 )
             )
         for k in range(2, len(best) + 1):
-            if per_rank("fsdp", k) <= best[k - 1]:
+            if per_rank("fsdp", k) <= best[k - 1] and _shares_batch(t, plain, k):
                 t.gpus, t.strategy, t.mem_mb = k, "fsdp", per_rank("fsdp", k) * k
                 t.mem_source += f"; too large for one device: FSDP over {k}"
-                _check_trl_batch(t, plain)
                 break
         else:
             raise ConfigError(

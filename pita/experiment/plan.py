@@ -20,7 +20,6 @@ from pita.core.dag import Plan, critical_path_priorities
 from pita.core.errors import ConfigError
 from pita.core.tasks import SHARDABLE, TaskSpec, task_id
 from pita.experiment.cli_extras import conf_dir
-from pita.experiment.gangs import TRAINING_STAGES
 
 CONF_DIR = conf_dir()  # conf/ of a checkout, pita/conf/ of an installed wheel
 
@@ -153,13 +152,15 @@ class Planner:
         return tid
 
     def data_parallel_gang(self) -> int:
-        """training.parallel_strategy=data_parallel | fsdp: a training stage (pretrain, the
-        reward model, a round's train) gets a gang of every device of the run, one rank per
-        device (pita/runtime/gang.py run_stage); other stages keep one device (or
-        model.gpus_per_task for sharding). pita/experiment/gangs.py then sizes each
-        training task's gang to its estimate and sets how it uses it."""
+        """training.parallel_strategy=data_parallel | fsdp: the stages that train with pita's
+        own loop on a gang (pretrain, an algorithm's `gang_stages`: pita/runtime/gang.py
+        run_stage) get a gang of every device of the run, one rank per device; other stages
+        keep one device (or model.gpus_per_task for sharding)."""
         strategy = str(self.cfg.training.get("parallel_strategy", "none"))
-        if strategy == "none" or str(self.cfg.system.gpu_mode) in ("cpu", "single_gpu"):
+        if strategy not in ("data_parallel", "fsdp") or str(self.cfg.system.gpu_mode) in (
+            "cpu",
+            "single_gpu",
+        ):
             return 1
         return max(1, self.n_devices)
 
@@ -231,14 +232,9 @@ class Planner:
             chain.produced = {}
             for stage in spec_algo.round_stages:
                 inputs = stage_inputs(stage, chain, base_inputs)
-                gang = self.data_parallel_gang() if stage in TRAINING_STAGES else 1
+                k = max(gpus, self.data_parallel_gang()) if stage in spec_algo.gang_stages else gpus
                 spec = dict(
-                    algo=algo,
-                    round=r,
-                    inputs=inputs,
-                    gpus=max(gpus, gang),
-                    mem_mb=mem_mb(stage),
-                    **common,
+                    algo=algo, round=r, inputs=inputs, gpus=k, mem_mb=mem_mb(stage), **common
                 )
                 chain.produced[stage] = self.add_stage(stage, spec, _deps_of(inputs))
             if "collect" in chain.produced:
