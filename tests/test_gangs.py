@@ -121,3 +121,32 @@ def test_dry_run_shows_each_gang_its_strategy_and_per_rank_memory(tmp_path, caps
         "(replicated ranks): accelerate has no FSDP on CPU, a TRL stage shards only on CUDA"
     ]
     assert not [line for line in out if "DPO" in line and "fsdp" in line.split()]
+
+
+def test_under_slurm_auto_uses_the_jobs_gpus(monkeypatch):
+    """NVML sees every GPU of the node; a SLURM job's are those CUDA_VISIBLE_DEVICES names
+    (by index or UUID). A job whose cgroup hides the others sees exactly its own."""
+    from pita.core import gpu_manager
+    from pita.core.gpu_manager import Device, GPUManager
+
+    def node(n: int) -> list[Device]:
+        return [
+            Device(i, "cuda", "H100", f"GPU-{i:04d}", 81559, 81000, nvml_index=i) for i in range(n)
+        ]
+
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setattr(gpu_manager, "query_nvml_devices", lambda: node(8))
+    for visible in ("2,5", "GPU-0002,GPU-0005"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        gpu = GPUManager("auto")
+        assert [(d.index, d.uuid) for d in gpu.devices] == [(0, "GPU-0002"), (1, "GPU-0005")]
+        assert gpu.largest_gang == 2
+    monkeypatch.setattr(gpu_manager, "query_nvml_devices", lambda: node(2))  # cgroup-limited
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,7")
+    assert [d.uuid for d in GPUManager("auto").devices] == ["GPU-0000", "GPU-0001"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert GPUManager("auto").kind == "cpu"
+    monkeypatch.setattr(gpu_manager, "query_nvml_devices", lambda: node(8))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "9")
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES='9'"):
+        GPUManager("auto")

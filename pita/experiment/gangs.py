@@ -92,15 +92,19 @@ def _refusal(task: Any, one_mb: int, kind: str, largest: int, per_rank: int, why
     )
 
 
-def size_training_gangs(plan: Any, cfg: Any, device_mb: list[int], device_kind: str) -> None:
+def size_training_gangs(
+    plan: Any, cfg: Any, device_mb: list[int], device_kind: str, largest_gang: int | None = None
+) -> None:
     """Set `gpus`, `strategy` and `mem_mb` of every training task of `plan` (see the module
-    docstring). Raises ConfigError when a task fits no gang of this run."""
+    docstring); no gang is larger than `largest_gang` (a Ray cluster's largest node). Raises
+    ConfigError when a task fits no gang of this run."""
     from pita.experiment.estimates import ModelSizes, _plain, training_memory
 
     key = str(cfg.training.get("parallel_strategy", "none"))
     plain = _plain(cfg)
     sizes = ModelSizes()
-    best = sorted(device_mb, reverse=True)  # a gang of k gets the k largest devices at best
+    # a gang of k gets the k largest devices at best (on one node: a Ray task never spans two)
+    best = sorted(device_mb, reverse=True)[: largest_gang or None]
     for t in plan.tasks.values():
         if not is_training(t):
             continue

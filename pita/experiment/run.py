@@ -47,7 +47,9 @@ def make_gpu_manager(cfg: DictConfig) -> GPUManager:
         ray_exec = RayExecutor(cfg.executor)
         kind, n = ray_exec.slots()
         sizes = ray_exec.gpu_memory_mb() if kind == "gpu" else []  # NVML on each node: real memory
-        return GPUManager(ray_devices_spec(kind, n, sizes), cpu_workers=max(1, n))
+        gpu = GPUManager(ray_devices_spec(kind, n, sizes), cpu_workers=max(1, n))
+        gpu.largest_gang = ray_exec.largest_node()  # a Ray task runs on one node
+        return gpu
     spec = cfg.system.devices
     if cfg.system.gpu_mode == "cpu":
         spec = "cpu"
@@ -105,6 +107,7 @@ def build_plan(cfg: DictConfig, gpu: GPUManager) -> Plan:
         device_mb=[d.total_mb for d in gpu.devices],
         distribute=ParallelDataGenerator(gpu).shard_fractions,
         device_kind=compute_kind(cfg, gpu),
+        largest_gang=gpu.largest_gang,
     )
 
 
@@ -188,7 +191,7 @@ def check_writable(folder: Path) -> None:
 def check_plan_fits(plan: Plan, gpu: GPUManager, cfg: DictConfig) -> None:
     """A resumed run's saved plan onto (maybe other) devices: refuse a task none can hold."""
     try:
-        check_resources(plan, len(gpu.devices), [d.total_mb for d in gpu.devices])
+        check_resources(plan, len(gpu.devices), [d.total_mb for d in gpu.devices], gpu.largest_gang)
     except ConfigError as exc:
         raise ConfigError(
             f"system.devices={cfg.system.devices!r} on resume ({len(gpu.devices)} device(s)): "
