@@ -137,7 +137,9 @@ def run_stage(
     strategy = parallel_strategy(ctx)
     strategy = strategy if strategy in GANG_STRATEGIES else "data_parallel"
     what = "DDP" if strategy == "data_parallel" else "FSDP2 (fully_shard)"
-    ctx.logger.info("training.parallel_strategy=%s: %s over %d ranks", strategy, what, world)
+    key = str(ctx.cfg.training.get("parallel_strategy", "none"))
+    why = "" if key == strategy else f" (the planner's choice; training.parallel_strategy={key})"
+    ctx.logger.info("gang strategy %s%s: %s over %d ranks", strategy, why, what, world)
     snapshot = {
         "task": ctx.task.to_dict(),
         "cfg": OmegaConf.to_container(ctx.cfg, resolve=True),
