@@ -372,9 +372,6 @@ def _largest_block(size: ModelSize) -> float:
     return max(4 * h * h + 3 * h * inter, int(c.vocab_size) * h) * per_param
 
 
-STRATEGY_NAMES = {"none": "one process", "ddp": "DDP", "fsdp": "FSDP"}
-
-
 @dataclass
 class TrainingMemory:
     """A task's analytic estimate split the way a gang's strategy divides it (bytes).
