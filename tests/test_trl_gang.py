@@ -242,3 +242,40 @@ def test_grpo_and_grpo_hf_run_on_two_accelerate_ranks(tmp_path):
         assert two[name]["distributed"] == {"distributed_type": "MULTI_CPU", "num_processes": 2}
         assert one[name]["steps"] == two[name]["steps"] == 2
         assert (run_two / "tasks" / name / "model" / "config.json").is_file()
+
+
+def _strategy_on_rank(ctx, dist) -> dict:
+    """What a rank of a TRL task's gang is told to run."""
+    return {"strategy": dist.strategy, "world_size": dist.world_size}
+
+
+def test_a_trl_task_under_fsdp_on_cpu_runs_ddp_and_its_log_says_so_in_one_line(tmp_path, caplog):
+    """The planner gave the TRL task strategy ddp (no FSDP on CPU): its ranks are told
+    data_parallel, and the task log has the one line the dry run prints."""
+    import logging
+
+    from pita.algos.trl_common import cpu_fsdp_note, run_on_gang
+
+    ctx = _ctx(tmp_path, "DPO", "train", {}, ["training.parallel_strategy=fsdp"], "dpo_train")
+    ctx.task.gpus, ctx.task.strategy = 2, "ddp"
+    with caplog.at_level(logging.INFO, logger=ctx.logger.name):
+        got = run_on_gang(ctx, _strategy_on_rank)
+    assert got == {"strategy": "data_parallel", "world_size": 2}
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines.count(cpu_fsdp_note("dpo_train")) == 1
+    assert not [ln for ln in lines if "FSDP2" in ln]
+
+
+def test_fsdp2_arguments_reach_a_trl_config_only_for_a_sharded_task_on_cuda(tmp_path):
+    """What only a GPU can run is at least a TrainingArguments transformers accepts."""
+    from trl import DPOConfig
+
+    from pita.algos.trl_common import fsdp_kwargs
+
+    ctx = _ctx(tmp_path, "DPO", "train", {}, [], "dpo_train")
+    assert fsdp_kwargs(ctx, on_cuda=True) == {}  # strategy none
+    ctx.task.strategy = "fsdp"
+    assert fsdp_kwargs(ctx, on_cuda=False) == {}  # never on CPU
+    kwargs = fsdp_kwargs(ctx, on_cuda=True)
+    args = DPOConfig(output_dir=str(tmp_path / "scratch"), use_cpu=True, report_to="none", **kwargs)
+    assert args.fsdp_config["version"] == 2 and args.fsdp_config["reshard_after_forward"]

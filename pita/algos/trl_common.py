@@ -30,7 +30,8 @@
   ranks are the accelerate processes TRL expects (RANK / WORLD_SIZE / LOCAL_RANK /
   MASTER_ADDR / MASTER_PORT set and the process group up before the Trainer is built, so
   accelerate picks it up: `MULTI_CPU` on CPU, `MULTI_GPU` on CUDA, `FSDP` on CUDA under
-  fsdp through `TrainingArguments(fsdp="full_shard auto_wrap", fsdp_config={"version": 2})`).
+  fsdp through `TrainingArguments(fsdp=True, fsdp_config={"version": 2, ...})`, the form
+  transformers 5 keeps of `fsdp="full_shard auto_wrap"`).
   The effective batch is the gang's: each of k ranks takes 1/k of it, with the same data
   order (accelerate's seedable sampler, batches dealt to ranks in turn), so k ranks step as
   one process on the same examples. Rank 0 writes the task's files; `distributed_info`
@@ -135,13 +136,17 @@ def fsdp_kwargs(ctx: StageContext, on_cuda: bool) -> dict[str, Any]:
     if ctx.task.strategy != "fsdp" or not on_cuda:
         return {}
     return {
-        "fsdp": "full_shard auto_wrap",
+        # transformers 5 deprecates the string form ("full_shard auto_wrap"): fsdp=True and
+        # the rest in fsdp_config (FSDP2's full shard is reshard_after_forward=True)
+        "fsdp": True,
         "fsdp_config": {
             "version": 2,
             "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "reshard_after_forward": True,
             "state_dict_type": "FULL_STATE_DICT",
             "cpu_ram_efficient_loading": False,
+            # FSDP's own activation checkpointing (the Trainer's would all-gather twice)
+            "activation_checkpointing": bool(ctx.cfg.training.gradient_checkpointing),
         },
     }
 
@@ -441,7 +446,8 @@ def training_args(
         if "activation_checkpointing" in names
         else "gradient_checkpointing"
     )
-    extra = {checkpointing: bool(tr.gradient_checkpointing), **extra}
+    sharding = fsdp_kwargs(ctx, on_cuda)
+    extra = {checkpointing: bool(tr.gradient_checkpointing) and not sharding, **extra}
 
     saving = {
         "output_dir": str(ctx.out_dir / Artifact.TRAINER_SCRATCH),
@@ -476,7 +482,7 @@ def training_args(
         push_to_hub=False,
         disable_tqdm=True,
         **precision_flags(ctx),
-        **fsdp_kwargs(ctx, on_cuda),
+        **sharding,
         **extra,
     )
     if options:
