@@ -67,15 +67,15 @@ def test_shard_indices_are_strided_and_padded():
 def test_world_size_follows_parallel_strategy_and_gpu_mode():
     from types import SimpleNamespace
 
-    from omegaconf import OmegaConf
-
     from pita.runtime.gang import data_parallel_world_size
 
-    def ctx(strategy, gpu_mode="auto", gpus=2):
-        cfg = OmegaConf.create(
-            {"training": {"parallel_strategy": strategy}, "system": {"gpu_mode": gpu_mode}}
+    def ctx(strategy, gpu_mode="auto", gpus=2):  # the typed settings a StageContext holds
+        return SimpleNamespace(
+            training=SimpleNamespace(parallel_strategy=strategy),
+            system=SimpleNamespace(gpu_mode=gpu_mode),
+            device="cpu",
+            task=SimpleNamespace(gpus=gpus),
         )
-        return SimpleNamespace(cfg=cfg, device="cpu", task=SimpleNamespace(gpus=gpus))
 
     assert data_parallel_world_size(ctx("none")) == 1
     assert data_parallel_world_size(ctx("data_parallel")) == 2  # a fake / CPU gang: 2 gloo ranks

@@ -47,7 +47,7 @@ def parallel_strategy(ctx: StageContext) -> str:
     planned = TASK_STRATEGIES.get(str(getattr(ctx.task, "strategy", "none")))
     if planned is not None:
         return planned
-    return str(ctx.cfg.training.get("parallel_strategy", "none") or "none")
+    return str(ctx.training.parallel_strategy)
 
 
 def gang_world_size(ctx: StageContext) -> int:
@@ -60,7 +60,7 @@ def gang_world_size(ctx: StageContext) -> int:
 
     if parallel_strategy(ctx) not in GANG_STRATEGIES:
         return 1
-    gpu_mode = str(ctx.cfg.system.gpu_mode)
+    gpu_mode = str(ctx.system.gpu_mode)
     if gpu_mode in ("cpu", "single_gpu"):
         return 1
     choice = training_device(gpu_mode, ctx.device)
@@ -137,7 +137,7 @@ def run_stage(
     strategy = parallel_strategy(ctx)
     strategy = strategy if strategy in GANG_STRATEGIES else "data_parallel"
     what = "DDP" if strategy == "data_parallel" else "FSDP2 (fully_shard)"
-    key = str(ctx.cfg.training.get("parallel_strategy", "none"))
+    key = str(ctx.training.parallel_strategy)
     why = "" if key == strategy else f" (the planner's choice; training.parallel_strategy={key})"
     ctx.logger.info("gang strategy %s%s: %s over %d ranks", strategy, why, what, world)
     snapshot = {
