@@ -150,3 +150,13 @@ def test_under_slurm_auto_uses_the_jobs_gpus(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "9")
     with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES='9'"):
         GPUManager("auto")
+
+
+def test_a_lora_adapter_counts_only_its_own_gradients_and_optimizer_state():
+    """The refusal's advice holds: with algos.<NAME>.peft the trained state is the adapter's."""
+    full = _train_memory([*BIG, *BIG_REFERENCE], "DPO")
+    lora = _train_memory([*BIG, *BIG_REFERENCE, "+algos.DPO.peft.r=8"], "DPO")
+    assert lora.params == full.params and lora.activations == full.activations
+    # hidden 512, MLP 2048, 4 blocks: 4 x (4 x 8 x 1024 + 3 x 8 x 2560) adapter parameters
+    assert lora.grads == 4.0 * 4 * (4 * 8 * 1024 + 3 * 8 * 2560)
+    assert lora.optimizer == 2 * lora.grads < full.optimizer / 10

@@ -468,7 +468,11 @@ def training_memory(task: Any, cfg: Any, sizes: ModelSizes) -> TrainingMemory | 
                 mem.block = max(mem.block, _largest_block(size))
             else:
                 mem.frozen += size.weight_bytes
-        if h.use == "train":  # gradients in the compute dtype, AdamW's two fp32 moments
+        adapter = _lora_params(cfg, task, size) if h.model == "policy" else None
+        if h.use == "train" and adapter is not None:  # LoRA: only the fp32 adapter trains
+            mem.grads += adapter * 4.0
+            mem.optimizer += adapter * 8.0
+        elif h.use == "train":  # gradients in the compute dtype, AdamW's two fp32 moments
             mem.grads += size.params * (4 if builtin else 2)
             mem.optimizer += size.params * 8.0
         if h.use == "weights" or size.config is None:
@@ -481,6 +485,30 @@ def training_memory(task: Any, cfg: Any, sizes: ModelSizes) -> TrainingMemory | 
             mem.frozen += est.bytes_for(batch)
     mem.what = " + ".join(dict.fromkeys(whats))
     return mem
+
+
+# LoRA's adapter on a linear layer is r x (inputs + outputs); which layers of a decoder
+# block take (hidden, hidden) and which (hidden, MLP width)
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "c_attn", "c_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj", "c_fc")
+
+
+def _lora_params(cfg: Any, task: Any, size: ModelSize) -> float | None:
+    """Parameters of the LoRA adapter `algos.<NAME>.peft` puts on the policy (None: full
+    fine-tuning, or a model without shapes). `all-linear` = the 4 attention and 3 MLP
+    projections of each block."""
+    peft = _algo_get(cfg, task.algo, "peft")
+    c = size.config
+    if not isinstance(peft, Mapping) or c is None:
+        return None
+    r = int(peft.get("r", 8) or 8)
+    h = int(c.hidden_size)
+    inter = int(c.intermediate_size or 4 * h)
+    targets = peft.get("target_modules", "all-linear")
+    if isinstance(targets, str):
+        targets = [*_ATTENTION[:4], *_MLP[:3]] if targets == "all-linear" else [targets]
+    per_block = sum(r * (h + inter) if t in _MLP else r * 2 * h for t in targets)
+    return float(int(c.num_hidden_layers) * per_block)
 
 
 def analytic_mb(task: Any, cfg: Any, sizes: ModelSizes) -> tuple[int, str] | None:
