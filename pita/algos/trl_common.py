@@ -108,7 +108,7 @@ def run_on_gang(ctx: StageContext, body: Any) -> dict:
     gang, or here alone; rank 0's result. See the module docstring."""
     from pita.runtime.gang import run_stage
 
-    if ctx.task.gpus > 1 and str(ctx.cfg.training.parallel_strategy) == "fsdp":
+    if ctx.task.gpus > 1 and str(ctx.training.parallel_strategy) == "fsdp":
         if ctx.task.strategy != "fsdp":
             ctx.logger.info(cpu_fsdp_note(ctx.task.id))
     return run_stage(ctx, body)
@@ -147,7 +147,7 @@ def fsdp_kwargs(ctx: StageContext, on_cuda: bool) -> dict[str, Any]:
             "state_dict_type": "FULL_STATE_DICT",
             "cpu_ram_efficient_loading": False,
             # FSDP's own activation checkpointing (the Trainer's would all-gather twice)
-            "activation_checkpointing": bool(ctx.cfg.training.gradient_checkpointing),
+            "activation_checkpointing": bool(ctx.training.gradient_checkpointing),
         },
     }
 
@@ -448,7 +448,7 @@ def training_args(
         "output_dir": str(ctx.out_dir / Artifact.TRAINER_SCRATCH),
         **trl_checkpoint_kwargs(ctx),
     }
-    if world > 1 and not int(tr.get("checkpoint_every", 0) or 0):
+    if world > 1 and not int(tr.checkpoint_every or 0):
         # time-based saves are decided by each rank's own clock: ranks that disagree on
         # whether to save would wait for each other forever; a gang saves by steps only
         saving = {"output_dir": saving["output_dir"], "save_strategy": "no"}
