@@ -97,12 +97,19 @@ def _resolve(dotted: str):
 def _stage_ctx(base, name: str, algo: str, stage: str, inputs: dict):
     """`base` (a rank's context) for one of the stages, with its own task and folder. The
     task id is the same in both run folders: it seeds the stage (`ctx.seed`)."""
+    from pita.algos.registry import ALGORITHMS
+
     task = dataclasses.replace(
-        base.task, id=name, algo=algo, stage=stage, inputs={"reference": "pretrain", **inputs}
+        base.task,
+        id=name,
+        algo=algo,
+        algo_schema=ALGORITHMS[algo].schema_path,
+        stage=stage,
+        inputs={"reference": "pretrain", **inputs},
     )
     out = base.run_dir / "tasks" / task.id
     out.mkdir(parents=True, exist_ok=True)
-    return dataclasses.replace(base, task=task, out_dir=out)
+    return dataclasses.replace(base, task=task, out_dir=out, settings=None)  # typed anew
 
 
 def _stages_on_rank(ctx, dist, stages: list) -> dict:
