@@ -21,7 +21,7 @@ def test_smoke_experiment_end_to_end(tmp_path):
     [run_dir] = run_dirs(tmp_path, "smoke")
     rows = _summary(run_dir)
     header = list(rows[0])
-    assert header[:12] == [
+    assert header[:14] == [
         "algo",
         "dataset",
         "family",
@@ -33,9 +33,13 @@ def test_smoke_experiment_end_to_end(tmp_path):
         "maj@k",
         "avg_reward",
         "kl",
+        "kl_full",
+        "off_support",
         "wall_s",
     ]
     assert any(r["algo"] == "reference" for r in rows)
+    for r in rows:  # docs/ALGORITHMS.md "KL: the three columns": kl finite unless off the support
+        assert (float(r["kl"]) != float("inf")) == (float(r["off_support"]) == 0.0), r
     assert (run_dir / "results" / "summary.md").is_file()
     matched = (run_dir / "results" / "matched_kl.md").read_text()  # smoke sweeps η = 0, 5
     assert "QSharp pass@1" in matched and "PITA pass@1" in matched

@@ -258,8 +258,12 @@ def test_eta_zero_guided_row_is_the_reference_row_under_the_guided_rule(local_fa
     tok = load_tokenizer(str(local_family.reference))
 
     def ctx(algo):
-        return SimpleNamespace(
-            task=SimpleNamespace(algo=algo), cfg=cfg, input=lambda name: local_family.guide
+        return SimpleNamespace(  # the typed sections eval_policies reads (StageContext's)
+            task=SimpleNamespace(algo=algo),
+            cfg=cfg,
+            generation=cfg.generation,
+            evaluation=cfg.evaluation,
+            input=lambda name: local_family.guide,
         )
 
     reference_rows = eval_policies(ctx("reference"), ref)

@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pita.core.errors import ConfigError
 from pita.core.paths import RunPaths
-from pita.core.schema import describe_keys, resume_safe, resume_safe_keys
+from pita.core.schema import resume_safe
 from pita.experiment.cli_extras import (
     PROJECT_ROOT,
     conf_dir,
@@ -58,9 +58,6 @@ LOCAL_LAUNCHERS = ("BasicLauncher",)  # Hydra's launcher classes that run jobs i
 LAST_COMPOSE: dict[str, str] = {}
 HELD_LOCKS: list[Any] = []  # run folder locks taken before Hydra or run() write anything
 EXIT_CODE_FILE = "exit_code"  # a remote job's exit code, read by the sweep's end (aggregate.py)
-# Keys a resumed run may change: where and how it runs, never what it computes (each field's
-# `affects`, pita/core/schema.py); the refusal names them.
-RESUME_SAFE_TEXT = describe_keys(resume_safe_keys())
 
 
 def _first_line(text: object) -> str:

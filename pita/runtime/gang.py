@@ -69,9 +69,6 @@ def gang_world_size(ctx: StageContext) -> int:
     return max(1, int(ctx.task.gpus))
 
 
-data_parallel_world_size = gang_world_size  # the name before fsdp joined
-
-
 class _QueueLogHandler(logging.Handler):
     """A rank's log records, sent to the caller (rank 0 unprefixed, the others tagged)."""
 

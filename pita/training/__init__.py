@@ -8,7 +8,7 @@
 - `report`: `training_metrics.png` and `performance_summary.txt` in the task folder
   (`trainer_metrics_callback` records a TRL / transformers Trainer for it).
 - `ddp`: `training.parallel_strategy=data_parallel`, DDP over k local processes
-  (`run_data_parallel`, `wrap_model`).
+  (`launch_ranks`, `wrap_model`).
 - `checkpoint`: in-task checkpoints in a folder (`Checkpointer`, the TRL Trainer's).
 - `tracking`: the `logger` group's backends (`open_tracker`, `trl_callback`).
 

@@ -434,4 +434,3 @@ def _quiet_launcher_logs() -> None:
 
 
 # The name callers used before the launcher moved to elastic_launch.
-run_data_parallel = launch_ranks
