@@ -1,5 +1,5 @@
-"""training.parallel_strategy=data_parallel plans pretrain (the stage that trains with DDP)
-on a gang of every device and trains it with one DDP rank per device (issue 13: the key
+"""training.parallel_strategy=data_parallel plans the training stages on a gang of every
+device (pretrain trains with one DDP rank per device; issue 13: the key
 used to do nothing in a real run)."""
 
 from __future__ import annotations
@@ -14,21 +14,35 @@ from tests.conftest import journal, only, run_cli, run_dirs
 @pytest.mark.parametrize(
     "overrides, gang",
     [
-        (["training.parallel_strategy=data_parallel"], 3),
+        (["training.parallel_strategy=data_parallel"], 4),
         (["training.parallel_strategy=none"], 1),
-        (["training.parallel_strategy=fsdp"], 3),
+        (["training.parallel_strategy=fsdp"], 4),
         (["training.parallel_strategy=data_parallel", "system.gpu_mode=single_gpu"], 1),
     ],
 )
-def test_pretrain_and_value_training_are_planned_on_a_gang(overrides, gang):
-    """pita's own loops (pretrain, the value trainer's train stage) get the gang; the
-    others keep one device."""
-    cfg = cli.compose_config(["system.devices=fake:3", *only("reference", "QSharp"), *overrides])
+def test_training_stages_are_planned_on_a_gang(overrides, gang):
+    """Every training stage (pretrain, the value trainer's and the TRL stages' train, the
+    reward model) gets the gang; the others keep one device. The task's `strategy` is what
+    runs: fsdp for pita's own loops, DDP for a TRL stage on these (fake, CPU) devices."""
+    cfg = cli.compose_config(
+        ["system.devices=fake:4", *only("reference", "QSharp", "GRPO-HF"), *overrides]
+    )
     plan = build_plan(cfg, make_gpu_manager(cfg))
-    own_loops = {tid for tid, t in plan.tasks.items() if t.stage in ("pretrain", "train")}
-    assert "pretrain.goal_walk.tiny" in own_loops and len(own_loops) > 1
-    assert {plan.tasks[tid].gpus for tid in own_loops} == {gang}
-    assert {t.gpus for tid, t in plan.tasks.items() if tid not in own_loops} == {1}
+    training = {
+        tid for tid, t in plan.tasks.items() if t.stage in ("pretrain", "train", "reward_model")
+    }
+    assert {"pretrain.goal_walk.tiny", "GRPO-HF.goal_walk.tiny.r0.reward_model"} <= training
+    assert {plan.tasks[tid].gpus for tid in training} == {gang}
+    assert {t.gpus for tid, t in plan.tasks.items() if tid not in training} == {1}
+    key = overrides[0].split("=")[1]
+    for tid in training:
+        strategy = plan.tasks[tid].strategy
+        if gang == 1:
+            assert strategy == "none"
+        elif key == "fsdp" and tid.startswith("GRPO-HF"):
+            assert strategy == "ddp"  # accelerate has no FSDP on CPU
+        else:
+            assert strategy == {"data_parallel": "ddp", "fsdp": "fsdp"}[key]
 
 
 @pytest.mark.slow

@@ -288,7 +288,8 @@ def check_token_dataset(dataset, ids: dict[str, list[list[int]]]) -> None:
 
 
 def train(ctx: StageContext) -> dict:
-    """Train the policy with TRL's DPOTrainer on every round's pairs so far.
+    """Train the policy with TRL's DPOTrainer on every round's pairs so far, on the task's
+    gang when it has one (`run_on_gang`: each rank takes its share of every batch).
 
     Reads: `pairs.jsonl` of the `data` inputs, the start policy (round r-1's `model/` or
     π_ref), `algos.DPO.*` (beta, lr, epochs, sft_weight), `training.*`.
@@ -296,6 +297,13 @@ def train(ctx: StageContext) -> dict:
     performance_summary.txt, `train_log.jsonl`. Assumes the pairs' token ids are what
     the policy sampled (TRL gets them as ids).
     """
+    from pita.algos.trl_common import run_on_gang
+
+    return run_on_gang(ctx, _train)
+
+
+def _train(ctx: StageContext, dist: object = None) -> dict:
+    """`train` on one rank (or alone): the TRL Trainer finds the gang through accelerate."""
     import torch
     from datasets import Dataset
     from trl import DPOConfig

@@ -231,6 +231,13 @@ def train(ctx: StageContext) -> dict:
     `algos.GRPO.*`, `training.*`. Writes: `model/`, training_metrics.png, performance_summary.txt
     (reward and KL are in result.json). Assumes the task has a reward for any response.
     """
+    from pita.algos.trl_common import run_on_gang
+
+    return run_on_gang(ctx, _train)
+
+
+def _train(ctx: StageContext, dist: object = None) -> dict:
+    """`train` on one rank of the task's gang (or alone)."""
     from pita.algos.dpo import training_prompts
 
     task = ctx.build_task()
@@ -243,6 +250,13 @@ def train_hf(ctx: StageContext) -> dict:
     reward is `reward_model/` of the `reward_model` input; the task's true reward is only
     logged (`true_reward`), never optimised. Writes what `train` writes.
     """
+    from pita.algos.trl_common import run_on_gang
+
+    return run_on_gang(ctx, _train_hf)
+
+
+def _train_hf(ctx: StageContext, dist: object = None) -> dict:
+    """`train_hf` on one rank of the task's gang (or alone)."""
     from pita.algos.dpo import training_prompts
     from pita.algos.reward_model import load_reward_scorer
 

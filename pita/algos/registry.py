@@ -77,7 +77,8 @@ class Algorithm:
     models: Mapping[str, tuple[Held, ...]] = field(default_factory=dict)
     is_reference: bool = False  # evaluates π_ref itself, once per sampling rule (no training)
     schema: type = ReferenceConfig  # its `algos.<NAME>` keys (pita/core/schema.py)
-    # Stages that train with pita's own loop through `pita.runtime.gang.run_stage`: with
+    # Stages that train on a gang through `pita.runtime.gang.run_stage` (pita's own loops,
+    # and the TRL stages whose ranks are accelerate's processes): with
     # `training.parallel_strategy` data_parallel / fsdp the planner gives them a gang.
     gang_stages: tuple[str, ...] = ()
 
@@ -183,7 +184,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             # with the vocabulary and pairs. Kept apart so that no plan changes.
             models={**_VALUE_MODELS, "reward_model": (Held("reward", "train", atoms_head=True),)},
             schema=ValueGuidedHFConfig,
-            gang_stages=("train",),
+            gang_stages=("reward_model", "train"),
         ),
         # policy-optimisation baselines with TRL (pita/algos/dpo.py, grpo.py)
         # DPO is plain DPO (`sft_weight: 0`, as the papers ran it); RPO is the same trainer with
@@ -196,6 +197,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             outputs=_POLICY_OUTPUTS,
             models=_POLICY_MODELS,
             schema=PreferenceConfig,
+            gang_stages=("train",),
         ),
         Algorithm(
             "RPO",
@@ -204,6 +206,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             outputs=_POLICY_OUTPUTS,
             models=_POLICY_MODELS,
             schema=PreferenceConfig,
+            gang_stages=("train",),
         ),
         Algorithm(
             "GRPO",
@@ -212,6 +215,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             outputs={"train": (Artifact.MODEL,)},
             models={"train": _GRPO_TRAIN, "evaluate": _POLICY_MODELS["evaluate"]},
             schema=GRPOConfig,
+            gang_stages=("train",),
         ),
         Algorithm(
             "GRPO-HF",
@@ -229,6 +233,7 @@ ALGORITHMS: dict[str, Algorithm] = {
                 "train": (*_GRPO_TRAIN, Held("reward", "forward", sequences=2)),
             },
             schema=GRPOHFConfig,
+            gang_stages=("reward_model", "train"),
         ),
     )
 }

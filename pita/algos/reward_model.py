@@ -87,8 +87,16 @@ def train_reward_model(ctx: StageContext) -> dict:
     Reads: `pairs.jsonl` of the `data` inputs, π_ref (the backbone, with a fresh scalar
     head) and its tokenizer, `algos.<NAME>.*`. Writes: `reward_model/`
     (sequence-classification model + tokenizer), training_metrics.png, and the held-out
-    pairwise accuracy in result.json. Holds out 10 % of prompts to measure it.
+    pairwise accuracy in result.json. Holds out 10 % of prompts to measure it. Trains on
+    the task's gang when it has one (`run_on_gang`); rank 0 measures the accuracies.
     """
+    from pita.algos.trl_common import run_on_gang
+
+    return run_on_gang(ctx, _train_reward_model)
+
+
+def _train_reward_model(ctx: StageContext, dist: object = None) -> dict:
+    """`train_reward_model` on one rank of the task's gang (or alone)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification
@@ -160,6 +168,8 @@ def train_reward_model(ctx: StageContext) -> dict:
     model, end = train_and_save(
         ctx, trainer, tok, Artifact.REWARD_MODEL, ("train_loss",), options="reward_trl"
     )
+    if not trainer.is_world_process_zero():
+        return end  # rank 0's result is the task's
     scorer = RewardScorer(model, tok, _scorer_batch(ctx), padding_side="right")
     result = {
         "pairs": len(train_pairs),

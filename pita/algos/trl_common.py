@@ -25,6 +25,17 @@
   result's common part), the same for DPO, GRPO, GRPO-HF and the reward model.
 - `StageLogCallback`: TRL's log lines go to the task's `log.txt`, to `train_log.jsonl`
   in the task folder and to the worker's heartbeat.
+- `run_on_gang(ctx, body)`: the stage body on every rank of the task's gang
+  (`task.gpus` > 1 with `task.strategy` ddp | fsdp, pita/experiment/gangs.py): the gang's
+  ranks are the accelerate processes TRL expects (RANK / WORLD_SIZE / LOCAL_RANK /
+  MASTER_ADDR / MASTER_PORT set and the process group up before the Trainer is built, so
+  accelerate picks it up: `MULTI_CPU` on CPU, `MULTI_GPU` on CUDA, `FSDP` on CUDA under
+  fsdp through `TrainingArguments(fsdp=True, fsdp_config={"version": 2, ...})`, the form
+  transformers 5 keeps of `fsdp="full_shard auto_wrap"`).
+  The effective batch is the gang's: each of k ranks takes 1/k of it, with the same data
+  order (accelerate's seedable sampler, batches dealt to ranks in turn), so k ranks step as
+  one process on the same examples. Rank 0 writes the task's files; `distributed_info`
+  records the strategy that really ran (accelerate's `distributed_type`) in result.json.
 - `offline()`: the hub is never contacted (HF_HUB_OFFLINE and friends), so a missing file
   fails fast instead of hanging a CPU box without network; no `datasets` progress bars.
 - Where the checkpoints come from: `ctx.reference_model()` (π_ref), `policy_start_dir` (the policy
@@ -71,6 +82,76 @@ def offline() -> None:
         pass
 
 
+# --- the task's gang -------------------------------------------------------------------------
+
+
+def cpu_fsdp_note(task_id: str) -> str:
+    """The one line a TRL task under `training.parallel_strategy=fsdp` logs where it runs DDP
+    (CPU and `fake:` devices; the dry run prints the same line)."""
+    return (
+        f"{task_id}: training.parallel_strategy=fsdp runs DDP here (replicated ranks): "
+        "accelerate has no FSDP on CPU, a TRL stage shards only on CUDA"
+    )
+
+
+def gang_rank() -> tuple[int, int]:
+    """(rank, world size) of this process in the task's gang; (0, 1) outside one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def run_on_gang(ctx: StageContext, body: Any) -> dict:
+    """`body(ctx, dist)` (a module-level function: it is pickled) on every rank of the task's
+    gang, or here alone; rank 0's result. See the module docstring."""
+    from pita.runtime.gang import run_stage
+
+    if ctx.task.gpus > 1 and str(ctx.training.parallel_strategy) == "fsdp":
+        if ctx.task.strategy != "fsdp":
+            ctx.logger.info(cpu_fsdp_note(ctx.task.id))
+    return run_stage(ctx, body)
+
+
+def distributed_info(trainer: Any) -> dict[str, Any]:
+    """What really ran, for result.json: accelerate's `distributed_type` (NO, MULTI_CPU,
+    MULTI_GPU, FSDP, ...), its number of processes and FSDP's version when sharded."""
+    acc = trainer.accelerator
+    kind = acc.distributed_type
+    info: dict[str, Any] = {
+        "distributed_type": str(getattr(kind, "value", kind)),
+        "num_processes": int(acc.num_processes),
+    }
+    plugin = getattr(acc.state, "fsdp_plugin", None)
+    if plugin is not None and info["distributed_type"] == "FSDP":
+        info["fsdp_version"] = int(getattr(plugin, "fsdp_version", 1))
+    return info
+
+
+def fsdp_kwargs(ctx: StageContext, on_cuda: bool) -> dict[str, Any]:
+    """TrainingArguments' FSDP2 fields for a task the planner gave `strategy=fsdp`, on CUDA
+    only (accelerate has no FSDP on CPU: the planner never gives a TRL task fsdp there).
+    Each transformer block is wrapped (`_no_split_modules`), parameters resharded after
+    forward; the final model is gathered in full for `save_pretrained`."""
+    if ctx.task.strategy != "fsdp" or not on_cuda:
+        return {}
+    return {
+        # transformers 5 deprecates the string form ("full_shard auto_wrap"): fsdp=True and
+        # the rest in fsdp_config (FSDP2's full shard is reshard_after_forward=True)
+        "fsdp": True,
+        "fsdp_config": {
+            "version": 2,
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "reshard_after_forward": True,
+            "state_dict_type": "FULL_STATE_DICT",
+            "cpu_ram_efficient_loading": False,
+            # FSDP's own activation checkpointing (the Trainer's would all-gather twice)
+            "activation_checkpointing": bool(ctx.training.gradient_checkpointing),
+        },
+    }
+
+
 # --- checkpoints --------------------------------------------------------------------------
 
 
@@ -96,10 +177,11 @@ def load_trainable_lm(ctx: StageContext, path: str):
     )
 
 
-def save_model(model: Any, tokenizer: Any, folder: Path) -> None:
-    """`save_pretrained` of the unwrapped model and its tokenizer (loadable with from_pretrained);
-    the trainer's unused, empty `output_dir` beside it is removed."""
-    model.save_pretrained(folder)
+def save_model(model: Any, tokenizer: Any, folder: Path, state_dict: Any = None) -> None:
+    """`save_pretrained` of the unwrapped model and its tokenizer (loadable with from_pretrained;
+    `state_dict`: the full weights gathered from FSDP shards); the trainer's unused, empty
+    `output_dir` beside it is removed."""
+    model.save_pretrained(folder, state_dict=state_dict)
     tokenizer.save_pretrained(folder)
     with contextlib.suppress(OSError):  # rmdir refuses a folder that is not empty
         (Path(folder).parent / Artifact.TRAINER_SCRATCH).rmdir()
@@ -161,6 +243,8 @@ def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
     if args.save_strategy != "no" and minutes > 0:
         trainer.add_callback(time_checkpoint_callback(minutes))
     _train_resumable(ctx, trainer, metrics)
+    if not trainer.is_world_process_zero():
+        return {}
     return write_training_report(
         ctx.out_dir,
         metrics,
@@ -224,13 +308,26 @@ def train_and_save(
     `steps`, the last logged value of each `logged` key, `performance` and the TRL options
     of `algos.<NAME>.<options>` as the built config holds them)."""
     performance = train_with_report(ctx, trainer)
-    model = merged_adapter(ctx, trainer.accelerator.unwrap_model(trainer.model)).eval()
-    save_model(model, tokenizer, ctx.out_dir / artifact)
-    return model, {
+    info = distributed_info(trainer)
+    # FSDP: every rank takes part in gathering the full weights; rank 0 writes them
+    state_dict = (
+        trainer.accelerator.get_state_dict(trainer.model)
+        if info["distributed_type"] == "FSDP"
+        else None
+    )
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if trainer.is_world_process_zero():
+        model = merged_adapter(ctx, model)
+        save_model(model, tokenizer, ctx.out_dir / artifact, state_dict)
+    ctx.logger.info(
+        "trained with %s over %d process(es)", info["distributed_type"], info["num_processes"]
+    )
+    return model.eval(), {
         "steps": trainer.state.global_step,
         **last_logged(trainer, *logged),
         "performance": performance,
         **applied_options(trainer.args, ctx, options),
+        "distributed": info,
     }
 
 
@@ -334,7 +431,13 @@ def training_args(
     offline()
     tr = ctx.training
     on_cuda = torch.device(ctx.device).type == "cuda" and torch.cuda.is_available()
-    micro, accum = micro_batches(ctx, batch_size)
+    _, world = gang_rank()
+    if batch_size % world:  # the planner checks integer batches; this is `auto`'s fallback
+        raise ValueError(
+            f"algos.{ctx.task.algo}.batch_size={batch_size}: the gang's {world} ranks each "
+            f"take an equal share; use a multiple of {world}"
+        )
+    micro, accum = micro_batches(ctx, batch_size // world)  # each rank's share of the batch
     # algos.<NAME>.num_workers (the seed guide's key) wins; 0 there defers to training.num_workers;
     # -1 = auto: this worker's thread budget - 1, at most 4 (`dataloader_kwargs`)
     workers = ctx.algo_as(TrainedConfig).num_workers or tr.num_workers
@@ -346,12 +449,17 @@ def training_args(
         if "activation_checkpointing" in names
         else "gradient_checkpointing"
     )
-    extra = {checkpointing: bool(tr.gradient_checkpointing), **extra}
+    sharding = fsdp_kwargs(ctx, on_cuda)
+    extra = {checkpointing: bool(tr.gradient_checkpointing) and not sharding, **extra}
 
     saving = {
         "output_dir": str(ctx.out_dir / Artifact.TRAINER_SCRATCH),
         **trl_checkpoint_kwargs(ctx),
     }
+    if world > 1 and not int(tr.checkpoint_every or 0):
+        # time-based saves are decided by each rank's own clock: ranks that disagree on
+        # whether to save would wait for each other forever; a gang saves by steps only
+        saving = {"output_dir": saving["output_dir"], "save_strategy": "no"}
     kwargs = dict(
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=accum,
@@ -377,6 +485,7 @@ def training_args(
         push_to_hub=False,
         disable_tqdm=True,
         **precision_flags(ctx),
+        **sharding,
         **extra,
     )
     if options:
@@ -387,11 +496,13 @@ def training_args(
         )
     args = config_cls(**{**kwargs, **(options or {})})
     ctx.logger.info(
-        "%s: effective batch %d = %d micro x %d accumulation, lr %.2e, %s, %s, device %s",
+        "%s: effective batch %d = %d micro x %d accumulation x %d rank(s), lr %.2e, %s, %s, "
+        "device %s",
         config_cls.__name__,
         batch_size,
         micro,
         accum,
+        world,
         lr,
         f"{steps} steps" if steps > 0 else f"{epochs} epoch(s)",
         "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
@@ -426,6 +537,8 @@ def stage_log_callback(ctx: StageContext):
             ctx.report_progress(state.global_step, state.max_steps, "step", self.live)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
+            if not state.is_world_process_zero:  # a gang: rank 0 writes for all
+                return
             logs = {k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))}
             record = {
                 "step": state.global_step,

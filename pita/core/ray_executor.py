@@ -4,7 +4,13 @@ pita does not build its own cluster: beyond one machine it hands tasks to Ray (o
 whole experiments under SLURM with Hydra's submitit launcher, `conf/hydra/launcher/`).
 With `executor=ray`, the DAG runner and scheduler stay the same; each task becomes one
 Ray task asking for `num_gpus=task.gpus`, and Ray pins it (`CUDA_VISIBLE_DEVICES`) on
-whichever node has room. The run folder must be on a filesystem every node mounts.
+whichever node has room. A k-device training task is one such task: Ray gives it k GPUs
+of one node (a Ray task never spans nodes, so no placement group is needed), and its stage
+starts the same k-rank launcher there as a local worker does; the planner makes no gang
+larger than the largest node (`largest_node`). Under SLURM (Hydra's submitit launcher) a
+run uses its job's GPUs: `system.devices=auto` keeps the ones `CUDA_VISIBLE_DEVICES` names
+(pita/core/gpu_manager.py `visible_devices`). The run folder must be on a filesystem every
+node mounts.
 The scheduler's device slots are the cluster's GPUs (or CPUs when it has none), read
 from `ray.cluster_resources()`.
 
@@ -231,6 +237,15 @@ class RayExecutor:
         gpus = int(res.get("GPU", 0))
         return ("gpu", gpus) if gpus else ("cpu", int(res.get("CPU", 1)))
 
+    def largest_node(self) -> int:
+        """The most slots (GPUs, or CPUs on a cluster without GPUs) one alive node offers:
+        the largest gang a task can get, since a Ray task runs on one node."""
+        kind = "GPU" if self.slots()[0] == "gpu" else "CPU"
+        sizes = [
+            int(n.get("Resources", {}).get(kind, 0)) for n in self.ray.nodes() if n.get("Alive")
+        ]
+        return max(sizes, default=1) or 1
+
     def gpu_memory_mb(self, timeout_s: float = 60.0) -> list[int]:
         """Total MiB of every GPU of the cluster, read with NVML on its own node (one tiny
         Ray task per GPU node, pinned there), in node order; a node whose probe fails
@@ -276,7 +291,13 @@ class RayExecutor:
         self, task: TaskSpec, devices, cfg_dict: dict, run_dir: str | Path, attempt: int = 1
     ) -> Future:
         kind, _ = self.slots()
-        options: dict[str, Any] = {"num_gpus": task.gpus} if kind == "gpu" else {"num_cpus": 1}
+        # A k-device task is one Ray task asking for k GPUs (k CPUs for k gloo ranks on a
+        # cluster without GPUs): Ray places it on one node with that many free and pins them
+        # (CUDA_VISIBLE_DEVICES); its stage starts the same k-rank launcher inside
+        # (pita.runtime.gang.run_stage), as a local worker does.
+        options: dict[str, Any] = (
+            {"num_gpus": task.gpus} if kind == "gpu" else {"num_cpus": max(1, task.gpus)}
+        )
         options["name"] = task.id  # the Ray dashboard and `ray list tasks` show the task id
         ref = self._remote.options(**options).remote(
             task.to_dict(), cfg_dict, str(run_dir), attempt

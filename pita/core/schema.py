@@ -353,8 +353,10 @@ class TrainingConfig:
     compile: bool = spec("torch.compile the model.", False, memory=True)
     compile_mode: str = spec("torch.compile mode.", "default", choices=COMPILE_MODES)
     parallel_strategy: str = spec(
-        "data_parallel (DDP) / fsdp (FSDP2): pretrain and the value trainer planned on a gang "
-        "of every device, one rank per device.",
+        "How a training stage uses a gang of devices: data_parallel = DDP (replicated ranks), "
+        "fsdp = FSDP2 (parameters, gradients and optimizer state sharded; a TRL stage runs DDP "
+        "on CPU, where accelerate has no FSDP). A training task too large for one device gets "
+        "the smallest FSDP gang that fits whatever this says.",
         "none",
         choices=PARALLEL_STRATEGIES,
         memory=True,

@@ -48,7 +48,10 @@ class TaskSpec:
     num_shards: int = 1
     shard_range: tuple[float, float] = (0.0, 1.0)  # fraction of the stage's items
     gpus: int = 1
-    mem_mb: int = 0
+    # how a training task uses its gang: "none" (one process), "ddp" (replicated ranks) or
+    # "fsdp" (sharded ranks); the planner's choice (pita/experiment/gangs.py), not the key's
+    strategy: str = "none"
+    mem_mb: int = 0  # the whole task's, over its gang (per device: mem_mb / gpus)
     mem_source: str = ""  # where mem_mb came from (pita/experiment/estimates.py); shown by dry_run
     preferred_device: int | None = None
     work: float = 1.0  # relative duration estimate, for critical-path priority

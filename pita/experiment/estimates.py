@@ -368,17 +368,18 @@ def _batch_of(task: Any, cfg: Any, held: Held, builtin: bool) -> int:
     return micro * held.sequences
 
 
-def _activation_bytes(
+def _model_estimate(
     task: Any, cfg: Any, held: Held, size: ModelSize, builtin: bool, lengths: tuple[int, int]
-) -> float:
-    """What the held model adds over its weights: KV cache / activations, gradients and AdamW."""
+):
+    """estimate_from_config for one held model (its KV cache / activations, and for a trained
+    one its gradients and AdamW state)."""
     from pita.runtime.batch_size.search import StageMode, estimate_from_config
 
     config = size.config
     if held.atoms_head:  # a value head: num_atoms outputs, not the vocabulary
         atoms = int(_algo_get(cfg, task.algo, "num_atoms"))
         config = SimpleNamespace(**{**vars(config), "vocab_size": atoms})
-    est = estimate_from_config(
+    return estimate_from_config(
         config,
         mode=cast(StageMode, held.use),  # never "weights": the caller counts those
         prompt_tokens=lengths[0],
@@ -387,34 +388,136 @@ def _activation_bytes(
         n_params=size.params,
         optimizer_bytes_per_param=8.0 if held.use == "train" else None,
     )
-    batch = _batch_of(task, cfg, held, builtin)
-    return est.bytes_for(max(1, int(batch * task.batch_scale)))
 
 
-def analytic_mb(task: Any, cfg: Any, sizes: ModelSizes) -> tuple[int, str] | None:
-    """Weights + KV cache / activations + optimizer state of the models the task's stage
-    holds (its algorithm's row in pita/algos/registry.py says which), in MB."""
+def _largest_block(size: ModelSize) -> float:
+    """Bytes of the largest unit FSDP all-gathers at once (one transformer block, or the
+    embedding): what a sharded rank holds unsharded for a moment beside its shard."""
+    c = size.config
+    if c is None:
+        return 0.0
+    h, inter = int(c.hidden_size), int(c.intermediate_size or 4 * int(c.hidden_size))
+    per_param = size.weight_bytes / max(1, size.params)
+    return max(4 * h * h + 3 * h * inter, int(c.vocab_size) * h) * per_param
+
+
+@dataclass
+class TrainingMemory:
+    """A task's analytic estimate split the way a gang's strategy divides it (bytes).
+
+    `params`, `grads` and `optimizer` are the trained model's (AdamW: two fp32 moments);
+    `frozen` the weights and forward buffers of the models it only reads (π_ref beside a
+    value model, DPO's reference); `activations` those of the trained model on the batch one
+    process takes; `batch_split`: k ranks each take 1/k of that batch (the tiny models built
+    in the run train on the whole batch at once; hub models keep `training.micro_batch_size`
+    per rank and accumulate less). DDP replicates everything on every rank; FSDP divides the
+    first three by k and adds one block gathered unsharded (`block`). Frozen models are not
+    sharded (each rank holds its copy).
+    """
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    frozen: float
+    block: float
+    batch_split: bool
+    what: str
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.frozen
+
+    def per_rank_mb(self, strategy: str, ranks: int) -> int:
+        """MB on each rank of a `ranks`-device gang under `strategy` ("none" | "ddp" | "fsdp")."""
+        k = max(1, ranks)
+        state = self.params + self.grads + self.optimizer
+        if strategy == "fsdp" and k > 1:
+            state = state / k + self.block
+        acts = (
+            self.activations / k if (self.batch_split and strategy != "none") else self.activations
+        )
+        return int((state + acts + self.frozen) / MB) + WORKER_OVERHEAD_MB
+
+
+def training_memory(task: Any, cfg: Any, sizes: ModelSizes) -> TrainingMemory | None:
+    """The analytic estimate of `task` split by what a strategy shards (None: sizes unknown).
+
+    Weights are counted once per model the stage holds (its algorithm's row in
+    pita/algos/registry.py): DPO's policy and its frozen reference are two copies of π_ref's
+    checkpoint; GRPO's policy that trains and samples is one."""
     held = stage_models(task.algo, task.stage, task.round)
     if not held:
         return None
     family, ds = task.family_cfg, task.dataset_cfg
     builtin = str(family.get("name")) == "tiny"
     lengths = sequence_lengths(ds, cfg)
-    total = 0.0
+    trained = {h.model for h in held if h.use == "train"}
+    mem = TrainingMemory(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, builtin, "")
     counted: set[str] = set()
     whats: list[str] = []
     for h in held:
-        checkpoint = CHECKPOINT_OF[h.model]
-        size = sizes.get(family, ds, checkpoint)
+        size = sizes.get(family, ds, CHECKPOINT_OF[h.model])
         if size is None:
             return None
-        if checkpoint not in counted:  # a checkpoint's weights are counted once
-            total += size.weight_bytes
-            counted.add(checkpoint)
+        if h.model not in counted:  # a model's weights are counted once, whatever it does
+            counted.add(h.model)
             whats.append(size.what)
-        if h.use != "weights" and size.config is not None:
-            total += _activation_bytes(task, cfg, h, size, builtin, lengths)
-    return int(total / MB) + WORKER_OVERHEAD_MB, " + ".join(dict.fromkeys(whats))
+            if h.model in trained:
+                mem.params += size.weight_bytes
+                mem.block = max(mem.block, _largest_block(size))
+            else:
+                mem.frozen += size.weight_bytes
+        adapter = _lora_params(cfg, task, size) if h.model == "policy" else None
+        if h.use == "train" and adapter is not None:  # LoRA: only the fp32 adapter trains
+            mem.grads += adapter * 4.0
+            mem.optimizer += adapter * 8.0
+        elif h.use == "train":  # gradients in the compute dtype, AdamW's two fp32 moments
+            mem.grads += size.params * (4 if builtin else 2)
+            mem.optimizer += size.params * 8.0
+        if h.use == "weights" or size.config is None:
+            continue  # no shapes (a size read from the name): no activations to count
+        est = _model_estimate(task, cfg, h, size, builtin, lengths)
+        batch = max(1, int(_batch_of(task, cfg, h, builtin) * task.batch_scale))
+        if h.use == "train":
+            mem.activations += batch * est.per_sample_bytes
+        else:
+            mem.frozen += est.bytes_for(batch)
+    mem.what = " + ".join(dict.fromkeys(whats))
+    return mem
+
+
+# LoRA's adapter on a linear layer is r x (inputs + outputs); which layers of a decoder
+# block take (hidden, hidden) and which (hidden, MLP width)
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "c_attn", "c_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj", "c_fc")
+
+
+def _lora_params(cfg: Any, task: Any, size: ModelSize) -> float | None:
+    """Parameters of the LoRA adapter `algos.<NAME>.peft` puts on the policy (None: full
+    fine-tuning, or a model without shapes). `all-linear` = the 4 attention and 3 MLP
+    projections of each block."""
+    peft = _algo_get(cfg, task.algo, "peft")
+    c = size.config
+    if not isinstance(peft, Mapping) or c is None:
+        return None
+    r = int(peft.get("r", 8) or 8)
+    h = int(c.hidden_size)
+    inter = int(c.intermediate_size or 4 * h)
+    targets = peft.get("target_modules", "all-linear")
+    if isinstance(targets, str):
+        targets = [*_ATTENTION[:4], *_MLP[:3]] if targets == "all-linear" else [targets]
+    per_block = sum(r * (h + inter) if t in _MLP else r * 2 * h for t in targets)
+    return float(int(c.num_hidden_layers) * per_block)
+
+
+def analytic_mb(task: Any, cfg: Any, sizes: ModelSizes) -> tuple[int, str] | None:
+    """Weights + KV cache / activations + optimizer state of the models the task's stage
+    holds (its algorithm's row in pita/algos/registry.py says which), in MB, on one device."""
+    mem = training_memory(task, cfg, sizes)
+    if mem is None:
+        return None
+    return mem.per_rank_mb("none", 1), mem.what
 
 
 # --- measured peaks -------------------------------------------------------------------------------

@@ -116,6 +116,7 @@ class Planner:
     cfg: DictConfig
     n_devices: int
     shard_ranges: list[tuple[float, float]]
+    largest_gang: int | None = None  # the most devices one task may hold (None: n_devices)
     plan: Plan = field(default_factory=Plan)
 
     def function(self, algo: str, stage: str) -> str:
@@ -163,7 +164,7 @@ class Planner:
             "single_gpu",
         ):
             return 1
-        return max(1, self.n_devices)
+        return max(1, min(self.n_devices, self.largest_gang or self.n_devices))
 
     def add_stage(self, stage: str, spec: dict[str, Any], deps: list[str]) -> str:
         """One stage task, or its shards plus their merge; returns the id consumers read."""
@@ -250,9 +251,17 @@ class Planner:
 
 
 def plan_experiment(
-    cfg: DictConfig, n_devices: int, *, device_mb: list[int] | None = None, distribute=None
+    cfg: DictConfig,
+    n_devices: int,
+    *,
+    device_mb: list[int] | None = None,
+    distribute=None,
+    device_kind: str = "cpu",
+    largest_gang: int | None = None,
 ) -> Plan:
-    """Build the task DAG. `distribute(n_parts)` gives shard fractions weighted by device."""
+    """Build the task DAG. `distribute(n_parts)` gives shard fractions weighted by device;
+    `device_kind` ("cuda" | "fake" | "cpu") says whether a TRL stage can shard (FSDP);
+    `largest_gang`: the most devices one task may hold (a Ray cluster's largest node)."""
     n_shards = (
         n_devices if cfg.executor.max_shards == 0 else min(n_devices, cfg.executor.max_shards)
     )
@@ -264,7 +273,7 @@ def plan_experiment(
     )
     from pita.datasets import is_offline  # issue 23: a hub family is fine-tuned on offline tasks
 
-    planner = Planner(cfg, n_devices, [tuple(r) for r in shard_ranges])
+    planner = Planner(cfg, n_devices, [tuple(r) for r in shard_ranges], largest_gang)
     algos = enabled_algos(cfg)
     for ds_name in list(cfg.experiment.datasets) or [cfg.dataset.name]:
         ds_cfg = _group_cfg(cfg, "dataset", ds_name)
@@ -291,7 +300,10 @@ def plan_experiment(
     fill_estimates(plan, cfg, device_mb)  # measured peak > checkpoint size > model.memory_gb
     if device_mb:
         size_gangs(plan, device_mb)
-    check_resources(plan, n_devices, device_mb)
+        from pita.experiment.gangs import size_training_gangs
+
+        size_training_gangs(plan, cfg, device_mb, device_kind, largest_gang)
+    check_resources(plan, n_devices, device_mb, largest_gang)
     critical_path_priorities(plan)
     return plan
 
@@ -320,13 +332,21 @@ def size_gangs(plan: Plan, device_mb: list[int]) -> None:
                 pass  # not even the whole machine: check_resources reports it
 
 
-def check_resources(plan: Plan, n_devices: int, device_mb: list[int] | None) -> None:
-    """Refuse, before anything starts, a task no set of devices could ever hold."""
+def check_resources(
+    plan: Plan, n_devices: int, device_mb: list[int] | None, largest_gang: int | None = None
+) -> None:
+    """Refuse, before anything starts, a task no set of devices could ever hold (on a Ray
+    cluster: no node of it; `largest_gang`)."""
     for t in plan.tasks.values():
         if t.gpus > n_devices:
             raise ConfigError(
                 f"model.gpus_per_task={t.gpus}: task {t.id} needs {t.gpus} devices but this run "
                 f"has {n_devices}; lower it or add devices (system.devices)"
+            )
+        if largest_gang is not None and t.gpus > largest_gang:
+            raise ConfigError(
+                f"model.gpus_per_task={t.gpus}: task {t.id} needs {t.gpus} devices of one node "
+                f"but the largest node of the Ray cluster has {largest_gang}; lower it"
             )
         if device_mb:
             best = sum(sorted(device_mb, reverse=True)[: t.gpus])

@@ -51,7 +51,9 @@ def make_gpu_manager(cfg: DictConfig) -> GPUManager:
         ray_exec = RayExecutor(cfg.executor)
         kind, n = ray_exec.slots()
         sizes = ray_exec.gpu_memory_mb() if kind == "gpu" else []  # NVML on each node: real memory
-        return GPUManager(ray_devices_spec(kind, n, sizes), cpu_workers=max(1, n))
+        gpu = GPUManager(ray_devices_spec(kind, n, sizes), cpu_workers=max(1, n))
+        gpu.largest_gang = ray_exec.largest_node()  # a Ray task runs on one node
+        return gpu
     spec = cfg.system.devices
     if cfg.system.gpu_mode == "cpu":
         spec = "cpu"
@@ -93,12 +95,23 @@ def make_scheduler(cfg: DictConfig, gpu: GPUManager) -> Scheduler:
     return Scheduler(states, max_tasks_per_device=cap, simulated_memory=gpu.kind != "cuda")
 
 
+def compute_kind(cfg: DictConfig, gpu: GPUManager) -> str:
+    """What the workers compute on: "cuda", or "fake" / "cpu" (the CPU). A Ray cluster's GPU
+    slots are listed as `fake:` sizes but are real GPUs (its nodes' torch has CUDA:
+    `RayExecutor.gpu_memory_mb` checks)."""
+    if cfg.executor.backend == "ray" and gpu.kind == "fake":
+        return "cuda"
+    return gpu.kind
+
+
 def build_plan(cfg: DictConfig, gpu: GPUManager) -> Plan:
     return plan_experiment(
         cfg,
         len(gpu.devices),
         device_mb=[d.total_mb for d in gpu.devices],
         distribute=ParallelDataGenerator(gpu).shard_fractions,
+        device_kind=compute_kind(cfg, gpu),
+        largest_gang=gpu.largest_gang,
     )
 
 
@@ -123,14 +136,20 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
     for line in gpu.describe():
         print("  " + line)
     print(
-        f"{'task':58s} {'device':9s} {'mem GB':>7s} {'prio':>6s}  {'estimate from':40s} depends on"
+        f"{'task':58s} {'device':9s} {'gang':8s} {'mem GB':>7s} {'GB/rank':>7s} {'prio':>6s}  "
+        f"{'estimate from':40s} depends on"
     )
     for t in plan.tasks.values():
         devs = "+".join(str(d) for d in placement.get(t.id, [])) or "-"
         deps = ", ".join(t.deps) if len(t.deps) <= 2 else f"{t.deps[0]} (+{len(t.deps) - 1})"
+        gang = f"{t.strategy}x{t.gpus}" if t.strategy != "none" else str(t.gpus)
         print(
-            f"{t.id:58s} {devs:9s} {t.mem_mb / 1024:7.2f} {t.priority:6.1f}  {t.mem_source[:40]:40s} {deps}"
+            f"{t.id:58s} {devs:9s} {gang:8s} {t.mem_mb / 1024:7.2f} "
+            f"{t.mem_mb / max(1, t.gpus) / 1024:7.2f} {t.priority:6.1f}  "
+            f"{t.mem_source[:40]:40s} {deps}"
         )
+    for line in gang_notes(plan, cfg):
+        print(line)
     durations = task_durations(cfg, gpu)
     seconds, source = Eta(plan.tasks, set(), durations, make_scheduler(cfg, gpu)).remaining(
         {}, time.time()
@@ -150,6 +169,16 @@ def history_line(plan: Plan, durations: TaskDurations) -> str:
         f"No history for {len(blind)} of {len(plan.tasks)} task(s), estimated from work "
         f"units: {shown}."
     )
+
+
+def gang_notes(plan: Plan, cfg: DictConfig) -> list[str]:
+    """One line per TRL task that runs DDP under training.parallel_strategy=fsdp (CPU)."""
+    from pita.algos.trl_common import cpu_fsdp_note
+    from pita.experiment.gangs import is_trl
+
+    if str(cfg.training.parallel_strategy) != "fsdp":
+        return []
+    return [cpu_fsdp_note(t.id) for t in plan.tasks.values() if is_trl(t) and t.strategy == "ddp"]
 
 
 def lock_run_folder(cfg: DictConfig, run_dir: Path, share: bool = False) -> RunLock:
@@ -179,7 +208,7 @@ def check_writable(folder: Path) -> None:
 def check_plan_fits(plan: Plan, gpu: GPUManager, cfg: DictConfig) -> None:
     """A resumed run's saved plan onto (maybe other) devices: refuse a task none can hold."""
     try:
-        check_resources(plan, len(gpu.devices), [d.total_mb for d in gpu.devices])
+        check_resources(plan, len(gpu.devices), [d.total_mb for d in gpu.devices], gpu.largest_gang)
     except ConfigError as exc:
         raise ConfigError(
             f"system.devices={cfg.system.devices!r} on resume ({len(gpu.devices)} device(s)): "

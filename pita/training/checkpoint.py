@@ -686,6 +686,8 @@ def checkpoint_commit_callback(
 
     class CheckpointCommit(TrainerCallback):
         def on_save(self, args, state, control, **kwargs):
+            if not state.is_world_process_zero:  # a gang: rank 0 commits for all
+                return
             folder = Path(args.output_dir)
             current = folder / f"checkpoint-{state.global_step}"
             if not current.is_dir():
