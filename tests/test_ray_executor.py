@@ -48,9 +48,7 @@ def test_ray_tasks_carry_their_task_id_as_name(two_gpu_ray, tmp_path):
 
     from pita.core.ray_executor import RayExecutor
 
-    task = task_spec(
-        "reference.goal_walk.tiny.r0.eval", "reference", "goal_walk", "tiny", 0, "eval", "x:y"
-    )
+    task = task_spec("reference.goal_walk.tiny.r0.eval", algo="reference", stage="eval")
     ex = RayExecutor(OmegaConf.create({"ray_address": "local"}), run_task=_task_name)
     assert ex.submit(task, (0,), {}, tmp_path).result(timeout=120) == task.id
 

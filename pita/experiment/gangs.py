@@ -100,7 +100,7 @@ def size_training_gangs(
     ConfigError when a task fits no gang of this run."""
     from pita.experiment.estimates import ModelSizes, _plain, training_memory
 
-    key = str(cfg.training.get("parallel_strategy", "none"))
+    key = str(cfg.training.parallel_strategy)
     plain = _plain(cfg)
     sizes = ModelSizes()
     # a gang of k gets the k largest devices at best (on one node: a Ray task never spans two)
