@@ -31,6 +31,7 @@ def run(size: str = "cpu", steps: int = 60, device: str = "auto", n_items: int =
     import torch
     from omegaconf import OmegaConf
 
+    from pita.algos.registry import ALGORITHMS
     from pita.algos.value_training import train_value
     from pita.core.tasks import TaskSpec
     from pita.datasets import build_task
@@ -82,6 +83,7 @@ def run(size: str = "cpu", steps: int = 60, device: str = "auto", n_items: int =
         spec = TaskSpec(
             id="QSharp.bench.tiny.r0.train",
             algo="QSharp",
+            algo_schema=ALGORITHMS["QSharp"].schema_path,
             dataset=dataset,
             family="tiny",
             round=0,

@@ -56,3 +56,29 @@ def test_lock_in_process(tmp_path):
             RunLock(tmp_path).acquire()
     with RunLock(tmp_path):  # released on exit
         pass
+
+
+def test_multirun_job_takes_the_lock_before_hydra_writes_its_folder(tmp_path):
+    """Issue 28: a sweep job whose folder another orchestrator holds is refused with one
+    line and exit 2 before Hydra writes `.hydra/` (the job's run.log handler locks first:
+    pita/experiment/job_log.py); once free, the same sweep runs and leaves the lock free."""
+    import os
+
+    sweep = tmp_path / "sweep"
+    args = ["-m", *BASE, *REF, *sleep_overrides(), f"hydra.sweep.dir={sweep}", "dataset.seed=0"]
+    holder = RunLock(sweep / "0").acquire()
+    try:
+        refused = run_cli(args, tmp_path, timeout=120)
+    finally:
+        holder.release()
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"in use by pid {os.getpid()} on " in errors[0], refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert not (sweep / "0" / ".hydra").exists()  # Hydra wrote nothing into a folder in use
+    done = run_cli(args, tmp_path, timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert (sweep / "0" / ".hydra" / "config.yaml").is_file()
+    assert journal(sweep / "0")[-1]["event"] == "run_finished"
+    with RunLock(sweep / "0"):  # released when the job ended
+        pass

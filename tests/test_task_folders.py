@@ -1,5 +1,5 @@
 """Task folders prove completion (issue 13): a sha256 per file, the declared outputs
-required, NaN/inf metrics failing the task, and on resume a redone task redoing its
+required, NaN metrics failing the task (an infinite KL commits: tests/test_kl.py), and on resume a redone task redoing its
 dependants and the dead attempts' `.tmp-*` folders removed. Real files, real runs."""
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def _task(fn: str, outputs=()) -> TaskSpec:
         (
             "tests.fault_stages:nan_stage",
             (),
-            "non-finite value(s) in the stage's result: result['rows'][0]['pass@1']=nan",
+            "NaN value(s) in the stage's result: result['rows'][0]['pass@1']=nan",
         ),
         (
             "tests.fault_stages:forgetful_stage",
@@ -125,6 +125,24 @@ def test_bad_stage_output_fails_the_task_and_commits_nothing(tmp_path, fn, outpu
     assert not ok and failure == "error" and expected in message
     assert not TaskPaths(tmp_path, TID).final.exists()
     assert expected in (TaskPaths(tmp_path, TID).failed(1) / "log.txt").read_text()
+
+
+def test_an_infinite_kl_commits_the_task(tmp_path):
+    """A row whose policy sampled off π_ref's support under its rule has kl = +inf
+    (docs/ALGORITHMS.md, "KL: the three columns"): a value, not a NaN bug."""
+    ok, _, message, result = execute_task(
+        _task("tests.fault_stages:infinite_kl_stage"),
+        {},
+        tmp_path,
+        1,
+        device="cpu",
+        models=ModelCache(),
+    )
+    assert ok, message
+    assert result["rows"][0]["kl"] == float("inf")
+    assert json.loads((TaskPaths(tmp_path, TID).final / "result.json").read_text())["rows"][0][
+        "kl"
+    ] == float("inf")
 
 
 def test_resume_redoes_a_corrupted_task_and_its_dependants_and_removes_tmp(tmp_path, markers):

@@ -98,6 +98,104 @@ def test_reward_model_options_of_the_hf_variants():
     assert _errors(**{"QSharp-HF": {"trl": {"nonsense": 1}, "peft": {"r": 0}}}) == []
 
 
+def test_values_trl_checks_only_at_trainer_start_are_refused_before_the_run():
+    """Issue 34: choices read from TRL's source (metadata, enums, enumerating help texts),
+    with the nearest allowed value; a value TRL's help names is accepted."""
+    [loss] = _errors(GRPO={"trl": {"loss_type": "dr_grpoo"}})
+    assert loss.startswith("algos.GRPO.trl.loss_type='dr_grpoo': not a value TRL's GRPOConfig")
+    assert loss.endswith("did you mean dr_grpo?")
+    [dpo] = _errors(DPO={"trl": {"loss_type": ["sigmoid", "ipoo"]}})
+    assert "'ipoo'" in dpo and "did you mean ipo?" in dpo
+    [sched] = _errors(DPO={"trl": {"lr_scheduler_type": "cosin"}})
+    assert "did you mean cosine?" in sched
+    assert (
+        _errors(
+            GRPO={"trl": {"loss_type": "cispo", "scale_rewards": "batch", "optim": "adamw_torch"}},
+            DPO={"trl": {"loss_type": ["sigmoid", "sft"], "debug": "underflow_overflow"}},
+        )
+        == []
+    )
+
+
+@pytest.mark.parametrize(
+    ("option", "package"),
+    [({"optim": "adamw_bnb_8bit"}, "bitsandbytes"), ({"deepspeed": "/x/ds.json"}, "deepspeed")],
+)
+def test_an_optimizer_or_backend_whose_package_is_missing(option, package):
+    import importlib.util
+
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed here")
+    [line] = _errors(DPO={"trl": option})
+    assert (
+        f"needs the {package} package, which is not installed here; pip install {package}" in line
+    )
+
+
+def test_secrets_and_remote_code_refused_without_echoing_the_value():
+    token = "hf_" + "a1B2c3D4e5" * 4
+    lines = _errors(
+        DPO={"trl": {"hub_token": token, "trust_remote_code": True}},
+        GRPO={"trl": {"model_init_kwargs": {"trust_remote_code": True}, "hub_model_id": token}},
+    )
+    assert len(lines) == 4 and not any(token in line for line in lines)
+    assert lines[0].startswith("algos.DPO.trl.hub_token: looks like a secret; refused")
+    assert lines[1].startswith("algos.DPO.trl.trust_remote_code: remote code is switched by")
+    assert "set model.trust_remote_code=true instead" in lines[1]
+    assert lines[2].startswith("algos.GRPO.trl.model_init_kwargs.trust_remote_code:")
+    assert lines[3].startswith("algos.GRPO.trl.hub_model_id: looks like a secret")
+    assert _errors(DPO={"trl": {"average_tokens_across_devices": True, "pad_token": "<pad>"}}) == []
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("algos.DPO.trl.hub_token={token}", "algos.DPO.trl.hub_token"),
+        ("algos.GRPO-HF.reward_trl.hub_token={token}", "algos.GRPO-HF.reward_trl.hub_token"),
+        ("logger.tracking_uri=https://bob:{token}@mlflow.example.com", "logger.tracking_uri"),
+        ("dataset.hub_id={token}", "dataset.hub_id"),
+    ],
+)
+def test_a_secret_on_the_command_line_is_refused_and_never_echoed(
+    override, key, tmp_path, capsys, monkeypatch
+):
+    from pita.experiment import cli
+
+    monkeypatch.chdir(tmp_path)
+    token = "hf_" + "PlantedSecret0" * 3
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([override.format(token=token)])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2
+    assert token not in out + err
+    assert any(line.startswith(f"error: {key}") for line in err.splitlines()), err
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_option_files_are_read_like_control_files(tmp_path):
+    from pita.experiment.trl_values import option_file_error as check
+
+    good = tmp_path / "accel.json"
+    good.write_text('{"split_batches": false}')
+    assert check("k", str(good)) is None
+    assert "an absolute path" in check("k", "accel.json")
+    assert check("k", str(tmp_path / "none.json")).endswith("no such file")
+    link = tmp_path / "link.json"
+    link.symlink_to(good)
+    assert "symbolic link" in check("k", str(link))
+    good.chmod(0o666)
+    assert "writable by every user" in check("k", str(good))
+    good.chmod(0o600)
+    (tmp_path / "bad.json").write_text("{nope")
+    assert "not a JSON file" in check("k", str(tmp_path / "bad.json"))
+    assert "not a regular file" in check("k", "/dev/zero")
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * (2**20 + 1))
+    assert "limit" in check("k", str(big))
+    [line] = _errors(DPO={"trl": {"accelerator_config": str(link)}})
+    assert line.startswith(f"algos.DPO.trl.accelerator_config='{link}':")
+
+
 def test_value_guided_algorithms_have_no_trl_keys():
     assert _errors(QSharp={"trl": {"nonsense": 1}}) == []  # the schema walker refuses the key
 

@@ -21,6 +21,7 @@ timed_stage  # bench/scheduler.py: executor.stage_overrides to "bench.workload:t
 AggregateCallback  # conf/config.yaml: hydra.callbacks ... _target_
 _.on_multirun_end  # Hydra's Callback hook
 _.on_multirun_start  # Hydra's Callback hook (starts the sweep watcher)
+LockedRunLog  # conf/hydra/job_logging/pita.yaml: the run.log handler class
 
 # --- called by transformers / TRL / logging / torch ------------------------------------------
 _.on_log  # TrainerCallback hooks (pita/training/report.py, tracking.py, algos/trl_common.py)

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pita.core.paths import Artifact
+from pita.core.schema import GRPOConfig as GRPOSettings
 from pita.runtime.context import StageContext
 
 
@@ -136,7 +137,7 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
     )
     from pita.models.loading import load_tokenizer
 
-    algo, gen = ctx.algo_cfg, ctx.cfg.generation
+    algo, gen = ctx.algo_as(GRPOSettings), ctx.generation
     batch, group = effective_batch(ctx), int(algo.num_generations)
     if batch % group:
         raise ValueError(

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pita.core.paths import Artifact
+from pita.core.schema import RewardModelMixin
 from pita.runtime.context import StageContext
 
 HELDOUT_FRACTION = 0.1
@@ -59,7 +60,7 @@ def pairwise_accuracy(scorer, records: Sequence[dict]) -> float:
 def _scorer_batch(ctx: StageContext) -> int:
     from pita.runtime.batching import generation_batch_size
 
-    return generation_batch_size(ctx, ctx.cfg.data_collection.reward_batch_size, fallback=32)
+    return generation_batch_size(ctx, ctx.data_collection.reward_batch_size, fallback=32)
 
 
 def load_reward_scorer(ctx: StageContext, folder: Path | str):
@@ -72,9 +73,7 @@ def load_reward_scorer(ctx: StageContext, folder: Path | str):
         folder = folder / Artifact.REWARD_MODEL
 
     def load():
-        model = load_reward_model(
-            str(folder), device=ctx.device, attn_impl=ctx.cfg.system.attn_impl
-        )
+        model = load_reward_model(str(folder), device=ctx.device, attn_impl=ctx.system.attn_impl)
         return RewardScorer(
             model, load_tokenizer(str(folder)), _scorer_batch(ctx), padding_side="right"
         )
@@ -108,7 +107,7 @@ def train_reward_model(ctx: StageContext) -> dict:
     from pita.models.loading import load_tokenizer
     from pita.models.reward_scorer import RewardScorer
 
-    algo = ctx.algo_cfg
+    algo = ctx.algo_as(RewardModelMixin)
     # Data: every round's pairs, split by prompt into train / held-out.
     records = read_pairs(ctx.input("data"))
     train_pairs, heldout = split_by_prompt(records, HELDOUT_FRACTION, ctx.seed)
@@ -129,7 +128,7 @@ def train_reward_model(ctx: StageContext) -> dict:
     tok = load_tokenizer(ref_dir)
     torch.manual_seed(ctx.seed)
     model = AutoModelForSequenceClassification.from_pretrained(
-        ref_dir, num_labels=1, dtype=torch.float32, attn_implementation=ctx.cfg.system.attn_impl
+        ref_dir, num_labels=1, dtype=torch.float32, attn_implementation=ctx.system.attn_impl
     )
     model.config.pad_token_id = tok.pad_token_id
 

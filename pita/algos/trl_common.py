@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from pita.core.paths import Artifact
+from pita.core.schema import GRPOConfig, PreferenceConfig, TrainedConfig
 from pita.runtime.context import StageContext
 
 OFFLINE_ENV = {
@@ -89,8 +90,8 @@ def load_trainable_lm(ctx: StageContext, path: str):
         path,
         dtype="float32",
         device=ctx.device,
-        attn_impl=ctx.cfg.system.attn_impl,
-        trust_remote_code=bool(ctx.cfg.model.get("trust_remote_code", False)),
+        attn_impl=ctx.system.attn_impl,
+        trust_remote_code=ctx.model.trust_remote_code,
     )
 
 
@@ -109,7 +110,7 @@ def save_model(model: Any, tokenizer: Any, folder: Path) -> None:
 def effective_batch(ctx: StageContext, fallback: int = 64) -> int:
     """`algos.<NAME>.batch_size` (the effective batch); `auto` -> `fallback` (the micro-batch,
     not the effective batch, is what memory limits)."""
-    value = ctx.algo_cfg.batch_size
+    value = ctx.algo_as(TrainedConfig).batch_size
     if isinstance(value, int):
         return value
     ctx.logger.info(
@@ -127,7 +128,7 @@ def micro_batches(ctx: StageContext, batch: int) -> tuple[int, int]:
     from pita.training.loop import micro_batch_plan
 
     return micro_batch_plan(
-        batch, ctx.cfg.training, ctx.task.batch_scale, whole_batch=ctx.has_input("reference")
+        batch, ctx.training, ctx.task.batch_scale, whole_batch=ctx.has_input("reference")
     )
 
 
@@ -136,7 +137,7 @@ def precision_flags(ctx: StageContext) -> dict[str, bool]:
     by the shared training stack (TRL defaults to bf16, which must be off on a CPU)."""
     from pita.training.precision import trl_precision_kwargs
 
-    return trl_precision_kwargs(ctx.cfg.training, ctx.device, logger=ctx.logger)
+    return trl_precision_kwargs(ctx.training, ctx.device, logger=ctx.logger)
 
 
 def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
@@ -146,16 +147,16 @@ def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
     from pita.training.checkpoint import time_checkpoint_callback
     from pita.training.loop import TrainingMetrics
     from pita.training.report import trainer_metrics_callback, write_training_report
-    from pita.training.tracking import logger_cfg, trl_callback
+    from pita.training.tracking import trl_callback
 
     args = trainer.args
     world = max(1, int(getattr(args, "world_size", 1) or 1))
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
     metrics = TrainingMetrics(ctx.device)
     trainer.add_callback(trainer_metrics_callback(metrics, samples_per_step=per_step))
-    if str(logger_cfg(ctx.cfg).get("backend")) != "none":  # TRL reports to none: our tracker
+    if ctx.logger_settings.backend != "none":  # TRL reports to none: our tracker
         trainer.add_callback(trl_callback(task_tracker(ctx)))
-    minutes = float(ctx.cfg.training.get("checkpoint_every_minutes", 0.0) or 0.0)
+    minutes = ctx.training.checkpoint_every_minutes
     if args.save_strategy != "no" and minutes > 0:
         trainer.add_callback(time_checkpoint_callback(minutes))
     _train_resumable(ctx, trainer, metrics)
@@ -165,7 +166,7 @@ def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
         micro_batch=args.per_device_train_batch_size,
         accumulation_steps=args.gradient_accumulation_steps,
         world_size=world,
-        gradient_checkpointing=bool(ctx.cfg.training.gradient_checkpointing),
+        gradient_checkpointing=ctx.training.gradient_checkpointing,
         precision=precision_for(ctx),
         title=ctx.task.id,
     )
@@ -234,26 +235,20 @@ def trl_options(ctx: StageContext, key: str = "trl") -> dict[str, Any]:
     """`algos.<NAME>.trl` (or `.reward_trl`, the -HF reward model's) as a plain dict: any
     other TRL config field, checked in the parent (pita/experiment/trl_options.py: a field
     of the config, not one pita sets itself)."""
-    from omegaconf import DictConfig, OmegaConf
-
-    value = ctx.algo_cfg.get(key) or {}
-    if isinstance(value, DictConfig):
-        value = OmegaConf.to_container(value, resolve=True)
-    return dict(value)  # type: ignore[arg-type]
+    return dict(getattr(ctx.algo, key))
 
 
 def lora_config(ctx: StageContext):
     """peft's LoraConfig of `algos.<NAME>.peft` (keys and values checked in the parent,
     pita/core/schema.py `PEFT_KEYS`), or None for full fine-tuning."""
-    spec = ctx.algo_cfg.get("peft")
+    algo = ctx.algo
+    spec = algo.peft if isinstance(algo, (PreferenceConfig, GRPOConfig)) else None
     if spec is None:
         return None
-    from omegaconf import OmegaConf
     from peft import LoraConfig
 
     from pita.core.schema import PEFT_KEYS
 
-    spec = OmegaConf.to_container(spec, resolve=True) if not isinstance(spec, dict) else spec
     lora = {k: spec.get(k, default) for k, (default, _) in PEFT_KEYS.items()}
     return LoraConfig(
         r=int(lora["r"]),
@@ -329,13 +324,13 @@ def training_args(
     from pita.training.loop import dataloader_kwargs
 
     offline()
-    tr = ctx.cfg.training
+    tr = ctx.training
     on_cuda = torch.device(ctx.device).type == "cuda" and torch.cuda.is_available()
     micro, accum = micro_batches(ctx, batch_size)
     # algos.<NAME>.num_workers (the seed guide's key) wins; 0 there defers to training.num_workers;
     # -1 = auto: this worker's thread budget - 1, at most 4 (`dataloader_kwargs`)
-    workers = int(ctx.algo_cfg.num_workers) or int(tr.num_workers)
-    loader = dataloader_kwargs(workers, bool(tr.pin_memory), "cuda" if on_cuda else "cpu")
+    workers = ctx.algo_as(TrainedConfig).num_workers or tr.num_workers
+    loader = dataloader_kwargs(workers, tr.pin_memory, "cuda" if on_cuda else "cpu")
     # transformers 5 renamed gradient_checkpointing (a deprecated alias that warns) to activation_checkpointing
     names = {f.name for f in dataclasses.fields(config_cls)}
     checkpointing = (
@@ -417,6 +412,11 @@ def stage_log_callback(ctx: StageContext):
     t0 = time.time()
 
     class StageLogCallback(TrainerCallback):
+        live = ""  # the last logged loss / reward / kl, shown with every step's progress
+
+        def on_step_end(self, args, state, control, **kwargs):
+            ctx.report_progress(state.global_step, state.max_steps, "step", self.live)
+
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = {k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))}
             record = {
@@ -429,8 +429,10 @@ def stage_log_callback(ctx: StageContext):
                 f.write(json.dumps(record) + "\n")
             shown = ", ".join(f"{k}={v:.4g}" for k, v in logs.items() if _worth_showing(k))
             ctx.logger.info("step %d/%d %s", state.global_step, state.max_steps, shown)
-            live = " ".join(f"{k}={logs[k]:.3g}" for k in ("loss", "reward", "kl") if k in logs)
-            ctx.heartbeat(f"step {state.global_step}/{state.max_steps} {live}".strip())
+            self.live = " ".join(
+                f"{k}={logs[k]:.3g}" for k in ("loss", "reward", "kl") if k in logs
+            )
+            ctx.report_progress(state.global_step, state.max_steps, "step", self.live)
 
     return StageLogCallback()
 

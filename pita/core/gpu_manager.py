@@ -267,6 +267,10 @@ class GPUManager:
     ) -> dict[str, str]:
         """The explicit environment of a worker pinned to `device_indices`."""
         env = dict(os.environ if base is None else base)
+        # A worker owns its W&B service: one inherited from this process (set once it logged
+        # a multirun job's results) outlives a killed worker, holding its run id, and the
+        # retry's tracker then fails with "run ID is in use" (tests/test_tracking.py).
+        env.pop("WANDB_SERVICE", None)
         devs = [self.devices[i] for i in device_indices]
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         if self.kind == "cuda":

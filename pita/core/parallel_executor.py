@@ -32,6 +32,7 @@ from typing import Any
 
 from pita.core.dag import Plan
 from pita.core.errors import RETRYABLE
+from pita.core.journal import RUN_FILE_PREFIX, RunFileError
 from pita.core.tasks import TaskSpec
 
 log = logging.getLogger(__name__)
@@ -334,6 +335,9 @@ class DagRunner:
             self._learn(task, outcome.result or {}, pending)
             return
         attempt = self.attempts[task.id]
+        if (outcome.message or "").startswith(RUN_FILE_PREFIX):  # every task would fail so
+            self._journal("task_failed", task=task.id, failure="error", message=outcome.message)
+            raise RunFileError(outcome.message.removeprefix(RUN_FILE_PREFIX))
         self._journal(
             "task_failed",
             task=task.id,

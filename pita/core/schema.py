@@ -27,7 +27,7 @@ import functools
 import re
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, TypeVar
 
 # --- choice lists (each owned here; the modules that act on them import them) ---------------
 
@@ -142,10 +142,24 @@ class Rule:
         return f"must be {lo or hi}"
 
 
-def spec(help: str, default: Any = MISSING, **rule: Any) -> Any:
-    """A dataclass field with TRL-style `metadata={"help": ...}` and, when `rule` names
-    any, the `Rule` of what the key allows."""
-    meta: dict[str, Any] = {"help": help}
+# What changing a key changes (`spec(affects=...)`); four lists are derived from it: the keys a
+# resume may change (and the CLI's refusal text), what a checkpoint's identity leaves out, the
+# duration cache's key (pita/experiment/timeline.py) and, with `memory=True`, the peak cache's.
+AFFECTS = (
+    "result",  # what a task computes (and so how long it works)
+    "place",  # where and how fast it runs, never what: devices, workers, timeouts
+    "record",  # only what is recorded around the result: trackers, progress, dry run
+)
+
+
+def spec(
+    help: str, default: Any = MISSING, *, affects: str = "result", memory: bool = False, **rule: Any
+) -> Any:
+    """A dataclass field with TRL-style `metadata={"help": ...}`, what changing it affects
+    (`AFFECTS`), whether it changes a task's device-memory peak (`memory`) and, when `rule`
+    names any, the `Rule` of what the key allows."""
+    assert affects in AFFECTS, f"affects={affects!r}: one of {AFFECTS}"
+    meta: dict[str, Any] = {"help": help, "affects": affects, "memory": memory}
     if rule:
         meta["rule"] = Rule(**rule)
     if isinstance(default, (list, dict)):
@@ -186,18 +200,24 @@ class ExperimentConfig:
 
 @dataclass
 class SystemConfig:
-    devices: Any = spec("auto | cpu | [0,2] | fake:N | fake:[80GB,40GB]", "auto")
-    gpu_mode: str = spec("How many devices a run may use.", "auto", choices=GPU_MODES)
-    attn_impl: str = spec("Attention implementation.", "eager", choices=ATTN_IMPLS)
+    devices: Any = spec("auto | cpu | [0,2] | fake:N | fake:[80GB,40GB]", "auto", affects="place")
+    gpu_mode: str = spec(
+        "How many devices a run may use.", "auto", choices=GPU_MODES, affects="place"
+    )
+    attn_impl: str = spec("Attention implementation.", "eager", choices=ATTN_IMPLS, memory=True)
     clear_cache_interval: int = spec(
-        "Empty the CUDA cache every N training steps.", 10, ge=0, note="0 = never"
+        "Empty the CUDA cache every N training steps.", 10, ge=0, note="0 = never", affects="place"
     )
     use_parallel_execution: bool = spec(
-        "false runs every task in this process (debugging, pdb).", True
+        "false runs every task in this process (debugging, pdb).", True, affects="place"
     )
-    threads_per_worker: int = spec("torch threads per CPU worker.", 1, ge=1, le=1_024)
+    threads_per_worker: int = spec(
+        "torch threads per CPU worker.", 1, ge=1, le=1_024, affects="place"
+    )
     trust_group: bool = spec(
-        "Use a run folder owned by a teammate of one of your groups (resume a shared run).", False
+        "Use a run folder owned by a teammate of one of your groups (resume a shared run).",
+        False,
+        affects="place",
     )
 
 
@@ -210,6 +230,7 @@ class ExecutorConfig:
         "local (worker processes on this machine), inprocess or ray.",
         "local",
         choices=EXECUTOR_BACKENDS,
+        affects="place",
     )
     cpu_workers: Any = spec(
         "CPU worker count when no GPU is used: auto = cores / threads_per_worker.",
@@ -217,6 +238,7 @@ class ExecutorConfig:
         auto=True,
         ge=1,
         le=1_024,
+        affects="place",
     )
     max_tasks_per_gpu: Any = spec(
         "Tasks that may share one GPU: auto = while their memory estimates fit "
@@ -226,22 +248,34 @@ class ExecutorConfig:
         auto=True,
         ge=1,
         le=64,
+        affects="place",
     )
     max_tasks_per_worker: int = spec(
-        "Recycle a worker after this many tasks.", 200, ge=1, le=1_000_000
+        "Recycle a worker after this many tasks.", 200, ge=1, le=1_000_000, affects="place"
     )
     max_retries: int = spec(
-        "Retries of a task whose worker was killed, hit a CUDA fault or OOM.", 2, ge=0, le=100
+        "Retries of a task whose worker was killed, hit a CUDA fault or OOM.",
+        2,
+        ge=0,
+        le=100,
+        affects="place",
     )
     task_timeout_s: float = spec(
-        "Kill a task running longer than this (seconds).", 7200.0, gt=0, allowed=SECONDS
+        "Kill a task running longer than this (seconds).",
+        7200.0,
+        gt=0,
+        allowed=SECONDS,
+        affects="place",
     )
-    heartbeat_s: float = spec("Seconds between worker heartbeats.", 2.0, gt=0, allowed=SECONDS)
+    heartbeat_s: float = spec(
+        "Seconds between worker heartbeats.", 2.0, gt=0, allowed=SECONDS, affects="place"
+    )
     heartbeat_timeout_s: float = spec(
         "A worker silent this long is treated as lost (> heartbeat_s).",
         120.0,
         gt=0,
         allowed=SECONDS,
+        affects="place",
     )
     start_timeout_s: float = spec(
         "A worker that has not connected this long after its start is killed "
@@ -249,50 +283,68 @@ class ExecutorConfig:
         60.0,
         gt=0,
         allowed=SECONDS,
+        affects="place",
     )
     model_cache_size: int = spec(
-        "Models a worker keeps loaded between tasks (LRU).", 2, ge=1, le=64
+        "Models a worker keeps loaded between tasks (LRU).", 2, ge=1, le=64, affects="place"
     )
     max_shards: int = spec(
-        "Upper bound on shards per shardable stage.", 0, ge=0, note="0 = one per device", le=1_024
+        "Upper bound on shards per shardable stage.",
+        0,
+        ge=0,
+        note="0 = one per device",
+        le=1_024,
+        affects="place",
     )
     monitor_interval_s: float = spec(
-        "Seconds between GPU/RSS samples and run.log summaries.", 30.0, gt=0, allowed=SECONDS
+        "Seconds between GPU/RSS samples and run.log summaries.",
+        30.0,
+        gt=0,
+        allowed=SECONDS,
+        affects="record",
     )
-    progress: bool = spec("Live progress display of tasks per device.", True)
+    progress: bool = spec("Live progress display of tasks per device.", True, affects="record")
     preimport: bool = spec(
-        "Workers import torch as soon as they start, overlapping planning.", True
+        "Workers import torch as soon as they start, overlapping planning.", True, affects="place"
     )
     stage_overrides: Dict[str, Dict[str, str]] = spec(
         "Replace stage functions: +executor.stage_overrides.QSharp.train=mypkg.mod:fn (algo 'any' = all).",
         {},
     )
     ray_address: Optional[str] = spec(
-        "Ray cluster address for backend=ray (None = local Ray).", None
+        "Ray cluster address for backend=ray (None = local Ray).", None, affects="place"
     )
 
 
 @dataclass
 class TrainingConfig:
     micro_batch_size: int = spec(
-        "Examples per forward/backward; the rest is gradient accumulation.", 4, ge=1, le=65_536
+        "Examples per forward/backward; the rest is gradient accumulation.",
+        4,
+        ge=1,
+        le=65_536,
+        memory=True,
     )
     gradient_checkpointing: bool = spec(
-        "Recompute activations in backward: less memory, slower.", False
+        "Recompute activations in backward: less memory, slower.", False, memory=True
     )
-    mixed_precision: bool = spec("Use fp16/bf16 autocast on GPUs.", True)
+    mixed_precision: bool = spec("Use fp16/bf16 autocast on GPUs.", True, memory=True)
     precision_type: str = spec(
-        "auto: bf16 on CC>=8.0, fp16 below, fp32 on CPU.", "auto", choices=PRECISION_TYPES
+        "auto: bf16 on CC>=8.0, fp16 below, fp32 on CPU.",
+        "auto",
+        choices=PRECISION_TYPES,
+        memory=True,
     )
     accumulation_steps: int = spec(
-        "Gradient accumulation steps.", 0, ge=0, note="0 = derived", le=65_536
+        "Gradient accumulation steps.", 0, ge=0, note="0 = derived", le=65_536, memory=True
     )
-    compile: bool = spec("torch.compile the model.", False)
+    compile: bool = spec("torch.compile the model.", False, memory=True)
     compile_mode: str = spec("torch.compile mode.", "default", choices=COMPILE_MODES)
     parallel_strategy: str = spec(
         "data_parallel: pretrain planned on a gang of every device, one DDP rank per device.",
         "none",
         choices=PARALLEL_STRATEGIES,
+        memory=True,
     )
     num_workers: int = spec(
         "DataLoader workers of TRL stages whose algos.<NAME>.num_workers is 0.",
@@ -327,26 +379,32 @@ class LoggerConfig:
         "none",
         choices=LOGGER_BACKENDS,
         note="or logger=<name>",
+        affects="record",
     )
-    project: str = spec("W&B project name.", "pita")
+    project: str = spec("W&B project name.", "pita", affects="record")
     mode: str = spec(
         "W&B mode: offline (no API key; `wandb sync` later); beats WANDB_MODE.",
         "offline",
         choices=WANDB_MODES,
+        affects="record",
     )
     tracking_uri: Optional[str] = spec(
-        "MLflow tracking URI (None = a sqlite store in <run>/logs/mlflow/mlflow.db).", None
+        "MLflow tracking URI (None = a sqlite store in <run>/logs/mlflow/mlflow.db).",
+        None,
+        affects="record",
     )
     tags: List[str] = spec(
-        "Tags of every tracked run (W&B tags, MLflow tags, TensorBoard text).", []
+        "Tags of every tracked run (W&B tags, MLflow tags, TensorBoard text).", [], affects="record"
     )
 
 
 @dataclass
 class GenerationConfig:
-    batch_size: BatchSize = spec("Prompts per generation batch, or auto.", 256, batch=True)
+    batch_size: BatchSize = spec(
+        "Prompts per generation batch, or auto.", 256, batch=True, memory=True
+    )
     max_new_tokens: int = spec(
-        "Longest response.", 0, ge=0, note="0 = the task's length", le=131_072
+        "Longest response.", 0, ge=0, note="0 = the task's length", le=131_072, memory=True
     )
     temperature: float = spec("Sampling temperature (offsets are added before it).", 1.0, gt=0)
     top_p: float = spec("Nucleus sampling mass.", 1.0, gt=0, le=1)
@@ -356,7 +414,7 @@ class GenerationConfig:
 @dataclass
 class DataCollectionConfig:
     reward_batch_size: BatchSize = spec(
-        "Sequences per reward-model forward, or auto.", 32, batch=True
+        "Sequences per reward-model forward, or auto.", 32, batch=True, memory=True
     )
     samples_per_example: int = spec(
         "Roll-outs collected per training prompt per round.", 64, ge=1, le=100_000
@@ -381,8 +439,12 @@ class DataCollectionConfig:
 
 @dataclass
 class EvaluationConfig:
-    batch_size: BatchSize = spec("Prompts per evaluation batch, or auto.", 512, batch=True)
-    num_samples: int = spec("Samples per test prompt (k of maj@k).", 4, ge=1, le=10_000)
+    batch_size: BatchSize = spec(
+        "Prompts per evaluation batch, or auto.", 512, batch=True, memory=True
+    )
+    num_samples: int = spec(
+        "Samples per test prompt (k of maj@k).", 4, ge=1, le=10_000, memory=True
+    )
     etas: List[float] = spec(
         "Guidance strengths η evaluated for guided algorithms (η=0 is π_ref).",
         [0.0, 2.0, 5.0, 10.0],
@@ -399,7 +461,7 @@ class PretrainConfig:
     steps: int = spec(
         "Teacher-forced steps of the reference policy (offline tasks).", 400, ge=1, le=10_000_000
     )
-    batch_size: int = spec("Sequences per pretraining step.", 256, ge=1, le=65_536)
+    batch_size: int = spec("Sequences per pretraining step.", 256, ge=1, le=65_536, memory=True)
     lr: float = spec("Peak AdamW learning rate.", 3e-3, gt=0)
     warmup_steps: int = spec(
         "Linear warmup steps before the cosine decay.", 20, ge=0, le=10_000_000
@@ -504,7 +566,9 @@ class ReferenceConfig:
 class TrainedConfig(ReferenceConfig):
     """Keys every trained algorithm has."""
 
-    batch_size: BatchSize = spec("Training batch size (effective), or auto.", 256, batch=True)
+    batch_size: BatchSize = spec(
+        "Training batch size (effective), or auto.", 256, batch=True, memory=True
+    )
     num_workers: int = spec(
         "DataLoader workers for this algorithm's training (0 = training.num_workers).", 0, ge=-1
     )
@@ -553,7 +617,7 @@ class ValueGuidedConfig(CollectingConfig):
     """PITA, Q#: a value model trained on roll-outs guides π_ref at decoding time."""
 
     loss_type: str = spec("Value loss.", "bce", choices=LOSS_TYPES)
-    num_atoms: int = spec("Atoms of the distributional value (mle).", 11, ge=2)
+    num_atoms: int = spec("Atoms of the distributional value (mle).", 11, ge=2, memory=True)
     V_min: float = spec("Smallest atom value (< V_max).", 0.0)
     V_max: float = spec("Largest atom value.", 1.0)
     init: Optional[str] = spec(
@@ -580,6 +644,7 @@ class ValueGuidedConfig(CollectingConfig):
         "scalar read at its own position (the official Q# classifier).",
         "q",
         choices=VALUE_HEADS,
+        memory=True,
     )
     weight_decay: Optional[float] = spec(
         "AdamW weight decay of value training.",
@@ -677,7 +742,9 @@ class PreferenceConfig(CollectingConfig):
         "At most this many preference pairs per training prompt.", 8, ge=1
     )
     trl: Dict[str, Any] = spec(TRL_HELP.format(config="DPOConfig", example="loss_type=ipo"), {})
-    peft: Any = spec(PEFT_HELP, None)  # Any: Hydra cannot merge a mapping into a None Dict
+    peft: Any = spec(
+        PEFT_HELP, None, memory=True
+    )  # Any: Hydra cannot merge a mapping into a None Dict
 
 
 @dataclass
@@ -686,13 +753,15 @@ class GRPOConfig(TrainedConfig):
 
     beta: float = spec("KL coefficient β (0 = no KL term).", 0.04, ge=0)
     num_generations: int = spec(
-        "Completions per prompt (the group).", 8, ge=2, note="GRPO needs a group"
+        "Completions per prompt (the group).", 8, ge=2, note="GRPO needs a group", memory=True
     )
-    max_completion_length: int = spec("Completion budget (0 = task length).", 0, ge=0)
+    max_completion_length: int = spec("Completion budget (0 = task length).", 0, ge=0, memory=True)
     trl: Dict[str, Any] = spec(
         TRL_HELP.format(config="GRPOConfig", example="scale_rewards=false"), {}
     )
-    peft: Any = spec(PEFT_HELP, None)  # Any: Hydra cannot merge a mapping into a None Dict
+    peft: Any = spec(
+        PEFT_HELP, None, memory=True
+    )  # Any: Hydra cannot merge a mapping into a None Dict
 
 
 @dataclass
@@ -736,8 +805,12 @@ class PitaConfig:
         le=1,
         allowed="a fraction in (0, 1]; lower is safer",
     )
-    dry_run: bool = spec("Print the plan and exit without starting a worker.", False)
-    resume_from: Optional[str] = spec("Run folder to resume (its saved config is reused).", None)
+    dry_run: bool = spec(
+        "Print the plan and exit without starting a worker.", False, affects="record"
+    )
+    resume_from: Optional[str] = spec(
+        "Run folder to resume (its saved config is reused).", None, affects="record"
+    )
 
 
 # --- the walker -----------------------------------------------------------------------------
@@ -762,6 +835,148 @@ def schema_errors(
         if values and rule is not None and not rule.ok(value):
             errors.append(f"{prefix}{name}={value!r}: {rule.text(value)}")
     return errors
+
+
+# --- what a key affects: the lists derived from `spec(affects=..., memory=...)` -------------
+
+
+def _walk(dotted: str) -> tuple[dataclasses.Field | None, type | None]:
+    """(field, group dataclass) at a dotted key of PitaConfig: (None, PitaConfig) for "",
+    (None, None) for a key outside the schema; a key inside a dict field
+    (`executor.stage_overrides.QSharp.train`) is that field's."""
+    f: dataclasses.Field | None = None
+    schema: type | None = PitaConfig
+    for part in dotted.split(".") if dotted else []:
+        if schema is None:  # inside a leaf: a dict field's own keys
+            return f, None
+        fields = {g.name: g for g in dataclasses.fields(schema)}
+        if part not in fields:
+            return None, None
+        f = fields[part]
+        schema = nested_schema(f)
+    return f, schema
+
+
+def affects_of(dotted: str) -> str | None:
+    """What changing a dotted key affects (`AFFECTS`); `algos.<NAME>.*` is "result" (every
+    algorithm key changes what its chain computes), a whole group is "result"; None for a key
+    outside the schema (`hydra.*`)."""
+    if dotted == "algos" or dotted.startswith("algos."):
+        return "result"
+    f, schema = _walk(dotted)
+    if schema is not None:
+        return "result"
+    return None if f is None else f.metadata.get("affects", "result")
+
+
+def keys_affecting(kind: str, schema: type | None = None) -> tuple[str, ...]:
+    """The dotted leaf keys of `schema` (PitaConfig unless given) that declare `affects=kind`."""
+    assert kind in AFFECTS, f"kind={kind!r}: one of {AFFECTS}"
+    return tuple(
+        key
+        for key, f in leaf_fields(schema or PitaConfig)
+        if f.metadata.get("affects", "result") == kind  # `algos` (no spec): each algo's keys
+    )
+
+
+def resume_safe(dotted: str) -> bool:
+    """Whether a resumed run may change the key: it affects where or how the run goes, or
+    what is recorded, never what a task computes."""
+    return affects_of(dotted) in ("place", "record")
+
+
+def resume_safe_keys() -> tuple[str, ...]:
+    """Every leaf key a resumed run may change (`resume_safe`)."""
+    return keys_affecting("place") + keys_affecting("record")
+
+
+def memory_keys(schema: type | None = None) -> tuple[str, ...]:
+    """The dotted leaf keys of `schema` (PitaConfig unless given) that change a task's
+    device-memory peak (`memory=True`): the peak cache's key."""
+    return tuple(key for key, f in leaf_fields(schema or PitaConfig) if f.metadata.get("memory"))
+
+
+def result_config(plain: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A resolved config (plain dicts) without what does not change a task's result: the keys
+    that affect only its place or its record, and what is outside the schema (`hydra`). What
+    a checkpoint's identity and the duration cache's key are computed from."""
+    out: dict[str, Any] = {}
+    for key, value in plain.items():
+        dotted = f"{prefix}{key}"
+        if affects_of(dotted) != "result":
+            continue
+        group = _walk(dotted)[1] is not None and isinstance(value, Mapping)
+        out[key] = result_config(value, f"{dotted}.") if group else value
+    return out
+
+
+def describe_keys(keys: tuple[str, ...] | list[str]) -> str:
+    """`keys` for a message: a group all of whose leaves are listed reads `group.*`, one
+    with a single leaf left out reads `group.* but group.<leaf>`."""
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        groups.setdefault(key.rsplit(".", 1)[0] if "." in key else "", []).append(key)
+    parts: list[str] = []
+    for group, listed in groups.items():
+        sub = _walk(group)[1] if group else None
+        every = [f"{group}.{k}" for k, _ in leaf_fields(sub)] if sub else []
+        missing = [k for k in every if k not in listed]
+        if sub and not missing:
+            parts.append(f"{group}.*")
+        elif sub and len(missing) == 1:
+            parts.append(f"{group}.* but {missing[0]}")
+        else:
+            parts += listed
+    return ", ".join(parts)
+
+
+def default_of(dotted: str, schema: type | None = None) -> Any:
+    """The default `schema` (PitaConfig unless given) declares for a dotted key
+    (`training.micro_batch_size`, or `num_generations` of an algorithm's schema)."""
+    f = dict(leaf_fields(schema or PitaConfig))[dotted]
+    return f.default_factory() if f.default is MISSING else f.default  # type: ignore[operator]
+
+
+# --- typed settings: a stage's values as schema instances (issue 33) ----------------------
+
+T = TypeVar("T")
+
+
+def _refuse_write(self: Any, name: str, value: Any = None) -> None:
+    raise dataclasses.FrozenInstanceError(
+        f"cannot assign to field {name!r}: a stage's settings are read-only"
+    )
+
+
+@functools.cache
+def _frozen_class(schema: type) -> type:
+    """A subclass of `schema` whose instances refuse assignment (the schema classes stay
+    plain dataclasses: Hydra merges overrides into them)."""
+    return type(
+        schema.__name__,
+        (schema,),
+        {"__setattr__": _refuse_write, "__delattr__": _refuse_write, "__module__": __name__},
+    )
+
+
+def settings(schema: type[T], node: Mapping[str, Any] | None) -> T:
+    """A read-only instance of `schema` holding `node`'s values (a resolved config group:
+    plain dicts and lists): what a stage reads instead of digging keys out by string. A key
+    `node` lacks takes the field's default, the one home of every default; a key the schema
+    lacks is left out (the config was validated against the schema before any worker
+    started)."""
+    node = node or {}
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(schema):  # type: ignore[arg-type]
+        if f.name not in node or not f.init:
+            continue
+        value, sub = node[f.name], nested_schema(f)
+        values[f.name] = (
+            settings(sub, value) if sub is not None and isinstance(value, Mapping) else value
+        )
+    instance = schema(**values)
+    object.__setattr__(instance, "__class__", _frozen_class(schema))  # type: ignore[arg-type]
+    return instance
 
 
 def leaf_fields(schema: type, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:

@@ -39,6 +39,9 @@ class TaskSpec:
     round: int
     stage: str  # a STAGES name, or "<stage>_merge" for the merge of a sharded stage
     fn: str  # "module.path:function", resolved in the worker
+    # "module:Class" of `algos.<algo>`'s schema (the registry row's), resolved in the worker
+    # into `ctx.algo`; "" for tasks outside an algorithm's chain (pretrain, diagnostics)
+    algo_schema: str = ""
     deps: list[str] = field(default_factory=list)
     inputs: dict[str, Any] = field(default_factory=dict)  # logical name -> task id or [ids]
     shard: int | None = None

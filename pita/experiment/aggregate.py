@@ -18,7 +18,15 @@ folder with `results/summary.csv`. `aggregate(run_dirs, out_dir)` reads them and
 `AggregateCallback` is a Hydra callback (conf/config.yaml registers it): at the end of a
 multirun it aggregates the sweep folder (`outputs/<name>/multirun/<timestamp>/`).
 By hand: `python -m pita.experiment.aggregate outputs/goal_walk/multirun/<ts> [more run dirs]
-[--out DIR]` (default: a new `aggregate-<time>/` folder inside the first path).
+[--out DIR] [--trust-group]` (default: a new `aggregate-<time>/` folder inside the first
+path, beside it when that path is a run folder).
+
+It reads run folders under the run's own rules (pita/core/safe_files.py): no links inside
+them, yours (or your group's with `--trust-group`, as `system.trust_group=true`), capped
+reads; a refusal is one line and exit 2, as is an `--out` that is not a folder you can
+write (a file, `/proc/...`, `/dev/full`, an immutable folder) or lies inside a run folder
+(aggregate never writes a byte into a run). Cells that are not finite numbers (nan, inf,
+text, a non-numeric round) are skipped with one WARNING that counts them.
 Orchestrator side: csv + matplotlib, no torch.
 """
 
@@ -28,6 +36,7 @@ import csv
 import io
 import logging
 import math
+import os
 import re
 import statistics
 import sys
@@ -36,7 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from pita.algos.registry import ALGO_NAMES
+from pita.core.errors import ConfigError
 from pita.core.paths import RunPaths
+from pita.core.safe_files import check_folder, read_control_text
 
 log = logging.getLogger("pita.aggregate")
 
@@ -75,15 +86,28 @@ def find_run_dirs(paths: Iterable[Path | str]) -> list[Path]:
     return found
 
 
-def config_label(run_dir: Path) -> str:
+def check_run_folder(run_dir: Path, trust_group: bool = False) -> None:
+    """The run's own rules for a folder aggregate reads (pita/core/safe_files.py): the run
+    folder and its results/ are yours (or your group's with `trust_group`), nobody else
+    can write them, and results/ is no link. The path you typed may itself be a link (your
+    choice), never a folder found below it. Raises UnsafeFile (one line, exit 2)."""
+    for folder in (run_dir, RunPaths(run_dir).results):
+        if folder == run_dir and folder.is_symlink():
+            check_folder(folder.resolve(), trust_group)
+            continue
+        check_folder(folder, trust_group)
+
+
+def config_label(run_dir: Path, trust_group: bool = False) -> str:
     """What this job's command line set besides seeds (Hydra's .hydra/overrides.yaml)."""
     path = RunPaths(run_dir).saved_overrides
-    if not path.is_file():
+    if not path.is_file() and not path.is_symlink():
         return ""
     from omegaconf import OmegaConf
 
+    text = read_control_text(path, trust_group=trust_group)  # a link or a foreign file: exit 2
     try:
-        overrides = OmegaConf.to_container(OmegaConf.load(path)) or []
+        overrides = OmegaConf.to_container(OmegaConf.create(text)) or []
     except Exception as exc:  # a hand-edited or torn overrides.yaml: say so, keep going
         log.warning("%s: unreadable (%s); its runs are grouped as one config", path, exc)
         return f"<unreadable {path.name}>"
@@ -100,14 +124,88 @@ def config_label(run_dir: Path) -> str:
     return " ".join(sorted(keep))
 
 
-def read_rows(run_dir: Path) -> list[dict[str, Any]]:
-    with open(RunPaths(run_dir).summary_csv, newline="") as f:
-        rows = [{k: _number(v) for k, v in r.items()} for r in csv.DictReader(f)]
-    label = config_label(run_dir)
+def read_rows(run_dir: Path, trust_group: bool = False) -> list[dict[str, Any]]:
+    """The rows of a run's results/summary.csv, read as a control file (no link, yours,
+    at most 16 MB), each tagged with its run and config. A file that is not a summary
+    (random bytes, another table) gives no rows and a WARNING."""
+    path = RunPaths(run_dir).summary_csv
+    text = read_control_text(path, trust_group=trust_group)
+    try:
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        rows = [{k: _number(v) for k, v in r.items() if isinstance(k, str)} for r in reader]
+        header = set(reader.fieldnames or ())
+    except csv.Error as exc:
+        log.warning("%s is not a csv (%s); skipped", path, exc)
+        return []
+    if not set(SUMMARY_KEYS) <= header:
+        log.warning(
+            "%s is not a results summary (no %s column); skipped",
+            path,
+            ", ".join(sorted(set(SUMMARY_KEYS) - header)),
+        )
+        return []
+    label = config_label(run_dir, trust_group)
     for r in rows:
         r["config"] = label
         r["run"] = str(run_dir)
     return rows
+
+
+SUMMARY_KEYS = ("algo", "dataset", "family", "round", "eta")  # what every summary row has
+
+
+def clean_rows(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], int, int]:
+    """(rows, bad cells, bad rows): a metric cell that is not a number pita writes (nan, inf
+    outside `kl`, text in a column of numbers) is dropped from its row; a row whose round is not a whole number, whose η is
+    neither empty nor a finite number, or which names no algo / dataset / family is
+    dropped whole. The caller says how many in one WARNING."""
+    numeric = {k for r in rows for k, v in r.items() if _finite(v)}  # text columns stay text
+    kept, bad_cells, bad_rows = [], 0, 0
+    for r in rows:
+        rnd, eta = r.get("round"), r.get("eta")
+        names_ok = all(
+            isinstance(r.get(k), str) and r.get(k) for k in ("algo", "dataset", "family")
+        )
+        if (
+            not names_ok
+            or not _finite(rnd)
+            or float(rnd) != int(rnd)  # type: ignore[arg-type]
+            or not (eta is None or _finite(eta))
+        ):
+            bad_rows += 1
+            continue
+        row = dict(r, round=int(rnd))  # type: ignore[arg-type]
+        for k, v in r.items():
+            if k in NOT_METRICS or k in KEYS or k == "run" or v is None:
+                continue
+            if isinstance(v, str) and k in numeric or not _finite(v) and _bad_number(k, v):
+                del row[k]
+                bad_cells += 1
+        kept.append(row)
+    return kept, bad_cells, bad_rows
+
+
+def skipped_line(bad_cells: int, bad_rows: int, n_runs: int) -> str:
+    """The one WARNING line that counts what `clean_rows` skipped."""
+    parts = [f"{bad_cells} cell(s) that are not numbers pita writes (nan, inf, text)"] * bool(
+        bad_cells
+    )
+    parts += [f"{bad_rows} row(s) whose round, η or names are not valid"] * bool(bad_rows)
+    return f"skipped {' and '.join(parts)} in the summaries of {n_runs} run(s)"
+
+
+INFINITE_OK = ("kl",)  # kl = inf is a result (samples off π_ref's support: ALGORITHMS.md)
+
+
+def _bad_number(column: str, v: Any) -> bool:
+    """A float cell that is no result: nan anywhere, ±inf outside INFINITE_OK (+inf only)."""
+    if not isinstance(v, float):
+        return False
+    return math.isnan(v) or not (column in INFINITE_OK and v == math.inf)
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _sortable(value: Any) -> tuple[int, float, str]:
@@ -136,11 +234,14 @@ def aggregate_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = dict(zip(KEYS, key))
         row["n_runs"] = len({m["run"] for m in members})
         for m in metrics:
-            values = [x[m] for x in members if isinstance(x.get(m), float) and math.isfinite(x[m])]
+            values = [x[m] for x in members if isinstance(x.get(m), float) and not math.isnan(x[m])]
             if not values:
                 continue
+            finite = all(math.isfinite(v) for v in values)  # an infinite KL: docs/ALGORITHMS.md
             row[f"{m}_mean"] = statistics.fmean(values)
-            row[f"{m}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
+            row[f"{m}_std"] = (
+                (statistics.stdev(values) if len(values) > 1 else 0.0) if finite else None
+            )
             row[f"{m}_min"], row[f"{m}_max"] = min(values), max(values)
         out.append(row)
     out.sort(
@@ -215,105 +316,249 @@ def kl_axis(kls: Sequence[float]) -> tuple[str, float | None]:
     return "symlog", max(1e-2, values[cut])
 
 
+INF_EDGE = 1.25  # an infinite KL is drawn at this multiple of the largest finite one
+
+
+def frontier_x(kls: Sequence[float]) -> tuple[list[float], float | None]:
+    """The frontier plot's x of each KL: finite values as they are, +inf (a row with
+    samples off π_ref's support under its rule; docs/ALGORITHMS.md, "KL: the three
+    columns") at the `∞` edge right of every finite one; the edge is None without one."""
+    finite = [k for k in kls if math.isfinite(k)]
+    if len(finite) == len(kls):
+        return list(kls), None
+    edge = INF_EDGE * max([abs(k) for k in finite] + [0.8])
+    return [k if math.isfinite(k) else edge for k in kls], edge
+
+
 def plot_frontier(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> bool:
     """avg reward vs KL and pass@1 vs KL; one line per (config, algo, family, round) through
     its η points. Rows are aggregated (`<m>_mean` / `<m>_std`) or a single run's (`<m>`).
     False when no row has a KL."""
-
-    def get(r: dict, m: str) -> tuple[float | None, float]:
-        if f"{m}_mean" in r:
-            return r.get(f"{m}_mean"), r.get(f"{m}_std") or 0.0
-        v = r.get(m)
-        return (
-            v
-            if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))
-            else None
-        ), 0.0
-
-    points = [r for r in rows if get(r, "kl")[0] is not None]
-    if not points:
+    fig = frontier_figure(rows, title)
+    if fig is None:
         return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def _point(r: dict, m: str) -> tuple[float | None, float]:
+    """(value, std) of metric `m` in an aggregated row (`<m>_mean`) or a single run's."""
+    if f"{m}_mean" in r:
+        return r.get(f"{m}_mean"), r.get(f"{m}_std") or 0.0
+    v = r.get(m)
+    number = isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+    return (v if number else None), 0.0  # +inf KL: drawn at the ∞ edge (frontier_x)
+
+
+def frontier_figure(rows: Sequence[dict[str, Any]], title: str = ""):
+    """The frontier figure (matplotlib Figure, no pyplot state), or None when no row has
+    a KL. The legend and the configs table sit in columns of their own beside the two
+    plots (`legend_panel`, `config_panel`)."""
+    points = [r for r in rows if _point(r, "kl")[0] is not None]
+    if not points:
+        return None
+    kl_x, inf_edge = frontier_x([_point(r, "kl")[0] or 0.0 for r in points])
+    x_of = {id(r): x for r, x in zip(points, kl_x)}
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
-    axes = fig.subplots(1, 2)
     lines: dict[tuple, list[dict]] = {}
     for r in points:
         lines.setdefault((r.get("config") or "", r["algo"], r["family"], r["round"]), []).append(r)
-    for i, ((config, algo, family, rnd), members) in enumerate(
-        sorted(
-            lines.items(),
-            key=lambda kv: (
-                kv[0][0],
-                ALGO_ORDER.index(kv[0][1]) if kv[0][1] in ALGO_ORDER else 99,
-                kv[0][2],
-                kv[0][3],
-            ),
-        )
-    ):
-        members.sort(key=lambda r: get(r, "kl")[0] or 0.0)
-        color = f"C{(ALGO_ORDER.index(algo) if algo in ALGO_ORDER else i) % 10}"
-        label = f"{algo} {family} r{int(rnd)}" + (f" [{config}]" if config else "")
+    order = sorted(
+        lines,
+        key=lambda k: (k[0], ALGO_ORDER.index(k[1]) if k[1] in ALGO_ORDER else 99, k[2], k[3]),
+    )
+    configs = sorted({k[0] for k in order if k[0]})
+    table = _config_lines(configs)
+    legend_cols = _chunks(len(order), LEGEND_ROWS_PER_COLUMN)
+    table_cols = _chunks(len(table), CONFIG_ROWS_PER_COLUMN) if table else 0
+    n_rows = max(-(-len(order) // legend_cols), -(-len(table) // max(table_cols, 1)))
+    widths = [5.5, 5.5, LEGEND_COLUMN_IN * legend_cols] + [CONFIG_COLUMN_IN] * table_cols
+    fig = Figure(figsize=(sum(widths), max(4.2, 0.16 * n_rows + 1.4)))
+    fig.set_layout_engine("constrained")
+    grid = fig.add_gridspec(1, len(widths), width_ratios=widths)
+    axes = [fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])]
+    handles, labels = [], []
+    for i, key in enumerate(order):
+        config, algo, family, rnd = key
+        members = sorted(lines[key], key=lambda r: _point(r, "kl")[0] or 0.0)
+        style = _line_style(i, algo, configs.index(config) if config else -1)
+        label = f"{algo} {family} r{rnd}" + (f" c{configs.index(config) + 1}" if config else "")
+        drawn = None
         for ax, metric in zip(axes, ("avg_reward", "pass@1")):
-            xs = [get(r, "kl") for r in members]
-            ys = [get(r, metric) for r in members]
-            keep = [(x, y) for x, y in zip(xs, ys) if y[0] is not None]
+            keep = [r for r in members if _point(r, metric)[0] is not None]
             if not keep:
                 continue
-            ax.errorbar(
-                [x[0] for x, _ in keep],
-                [y[0] for _, y in keep],
-                xerr=[x[1] for x, _ in keep],
-                yerr=[y[1] for _, y in keep],
-                marker="o",
+            drawn = ax.errorbar(
+                [x_of[id(r)] for r in keep],  # +inf drawn at the ∞ edge
+                [_point(r, metric)[0] or 0.0 for r in keep],
+                xerr=[_point(r, "kl")[1] for r in keep],
+                yerr=[_point(r, metric)[1] for r in keep],
                 ms=4,
                 lw=1.2,
                 capsize=2,
-                color=color,
-                linestyle="-" if len(keep) > 1 else "none",
-                label=label,
+                linestyle=style["linestyle"] if len(keep) > 1 else "none",
+                color=style["color"],
+                marker=style["marker"],
             )
-            for (x, y), r in zip(keep, [r for r in members if get(r, metric)[0] is not None]):
-                if r.get("eta") is not None:
+            for r in keep:
+                if r.get("eta") is not None and len(order) <= ETA_LABELS_UP_TO:
                     ax.annotate(
                         f"η={_fmt(r['eta'])}",
-                        (x[0], y[0]),
+                        (x_of[id(r)], _point(r, metric)[0]),
                         fontsize=6,
                         xytext=(3, 3),
                         textcoords="offset points",
                     )
-    scale, linthresh = kl_axis([k for r in points if (k := get(r, "kl")[0]) is not None])
+        if drawn is not None:
+            handles.append(drawn)
+            labels.append(label.replace("$", r"\$"))
+    scale, linthresh = kl_axis([k for r in points if (k := _point(r, "kl")[0]) is not None])
     for ax, label in zip(axes, ("avg reward", "pass@1")):
+        if inf_edge is not None:
+            ax.axvline(inf_edge, color="grey", lw=0.8, ls=":")
+            ax.annotate(
+                "KL = ∞ (off π_ref's support)",
+                (inf_edge, 0.02),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                fontsize=6,
+                ha="right",
+                color="grey",
+            )
         if scale == "symlog":
             ax.set_xscale("symlog", linthresh=linthresh)
+        if inf_edge is not None:  # the ∞ points inside the frame, not on its edge
+            ax.set_xlim(right=inf_edge * (1.5 if scale == "symlog" else 1.08))
         ax.set_xlabel(
             "KL(π ‖ π_ref)"
             + (f" (symlog: linear below {linthresh:.2g})" if scale == "symlog" else "")
         )
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7, loc="best")
+    legend_panel(fig.add_subplot(grid[0, 2]), handles, labels)
+    if table:
+        config_panel([fig.add_subplot(grid[0, 3 + i]) for i in range(table_cols)], table)
     if title:
         fig.suptitle(title, fontsize=10)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    return True
+    return fig
+
+
+LEGEND_COLUMN_IN = 2.0  # inches per column of legend entries ("QSharp tiny r1 c12")
+LEGEND_ROWS_PER_COLUMN = 28  # then another column of entries
+CONFIG_COLUMN_IN = 3.6  # inches per column of the configs table
+CONFIG_ROWS_PER_COLUMN = 36
+CONFIG_WRAP = 56  # characters per line of the configs table
+ETA_LABELS_UP_TO = 12  # more lines than this: η labels would only cover each other
+MARKERS = "os^Dv<>pPX*h"
+
+
+def _chunks(n: int, per: int) -> int:
+    return max(1, -(-n // per))
+
+
+def _line_style(i: int, algo: str, config_index: int) -> dict[str, str]:
+    """Colour by algorithm (as every other plot of pita), marker and dash by config, so
+    two configs of one algorithm stay apart without reading the legend's text."""
+    color = f"C{(ALGO_ORDER.index(algo) if algo in ALGO_ORDER else i) % 10}"
+    c = max(config_index, 0)
+    return {
+        "color": color,
+        "marker": MARKERS[c % len(MARKERS)],
+        "linestyle": ("-", "--", ":", "-.")[(c // len(MARKERS)) % 4],
+    }
+
+
+def _config_lines(configs: Sequence[str]) -> list[str]:
+    """`c1   lr=0.1 dataset.x=3`, wrapped to CONFIG_WRAP characters, one entry per config;
+    empty when every run has the same config."""
+    import textwrap
+
+    out = []
+    for j, config in enumerate(configs, 1):
+        wrapped = textwrap.wrap(config, CONFIG_WRAP - 5, break_on_hyphens=False) or [""]
+        out.append(f"c{j:<3d} {wrapped[0]}")
+        out += [f"     {w}" for w in wrapped[1:]]
+    return out
+
+
+def legend_panel(ax, handles: list, labels: list[str]) -> None:
+    """The legend in an axes of its own beside the plots, short labels (algo family round,
+    `cN` for a config), as many columns as it needs: never over a curve, however many
+    runs are compared."""
+    ax.set_axis_off()
+    ax.legend(
+        handles,
+        labels,
+        loc="upper left",
+        fontsize=7,
+        ncol=_chunks(len(handles), LEGEND_ROWS_PER_COLUMN),
+        frameon=False,
+        borderaxespad=0.0,
+        handlelength=2.4,
+    )
+
+
+def config_panel(axes: Sequence, table: list[str]) -> None:
+    """The table naming each `cN` of the legend (its overrides besides seeds), in columns
+    of CONFIG_ROWS_PER_COLUMN lines; text as typed (no mathtext: `$` stays `$`)."""
+    per = -(-len(table) // len(axes))
+    for i, ax in enumerate(axes):
+        ax.set_axis_off()
+        head = ["configs (overrides besides seeds):"] if i == 0 else [""]
+        ax.text(
+            0,
+            1,
+            "\n".join(head + table[i * per : (i + 1) * per]),
+            transform=ax.transAxes,
+            va="top",
+            ha="left",
+            fontsize=6.5,
+            family="monospace",
+            parse_math=False,
+        )
 
 
 def aggregate(
-    paths: Iterable[Path | str], out_dir: Path | str | None = None
+    paths: Iterable[Path | str],
+    out_dir: Path | str | None = None,
+    trust_group: bool = False,
 ) -> list[dict[str, Any]]:
-    """Aggregate the runs at/below `paths` into `out_dir` (default: the first path)."""
-    from pita.core.paths import atomic_write_text
-
-    paths = [Path(p) for p in paths]
-    run_dirs = find_run_dirs(paths)
-    first = Path(paths[0])
+    """Aggregate the runs at/below `paths` into `out_dir` (default: the first path).
+    Raises ConfigError (one line) for a run folder the run's rules refuse or an `out_dir`
+    that is not a folder it may write (`check_out_dir`)."""
+    folders = [Path(p) for p in paths]
+    run_dirs = find_run_dirs(folders)
     if not run_dirs:
-        log.info("aggregate: no results/summary.csv at or below %s", ", ".join(map(str, paths)))
+        log.info("aggregate: no results/summary.csv at or below %s", ", ".join(map(str, folders)))
         return []
-    out = Path(out_dir) if out_dir is not None else first
-    rows = aggregate_rows([r for d in run_dirs for r in read_rows(d)])
+    out = Path(out_dir) if out_dir is not None else folders[0]
+    for run_dir in run_dirs:
+        check_run_folder(run_dir, trust_group)
+    check_out_dir(out, run_dirs)
+    read = [r for d in run_dirs for r in read_rows(d, trust_group)]
+    cleaned, bad_cells, bad_rows = clean_rows(read)
+    if bad_cells or bad_rows:
+        log.warning("%s", skipped_line(bad_cells, bad_rows, len(run_dirs)))
+    if not cleaned:
+        log.info("aggregate: no readable row in %d run(s); nothing written", len(run_dirs))
+        return []
+    rows = aggregate_rows(cleaned)
+    try:
+        table = write_aggregate(rows, out)
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot write there ({_os_error(exc)})") from None
+    log.info("Aggregate of %d run(s) (%s):\n%s", len(run_dirs), out / "aggregate.csv", table)
+    return rows
+
+
+def write_aggregate(rows: Sequence[dict[str, Any]], out: Path) -> str:
+    """aggregate.{csv,md}, the frontier plots and matched_kl.{csv,md} into `out`,
+    each atomically; returns the markdown table."""
+    from pita.core.paths import atomic_write_text
+    from pita.experiment.matched_kl import write_matched_kl
+
     atomic_write_text(out / "aggregate.csv", to_csv(rows))
     table = to_markdown(rows)
     atomic_write_text(out / "aggregate.md", table)
@@ -323,13 +568,49 @@ def aggregate(
             out / "plots" / f"frontier_{dataset}.png",
             title=f"{dataset}: mean ± std over {max(r['n_runs'] for r in rows)} run(s)",
         )
-    log.info("Aggregate of %d run(s) (%s):\n%s", len(run_dirs), out / "aggregate.csv", table)
-    from pita.experiment.matched_kl import write_matched_kl
-
     matched = write_matched_kl(rows, out)
     if matched is not None:
         log.info("Guided rows at matched KL, means (%s):\n%s", out / "matched_kl.md", matched)
-    return rows
+    return table
+
+
+SYSTEM_FOLDERS = ("/proc", "/sys", "/dev")  # kernel file systems: never an output folder
+
+
+def _os_error(exc: OSError) -> str:
+    where = f": {exc.filename}" if exc.filename else ""
+    return f"{exc.strerror or exc}{where}"
+
+
+def check_out_dir(out: Path, run_dirs: Sequence[Path]) -> None:
+    """One ConfigError line unless `out` is a folder aggregate may write: not a file or a
+    device, not under /proc, /sys or /dev, not inside a run folder it reads (a run's own
+    results are the run's), not writable by others nor a link below your own folders
+    (safe_files), and writable (a probe file is created and removed: this catches an
+    immutable folder or a read-only file system, which `os.access` does not for root)."""
+    import tempfile
+
+    real = Path(os.path.realpath(out))
+    if any(real == Path(s) or Path(s) in real.parents for s in SYSTEM_FOLDERS):
+        raise ConfigError(f"--out {out}: a system folder ({real}); choose a folder of yours")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: not a folder; choose a folder (it is created if absent)")
+    for run_dir in run_dirs:
+        run_real = Path(os.path.realpath(run_dir))
+        if real == run_real or run_real in real.parents:
+            raise ConfigError(
+                f"--out {out}: inside the run folder {run_dir}; aggregate never writes into "
+                f"a run, choose a folder outside it"
+            )
+    check_folder(real)  # no foreign or world-writable output folder
+    if (real / "plots").exists() or (real / "plots").is_symlink():
+        check_folder(real / "plots")
+    try:
+        real.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=real, prefix=".aggregate-probe-"):
+            pass
+    except OSError as exc:  # the probe's own name says nothing: the folder and the cause
+        raise ConfigError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
 
 
 try:  # Hydra is always installed with pita; the import is guarded for plain-python use only
@@ -447,27 +728,45 @@ class AggregateCallback(_HydraCallback):
             rows = aggregate([sweep_dir])
             if rows:
                 print(f"Aggregate over the sweep: {sweep_dir / 'aggregate.md'}")
+        except ConfigError as exc:  # a refused folder: its one line, not a traceback
+            log.error("aggregating %s: %s", sweep_dir, exc)
         except Exception as exc:  # noqa: BLE001 - a failed aggregate must not fail the sweep
             log.exception("aggregating %s failed: %s", sweep_dir, exc)
 
 
 def default_out_dir(first: Path) -> Path:
     """Where `python -m pita.experiment.aggregate` writes without --out: a new folder of its
-    own beside the runs, so the sweep's own aggregate.md is never replaced."""
+    own beside the runs, so the sweep's own aggregate.md is never replaced; beside a run
+    folder given alone, never inside it."""
     import time
 
-    return first / f"aggregate-{time.strftime('%Y-%m-%d_%H-%M-%S')}"
+    base = first.parent if RunPaths(first).summary_csv.is_file() else first
+    return base / f"aggregate-{time.strftime('%Y-%m-%d_%H-%M-%S')}"
+
+
+class _ConsoleFormat(logging.Formatter):
+    """Plain lines; a WARNING or ERROR says so."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return f"{record.levelname}: {text}" if record.levelno >= logging.WARNING else text
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit 0 (written), 1 (no summary found), 2 (one line: a refused folder or --out)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(
-            "usage: python -m pita.experiment.aggregate SWEEP_OR_RUN_DIR [MORE ...] [--out DIR]\n"
+            "usage: python -m pita.experiment.aggregate SWEEP_OR_RUN_DIR [MORE ...] [--out DIR]"
+            " [--trust-group]\n"
             "  writes aggregate.{csv,md}, matched_kl.{csv,md} and plots/ into DIR\n"
-            "  (default: a new SWEEP_OR_RUN_DIR/aggregate-<time>/; never over a sweep's own files)"
+            "  (default: a new aggregate-<time>/ in SWEEP_DIR, or beside RUN_DIR; never into a\n"
+            "  run folder nor over a sweep's own files)\n"
+            "  --trust-group: read run folders of your group too (as system.trust_group=true)"
         )
         return 0 if args else 2
+    trust_group = "--trust-group" in args
+    args = [a for a in args if a != "--trust-group"]
     out = None
     if "--out" in args:
         i = args.index("--out")
@@ -476,15 +775,29 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         out = Path(args[i + 1])
         del args[i : i + 2]
+    if not args:
+        print("error: name a sweep or run folder to aggregate", file=sys.stderr)
+        return 2
     if out is not None and (out / "aggregate.md").exists() and find_run_dirs([out]):
         print(
             f"error: --out {out} holds the sweep's own aggregate.md; choose another folder",
             file=sys.stderr,
         )
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(_ConsoleFormat())
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     out = out if out is not None else default_out_dir(Path(args[0]))
-    return 0 if aggregate(args, out) else 1
+    try:
+        return 0 if aggregate(args, out, trust_group=trust_group) else 1
+    except ConfigError as exc:  # UnsafeFile too: one line, as run_parallel.py
+        for line in exc.messages:  # this tool's switch for a group's runs is --trust-group
+            line = line.replace("needs system.trust_group=true", "needs --trust-group")
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a folder vanished or a read failed while aggregating
+        print(f"error: {_os_error(exc)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

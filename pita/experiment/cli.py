@@ -7,8 +7,9 @@ bad group option or invalid value becomes one line naming the key and what is al
 with exit code 2, before a folder or a process exists. Then `@hydra.main` runs as usual
 (sweeps, launchers and `.hydra/` included).
 
-`resume_from=<run dir>` bypasses composition: the run's saved config is reused, only
-run-safe keys may be overridden, and the run continues in its own folder.
+`resume_from=<run dir>` bypasses composition: the run's saved config is reused, any key
+may be overridden (the tasks it touches run again, the rest is kept:
+pita/experiment/resume_fix.py), and the run continues in its own folder.
 `resume_from=auto` resumes the newest run of `experiment.name` if it did not finish (a
 SLURM requeue finishes its run), else starts a new one; so does rerunning into an existing
 run folder (`hydra.run.dir=<run dir>`).
@@ -23,6 +24,7 @@ checks values only: devices and placement are checked in the job, on its node.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -35,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pita.core.errors import ConfigError
 from pita.core.paths import RunPaths
+from pita.core.schema import describe_keys, resume_safe, resume_safe_keys
 from pita.experiment.cli_extras import (
     PROJECT_ROOT,
     conf_dir,
@@ -55,15 +58,9 @@ LOCAL_LAUNCHERS = ("BasicLauncher",)  # Hydra's launcher classes that run jobs i
 LAST_COMPOSE: dict[str, str] = {}
 HELD_LOCKS: list[Any] = []  # run folder locks taken before Hydra or run() write anything
 EXIT_CODE_FILE = "exit_code"  # a remote job's exit code, read by the sweep's end (aggregate.py)
-# Keys a resumed run may change: where and how it runs, never what it computes.
-RESUME_SAFE_PREFIXES = (
-    "system.devices",
-    "system.threads_per_worker",
-    "system.use_parallel_execution",
-    "executor.",
-    "dry_run",
-    "resume_from",
-)
+# Keys a resumed run may change: where and how it runs, never what it computes (each field's
+# `affects`, pita/core/schema.py); the refusal names them.
+RESUME_SAFE_TEXT = describe_keys(resume_safe_keys())
 
 
 def _first_line(text: object) -> str:
@@ -81,7 +78,10 @@ def format_compose_error(exc: BaseException, overrides: list[str]) -> str:
     cause = exc.__cause__ or exc.__context__
     full_key = getattr(cause, "full_key", None)
     if m and full_key:  # a bad key or value inside a config file
-        return f"conf/{m.group(1)}.yaml: {full_key}: {_first_line(cause)}"
+        from pita.experiment.config import did_you_mean
+
+        hint = did_you_mean(str(full_key)) if type(cause).__name__ == "ConfigKeyError" else ""
+        return f"conf/{m.group(1)}.yaml: {full_key}: {_first_line(cause)}{hint}"
     odd = next((o for o in overrides if not o.isascii()), None)
     if odd is not None and ("LexerNoViableAlt" in text or "token recognition error" in text):
         key, _, value = odd.partition("=")
@@ -93,7 +93,10 @@ def format_compose_error(exc: BaseException, overrides: list[str]) -> str:
         )
     m = re.search(r"Could not override '([^']+)'", text)
     if m:
-        return f"{m.group(1)}: unknown key (not in pita's config schema, see conf/ and pita/core/schema.py)"
+        from pita.core.schema import UNKNOWN_KEY
+        from pita.experiment.config import with_hint
+
+        return with_hint(f"{m.group(1)}: {UNKNOWN_KEY}")
     m = re.search(r"Could not find '(hydra/launcher)/([^']+)'", text)
     if m:
         have = sorted(p.stem for p in (CONF_DIR / "hydra" / "launcher").glob("*.yaml"))
@@ -105,7 +108,9 @@ def format_compose_error(exc: BaseException, overrides: list[str]) -> str:
     if m:
         group, name = m.group(1), m.group(2)
         options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-        return f"{group}={name}: no such {group} config; available: {', '.join(options)}"
+        near = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+        hint = f"; did you mean {group}={near[0]}?" if near else ""
+        return f"{group}={name}: no such {group} config; available: {', '.join(options)}{hint}"
     m = re.search(r"Error merging override (\S+)", text)
     if m:
         cause = exc.__cause__ or exc.__context__
@@ -245,6 +250,11 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
     run_dir = Path(resume_dir).expanduser()
     if not run_dir.exists():
         run_dir = PROJECT_ROOT / resume_dir
+    run_dir = run_dir.absolute()  # workers run from pita's folder: a relative one means another
+    from pita.core.safe_files import share_with_group
+
+    # a teammate's saved config is read only when this command line trusts the group
+    share_with_group(any(o.lstrip("+").lower() == "system.trust_group=true" for o in overrides))
     try:
         saved = load_saved_config(RunPaths(run_dir).saved_config)
     except Exception as exc:
@@ -264,23 +274,41 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
             f"{key}: {_first_line(exc)}"
         ) from None
     assert isinstance(cfg, DictConfig)
-    for o in overrides:
-        key = o.split("=", 1)[0].lstrip("+~")
-        if not key.startswith(RESUME_SAFE_PREFIXES):
-            raise ConfigError(
-                f"{key}: cannot change on resume (the run's saved config is reused); "
-                f"allowed: system.devices, executor.*, dry_run"
-            )
-        if key == "resume_from":
-            continue
-        try:
-            value = OmegaConf.from_dotlist([o.lstrip("+")])
-            cfg = OmegaConf.merge(cfg, value)
-        except Exception as exc:
-            raise ConfigError(f"{o}: {_first_line(exc)}") from None
-    assert isinstance(cfg, DictConfig)
+    cfg = apply_resume_overrides(cfg, overrides)
     cfg.resume_from = str(run_dir)
     return cfg, run_dir
+
+
+def apply_resume_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """A resume's `key=value` overrides onto the saved config. Any key may change (the
+    tasks it touches run again: pita/experiment/resume_fix.py); a config group
+    (`dataset=gsm8k`) selects another experiment and Hydra's own keys fix the run folder,
+    so both are refused with one line."""
+    from pita.core.schema import UNKNOWN_KEY
+    from pita.experiment.config import with_hint
+
+    for o in overrides:
+        key, _, value = o.partition("=")
+        bare = key.lstrip("+~")
+        if bare == "resume_from":
+            continue
+        if bare.startswith("hydra") or "/" in bare or (CONF_DIR / bare).is_dir():
+            raise ConfigError(
+                f"{o}: a config group or Hydra setting cannot change on resume (it describes "
+                f"another run); set its keys one by one (e.g. {bare.split('/')[0]}.<key>=...), "
+                f"or start a new run"
+            )
+        if key.startswith("~"):
+            raise ConfigError(f"{o}: a key cannot be removed on resume; set it to another value")
+        try:
+            merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{bare}={value}"]))
+        except Exception as exc:
+            if type(exc).__name__ == "ConfigKeyError":
+                raise ConfigError(with_hint(f"{bare}: {UNKNOWN_KEY}")) from None
+            raise ConfigError(f"{o}: {_first_line(exc)}") from None
+        assert isinstance(merged, DictConfig)  # a mapping merged into a mapping
+        cfg = merged
+    return cfg
 
 
 def preflight(
@@ -476,18 +504,15 @@ def _same_run_overrides(run_dir: str, overrides: list[str], args) -> list[str]:
     loaded = load_saved_config(RunPaths(run_dir).saved_config)
     assert isinstance(loaded, DictConfig)  # a run's saved config is a mapping
     saved = drop_retired_algo_keys(loaded)
-    diff = config_differences(
-        saved, composed, RESUME_SAFE_PREFIXES + ("system.use_parallel_execution",)
-    )
+    diff = config_differences(saved, composed, resume_safe)
     if diff:
         raise ConfigError(
             f"resume of {run_dir}: this command line describes another run ("
             f"{'; '.join(diff[:4])}{' ...' if len(diff) > 4 else ''}); pass resume_from={run_dir} "
-            f"alone to finish it, or change experiment.name for a new run"
+            f"alone to finish it as it was, resume_from={run_dir} <key>=<value> to finish it with "
+            f"other values (the tasks they touch run again), or change experiment.name for a new run"
         )
-    return [
-        o for o in overrides if o.split("=", 1)[0].lstrip("+~").startswith(RESUME_SAFE_PREFIXES)
-    ]
+    return [o for o in overrides if resume_safe(o.split("=", 1)[0].lstrip("+~"))]
 
 
 def _resolve_auto_resume(overrides: list[str], args) -> tuple[str | None, list[str]]:

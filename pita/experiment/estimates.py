@@ -28,6 +28,7 @@ process holds that `max_memory_reserved` does not count but NVML does.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -40,15 +41,19 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
-from pita.algos.registry import Held, stage_models
+from pita.algos.registry import ALGORITHMS, Held, stage_models
+from pita.core import user_cache
 from pita.core.paths import pita_cache_dir
+from pita.core.schema import ModelConfig, default_of, memory_keys, settings
 from pita.models.placement import BYTES_PER_PARAM
 
 log = logging.getLogger(__name__)
 
 WORKER_OVERHEAD_MB = 512
 PEAK_MARGIN = 1.10  # a measured peak, plus 10 % (allocator rounding, a longer batch next time)
-SCHEMA_DEFAULT_GB = 0.5  # ModelConfig.memory_gb's default: "nobody said"
+HUB_PROMPT_TOKENS, HUB_NEW_TOKENS = 512, 256  # a hub task that sets no length of its own
+UNKNOWN_VOCAB = 80  # the built-in family's vocabulary on a task without node tokens
+SCHEMA_DEFAULT_GB = default_of("model.memory_gb")  # "nobody said"
 # Bytes per element by dtype name: placement's weight table (the same numbers the gang
 # placement uses) plus the other names a config.json may store.
 DTYPE_BYTES = {
@@ -229,30 +234,55 @@ def size_from_name(model_id: str) -> ModelSize | None:
 
 def sequence_lengths(ds: Mapping[str, Any], cfg: Any) -> tuple[int, int]:
     """(prompt tokens, new tokens) of the dataset's longest example, as configured."""
-    name = ds.get("name")
-    gen_new = int(_get(cfg, "generation.max_new_tokens", 0) or 0)
+    from pita.datasets import with_defaults
+
+    ds = with_defaults(ds)
+    name = ds["name"]
+    gen_new = int(_get(cfg, "generation.max_new_tokens"))
     if name == "star_graph":
-        d, length = int(ds.get("degree") or 2), int(ds.get("path_length") or 5)
+        d, length = int(ds["degree"]), int(ds["path_length"])
         return 3 * d * (length - 1) + 3, gen_new or length + 1
     if name == "goal_walk":
-        return 4, gen_new or int(ds.get("walk_length") or 3) + 1
-    return int(ds.get("max_prompt_tokens") or 512), gen_new or int(ds.get("max_new_tokens") or 256)
+        return 4, gen_new or int(ds["walk_length"]) + 1
+    # a hub task without its own limits: a long prompt and answer (the estimate's upper side)
+    prompt, new = ds.get("max_prompt_tokens"), ds.get("max_new_tokens")
+    return int(prompt or HUB_PROMPT_TOKENS), gen_new or int(new or HUB_NEW_TOKENS)
 
 
 def tiny_vocab(ds: Mapping[str, Any]) -> int:
     """The task vocabulary of an offline dataset: node tokens + separators + specials."""
-    return int(ds.get("num_nodes") or 64) + 16
+    from pita.datasets import with_defaults
+
+    nodes = with_defaults(ds).get("num_nodes")  # a hub task has no node tokens
+    return int(nodes) + 16 if nodes else UNKNOWN_VOCAB
 
 
-def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
+def _get(cfg: Any, dotted: str) -> Any:
+    """The value of a dotted key in a (possibly partial) config, else the schema's default:
+    the default has one home (pita/core/schema.py)."""
+    node = _lookup(cfg, dotted)
+    return default_of(dotted) if node is None else node
+
+
+def _algo_get(cfg: Any, algo: str, key: str) -> Any:
+    """`algos.<algo>.<key>`, else the default of the algorithm's schema (None for a task
+    outside an algorithm's chain, or a key its schema lacks)."""
+    node = _lookup(cfg, f"algos.{algo}.{key}")
+    if node is not None or algo not in ALGORITHMS:
+        return node
+    fields = {f.name: f for f in dataclasses.fields(ALGORITHMS[algo].schema)}
+    return default_of(key, ALGORITHMS[algo].schema) if key in fields else None
+
+
+def _lookup(cfg: Any, dotted: str) -> Any:
     node = cfg
     for part in dotted.split("."):
         try:
             node = node[part]
         except (KeyError, TypeError, AttributeError):
-            return default
+            return None
         if node is None:
-            return default
+            return None
     return node
 
 
@@ -289,7 +319,7 @@ class ModelSizes:
         from pita.models.catalog import resolve_family
 
         try:
-            fam = resolve_family(str(family.get("name", "tiny")), family)
+            fam = resolve_family(settings(ModelConfig, family).name, family)
         except ValueError:
             return None
         if fam.is_builtin:
@@ -302,7 +332,7 @@ class ModelSizes:
         if not model_id:
             return None
         return checkpoint_size(
-            model_id, str(family.get("dtype", "auto")), fam.quantization
+            model_id, settings(ModelConfig, family).dtype, fam.quantization
         ) or size_from_name(model_id)
 
 
@@ -318,14 +348,13 @@ CHECKPOINT_OF = {
 
 def _batch_of(task: Any, cfg: Any, held: Held, builtin: bool) -> int:
     """How many sequences the held model processes at once in this task, before batch_scale."""
-    algo_cfg = _get(cfg, f"algos.{task.algo}", {}) or {}
-    micro = int(_get(cfg, "training.micro_batch_size", 4))
+    micro = int(_get(cfg, "training.micro_batch_size"))
     if held.use == "generate":
         if task.stage == "train":  # roll-outs sampled inside training (GRPO's groups)
-            return micro * int(algo_cfg.get("num_generations", 8))
+            return micro * int(_algo_get(cfg, task.algo, "num_generations"))
         if task.stage == "evaluate":
             batch = _batch(_get(cfg, "evaluation.batch_size"), 512)
-            return batch * int(_get(cfg, "evaluation.num_samples", 1))
+            return batch * int(_get(cfg, "evaluation.num_samples"))
         return _batch(_get(cfg, "generation.batch_size"), 256)
     if held.use == "forward":
         if task.stage == "train":
@@ -333,9 +362,9 @@ def _batch_of(task: Any, cfg: Any, held: Held, builtin: bool) -> int:
         return _batch(_get(cfg, "generation.batch_size"), 256)
     # train: the whole batch at once for built-in models, micro-batches for hub models
     if task.stage == "pretrain":
-        return int(_get(cfg, "pretrain.batch_size", 256))
+        return int(_get(cfg, "pretrain.batch_size"))
     if builtin:
-        return _batch(algo_cfg.get("batch_size"), 256)
+        return _batch(_algo_get(cfg, task.algo, "batch_size"), 256)
     return micro * held.sequences
 
 
@@ -347,7 +376,7 @@ def _activation_bytes(
 
     config = size.config
     if held.atoms_head:  # a value head: num_atoms outputs, not the vocabulary
-        atoms = int((_get(cfg, f"algos.{task.algo}", {}) or {}).get("num_atoms", 1) or 1)
+        atoms = int(_algo_get(cfg, task.algo, "num_atoms"))
         config = SimpleNamespace(**{**vars(config), "vocab_size": atoms})
     est = estimate_from_config(
         config,
@@ -392,21 +421,13 @@ def analytic_mb(task: Any, cfg: Any, sizes: ModelSizes) -> tuple[int, str] | Non
 
 
 def peak_key(task: Any, cfg: Any) -> str:
-    """(algo, stage, family, dataset) + a fingerprint of what changes the peak."""
-    settings = {
-        k: _get(cfg, k)
-        for k in (
-            "generation.batch_size",
-            "generation.max_new_tokens",
-            "evaluation.batch_size",
-            "evaluation.num_samples",
-            "pretrain.batch_size",
-            "training.micro_batch_size",
-            "training.gradient_checkpointing",
-        )
-    }
-    settings["algo"] = _get(cfg, f"algos.{task.algo}.batch_size")
-    blob = json.dumps([task.family_cfg, task.dataset_cfg, settings], sort_keys=True, default=str)
+    """(algo, stage, family, dataset) + a fingerprint of what changes the peak: the chain's
+    model and dataset groups and every key whose field says `memory=True` (the run's and the
+    algorithm's: `schema.memory_keys`)."""
+    keys = {k: _get(cfg, k) for k in memory_keys()}
+    row = ALGORITHMS.get(task.algo)
+    own = {k: _algo_get(cfg, task.algo, k) for k in memory_keys(row.schema)} if row else {}
+    blob = json.dumps([task.family_cfg, task.dataset_cfg, keys, own], sort_keys=True, default=str)
     stage = task.stage.removesuffix("_merge")
     return f"{task.algo}|{stage}|{task.family}|{task.dataset}|{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
@@ -427,13 +448,13 @@ class PeakEstimator:
         self.cache_path = cache_path
         self.peaks: dict[str, tuple[float, str]] = {}  # key -> (peak MB, where it was measured)
         if cache_path is not None:
-            try:
-                data = json.loads(Path(cache_path).read_text())
-                self.peaks = {
-                    k: (float(v["peak_mb"]), f"cached peak of {v['task']}") for k, v in data.items()
-                }
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                self.peaks = {}
+            path = Path(cache_path)
+            self.peaks = user_cache.entries(
+                user_cache.read_json(path, "peaks"),
+                path,
+                "peaks",
+                lambda v: (float(v["peak_mb"]), f"cached peak of {v['task']}"),
+            )
 
     def observe(self, task: Any, result: Mapping[str, Any]) -> bool:
         """Record the task's measured peak (MB); True when one was measured."""
@@ -472,22 +493,10 @@ class PeakEstimator:
     def _save(self, key: str, peak_mb: float, task_id: str) -> None:
         if self.cache_path is None:
             return
-        from pita.core.paths import atomic_write_json
-
-        try:
-            data = (
-                json.loads(Path(self.cache_path).read_text())
-                if Path(self.cache_path).is_file()
-                else {}
-            )
-        except (OSError, ValueError):
-            data = {}
-        data[key] = {"peak_mb": round(peak_mb, 1), "task": task_id}
-        try:
-            Path(self.cache_path).parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(Path(self.cache_path), data)
-        except OSError as exc:
-            log.warning("cannot write the peaks cache %s: %s", self.cache_path, exc)
+        entry = {"peak_mb": round(peak_mb, 1), "task": task_id}
+        user_cache.update_json(
+            Path(self.cache_path), "peaks", lambda data: data.update({key: entry})
+        )
 
 
 def family_file_memory_gb(name: str) -> float:
@@ -519,8 +528,8 @@ def estimate(
         hit = peaks.refine(task)
         if hit is not None:
             return hit
-    fam_gb = float(task.family_cfg.get("memory_gb", SCHEMA_DEFAULT_GB))
-    name = str(task.family_cfg.get("name", "tiny"))
+    family = settings(ModelConfig, task.family_cfg)
+    fam_gb, name = family.memory_gb, family.name
     if abs(fam_gb - family_file_memory_gb(name)) > 1e-9:
         return task.mem_mb, f"model.memory_gb={fam_gb:g} (set)"
     sizes = sizes or ModelSizes()

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from pita.algos.registry import ALGORITHMS, ANY, is_importable, lookup, stage_outputs
 from pita.core.dag import Plan, critical_path_priorities
 from pita.core.errors import ConfigError
+from pita.core.schema import ModelConfig, settings
 from pita.core.tasks import SHARDABLE, TaskSpec, task_id
 from pita.experiment.cli_extras import conf_dir
 
@@ -155,7 +156,7 @@ class Planner:
         """training.parallel_strategy=data_parallel: pretrain, the stage that trains with DDP
         (pita/runtime/gang.py run_stage), gets a gang of every device of the run, one rank
         per device; other stages keep one device (or model.gpus_per_task for sharding)."""
-        strategy = str(self.cfg.training.get("parallel_strategy", "none"))
+        strategy = str(self.cfg.training.parallel_strategy)
         if strategy != "data_parallel" or str(self.cfg.system.gpu_mode) in ("cpu", "single_gpu"):
             return 1
         return max(1, self.n_devices)
@@ -229,7 +230,13 @@ class Planner:
             for stage in spec_algo.round_stages:
                 inputs = stage_inputs(stage, chain, base_inputs)
                 spec = dict(
-                    algo=algo, round=r, inputs=inputs, gpus=gpus, mem_mb=mem_mb(stage), **common
+                    algo=algo,
+                    algo_schema=spec_algo.schema_path,
+                    round=r,
+                    inputs=inputs,
+                    gpus=gpus,
+                    mem_mb=mem_mb(stage),
+                    **common,
                 )
                 chain.produced[stage] = self.add_stage(stage, spec, _deps_of(inputs))
             if "collect" in chain.produced:
@@ -259,7 +266,8 @@ def plan_experiment(
         for fam_name in list(cfg.experiment.families) or [cfg.model.name]:
             fam_cfg = _group_cfg(cfg, "model", fam_name)
             common = dict(dataset=ds_name, family=fam_name, dataset_cfg=ds_cfg, family_cfg=fam_cfg)
-            mem_gb = float(fam_cfg.get("memory_gb", 0.5))
+            family = settings(ModelConfig, fam_cfg)
+            mem_gb = family.memory_gb
 
             def mem_mb(stage: str, mem_gb: float = mem_gb) -> int:
                 return int(mem_gb * STAGE_MEMORY.get(stage, 1.0) * 1024)
@@ -268,9 +276,7 @@ def plan_experiment(
             if _built_in_run(fam_name, fam_cfg) or is_offline(str(ds_cfg.get("name"))):
                 base_inputs["reference"] = planner.add_pretrain(common, mem_mb("pretrain"))
             for algo in algos:
-                planner.add_chain(
-                    algo, common, base_inputs, mem_mb, int(fam_cfg.get("gpus_per_task", 1))
-                )
+                planner.add_chain(algo, common, base_inputs, mem_mb, family.gpus_per_task)
     plan = planner.plan
     overrides = cfg.executor.stage_overrides or {}
     for t in plan.tasks.values():  # what its committed folder must hold (resume checks it)

@@ -24,14 +24,14 @@ from pita.core.dag import Plan
 from pita.core.errors import ConfigError, ExecutorBroken
 from pita.core.executor import Executor
 from pita.core.gpu_manager import GPUManager
-from pita.core.journal import Journal
+from pita.core.journal import RUN_FILE_ERRNOS, Journal, RunFileError, run_file_error
 from pita.core.parallel_executor import DagRunner, DeviceState, Scheduler, simulate
 from pita.core.parallel_generation import ParallelDataGenerator
 from pita.core.paths import Artifact, RunPaths, TaskPaths, atomic_write_json
 from pita.core.progress import Eta, TaskDurations, format_duration
 from pita.core.resume import completed_tasks, remove_stale_tmp
 from pita.core.run_lock import RunLock
-from pita.core.safe_files import check_folder
+from pita.core.safe_files import check_folder, share_with_group
 from pita.experiment.config import validate
 from pita.experiment.plan import check_resources, plan_experiment
 
@@ -100,17 +100,12 @@ def build_plan(cfg: DictConfig, gpu: GPUManager) -> Plan:
 
 def task_durations(cfg: DictConfig, gpu: GPUManager) -> TaskDurations:
     """Expected task durations: earlier runs' recorded ones (pita/experiment/timeline.py),
-    then work units; the run adds its own finished tasks as they come."""
-    from pita.experiment.timeline import duration_key, load_durations
+    exact or of the same kind scaled by size, then work units; the run adds its own
+    finished tasks as they come."""
+    from pita.experiment.timeline import duration_key, load_history
 
-    return TaskDurations(load_durations(), duration_key(cfg, gpu.kind))
-
-
-def estimated_wall_time(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> tuple[float, str]:
-    """(seconds, source): the plan simulated on the devices with the expected durations."""
-    durations = task_durations(cfg, gpu)
-    eta = Eta(plan.tasks, set(), durations, make_scheduler(cfg, gpu))
-    return eta.remaining({}, time.time())
+    key, history = duration_key(cfg, gpu.kind), load_history()
+    return TaskDurations(history.exact, key, lambda t: history.scaled(t, key))
 
 
 def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
@@ -132,8 +127,25 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
         print(
             f"{t.id:58s} {devs:9s} {t.mem_mb / 1024:7.2f} {t.priority:6.1f}  {t.mem_source[:40]:40s} {deps}"
         )
-    seconds, source = estimated_wall_time(plan, cfg, gpu)
+    durations = task_durations(cfg, gpu)
+    seconds, source = Eta(plan.tasks, set(), durations, make_scheduler(cfg, gpu)).remaining(
+        {}, time.time()
+    )
     print(f"Estimated wall time: ~{format_duration(seconds)} ({source}).")
+    print(history_line(plan, durations))
+
+
+def history_line(plan: Plan, durations: TaskDurations) -> str:
+    """Which tasks the estimate has no measured duration for (their own or their kind's,
+    scaled by size), so a reader knows how far to trust it."""
+    blind = [t.id for t in plan.tasks.values() if durations.history(t) is None]
+    if not blind:
+        return "Every task's estimate comes from a measured duration (its own or its kind's)."
+    shown = ", ".join(blind[:6]) + (f" (+{len(blind) - 6} more)" if len(blind) > 6 else "")
+    return (
+        f"No history for {len(blind)} of {len(plan.tasks)} task(s), estimated from work "
+        f"units: {shown}."
+    )
 
 
 def lock_run_folder(cfg: DictConfig, run_dir: Path, share: bool = False) -> RunLock:
@@ -142,7 +154,8 @@ def lock_run_folder(cfg: DictConfig, run_dir: Path, share: bool = False) -> RunL
     before Hydra writes `.hydra/` (`share=True`); `run()` calls it again (nested in the
     same process)."""
     paths = RunPaths(run_dir)
-    trust_group = bool(cfg.system.get("trust_group", False))
+    trust_group = bool(cfg.system.trust_group)
+    share_with_group(trust_group)  # the lock is the group's too (0660), its files readable
     for folder in (run_dir, paths.tasks):  # a folder others can write steers what resume trusts
         check_folder(folder, trust_group)
     for folder in (paths.logs, paths.results, paths.workers):  # fail now, not after the run
@@ -195,19 +208,72 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
 
     absolutized = absolutize_paths(cfg)  # workers run from the project root, not the user's folder
     validate(cfg)
+    share_with_group(bool(cfg.system.trust_group))  # every control file read
     run_dir = Path(run_dir)
     paths = RunPaths(run_dir)
     gpu = make_gpu_manager(cfg)
     plan = Plan.load(paths.plan) if resumed else build_plan(cfg, gpu)
+    change = resume_change(cfg, run_dir, gpu, plan) if resumed else None
+    if change is not None:
+        plan = change.plan
     if resumed:
         check_plan_fits(plan, gpu, cfg)
     if cfg.dry_run:
         warn_stage_overrides(cfg, plan)
         print_dry_run(plan, cfg, gpu)
+        if resumed:
+            print_resume_dry_run(plan, run_dir, change)
         return EXIT_OK
 
     with lock_run_folder(cfg, run_dir):  # one orchestrator per run folder (a second exits 2)
-        return _run_locked(cfg, run_dir, paths, gpu, plan, resumed, absolutized)
+        try:
+            if change is not None:
+                from pita.experiment.resume_fix import apply_change
+
+                apply_change(cfg, run_dir, change)
+            return _run_locked(cfg, run_dir, paths, gpu, plan, resumed, absolutized)
+        except RunFileError as exc:  # the journal cannot be opened: immutable, read-only
+            return run_files_failed(run_dir, exc)
+        except OSError as exc:  # plan.json, run_info.json on a full disk, before any task
+            if exc.errno not in RUN_FILE_ERRNOS:
+                raise
+            return run_files_failed(run_dir, exc)
+
+
+def run_files_failed(run_dir: Path, exc: BaseException, journal: Journal | None = None) -> int:
+    """The run's own files cannot be written (a full disk, an immutable journal or task
+    folder): one line naming the file and the cause, and the command that finishes the
+    run once the cause is gone. Finished tasks are kept (their folders prove it)."""
+    if isinstance(exc, OSError):
+        exc = run_file_error(run_dir, exc)
+    if journal is not None:
+        try:
+            journal.append("run_failed", reason=str(exc))
+        except RunFileError:
+            pass  # the journal itself is what failed
+        journal.close()
+    log.error(
+        "Run stopped: %s. Finished tasks are kept; once that is fixed, finish the run with: %s",
+        exc,
+        resume_command(run_dir),
+    )
+    return EXIT_FAILED
+
+
+def resume_change(cfg: DictConfig, run_dir: Path, gpu: GPUManager, saved: Plan):
+    """What a resume's other values change (pita/experiment/resume_fix.py), or None."""
+    from pita.core.schema import resume_safe  # affects="place" | "record": never a result
+    from pita.experiment.resume_fix import plan_change
+
+    return plan_change(cfg, run_dir, saved, lambda c: build_plan(c, gpu), resume_safe)
+
+
+def print_resume_dry_run(plan: Plan, run_dir: Path, change) -> None:
+    """Which tasks a resume will run, and why (a changed key, a failure, an input)."""
+    from pita.core.resume import resume_reasons
+    from pita.experiment.resume_fix import print_resume_plan
+
+    print_resume_plan(plan, resume_reasons(plan, run_dir, change and change.touched), change)
 
 
 def _run_locked(
@@ -301,6 +367,7 @@ def _run_locked(
     )
     interrupted = False
     lost: str | None = None
+    files_failed: RunFileError | None = None
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
     t0 = time.time()
     try:
@@ -314,6 +381,9 @@ def _run_locked(
     ) as exc:  # a pool thread stopped: fail now, loudly, rather than wait forever
         lost = str(exc)
         summary = runner.summary
+    except RunFileError as exc:  # a full disk, an immutable journal or task folder: stop now
+        files_failed = exc
+        summary = runner.summary
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
         monitor.stop()
@@ -322,8 +392,10 @@ def _run_locked(
                 monitor.sample()  # a last summary while the workers still report
             except Exception:
                 pass
-        executor.shutdown(kill=interrupted or lost is not None)
+        executor.shutdown(kill=interrupted or lost is not None or files_failed is not None)
         _record_durations(run_dir, plan, durations.key)
+    if files_failed is not None:
+        return run_files_failed(run_dir, files_failed, journal)
     if lost is not None:
         journal.append(
             "run_failed", reason=lost, done=len(runner.done), wall_s=round(time.time() - t0, 2)
@@ -373,7 +445,11 @@ def _run_locked(
             tail = TaskPaths(run_dir, tid).failed(runner.attempts.get(tid, 1)) / Artifact.LOG
             if tail.is_file():
                 log.error("    log: %s (%s)", tail, last_line(tail.read_text(errors="replace")))
-        log.error("Fix the cause, then finish the run with: %s", resume_command(run_dir))
+        log.error(
+            "Fix the cause, then finish the run with: %s (add key=value to change a setting: "
+            "the tasks it touches run again, the rest is kept; add dry_run=true to list them)",
+            resume_command(run_dir),
+        )
         _end_lines(paths)
         return EXIT_FAILED
     log.info("All %d tasks done in %.1fs.", len(plan.tasks), time.time() - t0)

@@ -429,7 +429,7 @@ def load_stage_lm(
 
     spec = resolve_family(family, family_cfg)
     kwargs = dict(
-        dtype=family_cfg.get("dtype") or spec.dtype,
+        dtype=spec.dtype,  # model.dtype over the catalog's
         quantization=spec.quantization,
         attn_impl=attn_impl,
         trust_remote_code=spec.trust_remote_code,

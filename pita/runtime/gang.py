@@ -24,9 +24,9 @@ def data_parallel_world_size(ctx: StageContext) -> int:
     """
     from pita.training.precision import training_device
 
-    if str(ctx.cfg.training.parallel_strategy) != "data_parallel":
+    if str(ctx.training.parallel_strategy) != "data_parallel":
         return 1
-    gpu_mode = str(ctx.cfg.system.gpu_mode)
+    gpu_mode = str(ctx.system.gpu_mode)
     if gpu_mode in ("cpu", "single_gpu"):
         return 1
     choice = training_device(gpu_mode, ctx.device)

@@ -103,7 +103,7 @@ def _family_policy(ctx: StageContext, family):
     model = load_causal_lm(
         family.reference,
         dtype="float32",
-        attn_impl=ctx.cfg.system.attn_impl,
+        attn_impl=ctx.system.attn_impl,
         trust_remote_code=family.trust_remote_code,
     )
     if model.config.pad_token_id is None:
@@ -145,7 +145,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     from pita.training.precision import training_device
     from pita.training.report import write_training_report
 
-    tr, pcfg = ctx.cfg.training, ctx.cfg.pretrain
+    tr, pcfg = ctx.training, ctx.pretrain
     world = dist.world_size if dist else 1
     # pretrain.batch_size is the effective batch over all ranks; each rank cuts its share
     # into micro-batches whose gradients add up to those of the whole share.
@@ -169,7 +169,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
             pad_token_id=tok.pad_token_id,
             eos_token_id=tok.eos_token_id,
             seed=ctx.seed,
-            attn_impl=ctx.cfg.system.attn_impl,
+            attn_impl=ctx.system.attn_impl,
         )
     else:
         model, task = _family_policy(ctx, family)
@@ -181,19 +181,19 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
             task.name,
         )
     device = torch.device(
-        training_device(ctx.cfg.system.gpu_mode, ctx.device).device
+        training_device(ctx.system.gpu_mode, ctx.device).device
     )  # system.gpu_mode
     model.to(device).train()
     checkpointing = enable_gradient_checkpointing(model, tr.gradient_checkpointing, ctx.logger)
     compiled = compile_model(model, tr.compile, tr.compile_mode, logger=ctx.logger)
     net = wrap_model(model, dist)  # DDP all-reduces the gradients; the same model otherwise
-    wd = pcfg.get("weight_decay")
+    wd = pcfg.weight_decay
     optim = torch.optim.AdamW(
         model.parameters(), lr=pcfg.lr, weight_decay=tr.weight_decay if wd is None else wd
     )
     sched = (
         official_schedule(optim, pcfg.steps)
-        if pcfg.get("lr_schedule", "cosine") == "official"
+        if pcfg.lr_schedule == "official"
         else get_cosine_schedule_with_warmup(optim, pcfg.warmup_steps, pcfg.steps)
     )
     # Figures are read back every 50 steps (the log interval), not every step: no host sync.
@@ -237,6 +237,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
             yield ids, mask, labels, counts, n_tokens, n_targets, rng_after
 
     stream = prefetch(batches()) if cuda else batches()
+    detail = ""  # the last logged loss, shown with every step's progress
     for i, (ids, mask, labels, counts, n_tokens, n_targets, rng_after) in enumerate(
         stream, start=start
     ):
@@ -260,7 +261,8 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
             ctx.logger.info(
                 "step %d/%d loss %.4f lr %.2e", i + 1, pcfg.steps, last["loss"], step.lr()
             )
-            ctx.heartbeat(f"step {i + 1}/{pcfg.steps}")
+            detail = f"loss {last['loss']:.4f}"
+        ctx.report_progress(i + 1, pcfg.steps, "step", detail)
         ckpt.maybe_save(
             i + 1,
             lambda: {"model": model, "optimizer": optim, "scheduler": sched},
