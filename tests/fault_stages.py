@@ -27,7 +27,10 @@ def _marker(ctx: StageContext, what: str) -> None:
         )
         # A test polls for this file and reads it at once: write the whole content
         # beside it and rename, so a reader never sees a half-written (empty) marker.
-        earlier = open(path).read() if os.path.exists(path) else ""
+        earlier = ""
+        if os.path.exists(path):
+            with open(path) as f:
+                earlier = f.read()
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             f.write(earlier + line + "\n")
