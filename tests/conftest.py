@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,38 @@ def local_family(tmp_path_factory):
     from tests.local_family import build_local_family
 
     return build_local_family(tmp_path_factory.mktemp("local_family"))
+
+
+@dataclass(frozen=True)
+class SmokeRun:
+    """One finished `experiment=smoke` run (real training), shared by the tests that only read
+    what a run leaves behind: the folder, the summary, the ETA line, the time table, run_info."""
+
+    cwd: Path
+    args: list[str]
+    env: dict[str, str]
+    proc: subprocess.CompletedProcess
+    run_dir: Path
+
+
+# `algos=[..]` names exactly the smoke experiment's seven (the run is the same) so run_info's
+# command can be checked as typed, before the CLI expands the shortcut.
+SMOKE_ARGS = [
+    "experiment=smoke",
+    "algos=[reference,PITA,QSharp,QSharp-HF,DPO,GRPO,GRPO-HF]",
+    "system.devices=fake:2",
+    "executor.progress=false",
+]
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory) -> SmokeRun:
+    """The session's one smoke run: every algorithm's chain trained for real on two fake
+    devices, with its own duration cache so the ETA starts from work units. A test that
+    changes the folder (a resume) must leave what the others read in place."""
+    cwd = tmp_path_factory.mktemp("smoke_run")
+    env = {"PITA_CACHE_DIR": str(cwd / "cache")}
+    proc = run_cli(SMOKE_ARGS, cwd, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [run_dir] = run_dirs(cwd, "smoke")
+    return SmokeRun(cwd, list(SMOKE_ARGS), env, proc, run_dir)
