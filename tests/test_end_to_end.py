@@ -19,7 +19,7 @@ def test_smoke_experiment_end_to_end(smoke_run):
     proc, run_dir = smoke_run.proc, smoke_run.run_dir
     rows = _summary(run_dir)
     header = list(rows[0])
-    assert header[:12] == [
+    assert header[:14] == [
         "algo",
         "dataset",
         "family",
@@ -31,6 +31,8 @@ def test_smoke_experiment_end_to_end(smoke_run):
         "maj@k",
         "avg_reward",
         "kl",
+        "kl_full",
+        "off_support",
         "wall_s",
     ]
     assert any(r["algo"] == "reference" for r in rows)

@@ -32,7 +32,14 @@ def _start(args, cwd, env):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # Ctrl-C reaches a run started from a terminal, whose SIGINT is the default; a pytest
+        # started in the background (`cmd &`, nohup) ignores SIGINT and its children would too
+        preexec_fn=_sigint_default,
     )
+
+
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _pid_alive(pid: int) -> bool:
