@@ -16,14 +16,19 @@ from tests.conftest import journal, only, run_cli, run_dirs
     [
         (["training.parallel_strategy=data_parallel"], 3),
         (["training.parallel_strategy=none"], 1),
+        (["training.parallel_strategy=fsdp"], 3),
         (["training.parallel_strategy=data_parallel", "system.gpu_mode=single_gpu"], 1),
     ],
 )
-def test_pretrain_is_planned_on_a_gang(overrides, gang):
+def test_pretrain_and_value_training_are_planned_on_a_gang(overrides, gang):
+    """pita's own loops (pretrain, the value trainer's train stage) get the gang; the
+    others keep one device."""
     cfg = cli.compose_config(["system.devices=fake:3", *only("reference", "QSharp"), *overrides])
     plan = build_plan(cfg, make_gpu_manager(cfg))
-    assert plan.tasks["pretrain.goal_walk.tiny"].gpus == gang
-    assert {t.gpus for tid, t in plan.tasks.items() if not tid.startswith("pretrain")} == {1}
+    own_loops = {tid for tid, t in plan.tasks.items() if t.stage in ("pretrain", "train")}
+    assert "pretrain.goal_walk.tiny" in own_loops and len(own_loops) > 1
+    assert {plan.tasks[tid].gpus for tid in own_loops} == {gang}
+    assert {t.gpus for tid, t in plan.tasks.items() if tid not in own_loops} == {1}
 
 
 @pytest.mark.slow

@@ -38,7 +38,7 @@ ATTN_IMPLS = ("eager", "sdpa", "flash_attention_2")
 EXECUTOR_BACKENDS = ("local", "inprocess", "ray")
 PRECISION_TYPES = ("auto", "fp16", "bf16", "fp32")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
-PARALLEL_STRATEGIES = ("none", "data_parallel")
+PARALLEL_STRATEGIES = ("none", "data_parallel", "fsdp")
 LOGGER_BACKENDS = ("none", "tensorboard", "wandb", "mlflow", "csv")
 WANDB_MODES = ("offline", "online", "disabled")
 RECIPES = ("rollouts", "ground_truth_vs_first_wrong")
@@ -341,7 +341,8 @@ class TrainingConfig:
     compile: bool = spec("torch.compile the model.", False, memory=True)
     compile_mode: str = spec("torch.compile mode.", "default", choices=COMPILE_MODES)
     parallel_strategy: str = spec(
-        "data_parallel: pretrain planned on a gang of every device, one DDP rank per device.",
+        "data_parallel (DDP) / fsdp (FSDP2): pretrain and the value trainer planned on a gang "
+        "of every device, one rank per device.",
         "none",
         choices=PARALLEL_STRATEGIES,
         memory=True,

@@ -153,11 +153,15 @@ class Planner:
         return tid
 
     def data_parallel_gang(self) -> int:
-        """training.parallel_strategy=data_parallel: pretrain, the stage that trains with DDP
-        (pita/runtime/gang.py run_stage), gets a gang of every device of the run, one rank
-        per device; other stages keep one device (or model.gpus_per_task for sharding)."""
+        """training.parallel_strategy=data_parallel | fsdp: the stages that train with pita's
+        own loop on a gang (pretrain, an algorithm's `gang_stages`: pita/runtime/gang.py
+        run_stage) get a gang of every device of the run, one rank per device; other stages
+        keep one device (or model.gpus_per_task for sharding)."""
         strategy = str(self.cfg.training.parallel_strategy)
-        if strategy != "data_parallel" or str(self.cfg.system.gpu_mode) in ("cpu", "single_gpu"):
+        if strategy not in ("data_parallel", "fsdp") or str(self.cfg.system.gpu_mode) in (
+            "cpu",
+            "single_gpu",
+        ):
             return 1
         return max(1, self.n_devices)
 
@@ -229,12 +233,13 @@ class Planner:
             chain.produced = {}
             for stage in spec_algo.round_stages:
                 inputs = stage_inputs(stage, chain, base_inputs)
+                k = max(gpus, self.data_parallel_gang()) if stage in spec_algo.gang_stages else gpus
                 spec = dict(
                     algo=algo,
                     algo_schema=spec_algo.schema_path,
                     round=r,
                     inputs=inputs,
-                    gpus=gpus,
+                    gpus=k,
                     mem_mb=mem_mb(stage),
                     **common,
                 )
