@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pita.experiment.report import COLUMNS
+from pita.results.report import COLUMNS
 from tests.conftest import only, run_cli
 
 HEADER = COLUMNS  # the results contract (docs/DESIGN.md §6)
@@ -28,7 +28,7 @@ def _job(folder: Path, seed: int, rows: list[list], extra_override: str = "") ->
 
 
 def test_aggregate_mean_std_per_algo_dataset_family_round_eta(tmp_path):
-    from pita.experiment.aggregate import aggregate
+    from pita.results.aggregate import aggregate
 
     sweep = tmp_path / "multirun" / "2026-01-01_00-00-00"
     accs = [0.5, 0.6, 0.7]
@@ -71,7 +71,7 @@ def test_aggregate_mean_std_per_algo_dataset_family_round_eta(tmp_path):
 
 
 def test_jobs_that_differ_beyond_the_seed_are_kept_apart(tmp_path):
-    from pita.experiment.aggregate import aggregate
+    from pita.results.aggregate import aggregate
 
     for i, lr in enumerate(["1e-3", "1e-3", "1e-2", "1e-2"]):
         _job(
@@ -111,7 +111,7 @@ def test_real_seed_sweep_ends_with_one_aggregate_table(tmp_path):
 def test_aggregate_writes_the_matched_kl_table_of_the_means(tmp_path):
     """Two guided algorithms with an η curve in every job: `matched_kl.md` reads the mean
     curves (Q# mean KL at η 5 is 1.0 with mean pass@1 0.6; PITA's 2.0 and 0.8)."""
-    from pita.experiment.aggregate import aggregate
+    from pita.results.aggregate import aggregate
 
     sweep = tmp_path / "multirun" / "2026-01-01_00-00-00"
     for i in range(2):
@@ -147,7 +147,7 @@ def _job_with_sampling(folder: Path, seed: int, rows: list[tuple[float, str]]) -
 
 def test_two_reference_rules_are_never_pooled(tmp_path):
     """Issue 22: full and top-2 reference rows of one run stay two rows, each over 3 runs."""
-    from pita.experiment.aggregate import aggregate, main
+    from pita.results.aggregate import aggregate, main
 
     sweep = tmp_path / "multirun" / "ts"
     full, top2 = [0.50, 0.52, 0.54], [1.0, 0.98, 0.96]
@@ -175,7 +175,7 @@ ROW = ["QSharp", "goal_walk", "tiny", 0, 5.0, 40, 80, 0.5, 0.5, 0.5, 0.4, 0.4, 0
 
 
 def _aggregate_cli(capsys, *args: str) -> tuple[int, list[str]]:
-    from pita.experiment.aggregate import main
+    from pita.results.aggregate import main
 
     code = main([str(a) for a in args])
     return code, capsys.readouterr().err.strip().splitlines()
@@ -297,7 +297,7 @@ def test_frontier_legend_stays_readable_for_many_runs(tmp_path):
     over a curve), each config named once in a table beside them, nothing off the figure."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    from pita.experiment.aggregate import frontier_figure
+    from pita.results.aggregate import frontier_figure
 
     rows = []
     for c in range(12):

@@ -36,6 +36,8 @@ def test_smoke_experiment_end_to_end(smoke_run):
         "wall_s",
     ]
     assert any(r["algo"] == "reference" for r in rows)
+    for r in rows:  # docs/ALGORITHMS.md "KL: the three columns": kl finite unless off the support
+        assert (float(r["kl"]) != float("inf")) == (float(r["off_support"]) == 0.0), r
     assert (run_dir / "results" / "summary.md").is_file()
     matched = (run_dir / "results" / "matched_kl.md").read_text()  # smoke sweeps η = 0, 5
     assert "QSharp pass@1" in matched and "PITA pass@1" in matched

@@ -27,16 +27,13 @@ from pita.core.progress import (
     task_left,
 )
 from pita.core.tasks import TaskSpec
-from tests.conftest import run_cli
+from tests.conftest import run_cli, task_spec
 
 
 def _task(tid: str, stage: str = "train", work: float = 1.0, deps=(), algo="DPO") -> TaskSpec:
-    return TaskSpec(
+    return task_spec(
         id=tid,
         algo=algo,
-        dataset="goal_walk",
-        family="tiny",
-        round=0,
         stage=stage,
         fn="-",
         deps=list(deps),
@@ -291,7 +288,7 @@ def test_the_dry_run_scales_earlier_durations_by_task_size_and_names_those_witho
     from pita.experiment.cli import compose_config
     from pita.experiment.plan import plan_experiment
     from pita.experiment.run import history_line, task_durations
-    from pita.experiment.timeline import duration_key, record_durations
+    from pita.results.timeline import duration_key, record_durations
 
     monkeypatch.setenv("PITA_CACHE_DIR", str(tmp_path / "cache"))
     gpu = GPUManager("fake:1")
@@ -335,7 +332,7 @@ def _journal(path, events):
 
 
 def test_time_table_per_stage_chain_and_device_from_the_journal(tmp_path):
-    from pita.experiment.timeline import spans, time_rows, write_time_report
+    from pita.results.timeline import spans, time_rows, write_time_report
 
     plan = Plan()
     plan.add(_task("DPO.goal_walk.tiny.r0.train"))
@@ -370,7 +367,7 @@ def test_time_table_per_stage_chain_and_device_from_the_journal(tmp_path):
 
 
 def test_busy_time_of_packed_tasks_is_their_union():
-    from pita.experiment.timeline import _busy
+    from pita.results.timeline import _busy
 
     assert _busy([(0, 4), (2, 6), (8, 9)]) == 7
 
@@ -402,7 +399,7 @@ def test_resume_hint_says_the_command_the_user_ran(monkeypatch, argv0, command):
 
 
 def test_legend_names_every_results_column_once():
-    from pita.experiment.report import COLUMNS, SE_COLUMN, legend
+    from pita.results.report import COLUMNS, SE_COLUMN, legend
 
     text = legend()
     for column in [*COLUMNS, SE_COLUMN]:
@@ -414,7 +411,7 @@ def test_legend_names_every_results_column_once():
 
 def test_single_run_pass_at_1_carries_its_binomial_standard_error(tmp_path):
     from pita.core.paths import Artifact, RunPaths
-    from pita.experiment.report import COLUMNS, write_report
+    from pita.results.report import COLUMNS, write_report
 
     plan = Plan()
     plan.add(_task("DPO.goal_walk.tiny.r0.evaluate", stage="evaluate_merge"))
@@ -443,7 +440,7 @@ def test_single_run_pass_at_1_carries_its_binomial_standard_error(tmp_path):
 
 
 def test_frontier_axis_turns_symlog_when_an_outlier_squashes_the_rest(tmp_path):
-    from pita.experiment.aggregate import kl_axis, plot_frontier
+    from pita.results.aggregate import kl_axis, plot_frontier
 
     assert kl_axis([0.0, 0.1, 0.2, 0.3, 0.5]) == ("linear", None)
     assert kl_axis([0.0, 0.05, 0.4]) == ("linear", None)  # three points: nothing to squash
@@ -468,7 +465,7 @@ def test_frontier_axis_turns_symlog_when_an_outlier_squashes_the_rest(tmp_path):
 def test_durations_are_recorded_per_task_and_config_and_read_back(tmp_path):
     from omegaconf import OmegaConf
 
-    from pita.experiment.timeline import duration_key, load_history, record_durations
+    from pita.results.timeline import duration_key, load_history, record_durations
 
     plan = Plan()
     plan.add(_task("DPO.goal_walk.tiny.r0.train"))

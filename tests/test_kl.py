@@ -165,8 +165,8 @@ ROWS = [
 def test_readers_of_the_kl_keep_infinite_rows_apart(tmp_path):
     """matched KL: an infinite point is off every curve (no NaN cells); frontier plot: the
     row stays on it, at the ∞ edge; aggregate: inf is the mean, its spread unknown."""
-    from pita.experiment.aggregate import aggregate_rows, frontier_x, plot_frontier
-    from pita.experiment.matched_kl import matched_kl_rows
+    from pita.results.aggregate import aggregate_rows, frontier_x, plot_frontier
+    from pita.results.matched_kl import matched_kl_rows
 
     table = matched_kl_rows(ROWS)
     assert table and all(r["kl"] != math.inf for r in table)
@@ -175,6 +175,10 @@ def test_readers_of_the_kl_keep_infinite_rows_apart(tmp_path):
     assert edge is not None and edge > 0.8 and xs[-1] == edge and xs[-2] == edge
     assert xs[:-2] == [r["kl"] for r in ROWS[:-2]]
     assert plot_frontier(ROWS, tmp_path / "frontier.png")
+    from pita.experiment.aggregate import clean_rows
+
+    kept, bad_cells, _ = clean_rows([dict(ROWS[-1], avg_reward=math.inf)])
+    assert kept[0]["kl"] == math.inf and "avg_reward" not in kept[0] and bad_cells == 1
     runs = [dict(r, config="", run=str(i)) for i in range(2) for r in ROWS]
     agg = {(r["algo"], r["eta"]): r for r in aggregate_rows(runs)}
     assert agg[("DPO", None)]["kl_mean"] == math.inf and agg[("DPO", None)]["kl_std"] is None
@@ -183,7 +187,7 @@ def test_readers_of_the_kl_keep_infinite_rows_apart(tmp_path):
 
 
 def test_report_writes_inf_and_the_legend_names_the_columns():
-    from pita.experiment.report import COLUMNS, legend, to_markdown
+    from pita.results.report import COLUMNS, legend, to_markdown
 
     assert COLUMNS.index("kl") < COLUMNS.index("kl_full") < COLUMNS.index("off_support")
     text = legend()

@@ -257,9 +257,15 @@ def test_eta_zero_guided_row_is_the_reference_row_under_the_guided_rule(local_fa
     ref = load_causal_lm(str(local_family.reference), dtype="float32")
     tok = load_tokenizer(str(local_family.reference))
 
+    from pita.core.schema import EvaluationConfig, GenerationConfig, settings
+
     def ctx(algo):
         return SimpleNamespace(
-            task=SimpleNamespace(algo=algo), cfg=cfg, input=lambda name: local_family.guide
+            task=SimpleNamespace(algo=algo),
+            cfg=cfg,
+            generation=settings(GenerationConfig, cfg.generation),
+            evaluation=settings(EvaluationConfig, cfg.evaluation),
+            input=lambda name: local_family.guide,
         )
 
     reference_rows = eval_policies(ctx("reference"), ref)

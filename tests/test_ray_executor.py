@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import journal, only, run_cli, run_dirs, sleep_overrides
+from tests.conftest import journal, only, run_ok, sleep_overrides, task_spec
 
 pytest.importorskip("ray")
 
@@ -19,9 +19,7 @@ def test_dag_runs_as_ray_tasks(tmp_path):
         "executor.progress=false",
         *sleep_overrides(),
     ]
-    proc = run_cli(args, tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    [run_dir] = run_dirs(tmp_path, "ray")
+    run_dir = run_ok(args, tmp_path, "ray", timeout=300)
     done = [e for e in journal(run_dir) if e["event"] == "task_done"]
     assert len(done) == 11
     assert all((run_dir / "tasks" / e["task"] / "manifest.json").is_file() for e in done)
@@ -49,9 +47,8 @@ def test_ray_tasks_carry_their_task_id_as_name(two_gpu_ray, tmp_path):
     from omegaconf import OmegaConf
 
     from pita.core.ray_executor import RayExecutor
-    from pita.core.tasks import TaskSpec
 
-    task = TaskSpec(
+    task = task_spec(
         "reference.goal_walk.tiny.r0.eval", "reference", "goal_walk", "tiny", 0, "eval", "x:y"
     )
     ex = RayExecutor(OmegaConf.create({"ray_address": "local"}), run_task=_task_name)

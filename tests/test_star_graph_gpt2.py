@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from tests.conftest import run_cli, run_dirs
+from tests.conftest import run_cli, run_ok
 
 SMALL = {"degree": 2, "path_length": 4, "num_nodes": 20, "train_size": 48, "test_size": 16}
 
@@ -228,9 +228,7 @@ def test_star_graph_gpt2_runs_end_to_end_on_a_local_gpt2_family(gpt2_family, tmp
         "executor.progress=false",
         "experiment.name=sg_gpt2",
     ]
-    proc = run_cli(args, tmp_path, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    [run_dir] = run_dirs(tmp_path, "sg_gpt2")
+    run_dir = run_ok(args, tmp_path, "sg_gpt2", timeout=900)
     with open(run_dir / "results" / "summary.csv") as f:
         rows = list(csv.DictReader(f))
     from pita.algos.registry import ALGO_NAMES

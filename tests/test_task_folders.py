@@ -15,7 +15,7 @@ from pita.core.paths import TaskPaths, atomic_write_json, atomic_write_text
 from pita.core.tasks import TaskSpec
 from pita.runtime.context import ModelCache
 from pita.runtime.worker import execute_task
-from tests.conftest import ROOT, journal, only, run_cli, run_dirs, sleep_overrides
+from tests.conftest import ROOT, journal, only, run_cli, run_dirs, sleep_overrides, task_spec
 
 TID = "QSharp.goal_walk.tiny.r0.evaluate"
 
@@ -91,12 +91,8 @@ def test_commit_refuses_a_folder_without_its_declared_outputs(tmp_path):
 
 
 def _task(fn: str, outputs=()) -> TaskSpec:
-    return TaskSpec(
+    return task_spec(
         id=TID,
-        algo="QSharp",
-        dataset="goal_walk",
-        family="tiny",
-        round=0,
         stage="evaluate_merge",
         fn=fn,
         outputs=list(outputs),

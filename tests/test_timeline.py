@@ -1,7 +1,7 @@
 """results/timeline.png names what it shows (issue 28): the model behind the picture — long
 bars labelled with their task (which train is PITA's), a gang drawn as one bar across its
 device rows, failed attempts marked with their failure class, retries marked — tested on
-data from a journal, not on pixels (pita/experiment/timeline_plot.py)."""
+data from a journal, not on pixels (pita/results/timeline_plot.py)."""
 
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ ROWS = ["GPU 0", "GPU 1", "GPU 2", "GPU 3"]
 
 
 def _model():
-    from pita.experiment.timeline import spans
-    from pita.experiment.timeline_plot import timeline_model
+    from pita.results.timeline import spans
+    from pita.results.timeline_plot import timeline_model
 
     all_spans, _ = spans(EVENTS, _plan().tasks)
     return timeline_model(all_spans, ROWS)
@@ -78,8 +78,8 @@ def test_a_gang_is_one_bar_across_its_device_rows():
 
 
 def test_a_gang_on_devices_that_are_not_neighbours_is_joined_by_a_line():
-    from pita.experiment.timeline import Span
-    from pita.experiment.timeline_plot import device_runs, timeline_model
+    from pita.results.timeline import Span
+    from pita.results.timeline_plot import device_runs, timeline_model
 
     assert device_runs([3, 0, 1]) == [(0, 1), (3, 3)]
     span = Span(PITA_TRAIN, "train", "PITA.goal_walk.tiny", [0, 1, 3], 0.0, 50.0, "done")
@@ -101,7 +101,7 @@ def test_failed_and_retried_attempts_are_marked():
 
 
 def test_the_model_draws(tmp_path):
-    from pita.experiment.timeline_plot import draw_timeline
+    from pita.results.timeline_plot import draw_timeline
 
     draw_timeline(_model(), tmp_path / "timeline.png")
     assert (tmp_path / "timeline.png").stat().st_size > 1000

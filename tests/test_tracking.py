@@ -222,7 +222,7 @@ def test_metric_names_are_legal_everywhere_and_result_tags_keep_rows_apart():
     """One sanitizer for every backend (MLflow refuses `eta=0` and `pass@1`); the results'
     tags carry every column that tells rows apart: two reference rows differ only by their
     sampling rule and must not share a curve."""
-    from pita.experiment.report import RESULT_METRICS, result_tag
+    from pita.results.report import RESULT_METRICS, result_tag
     from pita.training.tracking import metric_name
 
     assert metric_name("eta=0") == "eta_0" and metric_name("pass@1") == "pass_at_1"
@@ -358,20 +358,20 @@ def test_mlflow_default_store_is_shared_by_every_run_under_outputs(tmp_path):
     mlflow = pytest.importorskip("mlflow")
     from omegaconf import OmegaConf
 
-    from pita.training.tracking import mlflow_uri, open_tracker
+    from pita.training.tracking import logger_cfg, mlflow_uri, open_tracker
 
     cfg = OmegaConf.create({"experiment": {"name": "t"}, "logger": {"backend": "mlflow"}})
     outputs = tmp_path / "outputs"
     runs = [outputs / "t" / "ts1", outputs / "t" / "ts2", outputs / "t" / "multirun" / "ts3" / "0"]
     for i, run in enumerate([*runs, runs[0]]):  # the last: a retry in the first run
-        assert mlflow_uri(cfg.logger, run) == f"sqlite:///{outputs.resolve()}/mlflow/mlflow.db"
+        assert mlflow_uri(logger_cfg(cfg), run) == f"sqlite:///{outputs.resolve()}/mlflow/mlflow.db"
         tracker = open_tracker(cfg, run, "task")
         tracker.log({"train/loss": float(i)}, i)
         tracker.close()
         assert not tracker.failed
     assert not any((run / "logs").exists() for run in runs)
     assert (outputs / "mlflow" / "mlflow.lock").is_file()
-    client = mlflow.MlflowClient(mlflow_uri(cfg.logger, runs[0]))
+    client = mlflow.MlflowClient(mlflow_uri(logger_cfg(cfg), runs[0]))
     exp = client.get_experiment_by_name("t")
     found = client.search_runs([exp.experiment_id])
     by_run = {r.data.tags["pita.run"]: r for r in found}

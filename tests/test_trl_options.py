@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from tests.conftest import ALGOS, only, run_cli, run_dirs
+from tests.conftest import ALGOS, only, run_cli, run_dirs, run_ok
 
 # --- the parent-side check (fast, no torch) ---------------------------------------------------
 
@@ -266,9 +266,7 @@ def test_trl_options_and_lora_reach_the_trainers(local_family, tmp_path):
         "algos.GRPO-HF.reward_epochs=1",
         "algos.GRPO-HF.reward_trl.center_rewards_coefficient=0.01",
     ]
-    proc = run_cli(args, tmp_path, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    [run_dir] = run_dirs(tmp_path, "trlopt")
+    run_dir = run_ok(args, tmp_path, "trlopt", timeout=600)
     tasks = run_dir / "tasks"
 
     dpo = json.loads((tasks / "DPO.gsm8k.local.r0.train" / "result.json").read_text())

@@ -14,7 +14,7 @@ import pytest
 
 from pita.core import user_cache
 from pita.experiment.estimates import PeakEstimator
-from pita.experiment.timeline import load_history, record_durations
+from pita.results.timeline import load_history, record_durations
 from pita.runtime.batch_size.cache import BatchSizeCache
 from pita.runtime.batch_size.search import SearchResult
 

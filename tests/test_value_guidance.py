@@ -19,15 +19,6 @@ from pita.models.value_model import ValueModel, build_value_model
 V, PAD, EOS = 12, 10, 11
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: intra-op threads only add synchronisation (80x slower on a busy 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _value_model(num_atoms: int = 1, seed: int = 0) -> ValueModel:
     from transformers import LlamaModel
 

@@ -77,3 +77,5 @@ peft  # pita/algos/trl_common.py, pita/experiment/trl_options.py: algo.get("peft
 trl  # the same: algo.get("trl")
 reward_trl  # the same: algo.get("reward_trl")
 _.bounded  # pita/core/schema.py Rule.bounded: tests/test_schema.py checks every numeric key has one
+resume_safe_keys  # pita/core/schema.py: tests/test_affects.py ties docs/operations.md's resume sentence to it
+describe_keys  # the same: the sentence's text, derived from the fields' `affects`

@@ -301,7 +301,6 @@ def train(ctx: StageContext) -> dict:
     from trl import DPOConfig
 
     from pita.algos.trl_common import (
-        applied_options,
         effective_batch,
         load_trainable_lm,
         lora_config,
@@ -386,4 +385,4 @@ def train(ctx: StageContext) -> dict:
             "logps/rejected",
         ),
     )
-    return {"pairs": len(records), "start": start_dir, **end, **applied_options(args, ctx)}
+    return {"pairs": len(records), "start": start_dir, **end}

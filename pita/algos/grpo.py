@@ -124,7 +124,6 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
     from trl import GRPOConfig
 
     from pita.algos.trl_common import (
-        applied_options,
         effective_batch,
         load_trainable_lm,
         lora_config,
@@ -222,7 +221,6 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
         "start": start_dir,
         "first_reward": first.get("reward"),
         **end,
-        **applied_options(args, ctx),
     }
 
 

@@ -96,7 +96,6 @@ def train_reward_model(ctx: StageContext) -> dict:
 
     from pita.algos.dpo import read_pairs
     from pita.algos.trl_common import (
-        applied_options,
         effective_batch,
         quiet,
         stage_log_callback,
@@ -158,7 +157,9 @@ def train_reward_model(ctx: StageContext) -> dict:
         len(ctx.input("data")),
         ref_dir,
     )
-    model, end = train_and_save(ctx, trainer, tok, Artifact.REWARD_MODEL, ("train_loss",))
+    model, end = train_and_save(
+        ctx, trainer, tok, Artifact.REWARD_MODEL, ("train_loss",), options="reward_trl"
+    )
     scorer = RewardScorer(model, tok, _scorer_batch(ctx), padding_side="right")
     result = {
         "pairs": len(train_pairs),
@@ -166,7 +167,6 @@ def train_reward_model(ctx: StageContext) -> dict:
         "train_accuracy": pairwise_accuracy(scorer, train_pairs[:2000]),
         "heldout_accuracy": pairwise_accuracy(scorer, heldout),
         **end,
-        **applied_options(args, ctx, "reward_trl"),
     }
     ctx.logger.info(
         "pairwise accuracy: train %.3f, held-out %.3f",

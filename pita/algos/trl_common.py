@@ -83,15 +83,16 @@ def policy_start_dir(ctx: StageContext) -> str:
 
 def load_trainable_lm(ctx: StageContext, path: str):
     """A fresh fp32 copy of a causal LM for training (never the worker's cached copy: the
-    trainers patch `forward` and change the weights). Mixed precision is autocast's job."""
-    from pita.models.loading import load_causal_lm
+    trainers patch `forward` and change the weights), through the stages' one loader."""
+    from pita.models.placement import load_stage_lm
 
-    return load_causal_lm(
+    return load_stage_lm(
         path,
-        dtype="float32",
+        family=ctx.task.family,
+        family_cfg=ctx.cfg.model,
         device=ctx.device,
         attn_impl=ctx.system.attn_impl,
-        trust_remote_code=ctx.model.trust_remote_code,
+        trainable=True,
     )
 
 
@@ -206,7 +207,12 @@ def _train_resumable(ctx: StageContext, trainer: Any, metrics: Any) -> None:
 
 
 def train_and_save(
-    ctx: StageContext, trainer: Any, tokenizer: Any, artifact: str, logged: tuple[str, ...]
+    ctx: StageContext,
+    trainer: Any,
+    tokenizer: Any,
+    artifact: str,
+    logged: tuple[str, ...],
+    options: str = "trl",
 ) -> tuple[Any, dict[str, Any]]:
     """The ending every TRL stage shares: `train_with_report` (resuming from the task's
     newest committed checkpoint; training_metrics.png, performance_summary.txt), then the
@@ -215,7 +221,8 @@ def train_and_save(
     removed, its checkpoints go with the task's checkpoint folder once committed).
 
     Returns (the trained model in eval mode, the common part of the stage's result:
-    `steps`, the last logged value of each `logged` key, `performance`)."""
+    `steps`, the last logged value of each `logged` key, `performance` and the TRL options
+    of `algos.<NAME>.<options>` as the built config holds them)."""
     performance = train_with_report(ctx, trainer)
     model = merged_adapter(ctx, trainer.accelerator.unwrap_model(trainer.model)).eval()
     save_model(model, tokenizer, ctx.out_dir / artifact)
@@ -223,6 +230,7 @@ def train_and_save(
         "steps": trainer.state.global_step,
         **last_logged(trainer, *logged),
         "performance": performance,
+        **applied_options(trainer.args, ctx, options),
     }
 
 

@@ -468,6 +468,7 @@ def _resume(ctx: StageContext, run: ValueRun) -> None:
     (`training.checkpoint_every`: a retry continues from there)."""
     import torch
 
+    from pita.runtime.gang import checkpoint_objects
     from pita.runtime.kit import checkpointer
 
     run.gen = torch.Generator().manual_seed(ctx.seed)
@@ -483,10 +484,13 @@ def _resume(ctx: StageContext, run: ValueRun) -> None:
         run.trainer.precision.name,
         run.init,
     )
-    run.ckpt = checkpointer(ctx, writer=run.dist is None or run.dist.is_main)
+    run.ckpt = checkpointer(
+        ctx, writer=run.dist is None or run.dist.is_main, collective=run.dist is not None
+    )
+    model, optim = checkpoint_objects(ctx, run.model, run.optim)
     run.start, extra = run.ckpt.restore(
-        model=run.model,
-        optimizer=run.optim,
+        model=model,
+        optimizer=optim,
         scheduler=run.sched,
         step=run.trainer,
         max_step=run.steps,
@@ -502,8 +506,11 @@ def train_loop(ctx: StageContext, run: ValueRun) -> None:
     weight, a log window every `log_every` steps, a checkpoint when due."""
     import torch
 
+    from pita.runtime.gang import checkpoint_objects
+
     n, batch, weight = run.n, run.batch, run.tensors[3]
-    model, optim, sched, gen = run.model, run.optim, run.sched, run.gen
+    model, optim = checkpoint_objects(ctx, run.model, run.optim)
+    sched, gen = run.sched, run.gen
     detail = ""  # the last log window's loss, shown with every step's progress
     for step in range(run.start, run.steps):
         if run.cursor + batch > n:  # the next epoch, freshly shuffled

@@ -51,6 +51,9 @@ GUIDANCE_MODES = ("bernoulli", "mle", "expectation", "expectation_clamped")
 AUTO_BATCH = ("auto", "auto_batch_size")  # a batch size the runtime searches for
 FOLDER_NAME = r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._-]{0,99}"  # one path component, no '..'
 
+SEED_MAX = 2**32 - 1  # numpy's seeds stop there
+BATCH_MAX = 1 << 20
+DAY_S, WEEK_S = 86_400.0, 604_800.0
 UNKNOWN_KEY = "unknown key (not in pita's config schema, see conf/ and pita/core/schema.py)"
 
 
@@ -90,7 +93,9 @@ class Rule:
         if value is None:
             return True
         if self.batch:
-            return value in AUTO_BATCH if isinstance(value, str) else _is_int(value) and value > 0
+            if isinstance(value, str):
+                return value in AUTO_BATCH
+            return _is_int(value) and value > 0 and self._in(value)
         if self.pattern is not None:
             return isinstance(value, str) and re.fullmatch(self.pattern, value) is not None
         if self.items:
@@ -121,7 +126,8 @@ class Rule:
         if self.choices is not None:
             return "allowed: " + " | ".join("null" if c is None else str(c) for c in self.choices)
         if self.batch:
-            return "a positive integer or auto / " + AUTO_BATCH[1]
+            ceiling = f" <= {_num(self.le)}" if self.le is not None else ""
+            return f"a positive integer{ceiling} or auto / {AUTO_BATCH[1]}"
         lo = f">= {_num(self.ge)}" if self.ge is not None else None
         lo = f"> {_num(self.gt)}" if self.gt is not None else lo
         hi = f"<= {_num(self.le)}" if self.le is not None else None
@@ -144,7 +150,7 @@ class Rule:
 
 # What changing a key changes (`spec(affects=...)`); four lists are derived from it: the keys a
 # resume may change (and the CLI's refusal text), what a checkpoint's identity leaves out, the
-# duration cache's key (pita/experiment/timeline.py) and, with `memory=True`, the peak cache's.
+# duration cache's key (pita/results/timeline.py) and, with `memory=True`, the peak cache's.
 AFFECTS = (
     "result",  # what a task computes (and so how long it works)
     "place",  # where and how fast it runs, never what: devices, workers, timeouts
@@ -195,7 +201,7 @@ class ExperimentConfig:
         "Dataset group names for a multi-dataset experiment; empty = [dataset.name].", []
     )
     families: List[str] = spec("Model family group names; empty = [model.name].", [])
-    seed: int = spec("Seed of everything random in the run.", 0, ge=0)
+    seed: int = spec("Seed of everything random in the run.", 0, ge=0, le=SEED_MAX)
 
 
 @dataclass
@@ -206,7 +212,12 @@ class SystemConfig:
     )
     attn_impl: str = spec("Attention implementation.", "eager", choices=ATTN_IMPLS, memory=True)
     clear_cache_interval: int = spec(
-        "Empty the CUDA cache every N training steps.", 10, ge=0, note="0 = never", affects="place"
+        "Empty the CUDA cache every N training steps.",
+        10,
+        ge=0,
+        note="0 = never",
+        affects="place",
+        le=1_000_000,
     )
     use_parallel_execution: bool = spec(
         "false runs every task in this process (debugging, pdb).", True, affects="place"
@@ -219,9 +230,6 @@ class SystemConfig:
         False,
         affects="place",
     )
-
-
-SECONDS = "must be > 0 seconds"
 
 
 @dataclass
@@ -264,26 +272,29 @@ class ExecutorConfig:
         "Kill a task running longer than this (seconds).",
         7200.0,
         gt=0,
-        allowed=SECONDS,
+        note="seconds",
         affects="place",
+        le=WEEK_S,
     )
     heartbeat_s: float = spec(
-        "Seconds between worker heartbeats.", 2.0, gt=0, allowed=SECONDS, affects="place"
+        "Seconds between worker heartbeats.", 2.0, gt=0, note="seconds", affects="place", le=DAY_S
     )
     heartbeat_timeout_s: float = spec(
         "A worker silent this long is treated as lost (> heartbeat_s).",
         120.0,
         gt=0,
-        allowed=SECONDS,
+        note="seconds",
         affects="place",
+        le=DAY_S,
     )
     start_timeout_s: float = spec(
         "A worker that has not connected this long after its start is killed "
         "and its task retried on a fresh one (seconds).",
         60.0,
         gt=0,
-        allowed=SECONDS,
+        note="seconds",
         affects="place",
+        le=DAY_S,
     )
     model_cache_size: int = spec(
         "Models a worker keeps loaded between tasks (LRU).", 2, ge=1, le=64, affects="place"
@@ -300,8 +311,9 @@ class ExecutorConfig:
         "Seconds between GPU/RSS samples and run.log summaries.",
         30.0,
         gt=0,
-        allowed=SECONDS,
+        note="seconds",
         affects="record",
+        le=DAY_S,
     )
     progress: bool = spec("Live progress display of tasks per device.", True, affects="record")
     preimport: bool = spec(
@@ -352,22 +364,25 @@ class TrainingConfig:
         0,
         ge=-1,
         note="-1 = auto",
+        le=256,
     )
     pin_memory: bool = spec("Pin host memory in DataLoaders (GPU only).", False)
-    max_grad_norm: float = spec("Gradient clipping norm.", 1.0, ge=0, note="0 = off")
-    weight_decay: float = spec("AdamW weight decay.", 0.0, ge=0)
+    max_grad_norm: float = spec("Gradient clipping norm.", 1.0, ge=0, note="0 = off", le=1e6)
+    weight_decay: float = spec("AdamW weight decay.", 0.0, ge=0, le=10)
     checkpoint_every: int = spec(
         "Checkpoint a training task every N optimizer steps into tasks/<id>.checkpoints/; "
         "a retried or resumed task continues from its newest checkpoint.",
         0,
         ge=0,
         note="0 = off",
+        le=100_000_000,
     )
     checkpoint_every_minutes: float = spec(
         "Also checkpoint when this many minutes passed since the last one.",
         10.0,
         ge=0,
         note="0 = off",
+        le=1e6,
     )
 
 
@@ -402,12 +417,14 @@ class LoggerConfig:
 @dataclass
 class GenerationConfig:
     batch_size: BatchSize = spec(
-        "Prompts per generation batch, or auto.", 256, batch=True, memory=True
+        "Prompts per generation batch, or auto.", 256, batch=True, memory=True, le=BATCH_MAX
     )
     max_new_tokens: int = spec(
         "Longest response.", 0, ge=0, note="0 = the task's length", le=131_072, memory=True
     )
-    temperature: float = spec("Sampling temperature (offsets are added before it).", 1.0, gt=0)
+    temperature: float = spec(
+        "Sampling temperature (offsets are added before it).", 1.0, gt=0, le=100
+    )
     top_p: float = spec("Nucleus sampling mass.", 1.0, gt=0, le=1)
     top_k: int = spec("Sample among the top-k tokens (0 = all).", 0, ge=0, le=1_000_000)
 
@@ -415,12 +432,14 @@ class GenerationConfig:
 @dataclass
 class DataCollectionConfig:
     reward_batch_size: BatchSize = spec(
-        "Sequences per reward-model forward, or auto.", 32, batch=True, memory=True
+        "Sequences per reward-model forward, or auto.", 32, batch=True, memory=True, le=BATCH_MAX
     )
     samples_per_example: int = spec(
         "Roll-outs collected per training prompt per round.", 64, ge=1, le=100_000
     )
-    bradley_terry_beta: float = spec("β_BT of the Bradley–Terry draw for PITA labels.", 10.0, ge=0)
+    bradley_terry_beta: float = spec(
+        "β_BT of the Bradley–Terry draw for PITA labels.", 10.0, ge=0, le=1e6
+    )
     max_examples: int = spec(
         "Use at most this many training prompts per round (0 = all).", 0, ge=0, le=10_000_000
     )
@@ -441,7 +460,7 @@ class DataCollectionConfig:
 @dataclass
 class EvaluationConfig:
     batch_size: BatchSize = spec(
-        "Prompts per evaluation batch, or auto.", 512, batch=True, memory=True
+        "Prompts per evaluation batch, or auto.", 512, batch=True, memory=True, le=BATCH_MAX
     )
     num_samples: int = spec(
         "Samples per test prompt (k of maj@k).", 4, ge=1, le=10_000, memory=True
@@ -451,6 +470,7 @@ class EvaluationConfig:
         [0.0, 2.0, 5.0, 10.0],
         items=True,
         ge=0,
+        le=1e6,
     )
     max_prompts: int = spec(
         "Evaluate at most this many test prompts (0 = all).", 0, ge=0, le=10_000_000
@@ -463,7 +483,7 @@ class PretrainConfig:
         "Teacher-forced steps of the reference policy (offline tasks).", 400, ge=1, le=10_000_000
     )
     batch_size: int = spec("Sequences per pretraining step.", 256, ge=1, le=65_536, memory=True)
-    lr: float = spec("Peak AdamW learning rate.", 3e-3, gt=0)
+    lr: float = spec("Peak AdamW learning rate.", 3e-3, gt=0, le=10)
     warmup_steps: int = spec(
         "Linear warmup steps before the cosine decay.", 20, ge=0, le=10_000_000
     )
@@ -474,7 +494,7 @@ class PretrainConfig:
         choices=PRETRAIN_SCHEDULES,
     )
     weight_decay: Optional[float] = spec(
-        "AdamW weight decay of pretraining (null = training.weight_decay).", None, ge=0
+        "AdamW weight decay of pretraining (null = training.weight_decay).", None, ge=0, le=10
     )
 
 
@@ -486,7 +506,7 @@ class DatasetConfig:
     its validator (pita/datasets)."""
 
     name: str = spec("goal_walk | star_graph | gsm8k | math500 | aime | imdb | tldr", "goal_walk")
-    seed: Optional[int] = spec("Seed of the task's data.", None, ge=0)
+    seed: Optional[int] = spec("Seed of the task's data.", None, ge=0, le=SEED_MAX)
     num_nodes: Optional[int] = spec(
         "Graph nodes N (goal_walk, star_graph).", None, ge=1, le=100_000
     )
@@ -502,7 +522,7 @@ class DatasetConfig:
     hub_id: Optional[str] = spec("Override the hub dataset id.", None)
     split: Optional[str] = spec("Hub split for evaluation.", None)
     max_prompt_tokens: Optional[int] = spec(
-        "Truncate prompts to this many tokens (hub tasks).", None, ge=1
+        "Truncate prompts to this many tokens (hub tasks).", None, ge=1, le=131_072
     )
     max_new_tokens: Optional[int] = spec("Response budget (hub tasks).", None, ge=1, le=131_072)
     train_path: Optional[str] = spec("Local .jsonl of training prompts (hub tasks).", None)
@@ -539,7 +559,7 @@ class ModelConfig:
     )
     trust_remote_code: bool = spec("Allow model repos to run their own code.", False)
     memory_gb: float = spec(
-        "Estimated device memory of one stage's models (GB), for admission.", 0.5, gt=0
+        "Estimated device memory of one stage's models (GB), for admission.", 0.5, gt=0, le=100_000
     )
     gpus_per_task: int = spec("Devices per task (a gang); >1 shards the models.", 1, ge=1, le=64)
     reference_arch: TinyModelConfig = field(default_factory=TinyModelConfig)
@@ -551,7 +571,7 @@ class ModelConfig:
 
 @dataclass
 class GuidanceConfig:
-    eta: float = spec("Default η (η multiplies the value; 0 = π_ref).", 10.0, ge=0)
+    eta: float = spec("Default η (η multiplies the value; 0 = π_ref).", 10.0, ge=0, le=1e6)
     mode: str = spec("How values become token offsets.", "bernoulli", choices=GUIDANCE_MODES)
     top_k: int = spec("Guide among the reference's top-k tokens.", 2, ge=1, le=1_000_000)
 
@@ -568,12 +588,15 @@ class TrainedConfig(ReferenceConfig):
     """Keys every trained algorithm has."""
 
     batch_size: BatchSize = spec(
-        "Training batch size (effective), or auto.", 256, batch=True, memory=True
+        "Training batch size (effective), or auto.", 256, batch=True, memory=True, le=BATCH_MAX
     )
     num_workers: int = spec(
-        "DataLoader workers for this algorithm's training (0 = training.num_workers).", 0, ge=-1
+        "DataLoader workers for this algorithm's training (0 = training.num_workers).",
+        0,
+        ge=-1,
+        le=256,
     )
-    lr: float = spec("Learning rate.", 1e-3, gt=0)
+    lr: float = spec("Learning rate.", 1e-3, gt=0, le=10)
     epochs: int = spec("Passes over the collected data.", 1, ge=1, le=100_000)
     steps: int = spec("Optimizer steps (0 = from epochs).", 0, ge=0, le=100_000_000)
 
@@ -587,6 +610,7 @@ class CollectingConfig(TrainedConfig):
         0,
         ge=0,
         note="0 = data_collection.samples_per_example",
+        le=100_000,
     )
 
 
@@ -594,16 +618,17 @@ class CollectingConfig(TrainedConfig):
 class RewardModelMixin:
     """The -HF variants: a proxy Bradley–Terry reward model fitted on preference pairs."""
 
-    reward_lr: float = spec("Learning rate of the proxy reward model.", 1e-3, gt=0)
-    reward_epochs: int = spec("Epochs of the proxy reward model.", 1, ge=1)
+    reward_lr: float = spec("Learning rate of the proxy reward model.", 1e-3, gt=0, le=10)
+    reward_epochs: int = spec("Epochs of the proxy reward model.", 1, ge=1, le=100_000)
     pairs_per_example: int = spec(
-        "At most this many preference pairs per training prompt.", 8, ge=1
+        "At most this many preference pairs per training prompt.", 8, ge=1, le=100_000
     )
     samples_per_example: int = spec(
         "Samples per training prompt in this algorithm's collect.",
         0,
         ge=0,
         note="0 = data_collection.samples_per_example",
+        le=100_000,
     )
     reward_trl: Dict[str, Any] = spec(
         "Any other field of TRL's RewardConfig for the proxy reward model, passed as is: "
@@ -618,7 +643,9 @@ class ValueGuidedConfig(CollectingConfig):
     """PITA, Q#: a value model trained on roll-outs guides π_ref at decoding time."""
 
     loss_type: str = spec("Value loss.", "bce", choices=LOSS_TYPES)
-    num_atoms: int = spec("Atoms of the distributional value (mle).", 11, ge=2, memory=True)
+    num_atoms: int = spec(
+        "Atoms of the distributional value (mle).", 11, ge=2, memory=True, le=1_024
+    )
     V_min: float = spec("Smallest atom value (< V_max).", 0.0)
     V_max: float = spec("Largest atom value.", 1.0)
     init: Optional[str] = spec(
@@ -639,6 +666,7 @@ class ValueGuidedConfig(CollectingConfig):
         -1,
         ge=-1,
         allowed="allowed: -1 (every block) or a count of bottom blocks >= 0",
+        le=1_024,
     )
     value_head: str = spec(
         "q: one value per vocabulary entry, read at the prefix; v: candidate appended, "
@@ -652,6 +680,7 @@ class ValueGuidedConfig(CollectingConfig):
         None,
         ge=0,
         note="or null = training.weight_decay",
+        le=10,
     )
     lr_schedule: str = spec(
         "cosine: warmup min(100, 10%), decay to 0; official: warmup max(100, 10%), "
@@ -671,6 +700,7 @@ class ValueGuidedConfig(CollectingConfig):
         "when the run will sit on the plateau (0 = off).",
         200,
         ge=0,
+        le=10_000_000,
     )
     guidance: GuidanceConfig = field(default_factory=GuidanceConfig)
 
@@ -735,12 +765,15 @@ def peft_errors(value: Any, prefix: str) -> list[str]:
 class PreferenceConfig(CollectingConfig):
     """DPO, RPO: TRL's DPOTrainer on preference pairs of the policy's samples."""
 
-    beta: float = spec("KL coefficient β.", 0.1, gt=0)
+    beta: float = spec("KL coefficient β.", 0.1, gt=0, le=1e6)
     sft_weight: float = spec(
-        "Weight of an NLL term on the chosen responses (TRL's sigmoid+sft = RPO α).", 0.0, ge=0
+        "Weight of an NLL term on the chosen responses (TRL's sigmoid+sft = RPO α).",
+        0.0,
+        ge=0,
+        le=1e6,
     )
     pairs_per_example: int = spec(
-        "At most this many preference pairs per training prompt.", 8, ge=1
+        "At most this many preference pairs per training prompt.", 8, ge=1, le=100_000
     )
     trl: Dict[str, Any] = spec(TRL_HELP.format(config="DPOConfig", example="loss_type=ipo"), {})
     peft: Any = spec(
@@ -752,11 +785,18 @@ class PreferenceConfig(CollectingConfig):
 class GRPOConfig(TrainedConfig):
     """GRPO: TRL's GRPOTrainer with the task's verifier as reward."""
 
-    beta: float = spec("KL coefficient β (0 = no KL term).", 0.04, ge=0)
+    beta: float = spec("KL coefficient β (0 = no KL term).", 0.04, ge=0, le=1e6)
     num_generations: int = spec(
-        "Completions per prompt (the group).", 8, ge=2, note="GRPO needs a group", memory=True
+        "Completions per prompt (the group).",
+        8,
+        ge=2,
+        note="GRPO needs a group",
+        memory=True,
+        le=1_024,
     )
-    max_completion_length: int = spec("Completion budget (0 = task length).", 0, ge=0, memory=True)
+    max_completion_length: int = spec(
+        "Completion budget (0 = task length).", 0, ge=0, memory=True, le=131_072
+    )
     trl: Dict[str, Any] = spec(
         TRL_HELP.format(config="GRPOConfig", example="scale_rewards=false"), {}
     )

@@ -30,14 +30,15 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
 from pita.core.errors import ConfigError
 from pita.core.paths import RunPaths
-from pita.core.schema import describe_keys, resume_safe, resume_safe_keys
+from pita.core.schema import resume_safe
 from pita.experiment.cli_extras import (
     PROJECT_ROOT,
     conf_dir,
@@ -56,11 +57,9 @@ from pita.experiment.config import (
 CONF_DIR = conf_dir()
 LOCAL_LAUNCHERS = ("BasicLauncher",)  # Hydra's launcher classes that run jobs in this process
 LAST_COMPOSE: dict[str, str] = {}
+T = TypeVar("T")
 HELD_LOCKS: list[Any] = []  # run folder locks taken before Hydra or run() write anything
 EXIT_CODE_FILE = "exit_code"  # a remote job's exit code, read by the sweep's end (aggregate.py)
-# Keys a resumed run may change: where and how it runs, never what it computes (each field's
-# `affects`, pita/core/schema.py); the refusal names them.
-RESUME_SAFE_TEXT = describe_keys(resume_safe_keys())
 
 
 def _first_line(text: object) -> str:
@@ -370,87 +369,104 @@ def _print_config_error(exc: ConfigError) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The command line: --help, a resume (typed, `resume_from=auto`, or a rerun into an
+    existing run folder), or a new run or sweep handed to Hydra. Every refusal of the
+    command line is one line and exit 2, before any process starts."""
     from hydra._internal.utils import get_args_parser
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = get_args_parser().parse_args(argv)  # Hydra's own parser: -cn NAME, -sc install=bash, ...
     if args.help:
-        try:
-            name = Path(sys.argv[0]).name if sys.argv else "pita"
-            prog = "-m pita" if name == "__main__.py" else name
-            print(help_text(prog, _composed_for_help(list(args.overrides), args)))
-        except BrokenPipeError:  # `--help | head`
-            pass
+        _print_help(args)
         sys.exit(0)
-    from pita.experiment.config import ALGO_NAMES
+    overrides = _exit_2_on_config_error(lambda: _expanded_algos(args))
+    info_only = bool(args.hydra_help or args.cfg or args.info or args.shell_completion)
+    cfg: DictConfig | None = None  # Hydra's --info / --cfg / completion need no run config
+    if not info_only:
+        resume, implicit, overrides = _which_run(overrides, args)
+        if resume is not None:
+            sys.exit(_resume(resume, implicit, overrides, args))
+        cfg = _exit_2_on_config_error(lambda: _new_run_config(overrides, args))
+    os.environ["PITA_COMMAND"] = json.dumps([sys.argv[0], *argv])  # as typed, for run_info.json
+    if cfg is not None and not args.multirun and remote_launcher() is None:
+        overrides = _lock_before_hydra(cfg, overrides)
+    given = set(args.overrides)
+    sys.argv = [sys.argv[0], *[a for a in argv if a not in given], *overrides]  # Hydra reads it
+    _hydra_main()
 
+
+def _print_help(args: Any) -> None:
     try:
-        overrides = expand_algos(list(args.overrides), ALGO_NAMES)
+        name = Path(sys.argv[0]).name if sys.argv else "pita"
+        prog = "-m pita" if name == "__main__.py" else name
+        print(help_text(prog, _composed_for_help(list(args.overrides), args)))
+    except BrokenPipeError:  # `--help | head`
+        pass
+
+
+def _exit_2_on_config_error(fn: Callable[[], T]) -> T:
+    try:
+        return fn()
     except ConfigError as exc:
         _print_config_error(exc)
         sys.exit(2)
-    info_only = bool(args.hydra_help or args.cfg or args.info or args.shell_completion)
+
+
+def _expanded_algos(args: Any) -> list[str]:
+    from pita.experiment.config import ALGO_NAMES
+
+    return expand_algos(list(args.overrides), ALGO_NAMES)
+
+
+def _which_run(overrides: list[str], args: Any) -> tuple[str | None, bool, list[str]]:
+    """(the run folder to resume or None, whether the resume is implicit, the overrides
+    left): a typed `resume_from=<run>`; `resume_from=auto` (the newest unfinished run of the
+    experiment, else a new run); or `hydra.run.dir=<a run folder with a plan>` (rerunning
+    into a run folder finishes that run). An implicit resume must describe the same run."""
     resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume_from=")), None)
-    implicit = False  # resume_from=auto or a rerun into an existing folder, not a typed resume_from
-    if resume == "auto" and not info_only:
+    implicit = False
+    if resume == "auto":
         resume, overrides = _resolve_auto_resume(overrides, args)
         implicit = resume is not None
-    run_dir_override = next(
-        (o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")), None
-    )
-    if (
-        resume in (None, "", "null")
-        and run_dir_override
-        and not args.multirun
-        and not info_only
-        and RunPaths(run_dir_override).plan.is_file()
-    ):
-        resume, implicit = (
-            run_dir_override,
-            True,
-        )  # rerunning into an existing run folder finishes that run
-        overrides = [o for o in overrides if not o.startswith("hydra.run.dir=")]
-    if resume not in (None, "", "null") and not info_only:
+    run_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")), None)
+    if resume in (None, "", "null") and run_dir and not args.multirun:
+        if RunPaths(run_dir).plan.is_file():
+            resume, implicit = run_dir, True
+            overrides = [o for o in overrides if not o.startswith("hydra.run.dir=")]
+    return (None if resume in (None, "", "null") else resume), implicit, overrides
+
+
+def _resume(resume: str, implicit: bool, overrides: list[str], args: Any) -> int:
+    """Resume `resume` (its saved config with the run-safe overrides), under its lock; a
+    dry run touches no file of the run. The exit code."""
+    from pita.experiment.run import lock_run_folder, run
+
+    def resumed_config() -> tuple[DictConfig, Path]:
         rest = [o for o in overrides if not o.startswith("resume_from=")]
-        try:
-            if implicit:  # the same command line again (a requeue): it must describe the same run
-                rest = _same_run_overrides(resume, rest, args)
-            cfg, run_dir = load_resume_config(resume, rest)
-            preflight(cfg, run_dir=run_dir)
-        except ConfigError as exc:
-            _print_config_error(exc)
-            sys.exit(2)
-        from pita.experiment.run import lock_run_folder, run
+        if implicit:  # the same command line again (a requeue): it must describe the same run
+            rest = _same_run_overrides(resume, rest, args)
+        cfg, run_dir = load_resume_config(resume, rest)
+        preflight(cfg, run_dir=run_dir)
+        return cfg, run_dir
 
-        if cfg.dry_run:  # a dry run touches no file of the run
-            _setup_console_logging()
-            sys.exit(_run_checked(lambda: run(cfg, run_dir, resumed=True)))
-        lock = _run_checked(lambda: lock_run_folder(cfg, run_dir, share=True))
-        if isinstance(lock, int):
-            sys.exit(lock)
-        HELD_LOCKS.append(lock)
-        _setup_console_logging(run_dir)
-        sys.exit(_run_checked(lambda: run(cfg, run_dir, resumed=True)))
+    cfg, run_dir = _exit_2_on_config_error(resumed_config)
+    if cfg.dry_run:
+        _setup_console_logging()
+        return _run_checked(lambda: run(cfg, run_dir, resumed=True))
+    lock = _run_checked(lambda: lock_run_folder(cfg, run_dir, share=True))
+    if isinstance(lock, int):
+        return lock
+    HELD_LOCKS.append(lock)
+    _setup_console_logging(run_dir)
+    return _run_checked(lambda: run(cfg, run_dir, resumed=True))
 
-    if not info_only:
-        try:
-            cfg = compose_config(overrides, args.config_name, args.config_dir)
-            preflight(cfg, overrides, devices=remote_launcher() is None)
-        except ConfigError as exc:
-            _print_config_error(exc)
-            sys.exit(2)
-    os.environ["PITA_COMMAND"] = json.dumps(
-        [sys.argv[0], *argv]
-    )  # as typed, for run_info.json (jobs too)
-    if not info_only and not args.multirun and remote_launcher() is None:
-        overrides = _lock_before_hydra(cfg, overrides)
-    given = set(args.overrides)
-    sys.argv = [
-        sys.argv[0],
-        *[a for a in argv if a not in given],
-        *overrides,
-    ]  # Hydra parses sys.argv
-    _hydra_main()
+
+def _new_run_config(overrides: list[str], args: Any) -> DictConfig:
+    """The composed, checked config of a new run (devices checked here unless a remote
+    launcher's job will check them where it runs)."""
+    cfg = compose_config(overrides, args.config_name, args.config_dir)
+    preflight(cfg, overrides, devices=remote_launcher() is None)
+    return cfg
 
 
 def _lock_before_hydra(cfg: DictConfig, overrides: list[str]) -> list[str]:
@@ -583,6 +599,6 @@ def _hydra_main() -> None:
         return code
 
     _main()
-    from pita.experiment.aggregate import LAST_SWEEP
+    from pita.results.aggregate import LAST_SWEEP
 
     sys.exit(max(worst[0], LAST_SWEEP.get("worst_exit_code", 0)))

@@ -131,7 +131,7 @@ def help_text(prog: str = "run_parallel.py", composed: dict | None = None) -> st
         "",
         f"usage: {cmd} [key=value ...] [-m] [-cn NAME] [--config-dir DIR] [--cfg job]",
         f"       {cmd} -sc install=bash      # tab completion (bash/zsh/fish)",
-        "       python -m pita.experiment.aggregate <sweep dir>   # mean ± std over a sweep's runs",
+        "       python -m pita.results.aggregate <sweep dir>   # mean ± std over a sweep's runs",
         "",
         "Exit codes: 0 all tasks done, 1 some failed, 2 bad config (nothing started), 130 interrupted.",
         "",

@@ -9,6 +9,7 @@ ran), 2 bad config, 130 interrupted (resumable).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,7 +17,9 @@ import signal
 import sys
 import time
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -24,7 +27,7 @@ from pita.core.dag import Plan
 from pita.core.errors import ConfigError, ExecutorBroken
 from pita.core.executor import Executor
 from pita.core.gpu_manager import GPUManager
-from pita.core.journal import RUN_FILE_ERRNOS, Journal, RunFileError, run_file_error
+from pita.core.journal import RUN_FILE_ERRNOS, Journal, RunFileError, read_events, run_file_error
 from pita.core.parallel_executor import DagRunner, DeviceState, Scheduler, simulate
 from pita.core.parallel_generation import ParallelDataGenerator
 from pita.core.paths import Artifact, RunPaths, TaskPaths, atomic_write_json
@@ -38,6 +41,7 @@ from pita.experiment.plan import check_resources, plan_experiment
 log = logging.getLogger("pita")
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130  # 2 (bad config): cli.py
+INTERRUPTED = "interrupted"  # why a session stopped early (else an ExecutorBroken message)
 
 
 def make_gpu_manager(cfg: DictConfig) -> GPUManager:
@@ -99,10 +103,10 @@ def build_plan(cfg: DictConfig, gpu: GPUManager) -> Plan:
 
 
 def task_durations(cfg: DictConfig, gpu: GPUManager) -> TaskDurations:
-    """Expected task durations: earlier runs' recorded ones (pita/experiment/timeline.py),
+    """Expected task durations: earlier runs' recorded ones (pita/results/timeline.py),
     exact or of the same kind scaled by size, then work units; the run adds its own
     finished tasks as they come."""
-    from pita.experiment.timeline import duration_key, load_history
+    from pita.results.timeline import duration_key, load_history
 
     key, history = duration_key(cfg, gpu.kind), load_history()
     return TaskDurations(history.exact, key, lambda t: history.scaled(t, key))
@@ -276,6 +280,19 @@ def print_resume_dry_run(plan: Plan, run_dir: Path, change) -> None:
     print_resume_plan(plan, resume_reasons(plan, run_dir, change and change.touched), change)
 
 
+@dataclass
+class Session:
+    """What one run session holds between its start and its end (the steps of `_run_locked`)."""
+
+    journal: Journal
+    executor: Executor
+    monitor: Any
+    durations: TaskDurations
+    progress: Any
+    runner: DagRunner
+    t0: float = field(default_factory=time.time)
+
+
 def _run_locked(
     cfg: DictConfig,
     run_dir: Path,
@@ -285,23 +302,74 @@ def _run_locked(
     resumed: bool,
     absolutized: list[str],
 ) -> int:
-    if resumed:
-        remove_stale_tmp(run_dir)
-    else:
-        atomic_write_json(paths.plan, plan.to_json())
-        if (
-            absolutized or not paths.saved_config.exists()
-        ):  # Hydra writes it; tests get it here; resume
-            paths.saved_config.parent.mkdir(parents=True, exist_ok=True)
-            paths.saved_config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    from pita.experiment import run_info
-
-    run_info.write(run_dir, gpu, resumed=resumed)  # git commit, packages, devices, command
+    """One run session in a locked folder: write what the run starts from, start the pool,
+    the monitor and the DAG runner, run to the end (or a stop), then record and report."""
+    _write_run_files(cfg, paths, gpu, plan, resumed, bool(absolutized))
     done = completed_tasks(plan, run_dir) if resumed else set()
     journal = Journal(paths.journal)
     journal.append(
         "run_resumed" if resumed else "run_started", tasks=len(plan.tasks), already_done=len(done)
     )
+    _log_start(cfg, run_dir, gpu, plan, done, resumed)
+    session = _start_session(cfg, paths, gpu, plan, done, journal)
+    stop, summary = _execute(session)
+    events = _final_events(paths)  # the journal, read once at the run's end
+    _record_durations(run_dir, plan, session.durations.key, events)
+    end = {
+        "done": len(session.runner.done),
+        "failed": len(summary.failed),
+        "skipped": len(summary.skipped),
+        "wall_s": round(time.time() - session.t0, 2),
+    }
+    if isinstance(stop, RunFileError):
+        return run_files_failed(run_dir, stop, journal)
+    if stop is not None:
+        return _stopped(journal, run_dir, stop, end)
+    # run_finished is journaled after the report: a report killed midway leaves a run that
+    # resume_from=auto finishes (it redoes no task, it writes the report)
+    reported = _report(cfg, plan, run_dir)
+    _time_report(run_dir, plan, [d.label for d in gpu.devices], events)
+    journal.append("run_finished", **end, report=reported)
+    journal.close()
+    return _final_lines(run_dir, paths, plan, session, summary, reported)
+
+
+def _final_events(paths: RunPaths) -> list[dict]:
+    """The run's journal events for its end (none when the journal cannot be read: the
+    durations and the time report are then skipped, the run's end says why)."""
+    try:
+        return read_events(paths.journal)
+    except OSError as exc:
+        log.warning("cannot read the journal %s: %s", paths.journal, exc)
+        return []
+
+
+def _write_run_files(
+    cfg: DictConfig, paths: RunPaths, gpu: GPUManager, plan: Plan, resumed: bool, absolute: bool
+) -> None:
+    """plan.json and the saved config of a new run (Hydra writes the config; tests and a config
+    with absolutized paths get it here), stale temporary folders of a resumed one gone, and
+    run_info.json (git commit, packages, devices, command)."""
+    from pita.experiment import run_info
+
+    if resumed:
+        remove_stale_tmp(paths.root)
+    else:
+        atomic_write_json(paths.plan, plan.to_json())
+        if absolute or not paths.saved_config.exists():
+            paths.saved_config.parent.mkdir(parents=True, exist_ok=True)
+            paths.saved_config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    run_info.write(paths.root, gpu, resumed=resumed)
+
+
+def _log_start(
+    cfg: DictConfig,
+    run_dir: Path,
+    gpu: GPUManager,
+    plan: Plan,
+    done: AbstractSet[str],
+    resumed: bool,
+) -> None:
     log.info("Run folder: %s", run_dir)
     warn_stage_overrides(cfg, plan, done)
     log.info("Devices (%s): %d", gpu.kind, len(gpu.devices))
@@ -314,11 +382,18 @@ def _run_locked(
         " (resumed)" if resumed else "",
     )
 
-    from pita.core.journal import read_events
+
+def _start_session(
+    cfg: DictConfig, paths: RunPaths, gpu: GPUManager, plan: Plan, done: set[str], journal: Journal
+) -> Session:
+    """Workers (warmed up for the tasks still to run), the scheduler, the monitor, the ETA
+    (earlier runs' durations and this run's finished tasks) and the DAG runner."""
     from pita.core.monitor import Monitor
     from pita.core.progress import Progress
-    from pita.experiment.timeline import done_walls
+    from pita.experiment.estimates import PeakEstimator, peaks_cache_path
+    from pita.results.timeline import done_walls
 
+    run_dir = paths.root
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(cfg_dict, dict)
     executor = make_executor(cfg, gpu, run_dir)
@@ -332,9 +407,10 @@ def _run_locked(
         reservations=lambda: [sum(d.running.values()) for d in scheduler.devices],
     ).start()
     durations = task_durations(cfg, gpu)
-    for tid, wall in done_walls(read_events(paths.journal)).items():
-        if tid in done:  # a resumed run's earlier session: this run's durations
-            durations.observe(plan.tasks[tid], wall)
+    if done:  # a resumed run's earlier sessions: this run's durations
+        for tid, wall in done_walls(read_events(paths.journal)).items():
+            if tid in done:
+                durations.observe(plan.tasks[tid], wall)
     progress = Progress(
         len(plan.tasks),
         [d.label for d in gpu.devices],
@@ -343,8 +419,6 @@ def _run_locked(
         live=None if cfg.executor.progress else False,
         eta=Eta(plan.tasks, done, durations, scheduler),
     )
-    from pita.experiment.estimates import PeakEstimator, peaks_cache_path
-
     estimator = PeakEstimator(cfg, peaks_cache_path() if gpu.kind == "cuda" else None)
     estimator.learn_from_run(run_dir, plan.tasks, done)
     runner = DagRunner(
@@ -365,55 +439,38 @@ def _run_locked(
         scheduler.max_tasks,
         cfg.executor.max_tasks_per_gpu,
     )
-    interrupted = False
-    lost: str | None = None
-    files_failed: RunFileError | None = None
+    return Session(journal, executor, monitor, durations, progress, runner)
+
+
+def _execute(session: Session) -> tuple[str | RunFileError | None, Any]:
+    """Run the DAG to its end; (why it stopped early: "interrupted", a lost executor's
+    message or the run's own files failing; None when it ran to the end, summary). SIGTERM
+    counts as Ctrl-C. The monitor and the workers are stopped whatever happened (killed on
+    a stop)."""
+    stop: str | RunFileError | None = None
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
-    t0 = time.time()
     try:
-        with progress:
-            summary = runner.run()
+        with session.progress:
+            summary = session.runner.run()
     except KeyboardInterrupt:
-        interrupted = True
-        summary = runner.summary
-    except (
-        ExecutorBroken
-    ) as exc:  # a pool thread stopped: fail now, loudly, rather than wait forever
-        lost = str(exc)
-        summary = runner.summary
+        stop, summary = INTERRUPTED, session.runner.summary
+    except ExecutorBroken as exc:  # a pool thread stopped: fail now, loudly, not wait forever
+        stop, summary = str(exc), session.runner.summary
     except RunFileError as exc:  # a full disk, an immutable journal or task folder: stop now
-        files_failed = exc
-        summary = runner.summary
+        stop, summary = exc, session.runner.summary
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
-        monitor.stop()
-        if not interrupted:
-            try:
-                monitor.sample()  # a last summary while the workers still report
-            except Exception:
-                pass
-        executor.shutdown(kill=interrupted or lost is not None or files_failed is not None)
-        _record_durations(run_dir, plan, durations.key)
-    if files_failed is not None:
-        return run_files_failed(run_dir, files_failed, journal)
-    if lost is not None:
-        journal.append(
-            "run_failed", reason=lost, done=len(runner.done), wall_s=round(time.time() - t0, 2)
-        )
-        journal.close()
-        log.error(
-            "Run stopped: %s. Finished tasks are kept; resume with:\n  %s",
-            lost,
-            resume_command(run_dir),
-        )
-        return EXIT_FAILED
-    end = {
-        "done": len(runner.done),
-        "failed": len(summary.failed),
-        "skipped": len(summary.skipped),
-        "wall_s": round(time.time() - t0, 2),
-    }
-    if interrupted:
+        session.monitor.stop()
+        if stop != INTERRUPTED:
+            with contextlib.suppress(Exception):
+                session.monitor.sample()  # a last summary while the workers still report
+        session.executor.shutdown(kill=stop is not None)
+    return stop, summary
+
+
+def _stopped(journal: Journal, run_dir: Path, stop: str, end: dict[str, Any]) -> int:
+    """Journal an interrupted or failed run and say how to resume it."""
+    if stop == INTERRUPTED:
         journal.append("run_interrupted", **end)
         journal.close()
         log.warning(
@@ -421,13 +478,21 @@ def _run_locked(
             resume_command(run_dir),
         )
         return EXIT_INTERRUPTED
-
-    # run_finished is journaled after the report: a report killed midway leaves a run that
-    # resume_from=auto finishes (it redoes no task, it writes the report)
-    reported = _report(cfg, plan, run_dir)
-    _time_report(run_dir, plan, [d.label for d in gpu.devices])
-    journal.append("run_finished", **end, report=reported)
+    journal.append("run_failed", reason=stop, done=end["done"], wall_s=end["wall_s"])
     journal.close()
+    log.error(
+        "Run stopped: %s. Finished tasks are kept; resume with:\n  %s",
+        stop,
+        resume_command(run_dir),
+    )
+    return EXIT_FAILED
+
+
+def _final_lines(
+    run_dir: Path, paths: RunPaths, plan: Plan, session: Session, summary: Any, reported: bool
+) -> int:
+    """The run's exit code and last lines: a report that could not be written, the failed
+    tasks with their logs' last lines, or where the results are."""
     if not reported:
         log.error(
             "The tasks are kept; fix the cause, then write the report with: %s",
@@ -442,7 +507,8 @@ def _run_locked(
         )
         for tid, why in summary.failed.items():
             log.error("  %s: %s", tid, why)
-            tail = TaskPaths(run_dir, tid).failed(runner.attempts.get(tid, 1)) / Artifact.LOG
+            attempt = session.runner.attempts.get(tid, 1)
+            tail = TaskPaths(run_dir, tid).failed(attempt) / Artifact.LOG
             if tail.is_file():
                 log.error("    log: %s (%s)", tail, last_line(tail.read_text(errors="replace")))
         log.error(
@@ -452,7 +518,7 @@ def _run_locked(
         )
         _end_lines(paths)
         return EXIT_FAILED
-    log.info("All %d tasks done in %.1fs.", len(plan.tasks), time.time() - t0)
+    log.info("All %d tasks done in %.1fs.", len(plan.tasks), time.time() - session.t0)
     _end_lines(paths)
     return EXIT_OK
 
@@ -471,10 +537,10 @@ def _raise_interrupt(_signum, _frame):  # SIGTERM behaves like Ctrl-C: stop, flu
 
 
 def _report(cfg: DictConfig, plan: Plan, run_dir: Path) -> bool:
-    """Results table and plots from the evaluate tasks (pita/experiment/report.py).
+    """Results table and plots from the evaluate tasks (pita/results/report.py).
     False (one ERROR line, the traceback at DEBUG in run.log) when it could not be
     written: the run then exits 1, never 0 with an old or missing summary."""
-    from pita.experiment.report import write_report
+    from pita.results.report import write_report
 
     try:
         write_report(cfg, plan, run_dir)
@@ -511,22 +577,22 @@ def resume_command(run_dir: Path | str) -> str:
     return f"{user_command()} resume_from={run_dir}"
 
 
-def _record_durations(run_dir: Path, plan: Plan, key) -> None:
+def _record_durations(run_dir: Path, plan: Plan, key, events: list[dict]) -> None:
     """Keep this run's task durations for the next run's ETA (never fails the run)."""
-    from pita.experiment.timeline import record_durations
+    from pita.results.timeline import record_durations
 
     try:
-        record_durations(run_dir, plan.tasks, key)
+        record_durations(run_dir, plan.tasks, key, events=events)
     except Exception as exc:
         log.debug("recording task durations failed: %s", exc, exc_info=True)
 
 
-def _time_report(run_dir: Path, plan: Plan, labels: list[str]) -> None:
+def _time_report(run_dir: Path, plan: Plan, labels: list[str], events: list[dict]) -> None:
     """results/timeline.png and the "where the time went" table, also in run.log."""
-    from pita.experiment.timeline import write_time_report
+    from pita.results.timeline import write_time_report
 
     try:
-        table = write_time_report(run_dir, plan.tasks, labels)
+        table = write_time_report(run_dir, plan.tasks, labels, events=events)
     except Exception as exc:
         log.debug("time report traceback", exc_info=True)
         log.warning("writing the time report failed: %s: %s", type(exc).__name__, exc)
@@ -537,7 +603,7 @@ def _time_report(run_dir: Path, plan: Plan, labels: list[str]) -> None:
 
 def _end_lines(paths: RunPaths) -> None:
     """The run's last lines: where the results and plots are, and what the columns mean."""
-    from pita.experiment.report import legend
+    from pita.results.report import legend
 
     results = paths.results
     if not (results / "summary.md").is_file():

@@ -81,8 +81,11 @@ def checkpoint_identity(ctx: StageContext) -> dict[str, str]:
     }
 
 
-def checkpointer(ctx: StageContext, *, writer: bool = True) -> Checkpointer:
-    """The task's `Checkpointer` (`writer`: rank 0 of a gang writes, every rank restores)."""
+def checkpointer(
+    ctx: StageContext, *, writer: bool = True, collective: bool = False
+) -> Checkpointer:
+    """The task's `Checkpointer` (`writer`: rank 0 of a gang writes, every rank restores;
+    `collective`: a gang's ranks all build the state when a save is due)."""
     from pita.training.checkpoint import Checkpointer
 
     every, minutes = checkpoint_every(ctx)
@@ -94,6 +97,7 @@ def checkpointer(ctx: StageContext, *, writer: bool = True) -> Checkpointer:
         logger=ctx.logger,
         identity=checkpoint_identity(ctx),
         trust_group=trust_group(ctx),
+        collective=collective,
     )
 
 

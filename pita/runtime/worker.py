@@ -387,6 +387,18 @@ def _close(logger: logging.Logger) -> None:
     logger.handlers.clear()
 
 
+def _warm_ranks(cfg_dict: dict) -> None:
+    """A run that trains on gangs (`training.parallel_strategy` data_parallel / fsdp): start
+    this worker's forkserver now, so it imports torch and transformers while other tasks
+    run and a later gang's ranks fork warm (pita.training.ddp.warm_forkserver; a no-op
+    once it runs)."""
+    strategy = str((cfg_dict.get("training") or {}).get("parallel_strategy") or "none")
+    if strategy in ("data_parallel", "fsdp"):
+        from pita.training.ddp import warm_forkserver
+
+        warm_forkserver()
+
+
 class Worker:
     def __init__(self, channel: Channel, worker_id: int, heartbeat_s: float, cache_size: int):
         from pita.runtime.context import ModelCache
@@ -443,6 +455,7 @@ class Worker:
         from pita.core.tasks import TaskSpec
 
         self._setup_torch()
+        _warm_ranks(cfg_dict)
         task = TaskSpec.from_dict(task_dict)
         self.current, self.progress = task.id, ""
         self.channel.send(("started", task.id))

@@ -96,15 +96,18 @@ def official_schedule(optim, steps: int):
 def _family_policy(ctx: StageContext, family):
     """(the family's reference as a trainable fp32 causal LM, the task in its tokenizer)."""
     from pita.datasets import build_task
-    from pita.models.loading import load_causal_lm, load_tokenizer
+    from pita.models.loading import load_tokenizer
+    from pita.models.placement import load_stage_lm
 
     tok = load_tokenizer(family.reference, trust_remote_code=family.trust_remote_code)
     task = build_task(ctx.cfg.dataset, tokenizer=tok)
-    model = load_causal_lm(
+    model = load_stage_lm(
         family.reference,
-        dtype="float32",
+        family=ctx.task.family,
+        family_cfg=ctx.cfg.model,
+        device="cpu",  # moved to the training device by the caller
         attn_impl=ctx.system.attn_impl,
-        trust_remote_code=family.trust_remote_code,
+        trainable=True,
     )
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tok.pad_token_id
@@ -133,6 +136,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     from pita.datasets import build_task
     from pita.models.catalog import resolve_family
     from pita.models.tiny import build_tiny_llama
+    from pita.runtime.gang import checkpoint_objects
     from pita.runtime.kit import checkpointer, train_step
     from pita.training.ddp import full_state_dict, wrap_model
     from pita.training.loop import (
@@ -212,9 +216,10 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     cuda = device.type == "cuda"
 
     # In-task checkpoints (training.checkpoint_every): a retry continues where the dead attempt stopped.
-    ckpt = checkpointer(ctx, writer=dist is None or dist.is_main)
+    ckpt = checkpointer(ctx, writer=dist is None or dist.is_main, collective=dist is not None)
+    saved_model, saved_optim = checkpoint_objects(ctx, model, optim)  # a gang: full state by name
     start, extra = ckpt.restore(
-        model=model, optimizer=optim, scheduler=sched, step=step, max_step=pcfg.steps
+        model=saved_model, optimizer=saved_optim, scheduler=sched, step=step, max_step=pcfg.steps
     )
     if "rng" in extra:
         rng.setstate(extra["rng"])
@@ -266,7 +271,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
         ctx.report_progress(i + 1, pcfg.steps, "step", detail)
         ckpt.maybe_save(
             i + 1,
-            lambda: {"model": model, "optimizer": optim, "scheduler": sched},
+            lambda: {"model": saved_model, "optimizer": saved_optim, "scheduler": sched},
             step=step,
             extra=lambda state=rng_after: {"rng": state},
         )

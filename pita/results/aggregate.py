@@ -10,14 +10,14 @@ folder with `results/summary.csv`. `aggregate(run_dirs, out_dir)` reads them and
   the jobs' overrides set apart from seeds (empty when only seeds vary), so a sweep over
   `seed × lr` gives one group per lr, each averaged over its seeds.
 - `matched_kl.csv` / `matched_kl.md`: the guided algorithms' mean pass@1 read at common
-  KL levels along their η curves (pita/experiment/matched_kl.py), when two have curves.
+  KL levels along their η curves (pita/results/matched_kl.py), when two have curves.
 - `plots/frontier_<dataset>.png`: avg reward against KL(π‖π_ref) and pass@1 against KL,
   one line per (algorithm, family, round) through its η values, with ±std error bars: the
   figure these papers are read by. `plot_frontier` draws the same for a single run.
 
 `AggregateCallback` is a Hydra callback (conf/config.yaml registers it): at the end of a
 multirun it aggregates the sweep folder (`outputs/<name>/multirun/<timestamp>/`).
-By hand: `python -m pita.experiment.aggregate outputs/goal_walk/multirun/<ts> [more run dirs]
+By hand: `python -m pita.results.aggregate outputs/goal_walk/multirun/<ts> [more run dirs]
 [--out DIR] [--trust-group]` (default: a new `aggregate-<time>/` folder inside the first
 path, beside it when that path is a run folder).
 
@@ -41,6 +41,7 @@ import re
 import statistics
 import sys
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -351,98 +352,162 @@ def _point(r: dict, m: str) -> tuple[float | None, float]:
     return (v if number else None), 0.0  # +inf KL: drawn at the ∞ edge (frontier_x)
 
 
-def frontier_figure(rows: Sequence[dict[str, Any]], title: str = ""):
-    """The frontier figure (matplotlib Figure, no pyplot state), or None when no row has
-    a KL. The legend and the configs table sit in columns of their own beside the two
-    plots (`legend_panel`, `config_panel`)."""
+@dataclass
+class FrontierPoint:
+    x: float  # the KL drawn (+inf at the ∞ edge, `frontier_x`)
+    x_err: float
+    y: float
+    y_err: float
+    eta: Any  # the row's η (None for a policy's row)
+
+
+@dataclass
+class FrontierLine:
+    """One (config, algo, family, round) through its η points, by KL, per metric."""
+
+    label: str  # `algo family rN`, `cK` for the K-th config
+    style: dict[str, str]  # colour by algorithm, marker and dash by config (`_line_style`)
+    points: dict[str, list[FrontierPoint]]  # metric -> the points with a value
+
+
+@dataclass
+class Frontier:
+    """The frontier plot's data, apart from its drawing (`frontier_figure`)."""
+
+    lines: list[FrontierLine]
+    configs: list[str]  # the configs table's entries (cN = configs[N-1])
+    kls: list[float]  # every row's KL (the axis scale, `kl_axis`)
+    inf_edge: float | None  # where KL = ∞ is drawn, None without one
+
+
+FRONTIER_METRICS = (("avg_reward", "avg reward"), ("pass@1", "pass@1"))
+
+
+def frontier_data(rows: Sequence[dict[str, Any]]) -> Frontier | None:
+    """The rows with a KL as lines, in the report's algorithm order (None without one)."""
     points = [r for r in rows if _point(r, "kl")[0] is not None]
     if not points:
         return None
     kl_x, inf_edge = frontier_x([_point(r, "kl")[0] or 0.0 for r in points])
     x_of = {id(r): x for r, x in zip(points, kl_x)}
-    from matplotlib.figure import Figure
-
-    lines: dict[tuple, list[dict]] = {}
+    groups: dict[tuple, list[dict]] = {}
     for r in points:
-        lines.setdefault((r.get("config") or "", r["algo"], r["family"], r["round"]), []).append(r)
+        groups.setdefault((r.get("config") or "", r["algo"], r["family"], r["round"]), []).append(r)
     order = sorted(
-        lines,
+        groups,
         key=lambda k: (k[0], ALGO_ORDER.index(k[1]) if k[1] in ALGO_ORDER else 99, k[2], k[3]),
     )
     configs = sorted({k[0] for k in order if k[0]})
-    table = _config_lines(configs)
-    legend_cols = _chunks(len(order), LEGEND_ROWS_PER_COLUMN)
+    lines = []
+    for i, (config, algo, family, rnd) in enumerate(order):
+        members = sorted(groups[config, algo, family, rnd], key=lambda r: _point(r, "kl")[0] or 0.0)
+        label = f"{algo} {family} r{rnd}" + (f" c{configs.index(config) + 1}" if config else "")
+        by_metric = {
+            metric: [
+                FrontierPoint(
+                    x_of[id(r)],
+                    _point(r, "kl")[1],
+                    *_point(r, metric),  # type: ignore[arg-type]  # a value: filtered below
+                    r.get("eta"),
+                )
+                for r in members
+                if _point(r, metric)[0] is not None
+            ]
+            for metric, _ in FRONTIER_METRICS
+        }
+        style = _line_style(i, algo, configs.index(config) if config else -1)
+        lines.append(FrontierLine(label, style, by_metric))
+    kls = [k for r in points if (k := _point(r, "kl")[0]) is not None]
+    return Frontier(lines, configs, kls, inf_edge)
+
+
+def frontier_figure(rows: Sequence[dict[str, Any]], title: str = ""):
+    """The frontier figure (matplotlib Figure, no pyplot state) of `frontier_data`, or None
+    when no row has a KL. The legend and the configs table sit in columns of their own
+    beside the two plots (`legend_panel`, `config_panel`)."""
+    data = frontier_data(rows)
+    if data is None:
+        return None
+    from matplotlib.figure import Figure
+
+    table = _config_lines(data.configs)
+    legend_cols = _chunks(len(data.lines), LEGEND_ROWS_PER_COLUMN)
     table_cols = _chunks(len(table), CONFIG_ROWS_PER_COLUMN) if table else 0
-    n_rows = max(-(-len(order) // legend_cols), -(-len(table) // max(table_cols, 1)))
+    n_rows = max(-(-len(data.lines) // legend_cols), -(-len(table) // max(table_cols, 1)))
     widths = [5.5, 5.5, LEGEND_COLUMN_IN * legend_cols] + [CONFIG_COLUMN_IN] * table_cols
     fig = Figure(figsize=(sum(widths), max(4.2, 0.16 * n_rows + 1.4)))
     fig.set_layout_engine("constrained")
     grid = fig.add_gridspec(1, len(widths), width_ratios=widths)
     axes = [fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])]
     handles, labels = [], []
-    for i, key in enumerate(order):
-        config, algo, family, rnd = key
-        members = sorted(lines[key], key=lambda r: _point(r, "kl")[0] or 0.0)
-        style = _line_style(i, algo, configs.index(config) if config else -1)
-        label = f"{algo} {family} r{rnd}" + (f" c{configs.index(config) + 1}" if config else "")
+    for line in data.lines:
         drawn = None
-        for ax, metric in zip(axes, ("avg_reward", "pass@1")):
-            keep = [r for r in members if _point(r, metric)[0] is not None]
-            if not keep:
-                continue
-            drawn = ax.errorbar(
-                [x_of[id(r)] for r in keep],  # +inf drawn at the ∞ edge
-                [_point(r, metric)[0] or 0.0 for r in keep],
-                xerr=[_point(r, "kl")[1] for r in keep],
-                yerr=[_point(r, metric)[1] for r in keep],
-                ms=4,
-                lw=1.2,
-                capsize=2,
-                linestyle=style["linestyle"] if len(keep) > 1 else "none",
-                color=style["color"],
-                marker=style["marker"],
-            )
-            for r in keep:
-                if r.get("eta") is not None and len(order) <= ETA_LABELS_UP_TO:
-                    ax.annotate(
-                        f"η={_fmt(r['eta'])}",
-                        (x_of[id(r)], _point(r, metric)[0]),
-                        fontsize=6,
-                        xytext=(3, 3),
-                        textcoords="offset points",
-                    )
+        for ax, (metric, _) in zip(axes, FRONTIER_METRICS):
+            if line.points[metric]:
+                drawn = _draw_line(ax, line, line.points[metric], len(data.lines))
         if drawn is not None:
             handles.append(drawn)
-            labels.append(label.replace("$", r"\$"))
-    scale, linthresh = kl_axis([k for r in points if (k := _point(r, "kl")[0]) is not None])
-    for ax, label in zip(axes, ("avg reward", "pass@1")):
-        if inf_edge is not None:
-            ax.axvline(inf_edge, color="grey", lw=0.8, ls=":")
-            ax.annotate(
-                "KL = ∞ (off π_ref's support)",
-                (inf_edge, 0.02),
-                xycoords=("data", "axes fraction"),
-                rotation=90,
-                fontsize=6,
-                ha="right",
-                color="grey",
-            )
-        if scale == "symlog":
-            ax.set_xscale("symlog", linthresh=linthresh)
-        if inf_edge is not None:  # the ∞ points inside the frame, not on its edge
-            ax.set_xlim(right=inf_edge * (1.5 if scale == "symlog" else 1.08))
-        ax.set_xlabel(
-            "KL(π ‖ π_ref)"
-            + (f" (symlog: linear below {linthresh:.2g})" if scale == "symlog" else "")
-        )
+            labels.append(line.label.replace("$", r"\$"))
+    scale, linthresh = kl_axis(data.kls)
+    for ax, (_, label) in zip(axes, FRONTIER_METRICS):
+        _kl_axis_of(ax, scale, linthresh, data.inf_edge)
         ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
     legend_panel(fig.add_subplot(grid[0, 2]), handles, labels)
     if table:
         config_panel([fig.add_subplot(grid[0, 3 + i]) for i in range(table_cols)], table)
     if title:
         fig.suptitle(title, fontsize=10)
     return fig
+
+
+def _draw_line(ax, line: FrontierLine, pts: list[FrontierPoint], n_lines: int):
+    """One line's points with their error bars (and η labels while they stay readable)."""
+    drawn = ax.errorbar(
+        [p.x for p in pts],
+        [p.y for p in pts],
+        xerr=[p.x_err for p in pts],
+        yerr=[p.y_err for p in pts],
+        ms=4,
+        lw=1.2,
+        capsize=2,
+        linestyle=line.style["linestyle"] if len(pts) > 1 else "none",
+        color=line.style["color"],
+        marker=line.style["marker"],
+    )
+    for p in pts:
+        if p.eta is not None and n_lines <= ETA_LABELS_UP_TO:
+            ax.annotate(
+                f"η={_fmt(p.eta)}",
+                (p.x, p.y),
+                fontsize=6,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
+    return drawn
+
+
+def _kl_axis_of(ax, scale: str, linthresh: float | None, inf_edge: float | None) -> None:
+    """The KL axis: the ∞ edge marked (its points inside the frame), symlog when a few KLs
+    dwarf the rest, labelled and gridded."""
+    if inf_edge is not None:
+        ax.axvline(inf_edge, color="grey", lw=0.8, ls=":")
+        ax.annotate(
+            "KL = ∞ (off π_ref's support)",
+            (inf_edge, 0.02),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            fontsize=6,
+            ha="right",
+            color="grey",
+        )
+    if scale == "symlog":
+        ax.set_xscale("symlog", linthresh=linthresh)
+    if inf_edge is not None:  # the ∞ points inside the frame, not on its edge
+        ax.set_xlim(right=inf_edge * (1.5 if scale == "symlog" else 1.08))
+    ax.set_xlabel(
+        "KL(π ‖ π_ref)" + (f" (symlog: linear below {linthresh:.2g})" if scale == "symlog" else "")
+    )
+    ax.grid(alpha=0.3)
 
 
 LEGEND_COLUMN_IN = 2.0  # inches per column of legend entries ("QSharp tiny r1 c12")
@@ -557,7 +622,7 @@ def write_aggregate(rows: Sequence[dict[str, Any]], out: Path) -> str:
     """aggregate.{csv,md}, the frontier plots and matched_kl.{csv,md} into `out`,
     each atomically; returns the markdown table."""
     from pita.core.paths import atomic_write_text
-    from pita.experiment.matched_kl import write_matched_kl
+    from pita.results.matched_kl import write_matched_kl
 
     atomic_write_text(out / "aggregate.csv", to_csv(rows))
     table = to_markdown(rows)
@@ -735,7 +800,7 @@ class AggregateCallback(_HydraCallback):
 
 
 def default_out_dir(first: Path) -> Path:
-    """Where `python -m pita.experiment.aggregate` writes without --out: a new folder of its
+    """Where `python -m pita.results.aggregate` writes without --out: a new folder of its
     own beside the runs, so the sweep's own aggregate.md is never replaced; beside a run
     folder given alone, never inside it."""
     import time
@@ -757,7 +822,7 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(
-            "usage: python -m pita.experiment.aggregate SWEEP_OR_RUN_DIR [MORE ...] [--out DIR]"
+            "usage: python -m pita.results.aggregate SWEEP_OR_RUN_DIR [MORE ...] [--out DIR]"
             " [--trust-group]\n"
             "  writes aggregate.{csv,md}, matched_kl.{csv,md} and plots/ into DIR\n"
             "  (default: a new aggregate-<time>/ in SWEEP_DIR, or beside RUN_DIR; never into a\n"

@@ -1,5 +1,5 @@
 """Where the time went: task durations across runs (for the ETA), and at the end of a run
-`results/timeline.png` (a Gantt per device: pita/experiment/timeline_plot.py) and the time
+`results/timeline.png` (a Gantt per device: pita/results/timeline_plot.py) and the time
 table `results/time.{md,csv}`.
 
 Everything here reads the journal (`task_running` / `task_done` / `task_failed` events, with
@@ -422,7 +422,7 @@ def write_time_report(
     writer.writeheader()
     writer.writerows(rows)
     atomic_write_text(paths.results / "time.csv", buf.getvalue())
-    from pita.experiment.timeline_plot import draw_timeline, timeline_model
+    from pita.results.timeline_plot import draw_timeline, timeline_model
 
     draw_timeline(timeline_model(all_spans, labels), paths.results / "timeline.png")
     return table

@@ -1,5 +1,5 @@
 """`results/timeline.png`: what ran where and when, drawn from the journal's task attempts
-(pita/experiment/timeline.py `spans`).
+(pita/results/timeline.py `spans`).
 
 Two steps, so the picture can be tested on data and extended without touching the drawing:
 `timeline_model` turns the attempts into `Bar`s and `Marker`s (which row, where, what label),

@@ -225,7 +225,7 @@ def write_report(cfg, plan: Plan, run_dir: Path) -> list[dict]:
     paths.plots.mkdir(parents=True, exist_ok=True)
     plot_accuracy(rows, paths.plots / "accuracy.png")
     plot_gpu_memory(paths.gpu_monitor, paths.plots / "gpu_memory.png")
-    from pita.experiment.aggregate import plot_frontier
+    from pita.results.aggregate import plot_frontier
 
     for dataset in sorted({r["dataset"] for r in rows}):  # reward–KL / pass@1–KL across η
         plot_frontier(
@@ -235,7 +235,7 @@ def write_report(cfg, plan: Plan, run_dir: Path) -> list[dict]:
         )
     log_results(cfg, rows, run_dir)
     log.info("Results (%s):\n%s", paths.results / "summary.csv", table)
-    from pita.experiment.matched_kl import write_matched_kl
+    from pita.results.matched_kl import write_matched_kl
 
     matched = write_matched_kl(rows, paths.results)
     if matched is not None:
