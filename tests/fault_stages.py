@@ -18,17 +18,23 @@ def _marker(ctx: StageContext, what: str) -> None:
     folder = os.environ.get("PITA_TEST_MARKERS")
     if folder:
         path = os.path.join(folder, f"{ctx.task.id}.{what}")
-        with open(path, "a") as f:
-            f.write(
-                json.dumps(
-                    {
-                        "pid": os.getpid(),
-                        "t": time.time(),
-                        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                    }
-                )
-                + "\n"
-            )
+        line = json.dumps(
+            {
+                "pid": os.getpid(),
+                "t": time.time(),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            }
+        )
+        # A test polls for this file and reads it at once: write the whole content
+        # beside it and rename, so a reader never sees a half-written (empty) marker.
+        earlier = ""
+        if os.path.exists(path):
+            with open(path) as f:
+                earlier = f.read()
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(earlier + line + "\n")
+        os.replace(tmp, path)
 
 
 def sleep_stage(ctx: StageContext) -> dict:

@@ -15,10 +15,8 @@ def _summary(run_dir):
 
 
 @pytest.mark.slow
-def test_smoke_experiment_end_to_end(tmp_path):
-    proc = run_cli(["experiment=smoke", "executor.progress=false"], tmp_path, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    [run_dir] = run_dirs(tmp_path, "smoke")
+def test_smoke_experiment_end_to_end(smoke_run):
+    proc, run_dir = smoke_run.proc, smoke_run.run_dir
     rows = _summary(run_dir)
     header = list(rows[0])
     assert header[:14] == [

@@ -27,7 +27,7 @@ from pita.core.progress import (
     task_left,
 )
 from pita.core.tasks import TaskSpec
-from tests.conftest import run_cli, run_ok, sleep_overrides, task_spec
+from tests.conftest import run_cli, task_spec
 
 
 def _task(tid: str, stage: str = "train", work: float = 1.0, deps=(), algo="DPO") -> TaskSpec:
@@ -240,17 +240,11 @@ def test_a_real_stage_slower_than_its_estimate_moves_the_eta_with_its_progress(
 
 
 @pytest.mark.slow
-def test_a_real_run_logs_its_eta_and_ends_with_the_time_table(tmp_path):
-    """Sleep stages on fake:2: run.log has an ETA line before the end, results/ the timeline
-    and the time table; a dry run afterwards estimates from the recorded durations."""
-    env = {"PITA_TEST_SLEEP": "0.1", "PITA_CACHE_DIR": str(tmp_path / "cache")}
-    args = [
-        "experiment=smoke",
-        "system.devices=fake:2",
-        "executor.progress=false",
-        *sleep_overrides(),
-    ]
-    run_dir = run_ok(args, tmp_path, "smoke", env=env, timeout=300)
+def test_a_real_run_logs_its_eta_and_ends_with_the_time_table(smoke_run):
+    """The session's smoke run (fake:2, its own duration cache): run.log has an ETA line
+    before the end, results/ the timeline and the time table; a dry run afterwards estimates
+    from the recorded durations."""
+    run_dir = smoke_run.run_dir
     log = (run_dir / "run.log").read_text()
     end = log.index("All 45 tasks done")
     eta_at = log.find(" tasks, ETA ")
@@ -265,9 +259,9 @@ def test_a_real_run_logs_its_eta_and_ends_with_the_time_table(tmp_path):
     assert {r["section"] for r in rows} == {"stage", "chain", "device"}
     assert sum(int(r["tasks"]) for r in rows if r["section"] == "stage") == 45
     assert "Where the time went" in log
-    assert json.loads((tmp_path / "cache" / "task_durations.json").read_text())
+    assert json.loads((smoke_run.cwd / "cache" / "task_durations.json").read_text())
 
-    dry = run_cli([*args, "dry_run=true"], tmp_path, env=env, timeout=120)
+    dry = run_cli([*smoke_run.args, "dry_run=true"], smoke_run.cwd, env=smoke_run.env, timeout=120)
     assert dry.returncode == 0, dry.stderr[-2000:]
     assert "Estimated wall time: ~" in dry.stdout
     assert "(from earlier runs' durations)" in dry.stdout

@@ -205,12 +205,16 @@ def test_missing_tracker_package_is_a_config_error_naming_the_pip_install(tmp_pa
     assert not (tmp_path / "outputs").exists()
 
 
-def test_unknown_logger_lists_the_options(tmp_path):
-    done = run_cli(["logger=tensorbord", "dry_run=true"], cwd=tmp_path)
-    assert done.returncode == 2
+def test_unknown_logger_lists_the_options(tmp_path, capsys, monkeypatch):
+    from pita.experiment import cli
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["logger=tensorbord", "dry_run=true"])
+    assert exit_info.value.code == 2
     assert (
         "logger=tensorbord: no such logger config; available: csv, mlflow, none, tensorboard, wandb"
-        in done.stderr
+        in capsys.readouterr().err
     )
 
 

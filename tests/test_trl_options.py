@@ -294,3 +294,95 @@ def test_trl_options_and_lora_reach_the_trainers(local_family, tmp_path):
         rows = {r["algo"]: r for r in csv.DictReader(f)}
     for algo in ("DPO", "GRPO", "GRPO-HF"):
         assert math.isfinite(float(rows[algo]["pass@1"])), rows[algo]
+
+
+# --- at the built TRL config (no run) ---------------------------------------------------------
+
+
+def _stage_ctx(tmp_path, algo: str, stage: str, overrides: list[str]):
+    """A StageContext for one of `algo`'s TRL stages, composed from the real config."""
+    import logging
+
+    from pita.algos.registry import ALGORITHMS
+    from pita.core.tasks import TaskSpec
+    from pita.experiment.cli import compose_config
+    from pita.runtime.context import StageContext
+
+    cfg = compose_config([f"algos.{algo}.enabled=true", *overrides])
+    task = TaskSpec(
+        id=f"{algo}.{stage}",
+        algo=algo,
+        algo_schema=ALGORITHMS[algo].schema_path,
+        dataset="goal_walk",
+        family="tiny",
+        round=0,
+        stage=stage,
+        fn="-",
+        inputs={"reference": "pretrain"},
+    )
+    out = tmp_path / "tasks" / task.id
+    out.mkdir(parents=True)
+    logger = logging.getLogger(f"test.trl_options.{task.id}")
+    return StageContext(task=task, cfg=cfg, run_dir=tmp_path, out_dir=out, logger=logger)
+
+
+@pytest.mark.parametrize(
+    ("algo", "stage", "config", "key", "overrides", "recorded"),
+    [
+        (
+            "DPO",
+            "train",
+            "DPOConfig",
+            "trl",
+            [
+                "algos.DPO.trl.loss_type=ipo",
+                "algos.DPO.peft={r: 4, alpha: 8, target_modules: [q_proj, v_proj]}",
+            ],
+            {
+                "trl": {"loss_type": ["ipo"]},
+                "peft": {
+                    "r": 4,
+                    "alpha": 8.0,
+                    "dropout": 0.0,
+                    "target_modules": ["q_proj", "v_proj"],
+                },
+            },
+        ),
+        (
+            "GRPO",
+            "train",
+            "GRPOConfig",
+            "trl",
+            ["algos.GRPO.trl.scale_rewards=false", "algos.GRPO.trl.loss_type=dr_grpo"],
+            {"trl": {"scale_rewards": "none", "loss_type": "dr_grpo"}},
+        ),
+        (
+            "GRPO-HF",
+            "reward_model",
+            "RewardConfig",
+            "reward_trl",
+            ["algos.GRPO-HF.reward_trl.center_rewards_coefficient=0.01"],
+            {"reward_trl": {"center_rewards_coefficient": 0.01}},
+        ),
+    ],
+)
+def test_trl_options_reach_the_built_trl_config(
+    tmp_path, algo, stage, config, key, overrides, recorded
+):
+    """What the stages hand TRL, without a run: `training_args` builds the TRL config with the
+    options last (after TRL's own `__post_init__`), and `applied_options` records for
+    result.json what that config holds, with the LoRA spec of the trained policy. (The e2e
+    test_trl_options_and_lora_reach_the_trainers trains with them and checks the weights.)"""
+    import trl
+
+    from pita.algos.trl_common import applied_options, training_args, trl_options
+
+    ctx = _stage_ctx(tmp_path, algo, stage, overrides)
+    options = trl_options(ctx, key)
+    extra = {"num_generations": 4} if config == "GRPOConfig" else {}
+    args = training_args(
+        ctx, getattr(trl, config), batch_size=8, lr=1e-3, steps=2, options=options, **extra
+    )
+    assert applied_options(args, ctx, key) == recorded
+    # pita's own settings are still there beside the options
+    assert args.learning_rate == 1e-3 and args.max_steps == 2 and args.report_to == []

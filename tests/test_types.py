@@ -12,6 +12,7 @@ import pytest
 from tests.conftest import ROOT
 
 
+@pytest.mark.slow  # a cold mypy of the whole parent side: minutes on a busy 2-core machine
 def test_core_and_experiment_are_mypy_clean():
     if importlib.util.find_spec("mypy") is None:
         pytest.skip("mypy is not installed (pip install -e '.[dev]')")
