@@ -175,7 +175,7 @@ def test_readers_of_the_kl_keep_infinite_rows_apart(tmp_path):
     assert edge is not None and edge > 0.8 and xs[-1] == edge and xs[-2] == edge
     assert xs[:-2] == [r["kl"] for r in ROWS[:-2]]
     assert plot_frontier(ROWS, tmp_path / "frontier.png")
-    from pita.experiment.aggregate import clean_rows
+    from pita.results.aggregate import clean_rows
 
     kept, bad_cells, _ = clean_rows([dict(ROWS[-1], avg_reward=math.inf)])
     assert kept[0]["kl"] == math.inf and "avg_reward" not in kept[0] and bad_cells == 1

@@ -17,6 +17,7 @@ and `draw_timeline` draws them with matplotlib. What the model says:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +77,9 @@ def device_runs(devices: Sequence[int]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in runs]
 
 
+ROUND_PART = re.compile(r"r\d+")
+
+
 def bar_label(span: Any, width: float, x_max: float) -> str | None:
     """The longest of (task id, `<algo> r<round> <stage>`) that fits in the bar, or None for
     a short bar."""
@@ -83,7 +87,7 @@ def bar_label(span: Any, width: float, x_max: float) -> str | None:
         return None
     fits = int(CHARS_ACROSS * width / x_max)
     parts = span.task.split(".")
-    rnd = next((p for p in parts if p.startswith("r") and p[1:].isdigit()), "")
+    rnd = next((p for p in parts if ROUND_PART.fullmatch(p)), "")  # `r0` of a task id
     short = " ".join(p for p in (parts[0], rnd, span.stage) if p)
     prefix = f"retry {span.attempt}: " if span.attempt > 1 else ""
     for text in (prefix + span.task, prefix + short):
