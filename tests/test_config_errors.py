@@ -342,3 +342,18 @@ def test_stage_override_is_logged_and_not_imported_on_dry_run(tmp_path):
         "executor.stage_overrides.any.train=evilpkg.stages:train: config is code"
         in proc.stdout + proc.stderr
     )
+
+
+def test_a_quantized_family_with_a_trained_policy_is_refused_before_the_run():
+    """On CUDA a -8bit / -4bit alias loads, but DPO / GRPO train the policy in fp32: the
+    task would refuse it (placement.trained_policy_refusal), so preflight says it first;
+    with only guided algorithms (π_ref frozen) the alias is fine."""
+    from pita.experiment.preflight import _families, _family_errors
+
+    family = ["model.name=mine-4bit", f"model.reference={ROOT}", f"model.guide={ROOT}"]
+    cfg = cli.compose_config([*family, "dataset=gsm8k"])
+    [line] = _family_errors(cfg, _families(cfg), "cuda")
+    assert line.startswith("model.name='mine-4bit': algos.DPO trains the family's policy"), line
+    assert "drop the suffix or disable algos.DPO" in line
+    guided = cli.compose_config([*family, "dataset=gsm8k", *only("reference", "QSharp")])
+    assert _family_errors(guided, _families(guided), "cuda") == []

@@ -272,25 +272,23 @@ def test_stage_models_load_through_the_placement_code(local_family, caplog):
             family_cfg={**fam, "device_map": None},
             device="cpu",
         )
-    for family, device_map, refusal in (
-        ("local-8bit", None, r"^model.name=local-8bit: a policy this stage trains loads in fp32"),
-        ("local", "auto", r"^model.device_map=auto: a policy this stage trains is not sharded"),
-    ):
-        ctx = SimpleNamespace(
-            task=SimpleNamespace(family=family),
-            cfg=SimpleNamespace(model={**fam, "device_map": device_map}),
-            device="cpu",
-            system=SimpleNamespace(attn_impl="eager"),
-        )
-        with pytest.raises(ValueError, match=refusal):
-            load_trainable_lm(ctx, fam["reference"])  # type: ignore[arg-type]
-    trained = load_trainable_lm(
-        SimpleNamespace(  # type: ignore[arg-type]
-            task=SimpleNamespace(family="local"),
-            cfg=SimpleNamespace(model={**fam, "device_map": None, "dtype": "bfloat16"}),
-            device="cpu",
-            system=SimpleNamespace(attn_impl="eager"),
-        ),
-        fam["reference"],
+    ctx = SimpleNamespace(
+        task=SimpleNamespace(family="local-8bit"),
+        cfg=SimpleNamespace(model={**fam, "device_map": None}),
+        device="cpu",
+        system=SimpleNamespace(attn_impl="eager"),
     )
-    assert next(trained.parameters()).dtype == torch.float32  # trained in fp32 whatever dtype
+    with pytest.raises(ValueError, match=r"^model.name=local-8bit: a policy this stage trains"):
+        load_trainable_lm(ctx, fam["reference"])  # type: ignore[arg-type]
+    for device_map in (None, "auto"):  # device_map places run-only models, never the trained one
+        trained = load_trainable_lm(
+            SimpleNamespace(  # type: ignore[arg-type]
+                task=SimpleNamespace(family="local"),
+                cfg=SimpleNamespace(model={**fam, "device_map": device_map, "dtype": "bfloat16"}),
+                device="cpu",
+                system=SimpleNamespace(attn_impl="eager"),
+            ),
+            fam["reference"],
+        )
+        assert next(trained.parameters()).dtype == torch.float32  # fp32 whatever dtype
+        assert next(trained.parameters()).device.type == "cpu"  # the task's device

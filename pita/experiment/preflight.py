@@ -151,11 +151,18 @@ def _family_errors(
     from pita.datasets import REGISTRY
 
     errors = []
+    trainer = _policy_trainer(cfg)
     for key, name, fam in families:
         if fam.quantization and gpu_kind != "cuda":
             errors.append(
                 f"{key}={name!r}: -{fam.quantization} aliases load with bitsandbytes on CUDA GPUs, "
                 f"but this run's devices are {gpu_kind}; drop the -{fam.quantization} suffix"
+            )
+        elif fam.quantization and trainer:
+            errors.append(  # the task would refuse it (placement.trained_policy_refusal)
+                f"{key}={name!r}: algos.{trainer} trains the family's policy in fp32; "
+                f"-{fam.quantization} (quantized training) is not supported: drop the suffix "
+                f"or disable algos.{trainer}"
             )
     datasets = list(cfg.experiment.datasets) or [cfg.dataset.name]
     hub = [d for d in datasets if REGISTRY.get(_dataset_task(cfg, d)) == "hub"]
@@ -167,6 +174,18 @@ def _family_errors(
             f"(goal_walk, star_graph); use a hub family (e.g. model=gpt2) or a synthetic dataset"
         )
     return errors
+
+
+def _policy_trainer(cfg: DictConfig) -> str | None:
+    """The first enabled algorithm that trains the family's policy (DPO, GRPO, ...), if any."""
+    from pita.algos.registry import ALGORITHMS
+    from pita.experiment.plan import enabled_algos
+
+    for name in enabled_algos(cfg):
+        held = (h for models in ALGORITHMS[name].models.values() for h in models)
+        if any(h.model == "policy" and h.use == "train" for h in held):
+            return name
+    return None
 
 
 def _dataset_task(cfg: DictConfig, name: str) -> str:
