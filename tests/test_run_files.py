@@ -166,7 +166,8 @@ class _FullDisk:
         return self.mnt / "run"
 
     def __call__(self, run_dir: Path) -> None:
-        with open(self.mnt / "filler", "wb") as f:
+        # unbuffered: a buffered file's close would flush its tail into the full disk and raise
+        with open(self.mnt / "filler", "wb", buffering=0) as f:
             try:
                 while True:
                     f.write(b"\0" * 65536)
