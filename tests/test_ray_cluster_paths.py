@@ -88,6 +88,7 @@ def test_ray_address_auto_on_a_token_cluster_without_a_token_is_one_line(tmp_pat
     finds it (RAY_ADDRESS) without a token: one line naming the missing credential, not
     ~20 s of `Failed to get cluster ID ... InvalidAuthToken` retries."""
     import os
+    import shutil
     import signal
     import socket
     import subprocess
@@ -104,7 +105,11 @@ def test_ray_address_auto_on_a_token_cluster_without_a_token_is_one_line(tmp_pat
         "RAY_AUTH_TOKEN": "pita-test-token",
         "HOME": str(tmp_path / "head_home"),
     }
-    temp = str(tmp_path / "r")  # short: Ray's socket paths have a length limit
+    import tempfile
+
+    # short, not under pytest's tmp_path: Ray's socket paths (<temp>/session_<date>_<pid>/
+    # sockets/plasma_store) must stay under the 107-character limit of a Unix socket
+    temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")
     start = [ray_bin, "start", "--head", "--block", f"--port={port}", "--num-cpus=1"]
     start += ["--include-dashboard=false", f"--temp-dir={temp}"]
     # its own process group: only this head's processes are stopped (never `ray stop`,
@@ -123,7 +128,10 @@ def test_ray_address_auto_on_a_token_cluster_without_a_token_is_one_line(tmp_pat
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
                 break
             except OSError:
+                assert head.poll() is None, "the Ray head exited before its GCS answered"
                 time.sleep(0.5)
+        else:
+            pytest.fail("the Ray head's GCS did not answer within 180 s")
         client_env = {
             "RAY_ADDRESS": f"127.0.0.1:{port}",
             "HOME": str(tmp_path / "client_home"),  # no ~/.ray/auth_token
@@ -143,6 +151,7 @@ def test_ray_address_auto_on_a_token_cluster_without_a_token_is_one_line(tmp_pat
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait()
+        shutil.rmtree(temp, ignore_errors=True)
     assert done.returncode == 2, done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr[-3000:]
