@@ -37,13 +37,6 @@ def only(*algos: str) -> list[str]:
     return [f"algos.{a}.enabled={'true' if a in algos else 'false'}" for a in ALGOS]
 
 
-def shell_env() -> dict[str, str]:
-    """This process's environment as a user's shell would hand it to run_parallel.py: without
-    the PITA_COMMAND an in-process `cli.main` of an earlier test left behind (run_info.json
-    would record that test's command as the subprocess's)."""
-    return {k: v for k, v in os.environ.items() if k != "PITA_COMMAND"}
-
-
 def run_cli(
     args: list[str],
     cwd: Path,
@@ -51,7 +44,7 @@ def run_cli(
     timeout: float = 180,
     script: str = "run_parallel.py",
 ) -> subprocess.CompletedProcess:
-    full_env = {**shell_env(), "PYTHONPATH": str(ROOT), **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run(
         [sys.executable, str(ROOT / script), *args],
         cwd=cwd,
@@ -68,7 +61,7 @@ def start_cli(args: list[str], cwd: Path, env: dict | None = None) -> subprocess
     return subprocess.Popen(
         [sys.executable, str(ROOT / "run_parallel.py"), *args],
         cwd=cwd,
-        env={**shell_env(), "PYTHONPATH": str(ROOT), **(env or {})},
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

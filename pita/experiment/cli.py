@@ -375,6 +375,9 @@ def main(argv: list[str] | None = None) -> None:
     from hydra._internal.utils import get_args_parser
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    # as typed, for run_info.json: set before any branch (a resume too), so no path records
+    # a command this process inherited from the one that started it
+    os.environ["PITA_COMMAND"] = json.dumps([sys.argv[0], *argv])
     args = get_args_parser().parse_args(argv)  # Hydra's own parser: -cn NAME, -sc install=bash, ...
     if args.help:
         _print_help(args)
@@ -387,7 +390,6 @@ def main(argv: list[str] | None = None) -> None:
         if resume is not None:
             sys.exit(_resume(resume, implicit, overrides, args))
         cfg = _exit_2_on_config_error(lambda: _new_run_config(overrides, args))
-    os.environ["PITA_COMMAND"] = json.dumps([sys.argv[0], *argv])  # as typed, for run_info.json
     if cfg is not None and not args.multirun and remote_launcher() is None:
         overrides = _lock_before_hydra(cfg, overrides)
     given = set(args.overrides)
