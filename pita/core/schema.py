@@ -317,7 +317,10 @@ class ExecutorConfig:
     )
     progress: bool = spec("Live progress display of tasks per device.", True, affects="record")
     preimport: bool = spec(
-        "Workers import torch as soon as they start, overlapping planning.", True, affects="place"
+        "Workers import torch as soon as they start, overlapping planning (false: on CPU and"
+        " fake devices only a stage that uses torch imports it).",
+        True,
+        affects="place",
     )
     stage_overrides: Dict[str, Dict[str, str]] = spec(
         "Replace stage functions: +executor.stage_overrides.QSharp.train=mypkg.mod:fn (algo 'any' = all).",
