@@ -936,6 +936,7 @@ def resume_safe_keys() -> tuple[str, ...]:
     return keys_affecting("place") + keys_affecting("record")
 
 
+@functools.cache  # read once per planned task (17k in the largest plan): the schema is fixed
 def memory_keys(schema: type | None = None) -> tuple[str, ...]:
     """The dotted leaf keys of `schema` (PitaConfig unless given) that change a task's
     device-memory peak (`memory=True`): the peak cache's key."""
