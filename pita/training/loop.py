@@ -4,7 +4,7 @@ A stage keeps its loop in plain view and hands the mechanics of one optimizer st
 `TrainStep`:
 
     micro, n_micro = accumulation_plan(batch, micro_batch_size, accumulation_steps, batch_scale)
-    step = TrainStep(model, optim, precision, scheduler=sched)  # or pita.runtime.kit.train_step
+    step = TrainStep(model, optim, precision, scheduler=sched)
     for _ in range(steps):
         batch = next_batch()
         step.run(split_batch(batch, micro), lambda mb: model(**mb).loss, samples=len(batch))
