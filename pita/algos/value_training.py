@@ -72,7 +72,7 @@ def build_targets(items: Sequence[tuple], pad_id: int) -> dict:
         node = -1 - len(
             prompt
         )  # one root per prompt length: the prompt/response boundary is part of the key
-        out = []
+        out: list[tuple[int, int | None]] = []
         for i, tok in enumerate([*prompt, *response]):
             node = trie.setdefault((node, int(tok)), len(trie))
             if i >= len(prompt):
@@ -258,7 +258,7 @@ def _train_value_rank(ctx: StageContext, dist: Any, items: Sequence[tuple]) -> d
     t0 = time.perf_counter()
     algo = ctx.algo_as(ValueGuidedConfig)
     if not items:
-        raise ValueError(f"{ctx.task.id}: no training records in {ctx.input('data')}")
+        raise ValueError(f"{ctx.task.id}: no training records in {ctx.inputs('data')}")
     job = ValueJob(
         task_id=ctx.task.id,
         algo=algo,

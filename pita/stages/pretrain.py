@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from functools import partial
 
 from pita.core.paths import Artifact
 from pita.runtime.context import StageContext
@@ -286,7 +287,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
             i + 1,
             lambda: {"model": saved_model, "optimizer": saved_optim, "scheduler": sched},
             step=step,
-            extra=lambda state=rng_after: {"rng": state},
+            extra=partial(dict, rng=rng_after),  # the data RNG's state after this step
         )
 
     state = full_state_dict(model, dist) if dist is not None else None  # FSDP2: gathered
