@@ -27,15 +27,9 @@ from tests.conftest import run_cli, run_dirs
 torch = pytest.importorskip("torch")
 
 from pita.datasets import build_task  # noqa: E402
+from tests.test_baselines import GOAL_WALK as BASELINES_WALK  # noqa: E402
 
-GOAL_WALK = {
-    "name": "goal_walk",
-    "num_nodes": 8,
-    "out_degree": 2,
-    "walk_length": 3,
-    "seed": 0,
-    "test_size": 10,
-}
+GOAL_WALK = {**BASELINES_WALK, "test_size": 10}  # the baselines' small graph, fewer test prompts
 ONE = [(0.0, 1.0)]
 FOUR = [(0.0, 0.1), (0.1, 0.5), (0.5, 0.55), (0.55, 1.0)]  # uneven, as the planner weights them
 TIMING = ("eval_wall_s", "wall_s", "collect_s")  # seconds: the only numbers allowed to differ
