@@ -52,9 +52,12 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pita.core.schema import ValueGuidedConfig
+
+if TYPE_CHECKING:  # torch-heavy; imported only for type hints
+    from pita.algos.guidance import HookFactory
 
 
 def score_in_batches(
@@ -316,7 +319,8 @@ def collect_shard(ctx: Any, *, pairs: bool) -> tuple[list[dict], dict]:
         examples = examples[: dc.max_examples]
     part = ctx.shard_slice(len(examples))
     indices = list(range(len(examples)))[part]
-    hook, roll_in_top_k = None, int(gen.top_k)
+    hook: HookFactory | None = None
+    roll_in_top_k = int(gen.top_k)
     if ctx.has_input("guide") and float(algo.guidance.eta) != 0:  # round k > 0: π^k = guided π_ref
         from pita.algos.guidance import guided_hook_factory
 
@@ -326,7 +330,7 @@ def collect_shard(ctx: Any, *, pairs: bool) -> tuple[list[dict], dict]:
     # The probe measures on the task's device with the models collect really holds: π_ref
     # on the shard's longest prompt and full max_new_tokens, plus the guide when guided.
     # (Without the model it had nothing to measure and logged "no CUDA device" on GPUs.)
-    guide = [hook.model] if getattr(hook, "model", None) is not None else []
+    guide = [hook.model] if hook is not None else []
     batch = generation_batch_size(
         ctx,
         gen.batch_size,

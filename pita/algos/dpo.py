@@ -102,7 +102,7 @@ def preference_pairs(
     ):  # one reward per distinct response (the verifier is deterministic)
         best.setdefault(tuple(r), float(x))
     ranked = sorted(best.items(), key=lambda kv: -kv[1])
-    pairs = []
+    pairs: list[tuple[list[int], list[int]]] = []
     for i in range(len(ranked) // 2):
         (hi, r_hi), (lo, r_lo) = ranked[i], ranked[-1 - i]
         if r_hi <= r_lo or len(pairs) == max_pairs:
@@ -323,7 +323,7 @@ def _train(ctx: StageContext, dist: object = None) -> dict:
 
     algo = ctx.algo_as(PreferenceConfig)
     # Data first (fail before loading models): the pairs of every round so far, shuffled.
-    records = read_pairs(ctx.input("data"))
+    records = read_pairs(ctx.inputs("data"))
     if not records:
         raise RuntimeError(
             "no preference pairs were collected (every prompt's samples were all right or all "
@@ -373,7 +373,7 @@ def _train(ctx: StageContext, dist: object = None) -> dict:
     ctx.logger.info(
         "DPO on %d pairs from %d round(s); policy from %s, reference %s",
         len(records),
-        len(ctx.input("data")),
+        len(ctx.inputs("data")),
         start_dir,
         ref_dir,
     )

@@ -195,7 +195,9 @@ def evaluate_shard(ctx: StageContext) -> dict:
     total = len(policies) * len(prompts)  # prompts generated, every η's
     with open(ctx.out_dir / Artifact.SAMPLES, "w") as f:
         for i, policy in enumerate(policies):
-            before = i * len(prompts)
+            def on_batch(done: int, before: int = i * len(prompts), eta: Any = policy.eta) -> None:
+                ctx.report_progress(before + done, total, "prompts", f"eta={eta}")
+
             out = generate(
                 policy.model,
                 prompts,
@@ -206,9 +208,7 @@ def evaluate_shard(ctx: StageContext) -> dict:
                 do_sample=True,
                 row_seeds=seeds,
                 offset_hook_factory=policy.hook_factory,
-                on_batch=lambda done, b=before, e=policy.eta: ctx.report_progress(
-                    b + done, total, "prompts", f"eta={e}"
-                ),
+                on_batch=on_batch,
                 **policy.rule.kwargs(),
             )
             kls = sample_kls(
@@ -259,7 +259,7 @@ def evaluate_merge(ctx: StageContext) -> dict:
     examples = test_examples(ctx, task)
     by_row: dict[Any, list[dict]] = {}
     wall = 0.0
-    for shard in ctx.input("shards"):
+    for shard in ctx.inputs("shards"):
         wall += json.loads((shard / Artifact.RESULT).read_text()).get("wall_s", 0.0)
         for line in (shard / Artifact.SAMPLES).read_text().splitlines():
             rec = json.loads(line)
