@@ -121,9 +121,8 @@ def collect(ctx: StageContext) -> dict:
     response is chosen, ties give no pair). Shared by DPO and GRPO-HF (whose reward model
     learns from the same pairs). Assumes the task's rewards tell responses apart.
     """
-    import torch
-
     from pita.models.generation import generate
+    from pita.models.seeds import example_seed
     from pita.runtime.batching import generation_batch_size
 
     # The task (its tokenizer and verifier) and the policy that samples this round.
@@ -156,7 +155,8 @@ def collect(ctx: StageContext) -> dict:
         temperature=gen.temperature,
         top_k=gen.top_k,
         top_p=gen.top_p,
-        generator=torch.Generator(device="cpu").manual_seed(ctx.seed),
+        # sample s of prompt i from its own stream: the same on any shard (pita/models/seeds.py)
+        row_seeds=[example_seed(ctx.seed, "sample", i, s) for i in indices for s in range(k)],
         on_batch=lambda done: ctx.report_progress(done, len(prompts), "prompts", "sampling"),
     )
 

@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from pita.core import schema as S
 from pita.core.paths import Artifact, RunPaths
 from pita.core.progress import progress_line
-from pita.core.tasks import TaskSpec
+from pita.core.tasks import TaskSpec, task_id
 
 T = TypeVar("T")
 
@@ -267,10 +267,16 @@ class StageContext:
 
     @property
     def seed(self) -> int:
-        """A per-task seed: the run seed mixed with the task id (stable across resumes)."""
+        """A per-stage seed: the run seed mixed with the task id (stable across resumes).
+        The shards of a sharded stage share it (their merge's id): they draw per example
+        from it (pita/models/seeds.py), so no number depends on how many shards there are."""
         import zlib
 
-        return (int(self.experiment.seed) * 1_000_003 + zlib.crc32(self.task.id.encode())) % (2**31)
+        t = self.task
+        stage_id = (
+            t.id if t.shard is None else task_id(t.algo, t.dataset, t.family, t.round, t.stage)
+        )
+        return (int(self.experiment.seed) * 1_000_003 + zlib.crc32(stage_id.encode())) % (2**31)
 
 
 def write_stand_in_outputs(ctx: StageContext) -> None:
