@@ -35,8 +35,11 @@ def task_spec(id: str, **fields) -> TaskSpec:
 
 
 def sleep_overrides(fn: str = "tests.fault_stages:sleep_stage") -> list[str]:
-    """Replace every stage with a test stage (the orchestrator is what is under test)."""
-    return [f"+executor.stage_overrides.any.{s}={fn}" for s in STAGES]
+    """Replace every stage with a test stage (the orchestrator is what is under test). A test
+    stage needs no torch, so workers do not import it (executor.preimport=false)."""
+    return [f"+executor.stage_overrides.any.{s}={fn}" for s in STAGES] + [
+        "executor.preimport=false"
+    ]
 
 
 def only(*algos: str) -> list[str]:
