@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +45,10 @@ def run_cli(
     timeout: float = 180,
     script: str = "run_parallel.py",
 ) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    """The command line run to its end; `env` adds to this process's environment (a value
+    of None removes that variable)."""
+    merged = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    full_env = {k: v for k, v in merged.items() if v is not None}
     return subprocess.run(
         [sys.executable, str(ROOT / script), *args],
         cwd=cwd,
@@ -92,6 +96,17 @@ def run_ok(args: list[str], cwd: Path, name: str, **kwargs) -> Path:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [run_dir] = run_dirs(cwd, name)
     return run_dir
+
+
+def run_cli_later(args: list[str], cwd: Path, **kwargs) -> Future[subprocess.CompletedProcess]:
+    """`run_cli` in a thread of its own: a run that does not depend on what the test does
+    meanwhile (the uninterrupted reference beside a run being killed, another backend's run)
+    goes on beside it. One run keeps about one core of this 2-core machine busy, so two at
+    once take the wall time of the longer one. `.result()` is the CompletedProcess."""
+    pool = ThreadPoolExecutor(max_workers=1)
+    future = pool.submit(run_cli, args, cwd, **kwargs)
+    pool.shutdown(wait=False)
+    return future
 
 
 def run_dirs(cwd: Path, name: str) -> list[Path]:
