@@ -150,7 +150,7 @@ class Rule:
 
 # What changing a key changes (`spec(affects=...)`); four lists are derived from it: the keys a
 # resume may change (and the CLI's refusal text), what a checkpoint's identity leaves out, the
-# duration cache's key (pita/results/timeline.py) and, with `memory=True`, the peak cache's.
+# duration cache's key (pita/experiment/durations.py) and, with `memory=True`, the peak cache's.
 AFFECTS = (
     "result",  # what a task computes (and so how long it works)
     "place",  # where and how fast it runs, never what: devices, workers, timeouts
