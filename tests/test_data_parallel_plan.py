@@ -1,6 +1,7 @@
 """training.parallel_strategy=data_parallel plans pretrain (the stage that trains with DDP)
-on a gang of every device and trains it with one DDP rank per device (issue 13: the key
-used to do nothing in a real run)."""
+as an elastic task: one device in the plan, 1..executor.max_ranks_per_task ranks chosen at
+dispatch (pita/core/elastic.py), one DDP rank per device (issue 13: the key used to do
+nothing in a real run; issue 32: the gang is sized by simulating the plan)."""
 
 from __future__ import annotations
 
@@ -12,18 +13,20 @@ from tests.conftest import journal, only, run_cli, run_dirs
 
 
 @pytest.mark.parametrize(
-    "overrides, gang",
+    "overrides, elastic",
     [
-        (["training.parallel_strategy=data_parallel"], 3),
-        (["training.parallel_strategy=none"], 1),
-        (["training.parallel_strategy=data_parallel", "system.gpu_mode=single_gpu"], 1),
+        (["training.parallel_strategy=data_parallel"], True),
+        (["training.parallel_strategy=none"], False),
+        (["training.parallel_strategy=data_parallel", "system.gpu_mode=single_gpu"], False),
+        (["training.parallel_strategy=data_parallel", "executor.max_ranks_per_task=1"], False),
     ],
 )
-def test_pretrain_is_planned_on_a_gang(overrides, gang):
+def test_pretrain_is_planned_elastic_under_data_parallel(overrides, elastic):
     cfg = cli.compose_config(["system.devices=fake:3", *only("reference", "QSharp"), *overrides])
     plan = build_plan(cfg, make_gpu_manager(cfg))
-    assert plan.tasks["pretrain.goal_walk.tiny"].gpus == gang
-    assert {t.gpus for tid, t in plan.tasks.items() if not tid.startswith("pretrain")} == {1}
+    assert plan.tasks["pretrain.goal_walk.tiny"].elastic is elastic
+    assert {t.gpus for t in plan.tasks.values()} == {1}  # k is chosen at dispatch
+    assert not any(t.elastic for tid, t in plan.tasks.items() if not tid.startswith("pretrain"))
 
 
 @pytest.mark.slow

@@ -67,8 +67,12 @@ class TaskDurations:
         self.key = key
         self.by_kind: dict[tuple, list[float]] = {}
         self.work_s = self.work_units = 0.0
+        # (task, wall) -> the seconds it stands for on one rank: a task that ran on a gang
+        # (pita/core/elastic.py) is estimated per rank count from its one-rank figure
+        self.one_rank: Callable[[TaskSpec, float], float] = lambda t, s: s
 
     def observe(self, task: TaskSpec, wall_s: float) -> None:
+        wall_s = self.one_rank(task, float(wall_s))
         self.by_kind.setdefault(task_kind(task), []).append(float(wall_s))
         self.work_s += float(wall_s)
         self.work_units += task.work
@@ -108,6 +112,8 @@ class Eta:
         self.finished = set(finished)  # done, failed or skipped: nothing left to wait for
         self.durations = durations
         self.scheduler = scheduler
+        # (task, one-rank seconds) -> seconds on the task's `gpus` ranks (elastic tasks)
+        self.at_ranks: Callable[[TaskSpec, float], float] = lambda t, s: s
 
     def remaining(self, started: dict[str, float], now: float) -> tuple[float, str]:
         """(seconds left, source of most of them) given the running tasks' start times."""
@@ -119,6 +125,7 @@ class Eta:
         weight: dict[str, float] = {}
         for tid, t in left.items():
             s, source = self.durations.estimate(t, rate)
+            s = self.at_ranks(t, s)
             if tid in started:  # what is left of it (at least a little: it has not ended)
                 s = max(0.05 * s, s - (now - started[tid]))
             seconds[tid] = s

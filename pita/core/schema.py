@@ -253,6 +253,14 @@ class ExecutorConfig:
     model_cache_size: int = spec(
         "Models a worker keeps loaded between tasks (LRU).", 2, ge=1, le=64
     )
+    max_ranks_per_task: int = spec(
+        "Most ranks (devices) a data-parallel training task may get; its k in 1, 2, 4, ... is "
+        "chosen when it is dispatched by simulating the rest of the plan (pita/core/elastic.py).",
+        8,
+        ge=1,
+        le=1_024,
+        note="1 = off",
+    )
     max_shards: int = spec(
         "Upper bound on shards per shardable stage.", 0, ge=0, note="0 = one per device", le=1_024
     )
@@ -290,7 +298,8 @@ class TrainingConfig:
     compile: bool = spec("torch.compile the model.", False)
     compile_mode: str = spec("torch.compile mode.", "default", choices=COMPILE_MODES)
     parallel_strategy: str = spec(
-        "data_parallel: pretrain planned on a gang of every device, one DDP rank per device.",
+        "data_parallel: training stages that run on a gang (pretrain) get 1..k devices, one DDP "
+        "rank each, k chosen at dispatch (executor.max_ranks_per_task).",
         "none",
         choices=PARALLEL_STRATEGIES,
     )

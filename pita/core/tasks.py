@@ -45,6 +45,9 @@ class TaskSpec:
     num_shards: int = 1
     shard_range: tuple[float, float] = (0.0, 1.0)  # fraction of the stage's items
     gpus: int = 1
+    # a training stage that runs data-parallel on 1..k ranks, each holding the whole model:
+    # `gpus` is chosen when it is dispatched (pita/core/elastic.py), mem_mb is per rank
+    elastic: bool = False
     mem_mb: int = 0
     mem_source: str = ""  # where mem_mb came from (pita/experiment/estimates.py); shown by dry_run
     preferred_device: int | None = None

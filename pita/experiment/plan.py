@@ -28,6 +28,10 @@ STAGE_WORK = {"pretrain": 3.0, "collect": 4.0, "reward_model": 2.0, "train": 6.0
 # Device memory of a stage relative to `model.memory_gb` (training holds optimizer states).
 STAGE_MEMORY = {"pretrain": 3.0, "collect": 1.0, "reward_model": 3.0, "train": 3.0, "evaluate": 1.0}
 MERGE_WORK = 0.1
+# Training stages whose functions run on k ranks today (pita/runtime/gang.py run_stage): the
+# ones that may be sized at dispatch. The value trainer and the TRL stages join them when
+# they run on a gang (issue 31 item 2).
+GANG_READY_STAGES = ("pretrain",)
 
 
 def _container(cfg: Any) -> dict[str, Any]:
@@ -143,7 +147,7 @@ class Planner:
                 round=0,
                 stage="pretrain",
                 fn=self.function(ANY, "pretrain"),
-                gpus=self.data_parallel_gang(),
+                elastic=self.elastic("pretrain"),
                 mem_mb=mem_mb,
                 work=STAGE_WORK["pretrain"],
                 **common,
@@ -151,14 +155,15 @@ class Planner:
         )
         return tid
 
-    def data_parallel_gang(self) -> int:
-        """training.parallel_strategy=data_parallel: pretrain, the stage that trains with DDP
-        (pita/runtime/gang.py run_stage), gets a gang of every device of the run, one rank
-        per device; other stages keep one device (or model.gpus_per_task for sharding)."""
+    def elastic(self, stage: str) -> bool:
+        """training.parallel_strategy=data_parallel: a training stage that runs on a gang
+        (pita/runtime/gang.py run_stage) gets 1..executor.max_ranks_per_task devices, one DDP
+        rank each, its k chosen when it is dispatched (pita/core/elastic.py); planned on 1."""
         strategy = str(self.cfg.training.get("parallel_strategy", "none"))
         if strategy != "data_parallel" or str(self.cfg.system.gpu_mode) in ("cpu", "single_gpu"):
-            return 1
-        return max(1, self.n_devices)
+            return False
+        ranks = int(self.cfg.executor.get("max_ranks_per_task", 1))
+        return stage in GANG_READY_STAGES and min(ranks, self.n_devices) > 1
 
     def add_stage(self, stage: str, spec: dict[str, Any], deps: list[str]) -> str:
         """One stage task, or its shards plus their merge; returns the id consumers read."""
@@ -172,6 +177,7 @@ class Planner:
                     fn=self.function(algo, stage),
                     deps=deps,
                     work=STAGE_WORK[stage],
+                    elastic=spec["gpus"] == 1 and self.elastic(stage),
                     **spec,
                 )
             )
@@ -305,6 +311,7 @@ def size_gangs(plan: Plan, device_mb: list[int]) -> None:
         if t.family_cfg.get("device_map") == "auto" and t.mem_mb > max(device_mb):
             try:
                 t.gpus = max(t.gpus, gpus_needed(t.mem_mb, device_mb, overhead=1.0))
+                t.elastic = t.elastic and t.gpus == 1  # sharded over its gang, not replicated
             except ValueError:
                 pass  # not even the whole machine: check_resources reports it
 

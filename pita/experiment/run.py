@@ -115,7 +115,10 @@ def estimated_wall_time(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> tuple[f
 
 def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
     scheduler = make_scheduler(cfg, gpu)
-    placement, makespan = simulate(plan, scheduler)
+    sized = _dry_run_sizing(plan, cfg, gpu)
+    placement, makespan = (
+        (sized["placement"], sized["makespan_s"]) if sized else simulate(plan, scheduler)
+    )
     print(
         f"Plan: {len(plan.tasks)} tasks on {len(gpu.devices)} device(s) "
         f"({gpu.kind}, up to {scheduler.max_tasks} task(s) per device while memory allows); "
@@ -132,8 +135,35 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
         print(
             f"{t.id:58s} {devs:9s} {t.mem_mb / 1024:7.2f} {t.priority:6.1f}  {t.mem_source[:40]:40s} {deps}"
         )
+    if sized:
+        print(
+            f"Elastic training tasks (executor.max_ranks_per_task="
+            f"{cfg.executor.max_ranks_per_task}), ranks chosen at dispatch by simulating the "
+            f"rest of the plan:"
+        )
+        for t in plan.tasks.values():
+            if t.elastic:
+                print(f"  {t.id:58s} k={t.gpus}")
+        print(
+            f"Predicted makespan: ~{format_duration(sized['makespan_s'])} with these ranks, "
+            f"~{format_duration(sized['rigid_makespan_s'])} with one rank each "
+            f"({sized['sized']} tasks sized in {sized['sizing_s']:.2f} s)."
+        )
     seconds, source = estimated_wall_time(plan, cfg, gpu)
     print(f"Estimated wall time: ~{format_duration(seconds)} ({source}).")
+
+
+def _dry_run_sizing(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> dict | None:
+    """The dry run's simulation with elastic tasks sized at their simulated dispatch."""
+    if not any(t.elastic for t in plan.tasks.values()):
+        return None
+    from pita.experiment.sizing import dry_run_sizing, make_sizer
+
+    scheduler = make_scheduler(cfg, gpu)
+    sizer = make_sizer(cfg, plan.tasks, task_durations(cfg, gpu), scheduler)
+    if not sizer.enabled:
+        return None
+    return dry_run_sizing(plan, scheduler, sizer)
 
 
 def lock_run_folder(cfg: DictConfig, run_dir: Path, share: bool = False) -> RunLock:
@@ -269,13 +299,16 @@ def _run_locked(
     for tid, wall in done_walls(read_events(paths.journal)).items():
         if tid in done:  # a resumed run's earlier session: this run's durations
             durations.observe(plan.tasks[tid], wall)
+    from pita.experiment.sizing import make_sizer, wire_eta
+
+    sizer = make_sizer(cfg, plan.tasks, durations, scheduler)
     progress = Progress(
         len(plan.tasks),
         [d.label for d in gpu.devices],
         len(done),
         worker_info=executor.workers,
         live=None if cfg.executor.progress else False,
-        eta=Eta(plan.tasks, done, durations, scheduler),
+        eta=wire_eta(Eta(plan.tasks, done, durations, scheduler), sizer),
     )
     from pita.experiment.estimates import PeakEstimator, peaks_cache_path
 
@@ -293,6 +326,7 @@ def _run_locked(
         on_event=progress.event,
         refresh_memory=lambda: _measured_memory(gpu, executor),
         estimator=estimator,
+        sizer=sizer,
     )
     log.info(
         "Packing: up to %d task(s) per device while their memory estimates fit (executor.max_tasks_per_gpu=%s)",
@@ -323,7 +357,7 @@ def _run_locked(
             except Exception:
                 pass
         executor.shutdown(kill=interrupted or lost is not None)
-        _record_durations(run_dir, plan, durations.key)
+        _record_durations(run_dir, plan, durations.key, sizer.curves.one_rank)
     if lost is not None:
         journal.append(
             "run_failed", reason=lost, done=len(runner.done), wall_s=round(time.time() - t0, 2)
@@ -435,12 +469,13 @@ def resume_command(run_dir: Path | str) -> str:
     return f"{user_command()} resume_from={run_dir}"
 
 
-def _record_durations(run_dir: Path, plan: Plan, key) -> None:
-    """Keep this run's task durations for the next run's ETA (never fails the run)."""
+def _record_durations(run_dir: Path, plan: Plan, key, one_rank=None) -> None:
+    """Keep this run's task durations for the next run's ETA and speedup curves (never
+    fails the run)."""
     from pita.experiment.timeline import record_durations
 
     try:
-        record_durations(run_dir, plan.tasks, key)
+        record_durations(run_dir, plan.tasks, key, one_rank=one_rank)
     except Exception as exc:
         log.debug("recording task durations failed: %s", exc, exc_info=True)
 

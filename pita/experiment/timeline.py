@@ -67,12 +67,50 @@ def load_durations(path: Path | None = None) -> dict[str, float]:
         return {}
 
 
+def load_rank_history(path: Path | None = None) -> dict[str, dict[str, Any]]:
+    """Recorded seconds per rank count: key -> {"curve": stage|family, "by_ranks": {k: s}}
+    (what pita/core/elastic.py fits speedup curves from)."""
+    try:
+        data = json.loads((path or durations_cache_path()).read_text())
+        return {
+            k: {
+                "curve": str(v["curve"]),
+                "by_ranks": {str(r): float(x) for r, x in v["by_ranks"].items()},
+            }
+            for k, v in data.items()
+            if isinstance(v, dict) and isinstance(v.get("by_ranks"), dict) and "curve" in v
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def ranks_of(events: list[dict[str, Any]]) -> dict[str, int]:
+    """task id -> how many devices (ranks) its last started attempt had."""
+    return {
+        e["task"]: max(1, len(e.get("devices") or [0]))
+        for e in events
+        if e.get("event") == "task_running"
+    }
+
+
 def record_durations(
-    run_dir: Path, tasks: Mapping[str, Any], key: Callable[[Any], str], path: Path | None = None
+    run_dir: Path,
+    tasks: Mapping[str, Any],
+    key: Callable[[Any], str],
+    path: Path | None = None,
+    one_rank: Callable[[Any, float, int], float] | None = None,
 ) -> int:
-    """Add this run's finished tasks' durations to the cache; how many were recorded."""
+    """Add this run's finished tasks' durations to the cache; how many were recorded.
+
+    `wall_s` is what the task stands for on one rank (`one_rank(task, wall, k)` converts a
+    gang's wall time); an elastic task also keeps its raw seconds per rank count
+    (`by_ranks`, across runs) and its curve key, from which speedup curves are fitted."""
+    from pita.core.elastic import curve_key
+
     path = path or durations_cache_path()
-    walls = done_walls(read_events(RunPaths(run_dir).journal))
+    events = read_events(RunPaths(run_dir).journal)
+    walls = done_walls(events)
+    ranks = ranks_of(events)
     if not walls:
         return 0
     try:
@@ -83,7 +121,14 @@ def record_durations(
         data = {}
     for tid, wall in walls.items():
         if tid in tasks:
-            data[key(tasks[tid])] = {"wall_s": round(wall, 3), "run": str(run_dir)}
+            t, k = tasks[tid], ranks.get(tid, 1)
+            entry: dict[str, Any] = {"run": str(run_dir)}
+            entry["wall_s"] = round(one_rank(t, wall, k) if one_rank and k > 1 else wall, 3)
+            if getattr(t, "elastic", False):
+                old = data.get(key(t))
+                by = dict(old.get("by_ranks") or {}) if isinstance(old, dict) else {}
+                entry.update(curve=curve_key(t), by_ranks={**by, str(k): round(wall, 3)})
+            data[key(t)] = entry
     try:
         atomic_write_json(path, data)
     except OSError as exc:

@@ -1,0 +1,323 @@
+"""How many ranks a training task gets: chosen when it is dispatched, by simulating the rest
+of the plan once per candidate k, and kept (a waiting gang holds the devices it gathers).
+
+Why a simulation and not a rule: the task that holds a run back is a single long training
+task on the critical path (PITA's value training in the default experiment), and whether it
+should wait for k devices or start now on one depends on what every other chain will do with
+those devices meanwhile. Greedy "take what is idle" loses (the task becomes ready while every
+device runs other chains' shards and keeps the one it got); the plan's own event simulation
+(pita/core/parallel_executor.py `simulate`, the dry run's and the ETA's) knows.
+
+- `speedup(k, alpha)`: s(k) = k / (1 + alpha (k - 1)), the task's speedup on k ranks
+  (Amdahl-like: alpha is the share of a step that does not shrink with k: all-reduce, the
+  model's fixed cost). A task on k ranks lasts (its one-rank seconds) / s(k) + start-up(k).
+- `SpeedupCurves`: alpha per (stage, family) fitted from the seconds the same task took at
+  different k (kept in the per-user duration cache, `task_durations.json`); with no history
+  `DEFAULT_ALPHA`, a conservative figure (worse than the 2-rank gloo bench's measured alpha:
+  a curve that promises too much would make a gang wait for nothing).
+- `GangStartup`: seconds from dispatch to the first optimizer step of a k-rank gang beyond a
+  one-rank task (rank processes, rendezvous): measured ones when a task reported them, else
+  `DEFAULT_STARTUP_S`.
+- `Sizer`: the decision. For an elastic task (`TaskSpec.elastic`: a training stage that runs
+  data-parallel on 1..k ranks) it simulates the remaining plan with the task on k in
+  {1, 2, 4, ..., max_ranks} and keeps the k whose simulation ends first (ties: fewer ranks).
+  Its cost is bounded: a task whose own path to the end is shorter than the remaining work
+  spread over all devices cannot shorten the run (more ranks only add work when alpha > 0),
+  so it gets one rank without a simulation; the simulation covers at most `window` tasks
+  (the highest-priority ones, closed under dependencies).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pita.core.tasks import TaskSpec
+
+TRAINING_STAGES = ("pretrain", "reward_model", "train")
+# No history: s(2) = 1.6, s(4) = 2.3, s(8) = 2.9. The 2-rank gloo bench measures less
+# (bench/README.md, "Elastic training"); a learned curve replaces it after one run at two k.
+DEFAULT_ALPHA = 0.25
+# Seconds a k-rank gang adds before its first step (k rank processes importing torch and
+# meeting at a rendezvous) on top of a one-rank task: measured on a 2-core CPU with the
+# launcher of pita/training/ddp.py (bench/scaling.py's `startup` figures); replaced by the
+# run's own measurements (`GangStartup.observe`).
+DEFAULT_STARTUP_S = {1: 0.0, 2: 3.0, 4: 5.0, 8: 9.0}
+MIN_LEFT = 0.05  # a running task has at least this share of its estimate left
+
+
+def speedup(k: int, alpha: float) -> float:
+    """s(k) = k / (1 + alpha (k - 1)): 1 at k = 1, k at alpha = 0, 1 at alpha = 1."""
+    return k / (1.0 + alpha * (k - 1))
+
+
+def rank_choices(max_ranks: int, n_devices: int) -> list[int]:
+    """1, 2, 4, ... up to max_ranks and the device count (a gang never exceeds the run)."""
+    top = max(1, min(max_ranks, n_devices))
+    out, k = [], 1
+    while k <= top:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def curve_key(task: TaskSpec) -> str:
+    """Tasks that scale alike: the same stage of the same model family (model size)."""
+    return f"{task.stage}|{task.family}"
+
+
+class GangStartup:
+    """Seconds a k-rank gang costs before its first step, beyond a one-rank task."""
+
+    def __init__(self, defaults: Mapping[int, float] | None = None):
+        self.defaults = dict(DEFAULT_STARTUP_S if defaults is None else defaults)
+        self.seen: dict[int, list[float]] = {}
+
+    def observe(self, k: int, seconds: float) -> None:
+        if k > 1 and seconds >= 0:
+            self.seen.setdefault(k, []).append(float(seconds))
+
+    def __call__(self, k: int) -> float:
+        if k <= 1:
+            return 0.0
+        if self.seen.get(k):
+            return sum(self.seen[k]) / len(self.seen[k])
+        known = sorted(self.defaults.items())
+        below = [(kk, s) for kk, s in known if kk <= k]
+        above = [(kk, s) for kk, s in known if kk >= k]
+        if not above:  # past the largest default: grow linearly with k
+            (k0, s0), (k1, s1) = known[-2], known[-1]
+            return s1 + (s1 - s0) / (k1 - k0) * (k - k1)
+        (k0, s0), (k1, s1) = below[-1], above[0]
+        return s0 if k1 == k0 else s0 + (s1 - s0) * (k - k0) / (k1 - k0)
+
+
+@dataclass
+class SpeedupCurves:
+    """alpha per `curve_key`, fitted from seconds of the same task at several k.
+
+    `history`: task key -> {"curve": curve key, "by_ranks": {k: seconds}} (the duration
+    cache's entries, pita/experiment/timeline.py). A pair (1 rank: t1, k ranks: tk) gives
+    alpha = (k (tk - start-up(k)) / t1 - 1) / (k - 1); the curve's alpha is the median of its
+    pairs, clipped to [0, 1].
+    """
+
+    history: dict[str, dict[str, Any]] = field(default_factory=dict)
+    default_alpha: float = DEFAULT_ALPHA
+    startup: GangStartup = field(default_factory=GangStartup)
+    _alpha: dict[str, float] | None = None
+
+    def observe(self, key: str, task: TaskSpec, k: int, seconds: float) -> None:
+        """This run's task `key` took `seconds` on k ranks."""
+        entry = self.history.setdefault(key, {"curve": curve_key(task), "by_ranks": {}})
+        entry["curve"] = curve_key(task)
+        entry.setdefault("by_ranks", {})[str(k)] = float(seconds)
+        self._alpha = None
+
+    def fitted(self) -> dict[str, float]:
+        if self._alpha is None:
+            pairs: dict[str, list[float]] = {}
+            for entry in self.history.values():
+                by = {int(k): float(s) for k, s in (entry.get("by_ranks") or {}).items()}
+                t1 = by.get(1)
+                if not t1 or t1 <= 0:
+                    continue
+                for k, tk in by.items():
+                    if k > 1:
+                        a = (k * max(1e-9, tk - self.startup(k)) / t1 - 1) / (k - 1)
+                        pairs.setdefault(str(entry.get("curve")), []).append(min(1.0, max(0.0, a)))
+            self._alpha = {c: sorted(v)[len(v) // 2] for c, v in pairs.items()}
+        return self._alpha
+
+    def alpha(self, task: TaskSpec) -> tuple[float, str]:
+        """(alpha, where from): the fitted curve of its stage and family, else the default."""
+        fitted = self.fitted().get(curve_key(task))
+        if fitted is not None:
+            return fitted, "learned"
+        return self.default_alpha, "default"
+
+    def seconds(self, task: TaskSpec, one_rank_s: float, k: int) -> float:
+        """Expected seconds of `task` on k ranks, start-up included."""
+        if k <= 1:
+            return one_rank_s
+        return one_rank_s / speedup(k, self.alpha(task)[0]) + self.startup(k)
+
+    def one_rank(self, task: TaskSpec, seconds: float, k: int) -> float:
+        """The one-rank seconds that a k-rank wall time stands for (for the ETA's estimates)."""
+        if k <= 1:
+            return seconds
+        return max(0.0, seconds - self.startup(k)) * speedup(k, self.alpha(task)[0])
+
+
+@dataclass
+class Sizing:
+    """One decision: the k kept, the predicted end of the plan for each k tried, its cost."""
+
+    task: str
+    k: int
+    predicted: dict[int, float]  # k -> seconds until the plan's end (from the decision)
+    gang_start_s: float  # predicted seconds until the gang has its k devices
+    cost_s: float
+    simulated: bool  # False: one rank without a simulation (off the critical path)
+
+    def journal_fields(self) -> dict[str, Any]:
+        return {
+            "task": self.task,
+            "ranks": self.k,
+            "predicted_end_s": {str(k): round(v, 2) for k, v in self.predicted.items()},
+            "gang_start_s": round(self.gang_start_s, 2),
+            "cost_ms": round(1000 * self.cost_s, 1),
+        }
+
+
+class Sizer:
+    """Chooses the ranks of elastic tasks by simulating the rest of the plan (see module doc).
+
+    `one_rank_s(task)` -> the task's expected seconds on one rank (the ETA's `TaskDurations`
+    estimate, converted by `SpeedupCurves.one_rank`); `simulate(tasks, seconds, first)` -> a
+    dict of predicted start times and the makespan of `tasks` (pita/core/parallel_executor.py
+    `simulate_window`), with the ids in `first` placed before the others.
+    """
+
+    def __init__(
+        self,
+        curves: SpeedupCurves,
+        one_rank_s: Callable[[TaskSpec], float],
+        simulate: Callable[..., tuple[dict[str, float], float]],
+        n_devices: int,
+        max_ranks: int,
+        window: int = 2000,
+        key: Callable[[TaskSpec], str] = lambda t: t.id,
+    ):
+        self.key = key
+        self.curves = curves
+        self.one_rank_s = one_rank_s
+        self.simulate = simulate
+        self.n_devices = n_devices
+        self.choices = rank_choices(max_ranks, n_devices)
+        self.window = window
+        self.decisions: dict[str, Sizing] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return len(self.choices) > 1
+
+    def observe(self, task: TaskSpec, wall_s: float, result: Mapping[str, Any]) -> None:
+        """A task finished on `task.gpus` ranks: its seconds at that k (the curve), and the
+        gang's start-up when the stage measured it (`gang_startup_s` in its result)."""
+        if not task.elastic:
+            return
+        startup = result.get("gang_startup_s")
+        if isinstance(startup, (int, float)):
+            self.curves.startup.observe(task.gpus, float(startup))
+        self.curves.observe(self.key(task), task, task.gpus, wall_s)
+
+    def seconds(self, task: TaskSpec, k: int | None = None) -> float:
+        k = task.gpus if k is None else k
+        base = self.one_rank_s(task)
+        return self.curves.seconds(task, base, k) if task.elastic else base
+
+    def size(
+        self,
+        task: TaskSpec,
+        remaining: Mapping[str, TaskSpec],
+        running_left: Mapping[str, float],
+        path_s: Mapping[str, float] | None = None,
+    ) -> Sizing:
+        """The k for `task` (not started) given the unfinished tasks (`remaining`, running
+        ones included, each with its current k in `.gpus`) and the seconds left of the
+        running ones. `path_s`: seconds from each task to the plan's end (its own included),
+        for the cheap off-critical-path test; computed when not given."""
+        t0 = time.perf_counter()
+        seconds = {
+            tid: (
+                running_left[tid]
+                if tid in running_left
+                else self.seconds(t)
+                if tid != task.id
+                else 0.0
+            )
+            for tid, t in remaining.items()
+        }
+        work = sum(
+            s * (t.gpus if tid in running_left else 1)
+            for tid, t in remaining.items()
+            for s in [seconds[tid]]
+            if tid != task.id
+        ) + self.seconds(task, 1)
+        if path_s is None:
+            path_s = paths_to_end(remaining, {**seconds, task.id: self.seconds(task, 1)})
+        if not task.elastic or path_s.get(task.id, 0.0) < work / self.n_devices:
+            sizing = Sizing(task.id, 1, {}, 0.0, time.perf_counter() - t0, simulated=False)
+            self.decisions[task.id] = sizing
+            return sizing
+        window = priority_window(remaining, self.window, keep=set(running_left) | {task.id})
+        predicted: dict[int, float] = {}
+        starts: dict[int, float] = {}
+        for k in self.choices:
+            trial = {tid: remaining[tid] for tid in window}
+            trial[task.id] = replace(task, gpus=k)
+            secs = {tid: seconds[tid] for tid in window}
+            secs[task.id] = self.seconds(task, k)
+            start_at, makespan = self.simulate(trial, secs, [*running_left, task.id])
+            predicted[k] = makespan
+            starts[k] = start_at.get(task.id, 0.0)
+        best = min(self.choices, key=lambda k: (round(predicted[k], 6), k))
+        sizing = Sizing(
+            task.id, best, predicted, starts[best], time.perf_counter() - t0, simulated=True
+        )
+        self.decisions[task.id] = sizing
+        return sizing
+
+
+def paths_to_end(tasks: Mapping[str, TaskSpec], seconds: Mapping[str, float]) -> dict[str, float]:
+    """Seconds of the longest chain from each task (itself included) to the end of `tasks`."""
+    dependants: dict[str, list[str]] = {tid: [] for tid in tasks}
+    for tid, t in tasks.items():
+        for d in t.deps:
+            if d in dependants:
+                dependants[d].append(tid)
+    order = topological(tasks)
+    out: dict[str, float] = {}
+    for tid in reversed(order):
+        out[tid] = seconds.get(tid, 0.0) + max((out[c] for c in dependants[tid]), default=0.0)
+    return out
+
+
+def topological(tasks: Mapping[str, TaskSpec]) -> list[str]:
+    """`tasks`' ids, each after its dependencies among `tasks` (a plan's order already is)."""
+    seen: set[str] = set()
+    out: list[str] = []
+    for root in tasks:
+        stack = [(root, False)]
+        while stack:
+            tid, expanded = stack.pop()
+            if expanded:
+                out.append(tid)
+                continue
+            if tid in seen:
+                continue
+            seen.add(tid)
+            stack.append((tid, True))
+            stack.extend((d, False) for d in tasks[tid].deps if d in tasks and d not in seen)
+    return out
+
+
+def priority_window(tasks: Mapping[str, TaskSpec], size: int, keep: set[str]) -> list[str]:
+    """At most about `size` of `tasks`: `keep` and the highest-priority others, closed under
+    dependencies (a task is in only with every unfinished dependency), in plan order."""
+    if len(tasks) <= size:
+        return list(tasks)
+    chosen = set(keep)
+    for tid in sorted(tasks, key=lambda t: -tasks[t].priority):
+        if len(chosen) >= size:
+            break
+        stack = [tid]
+        while stack:
+            x = stack.pop()
+            if x not in chosen and x in tasks:
+                chosen.add(x)
+                stack.extend(tasks[x].deps)
+    return [tid for tid in tasks if tid in chosen]
