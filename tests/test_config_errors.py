@@ -46,7 +46,7 @@ BAD = [
     (["batch_size_safety_margin=1.5"], "batch_size_safety_margin="),
     (["rounds_of_training=0"], "rounds_of_training="),
     (["training.precision_type=fp8"], "training.precision_type="),
-    (["training.parallel_strategy=fsdp"], "training.parallel_strategy="),
+    (["training.parallel_strategy=tensor_parallel"], "training.parallel_strategy="),
     (["model.dtype=int3"], "model.dtype="),
     (only(), "algos: no algorithm enabled"),
     (

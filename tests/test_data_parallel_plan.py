@@ -13,20 +13,27 @@ from tests.conftest import journal, only, run_cli, run_dirs
 
 
 @pytest.mark.parametrize(
-    "overrides, elastic",
+    "overrides, gang, elastic",
     [
-        (["training.parallel_strategy=data_parallel"], True),
-        (["training.parallel_strategy=none"], False),
-        (["training.parallel_strategy=data_parallel", "system.gpu_mode=single_gpu"], False),
-        (["training.parallel_strategy=data_parallel", "executor.max_ranks_per_task=1"], False),
+        (["training.parallel_strategy=data_parallel"], 1, True),
+        (["training.parallel_strategy=none"], 1, False),
+        (["training.parallel_strategy=fsdp"], 3, False),
+        (["training.parallel_strategy=data_parallel", "system.gpu_mode=single_gpu"], 1, False),
+        (["training.parallel_strategy=data_parallel", "executor.max_ranks_per_task=1"], 1, False),
     ],
 )
-def test_pretrain_is_planned_elastic_under_data_parallel(overrides, elastic):
+def test_pretrain_and_value_training_are_planned_on_a_gang(overrides, gang, elastic):
+    """pita's own loops (pretrain, the value trainer's train stage) get the gang: under
+    data_parallel planned on one device and sized at dispatch (elastic), under fsdp every
+    device; the others keep one device and are never elastic."""
     cfg = cli.compose_config(["system.devices=fake:3", *only("reference", "QSharp"), *overrides])
     plan = build_plan(cfg, make_gpu_manager(cfg))
-    assert plan.tasks["pretrain.goal_walk.tiny"].elastic is elastic
-    assert {t.gpus for t in plan.tasks.values()} == {1}  # k is chosen at dispatch
-    assert not any(t.elastic for tid, t in plan.tasks.items() if not tid.startswith("pretrain"))
+    own_loops = {tid for tid, t in plan.tasks.items() if t.stage in ("pretrain", "train")}
+    assert "pretrain.goal_walk.tiny" in own_loops and len(own_loops) > 1
+    assert {plan.tasks[tid].gpus for tid in own_loops} == {gang}
+    assert {plan.tasks[tid].elastic for tid in own_loops} == {elastic}
+    assert {t.gpus for tid, t in plan.tasks.items() if tid not in own_loops} == {1}
+    assert not any(t.elastic for tid, t in plan.tasks.items() if tid not in own_loops)
 
 
 @pytest.mark.slow

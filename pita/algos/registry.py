@@ -76,6 +76,9 @@ class Algorithm:
     models: Mapping[str, tuple[Held, ...]] = field(default_factory=dict)
     is_reference: bool = False  # evaluates π_ref itself, once per sampling rule (no training)
     schema: type = ReferenceConfig  # its `algos.<NAME>` keys (pita/core/schema.py)
+    # Stages that train with pita's own loop through `pita.runtime.gang.run_stage`: with
+    # `training.parallel_strategy` data_parallel / fsdp the planner gives them a gang.
+    gang_stages: tuple[str, ...] = ()
 
 
 # Stages every chain shares unless an algorithm names its own function.
@@ -143,6 +146,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             outputs=_VALUE_OUTPUTS,
             models=_VALUE_MODELS,
             schema=ValueGuidedConfig,
+            gang_stages=("train",),
         ),
         Algorithm(
             "QSharp",
@@ -152,6 +156,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             outputs=_VALUE_OUTPUTS,
             models=_VALUE_MODELS,
             schema=ValueGuidedConfig,
+            gang_stages=("train",),
         ),
         Algorithm(
             "QSharp-HF",
@@ -172,6 +177,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             # with the vocabulary and pairs. Kept apart so that no plan changes.
             models={**_VALUE_MODELS, "reward_model": (Held("reward", "train", atoms_head=True),)},
             schema=ValueGuidedHFConfig,
+            gang_stages=("train",),
         ),
         # policy-optimisation baselines with TRL (pita/algos/dpo.py, grpo.py)
         # DPO is plain DPO (`sft_weight: 0`, as the papers ran it); RPO is the same trainer with

@@ -38,7 +38,7 @@ ATTN_IMPLS = ("eager", "sdpa", "flash_attention_2")
 EXECUTOR_BACKENDS = ("local", "inprocess", "ray")
 PRECISION_TYPES = ("auto", "fp16", "bf16", "fp32")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
-PARALLEL_STRATEGIES = ("none", "data_parallel")
+PARALLEL_STRATEGIES = ("none", "data_parallel", "fsdp")
 LOGGER_BACKENDS = ("none", "tensorboard", "wandb", "mlflow", "csv")
 WANDB_MODES = ("offline", "online", "disabled")
 RECIPES = ("rollouts", "ground_truth_vs_first_wrong")
@@ -298,8 +298,8 @@ class TrainingConfig:
     compile: bool = spec("torch.compile the model.", False)
     compile_mode: str = spec("torch.compile mode.", "default", choices=COMPILE_MODES)
     parallel_strategy: str = spec(
-        "data_parallel: training stages that run on a gang (pretrain) get 1..k devices, one DDP "
-        "rank each, k chosen at dispatch (executor.max_ranks_per_task).",
+        "data_parallel (DDP): pretrain and the value trainer get 1..executor.max_ranks_per_task "
+        "devices, one rank each, k chosen at dispatch; fsdp (FSDP2): a gang of every device.",
         "none",
         choices=PARALLEL_STRATEGIES,
     )

@@ -28,10 +28,6 @@ STAGE_WORK = {"pretrain": 3.0, "collect": 4.0, "reward_model": 2.0, "train": 6.0
 # Device memory of a stage relative to `model.memory_gb` (training holds optimizer states).
 STAGE_MEMORY = {"pretrain": 3.0, "collect": 1.0, "reward_model": 3.0, "train": 3.0, "evaluate": 1.0}
 MERGE_WORK = 0.1
-# Training stages whose functions run on k ranks today (pita/runtime/gang.py run_stage): the
-# ones that may be sized at dispatch. The value trainer and the TRL stages join them when
-# they run on a gang (issue 31 item 2).
-GANG_READY_STAGES = ("pretrain",)
 
 
 def _container(cfg: Any) -> dict[str, Any]:
@@ -147,6 +143,7 @@ class Planner:
                 round=0,
                 stage="pretrain",
                 fn=self.function(ANY, "pretrain"),
+                gpus=self.data_parallel_gang(),
                 elastic=self.elastic("pretrain"),
                 mem_mb=mem_mb,
                 work=STAGE_WORK["pretrain"],
@@ -155,15 +152,26 @@ class Planner:
         )
         return tid
 
-    def elastic(self, stage: str) -> bool:
-        """training.parallel_strategy=data_parallel: a training stage that runs on a gang
-        (pita/runtime/gang.py run_stage) gets 1..executor.max_ranks_per_task devices, one DDP
-        rank each, its k chosen when it is dispatched (pita/core/elastic.py); planned on 1."""
+    def elastic(self, stage: str, gang_stages: tuple[str, ...] = ("pretrain",)) -> bool:
+        """training.parallel_strategy=data_parallel: a stage that trains with pita's own loop
+        on a gang (pretrain, an algorithm's `gang_stages`: pita/runtime/gang.py run_stage)
+        gets 1..executor.max_ranks_per_task devices, one DDP rank each, its k chosen when it
+        is dispatched by simulating the rest of the plan (pita/core/elastic.py); planned on 1."""
         strategy = str(self.cfg.training.get("parallel_strategy", "none"))
         if strategy != "data_parallel" or str(self.cfg.system.gpu_mode) in ("cpu", "single_gpu"):
             return False
         ranks = int(self.cfg.executor.get("max_ranks_per_task", 1))
-        return stage in GANG_READY_STAGES and min(ranks, self.n_devices) > 1
+        return stage in gang_stages and min(ranks, self.n_devices) > 1
+
+    def data_parallel_gang(self) -> int:
+        """training.parallel_strategy=fsdp: the stages that train with pita's own loop on a
+        gang get a gang of every device of the run (at most executor.max_ranks_per_task), one
+        rank per device (FSDP2 divides the model's states by k: not resized at dispatch);
+        other stages keep one device (or model.gpus_per_task for sharding)."""
+        strategy = str(self.cfg.training.get("parallel_strategy", "none"))
+        if strategy != "fsdp" or str(self.cfg.system.gpu_mode) in ("cpu", "single_gpu"):
+            return 1
+        return max(1, min(self.n_devices, int(self.cfg.executor.get("max_ranks_per_task", 1))))
 
     def add_stage(self, stage: str, spec: dict[str, Any], deps: list[str]) -> str:
         """One stage task, or its shards plus their merge; returns the id consumers read."""
@@ -177,7 +185,6 @@ class Planner:
                     fn=self.function(algo, stage),
                     deps=deps,
                     work=STAGE_WORK[stage],
-                    elastic=spec["gpus"] == 1 and self.elastic(stage),
                     **spec,
                 )
             )
@@ -234,9 +241,12 @@ class Planner:
             chain.produced = {}
             for stage in spec_algo.round_stages:
                 inputs = stage_inputs(stage, chain, base_inputs)
+                gang = stage in spec_algo.gang_stages
+                k = max(gpus, self.data_parallel_gang()) if gang else gpus
                 spec = dict(
-                    algo=algo, round=r, inputs=inputs, gpus=gpus, mem_mb=mem_mb(stage), **common
+                    algo=algo, round=r, inputs=inputs, gpus=k, mem_mb=mem_mb(stage), **common
                 )
+                spec["elastic"] = k == 1 and self.elastic(stage, spec_algo.gang_stages)
                 chain.produced[stage] = self.add_stage(stage, spec, _deps_of(inputs))
             if "collect" in chain.produced:
                 chain.collected.append(chain.produced["collect"])

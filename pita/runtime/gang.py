@@ -1,9 +1,29 @@
-"""The per-rank glue of `training.parallel_strategy=data_parallel`: a stage on a task's gang.
+"""A stage on a task's gang: `training.parallel_strategy: none | data_parallel | fsdp`.
 
-`pita.training.ddp` starts k local processes and knows ranks and tensors; this module knows
-the task: how many ranks it gets (`data_parallel_world_size`, from `training.*`,
-`system.gpu_mode` and the gang) and how a stage body runs on each of them (`run_stage`),
-with a per-rank `StageContext` whose logger and heartbeat reach the task's own.
+`pita.training.ddp.launch_ranks` starts k local ranks through torch's `elastic_launch` and
+knows ranks and tensors; this module knows the task: how many ranks it gets
+(`gang_world_size`, from `training.parallel_strategy`, `system.gpu_mode` and the gang) and
+how a stage body runs on each of them (`run_stage`), with a per-rank `StageContext` whose
+logger and heartbeat reach the task's own.
+
+A stage opts in by calling `run_stage(ctx, body, *args)`; `body(ctx, dist, *args)` is a
+module-level function that runs on every rank (or once, with `dist=None`, on one device):
+
+    def train(ctx):                      # the stage function the planner names
+        items = read_items(ctx)          # read once, in the worker; pickled to the ranks
+        return run_stage(ctx, _train, items)
+
+    def _train(ctx, dist, items):        # dist: pita.training.ddp.DistContext or None
+        model = wrap_model(model, dist, dist.strategy if dist else "none")
+        ...                              # each rank trains on dist.shard(batch)
+        if dist is not None and not dist.is_main:
+            return {}                    # rank 0 writes ctx.out_dir and the result
+        ...
+
+Inside a rank: `dist.rank`, `dist.world_size`, `dist.device`, `dist.strategy`
+("data_parallel" | "fsdp"), the default process group is initialised (gloo on CPU, NCCL
+on CUDA), and `ctx.logger` / `ctx.heartbeat` forward to the worker's task log (rank 0 at
+INFO, the others at WARNING, tagged "[rank r]").
 """
 
 from __future__ import annotations
@@ -15,16 +35,23 @@ from typing import Any
 
 from pita.runtime.context import ModelCache, StageContext
 
+GANG_STRATEGIES = ("data_parallel", "fsdp")  # the strategies that train on k ranks
 
-def data_parallel_world_size(ctx: StageContext) -> int:
-    """Ranks for this task: 1 unless `training.parallel_strategy=data_parallel` on a gang.
+
+def parallel_strategy(ctx: StageContext) -> str:
+    """`training.parallel_strategy` of the task ("none" when the key is absent)."""
+    return str(ctx.cfg.training.get("parallel_strategy", "none") or "none")
+
+
+def gang_world_size(ctx: StageContext) -> int:
+    """Ranks for this task: 1 unless `training.parallel_strategy` is data_parallel or fsdp.
 
     On CUDA: the GPUs pinned to the task (as `system.gpu_mode` allows). Off CUDA (a `fake:`
     or CPU gang, tests): `task.gpus` gloo processes simulate the gang's devices.
     """
     from pita.training.precision import training_device
 
-    if str(ctx.cfg.training.parallel_strategy) != "data_parallel":
+    if parallel_strategy(ctx) not in GANG_STRATEGIES:
         return 1
     gpu_mode = str(ctx.cfg.system.gpu_mode)
     if gpu_mode in ("cpu", "single_gpu"):
@@ -35,8 +62,11 @@ def data_parallel_world_size(ctx: StageContext) -> int:
     return max(1, int(ctx.task.gpus))
 
 
+data_parallel_world_size = gang_world_size  # the name before fsdp joined
+
+
 class _QueueLogHandler(logging.Handler):
-    """A rank's log records, sent to the parent (rank 0 unprefixed, the others tagged)."""
+    """A rank's log records, sent to the caller (rank 0 unprefixed, the others tagged)."""
 
     def __init__(self, dist: Any):
         super().__init__()
@@ -50,14 +80,15 @@ class _QueueLogHandler(logging.Handler):
             self.handleError(record)
 
 
-def _stage_rank(dist: Any, body: Callable[..., Any], snapshot: dict[str, Any]) -> Any:
-    """One rank of `run_stage`: rebuild a StageContext whose log and heartbeat go to the parent."""
+def _stage_rank(dist: Any, body: Callable[..., Any], snapshot: dict[str, Any], args: tuple) -> Any:
+    """One rank of `run_stage`: rebuild a StageContext whose log and heartbeat go to the caller."""
     from pathlib import Path
 
     from omegaconf import OmegaConf
 
     from pita.core.tasks import TaskSpec
 
+    dist.strategy = snapshot["strategy"]
     logger = logging.getLogger(f"pita.task.{snapshot['task']['id']}.rank{dist.rank}")
     logger.handlers.clear()
     logger.propagate = False
@@ -74,31 +105,38 @@ def _stage_rank(dist: Any, body: Callable[..., Any], snapshot: dict[str, Any]) -
         models=ModelCache(1),
         heartbeat=heartbeat,
     )
-    return body(ctx, dist)
+    return body(ctx, dist, *args)
 
 
-def run_stage(ctx: StageContext, body: Callable[..., Any], world_size: int | None = None) -> Any:
-    """`body(ctx, dist)` on this process (dist=None), or on every rank of the task's gang
-    when `training.parallel_strategy=data_parallel`; returns rank 0's result.
+def run_stage(
+    ctx: StageContext, body: Callable[..., Any], *args: Any, world_size: int | None = None
+) -> Any:
+    """`body(ctx, dist, *args)` on this process (dist=None), or on every rank of the task's
+    gang when `training.parallel_strategy` is data_parallel or fsdp; returns rank 0's result.
 
     Each rank gets its own StageContext (same task, config and out_dir; device cuda:r or
     cpu); only rank 0 should write into `ctx.out_dir`. `body` must be a module-level
-    function (it is pickled).
+    function and `args` picklable (they are sent to the ranks once, at their start).
+    A failed rank raises `pita.training.ddp.DataParallelError` naming it.
     """
     import torch
     from omegaconf import OmegaConf
 
-    from pita.training.ddp import DataParallelError, run_data_parallel
+    from pita.training.ddp import DataParallelError, launch_ranks
 
-    world = data_parallel_world_size(ctx) if world_size is None else world_size
+    world = gang_world_size(ctx) if world_size is None else world_size
     if world <= 1:
-        return body(ctx, None)
-    ctx.logger.info("training.parallel_strategy=data_parallel: DDP over %d ranks", world)
+        return body(ctx, None, *args)
+    strategy = parallel_strategy(ctx)
+    strategy = strategy if strategy in GANG_STRATEGIES else "data_parallel"
+    what = "DDP" if strategy == "data_parallel" else "FSDP2 (fully_shard)"
+    ctx.logger.info("training.parallel_strategy=%s: %s over %d ranks", strategy, what, world)
     snapshot = {
         "task": ctx.task.to_dict(),
         "cfg": OmegaConf.to_container(ctx.cfg, resolve=True),
         "run_dir": str(ctx.run_dir),
         "out_dir": str(ctx.out_dir),
+        "strategy": strategy,
     }
 
     def on_message(kind: str, rank: int, payload: Any) -> None:
@@ -108,15 +146,14 @@ def run_stage(ctx: StageContext, body: Callable[..., Any], world_size: int | Non
         elif kind == "heartbeat":
             ctx.heartbeat(payload)
 
-    device_type = torch.device(ctx.device).type
     try:
-        return run_data_parallel(
+        return launch_ranks(
             _stage_rank,
             world,
-            args=(body, snapshot),
-            device_type=device_type,
+            args=(body, snapshot, tuple(args)),
+            device_type=torch.device(ctx.device).type,
             on_message=on_message,
         )[0]
     except DataParallelError:
-        ctx.logger.error("data parallel task failed:\n%s", traceback.format_exc(limit=3))
+        ctx.logger.error("k-rank task failed:\n%s", traceback.format_exc(limit=3))
         raise

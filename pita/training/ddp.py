@@ -1,35 +1,55 @@
-"""`training.parallel_strategy=data_parallel`: one training task, DDP over its k-GPU gang.
+"""k local ranks of one training task, started by torch's elastic launcher.
 
-The worker holding the gang (its `CUDA_VISIBLE_DEVICES` lists the k GPUs) starts k local
-processes with `torch.multiprocessing` (spawn), rank r on `cuda:r` with NCCL, or on the CPU
-with gloo (how tests and `fake:` gangs run it). `MASTER_ADDR=127.0.0.1` and a free port
-rendezvous them. Every rank builds the same model from the same seed (DDP broadcasts rank
-0's weights anyway), takes its `shard_indices` of each batch (DistributedSampler-style:
-strided, padded to equal shares) and DDP all-reduces (averages) the gradients, so k ranks on
-B/k examples step like one process on B. Rank 0 writes the artifacts.
+`launch_ranks(entry, world_size, args)` runs `entry(dist, *args)` on `world_size` local
+processes through `torch.distributed.launcher.api.elastic_launch` and returns their return
+values by rank. Nothing here is hand-written rendezvous: the launcher's c10d store binds
+`localhost:0` (two gangs starting at once get distinct ports), its agent watches the ranks
+(`monitor_interval` 0.1 s) and stops the others when one fails; `max_restarts=0`, because
+pita's retry policy (by failure class, in the executor) owns retries.
 
-- `run_data_parallel(train_fn, world_size, args)`: `train_fn(dist: DistContext, *args)` on
-  every rank; returns the ranks' return values (keep them small). Log lines and heartbeats
-  of the ranks reach the parent through a queue (`dist.log`, `on_message`). A failing rank
-  raises `DataParallelError` with its traceback's last line; the others are stopped.
-- `wrap_model(model, dist)`: DDP-wrap a model on a rank (the model itself otherwise).
+What a rank gets (`entry`'s first argument, a `DistContext`):
+- `dist.rank`, `dist.world_size`, `dist.device` ("cuda:<rank>" or "cpu"), `dist.backend`
+  ("nccl" | "gloo"); the default process group is initialised before `entry` runs
+  (`torch.distributed.group.WORLD`), and destroyed after it returns.
+- `dist.shard(n)`: this rank's indices of an n-item batch (DistributedSampler's split).
+- `dist.log(msg)` / `dist.send("heartbeat", msg)`: reach the caller's `on_message(kind,
+  rank, payload)` (a queue drained by a thread of the caller), so every rank's lines and
+  heartbeats end in the task's log.
+- `wrap_model(model, dist, strategy)`: DDP, or FSDP2 (`fully_shard` per transformer block
+  and the root; `MixedPrecisionPolicy` on CUDA only), or the model itself on one rank.
+
+How it keeps its promises:
+- A failing rank: its exception line goes to the caller with a timestamp; the agent stops
+  the others (SIGTERM, then SIGKILL) and `launch_ranks` raises `DataParallelError("rank r of
+  k failed: <Type>: <message>")` naming the earliest failure (its peers fail next, with
+  "connection closed by peer"). An out-of-memory text is kept, so the executor's classifier
+  calls it `oom`.
+- No orphans: every rank sets `prctl(PR_SET_PDEATHSIG, SIGKILL)`; its parent is the worker
+  (spawn) or the worker's forkserver, which exits when the worker dies.
+- Start-up: ranks are forked from a forkserver that imported torch, transformers and pita's
+  training modules once (`warm_forkserver`); a later gang of the same worker forks warm
+  processes. `start_method="spawn"` is the fallback (each rank imports everything again).
+- Must run on the caller's main thread (the launcher installs its SIGTERM handler there,
+  which stops the ranks); the previous handlers are put back afterwards.
 
 How many ranks a task gets and the per-rank stage context are the worker's business
-(`pita/runtime/gang.py`: `data_parallel_world_size`, `run_stage`); this module knows
-processes and tensors, not tasks.
-
-Written by hand because the workers are not launched by torchrun / accelerate: the
-orchestrator starts one worker per gang and the worker fans out.
+(`pita/runtime/gang.py`: `gang_world_size`, `run_stage`); this module knows processes and
+tensors, not tasks.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import multiprocessing
 import os
 import pickle
 import queue as queue_mod
-import socket
+import signal
+import tempfile
+import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -37,35 +57,54 @@ from typing import Any
 
 import torch
 import torch.distributed as dist_mod
-import torch.multiprocessing as mp
 
 log = logging.getLogger(__name__)
 
+STRATEGIES = ("none", "data_parallel", "fsdp")
+# Imported once in the forkserver: every rank forked from it starts with them loaded.
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "torch.nn.parallel",
+    "transformers",
+    "pita.training.ddp",
+    "pita.training.loop",
+    "pita.runtime.gang",
+)
+_HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
 
 class DataParallelError(RuntimeError):
-    """A rank of a data-parallel task failed (the message names the rank and the error)."""
+    """A rank of a k-rank task failed (the message names the rank and the error)."""
 
 
 @dataclass
 class DistContext:
-    """What a rank knows about the process group (passed to `train_fn` as its first arg)."""
+    """What a rank knows about its gang (passed to `entry` as its first argument)."""
 
     rank: int
     world_size: int
     device: str  # "cuda:<rank>" or "cpu"
     backend: str  # "nccl" | "gloo"
     _queue: Any = None
+    strategy: str = "data_parallel"  # "data_parallel" | "fsdp" (set by pita.runtime.gang)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def group(self) -> Any:
+        """The process group of the gang (the default one)."""
+        return dist_mod.group.WORLD
 
     def shard(self, n_items: int) -> list[int]:
         """This rank's indices of an n-item batch (see `shard_indices`)."""
         return shard_indices(n_items, self.rank, self.world_size)
 
     def send(self, kind: str, payload: Any) -> None:
-        """A message to the parent (`on_message(kind, rank, payload)`): "log", "heartbeat"."""
+        """A message to the caller (`on_message(kind, rank, payload)`): "log", "heartbeat"."""
         if self._queue is not None:
             self._queue.put((kind, self.rank, payload))
 
@@ -85,76 +124,159 @@ def shard_indices(n_items: int, rank: int, world_size: int) -> list[int]:
     return indices[rank::world_size]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# --- wrapping a model -------------------------------------------------------------------------
 
 
-def wrap_model(model: torch.nn.Module, dist: DistContext | None) -> torch.nn.Module:
-    """DDP-wrap `model` (already on `dist.device`) when data parallel; else the model."""
-    if dist is None or dist.world_size == 1:
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks FSDP2 shards one by one: the children of the model's largest
+    `ModuleList` (a Llama's / GPT-2's layers)."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
+    if not lists:
+        return []
+    biggest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    return list(biggest)
+
+
+def wrap_model(
+    model: torch.nn.Module, dist: DistContext | None, strategy: str | None = None
+) -> torch.nn.Module:
+    """The model a rank trains (already on `dist.device`): DDP (`data_parallel`), FSDP2
+    (`fsdp`: `fully_shard` per transformer block, then the root; a bf16 compute /
+    fp32 reduce `MixedPrecisionPolicy` on CUDA only), or `model` itself on one process.
+
+    FSDP2 shards in place: the returned object *is* `model`, whose parameters are now
+    DTensors (an optimizer must be built after this call). `strategy` defaults to
+    `dist.strategy`."""
+    strategy = strategy or (dist.strategy if dist is not None else "none")
+    if dist is None or dist.world_size == 1 or strategy == "none":
         return model
+    if strategy == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        kwargs: dict[str, Any] = {}
+        if dist.device.startswith("cuda"):
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            )
+        for block in transformer_blocks(model):
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+    if strategy != "data_parallel":
+        raise ValueError(f"parallel strategy {strategy!r}: expected one of {STRATEGIES}")
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [torch.device(dist.device).index] if dist.device.startswith("cuda") else None
     return DistributedDataParallel(model, device_ids=device_ids)
 
 
-# --- launching -------------------------------------------------------------------------------
+# --- the rank side ----------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this rank when its parent (the worker, or the worker's forkserver) dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return (lines[0] if lines else type(exc).__name__)[:500]
 
 
 def _rank_main(
-    rank: int,
-    train_fn: Callable[..., Any],
-    world_size: int,
+    entry: Callable[..., Any],
+    args: tuple,
+    queue: Any,
     backend: str,
-    port: int,
     device_type: str,
     threads: int,
     timeout_s: float,
-    args: tuple,
-    queue: Any,
-) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-    )
+) -> bytes:
+    """One rank (started by the elastic agent, which set RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+    parent = os.getppid()
+    _die_with_parent()
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if threads > 0:
         torch.set_num_threads(threads)
     device = "cpu"
     if device_type == "cuda":
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
-    dist_mod.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-    )
+    dist_mod.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     try:
-        dist = DistContext(rank, world_size, device, backend, queue)
-        result = train_fn(dist, *args)
+        result = entry(DistContext(rank, world, device, backend, queue), *args)
         # Plain pickle (a copy): torch's queue pickler would share tensors through file
-        # descriptors that vanish when this process exits before the parent reads them.
-        queue.put(("result", rank, pickle.dumps(result)))
+        # descriptors that vanish when this process exits before the caller reads them.
+        return pickle.dumps(result)
     except BaseException as exc:
-        # When a rank fails its peers fail too ("connection closed by peer"): the parent
+        # When a rank fails its peers fail too ("connection closed by peer"): the caller
         # reports the earliest error, the cause.
-        queue.put(
-            (
-                "error",
-                rank,
-                (time.time(), f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500]),
-            )
-        )
+        queue.put(("error", rank, (time.time(), _first_line(exc))))
         raise
     finally:
         dist_mod.destroy_process_group()
 
 
-def run_data_parallel(
-    train_fn: Callable[..., Any],
+# --- the caller side --------------------------------------------------------------------------
+
+
+def warm_forkserver() -> None:
+    """Start this process's forkserver with torch, transformers and pita's training modules
+    imported (no-op when it runs already): the ranks of every later gang fork from it."""
+    from multiprocessing import forkserver
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([m for m in PRELOAD])
+    forkserver.ensure_running()
+
+
+def _drain(queue: Any, on_message: Callable[[str, int, Any], None] | None, errors: dict) -> None:
+    """Forward ranks' messages until the None sentinel; keep their errors."""
+    while True:
+        try:
+            item = queue.get(timeout=0.5)
+        except queue_mod.Empty:
+            continue
+        except (EOFError, OSError):
+            return
+        if item is None:
+            return
+        kind, rank, payload = item
+        if kind == "error":
+            errors.setdefault(rank, payload)
+        elif on_message is not None:
+            try:
+                on_message(kind, rank, payload)
+            except Exception:  # noqa: BLE001 - a log handler must never stop the drain
+                log.exception("forwarding a rank's %s failed", kind)
+
+
+def _failure(exc: Exception, errors: dict, world_size: int) -> DataParallelError:
+    """The earliest rank error the ranks reported, else the launcher's record of the first
+    failed rank (a rank killed by a signal leaves no traceback)."""
+    if errors:
+        rank, (_, message) = min(errors.items(), key=lambda item: item[1][0])
+        return DataParallelError(f"rank {rank} of {world_size} failed: {message}")
+    failures = getattr(exc, "failures", None)
+    if failures:
+        rank, failure = min(failures.items(), key=lambda item: item[1].timestamp)
+        message = failure.message
+        if isinstance(message, dict):  # the error file's record
+            message = message.get("message", "")
+        lines = [ln for ln in str(message).strip().splitlines() if ln.strip()]
+        text = lines[-1] if lines else f"exit code {failure.exitcode}"
+        return DataParallelError(f"rank {rank} of {world_size} failed: {text}"[:700])
+    return DataParallelError(f"a rank of {world_size} failed: {_first_line(exc)}")
+
+
+def launch_ranks(
+    entry: Callable[..., Any],
     world_size: int,
     args: Sequence[Any] = (),
     backend: str | None = None,
@@ -163,13 +285,20 @@ def run_data_parallel(
     on_message: Callable[[str, int, Any], None] | None = None,
     threads_per_rank: int | None = None,
     timeout_s: float = 1800.0,
+    start_method: str = "forkserver",
 ) -> list[Any]:
-    """Run `train_fn(dist, *args)` on `world_size` local processes; their results by rank.
+    """Run `entry(dist, *args)` on `world_size` local ranks; their return values by rank.
 
-    `device_type` "cuda" puts rank r on cuda:r (NCCL); "cpu" uses gloo; None = cuda when
-    this process sees at least `world_size` GPUs. `backend` overrides the choice.
-    `threads_per_rank` (CPU) defaults to this process's torch threads / world_size.
+    `entry` must be a module-level function (the ranks import it by name) and should
+    return something small. `device_type` "cuda" puts rank r on cuda:r (NCCL); "cpu" uses
+    gloo; None = cuda when this process sees at least `world_size` GPUs. `backend`
+    overrides the choice. `threads_per_rank` (CPU) defaults to this process's torch
+    threads / world_size. Raises `DataParallelError` naming the failed rank.
     """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: must be >= 1")
     if device_type is None:
@@ -180,8 +309,7 @@ def run_data_parallel(
         )
     if device_type == "cuda" and torch.cuda.device_count() < world_size:
         raise DataParallelError(
-            f"data_parallel over {world_size} ranks needs {world_size} GPUs; "
-            f"this task sees {torch.cuda.device_count()}"
+            f"{world_size} ranks need {world_size} GPUs; this task sees {torch.cuda.device_count()}"
         )
     if backend is None:
         backend = "nccl" if device_type == "cuda" and dist_mod.is_nccl_available() else "gloo"
@@ -189,71 +317,73 @@ def run_data_parallel(
         threads_per_rank = (
             max(1, torch.get_num_threads() // world_size) if device_type == "cpu" else 0
         )
-    port = free_port()
-    queue = mp.get_context("spawn").Queue()
-    log.info(
-        "data parallel: %d ranks, backend %s on %s, rendezvous 127.0.0.1:%d",
-        world_size,
-        backend,
-        device_type,
-        port,
-    )
-    procs = mp.start_processes(
-        _rank_main,
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
-        args=(
-            train_fn,
-            world_size,
-            backend,
-            port,
-            device_type,
-            threads_per_rank,
-            timeout_s,
-            tuple(args),
-            queue,
-        ),
-    )
-    results: dict[int, Any] = {}
+    if start_method == "forkserver":
+        warm_forkserver()
+    if threading.current_thread() is not threading.main_thread():
+        log.warning(
+            "launch_ranks off the main thread: the launcher cannot stop its ranks on a signal"
+        )
+    queue = multiprocessing.get_context(start_method).Queue()
     errors: dict[int, tuple[float, str]] = {}
-
-    def drain(block_s: float = 0.0) -> None:
-        deadline = time.monotonic() + block_s
-        while True:
-            try:
-                kind, rank, payload = queue.get(
-                    timeout=max(0.0, deadline - time.monotonic()) or 0.01
-                )
-            except queue_mod.Empty:
-                return
-            if kind == "result":
-                results[rank] = pickle.loads(payload)
-            elif kind == "error":
-                errors[rank] = payload
-            elif on_message is not None:
-                on_message(kind, rank, payload)
-
+    drain = threading.Thread(
+        target=_drain, args=(queue, on_message, errors), name="pita-ranks", daemon=True
+    )
+    drain.start()
+    saved = {
+        name: signal.getsignal(getattr(signal, name))
+        for name in _HANDLED_SIGNALS
+        if threading.current_thread() is threading.main_thread()
+    }
+    log_dir = tempfile.mkdtemp(prefix="pita-ranks-")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
+        run_id=f"pita-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        rdzv_configs={"timeout": int(min(timeout_s, 900))},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method=start_method,
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+    )
+    log.info(
+        "%d ranks via elastic_launch (%s, %s on %s)", world_size, start_method, backend, device_type
+    )
+    _quiet_launcher_logs()
     try:
-        while True:
-            drain(0.2)
-            if procs.join(timeout=0.05):
-                break
-    except mp.ProcessRaisedException as exc:  # the rank's traceback is in the message
-        drain(1.0)
-        if errors:
-            rank, (_, message) = min(errors.items(), key=lambda item: item[1][0])
-        else:
-            lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-            rank, message = exc.error_index, lines[-1] if lines else str(exc)
-        raise DataParallelError(f"rank {rank} of {world_size} failed: {message}") from exc
-    except mp.ProcessExitedException as exc:
-        raise DataParallelError(
-            f"rank {exc.error_index} of {world_size} exited (code {exc.exit_code}, "
-            f"signal {exc.signal_name}) without a result"
-        ) from exc
-    drain(0.5)
-    missing = [r for r in range(world_size) if r not in results]
+        returned = elastic_launch(config, _rank_main)(
+            entry, tuple(args), queue, backend, device_type, threads_per_rank, timeout_s
+        )
+    except ChildFailedError as exc:
+        _stop_drain(queue, drain)
+        raise _failure(exc, errors, world_size) from exc
+    finally:
+        for name, handler in saved.items():
+            signal.signal(getattr(signal, name), handler)
+        import shutil
+
+        shutil.rmtree(log_dir, ignore_errors=True)
+    _stop_drain(queue, drain)
+    missing = [r for r in range(world_size) if r not in returned]
     if missing:
         raise DataParallelError(f"ranks {missing} of {world_size} finished without a result")
-    return [results[r] for r in range(world_size)]
+    return [pickle.loads(returned[r]) for r in range(world_size)]
+
+
+def _stop_drain(queue: Any, drain: threading.Thread) -> None:
+    """Let the drain forward what the ranks put before they exited, then stop it."""
+    queue.put(None)
+    drain.join(timeout=5.0)
+    queue.close()
+
+
+def _quiet_launcher_logs() -> None:
+    """The launcher's INFO lines (rendezvous, agent state) would flood a task log."""
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+# The name callers used before the launcher moved to elastic_launch.
+run_data_parallel = launch_ranks
