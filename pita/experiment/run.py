@@ -286,6 +286,8 @@ def _run_locked(
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(cfg_dict, dict)
     executor = make_executor(cfg, gpu, run_dir)
+    if any(t.elastic for t in plan.tasks.values()) and hasattr(executor, "extra_env"):
+        executor.extra_env["PITA_WARM_FORKSERVER"] = "1"  # gangs fork ranks from warm workers
     executor.warm_up([(d.index,) for d in gpu.devices][: len(plan.tasks) - len(done)])
     scheduler = make_scheduler(cfg, gpu)
     monitor = Monitor(
