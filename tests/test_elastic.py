@@ -303,3 +303,72 @@ def test_dry_run_prints_the_chosen_ranks_and_the_predicted_makespan(tmp_path):
     assert {ln[0] for ln in lines} >= {"pretrain.goal_walk.tiny", "PITA.goal_walk.tiny.r0.train"}
     assert all(ln[1] in ("k=1", "k=2", "k=4") for ln in lines)
     assert "Predicted makespan:" in out and "with one rank each" in out
+
+
+def _rows(run_dir) -> list[dict]:
+    import csv
+
+    with open(run_dir / "results" / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    timing = {"wall_s", "train_s", "eval_s", "seconds"}
+    return [{k: v for k, v in r.items() if k not in timing and not k.endswith("_s")} for r in rows]
+
+
+@pytest.mark.slow
+def test_results_do_not_depend_on_the_ranks_a_task_got(tmp_path):
+    """One experiment on fake:1 and on fake:4 under data_parallel: on fake:4 the Sizer gives
+    a training task k > 1 ranks; every results row is the same."""
+    from tests.conftest import journal, run_dirs
+
+    base = [
+        "experiment=smoke",
+        "executor.progress=false",
+        "training.parallel_strategy=data_parallel",
+        "pretrain.steps=8",
+        "dataset.test_size=8",
+        *only("reference", "QSharp"),
+    ]
+    rows = {}
+    for n in (1, 4):
+        proc = run_cli(
+            [*base, f"system.devices=fake:{n}", f"experiment.name=k{n}"], tmp_path, timeout=900
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        [run_dir] = run_dirs(tmp_path, f"k{n}")
+        rows[n] = _rows(run_dir)
+        if n == 4:
+            sized = [e for e in journal(run_dir) if e["event"] == "task_sized"]
+            assert any(e["ranks"] > 1 for e in sized), sized
+    assert rows[1] and rows[1] == rows[4]
+
+
+def test_the_live_table_and_the_timeline_show_a_gang_and_its_resize(tmp_path):
+    from pita.core.progress import Progress
+    from pita.experiment.timeline import resize_marks, spans, time_rows, write_time_report
+
+    progress = Progress(2, ["GPU 0", "GPU 1", "GPU 2"], live=False)
+    progress.running = {"a.train": [1, 2], "b.collect": [0]}
+    assert progress._rank_label("a.train", 2) == "a.train [rank 1/2]"
+    assert progress._rank_label("b.collect", 0) == "b.collect"
+
+    plan = Plan()
+    plan.add(_task("a.train", "train", elastic=True))
+    events = [
+        {"ts": 10.0, "event": "run_started"},
+        {"ts": 10.0, "event": "task_sized", "task": "a.train", "ranks": 4},
+        {"ts": 12.0, "event": "task_resized", "task": "a.train", "ranks": 2, "previous": 4},
+        {"ts": 12.0, "event": "task_running", "task": "a.train", "devices": [1, 2]},
+        {"ts": 20.0, "event": "task_done", "task": "a.train", "wall_s": 8.0},
+        {"ts": 20.0, "event": "run_finished"},
+    ]
+    assert resize_marks(events) == [(0.0, "a.train", 2)]
+    all_spans, wall = spans(events, plan.tasks)
+    rows = {(r["section"], r["name"]): r for r in time_rows(all_spans, wall, ["G0", "G1", "G2"])}
+    assert rows[("device", "G0")]["share_%"] == 0.0  # device-busy % per device
+    assert rows[("device", "G1")]["share_%"] == rows[("device", "G2")]["share_%"] == 100.0
+    journal = Journal(tmp_path / "journal.jsonl")
+    journal.close()
+    (tmp_path / "journal.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    table = write_time_report(tmp_path, plan.tasks, ["G0", "G1", "G2"])
+    assert "| G1 | 1 | 8.0 | 100.0 % |" in table
+    assert (tmp_path / "results" / "timeline.png").stat().st_size > 1000

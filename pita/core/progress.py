@@ -193,10 +193,17 @@ class Progress:
             table.add_row(
                 label,
                 str(self.done_per_device[i]),
-                "\n".join(tasks) or "-",
+                "\n".join(self._rank_label(tid, i) for tid in tasks) or "-",
                 "\n".join(latest.get(t, "") for t in tasks),
             )
         return table
+
+    def _rank_label(self, task_id: str, device: int) -> str:
+        """`id` on one device; `id [rank r/k]` on each device of a k-rank gang."""
+        devs = self.running.get(task_id, [])
+        if len(devs) < 2:
+            return task_id
+        return f"{task_id} [rank {devs.index(device)}/{len(devs)}]"
 
     # ---- ETA -----------------------------------------------------------------------------
     def update_eta(self) -> None:

@@ -288,8 +288,27 @@ def time_markdown(rows: list[dict[str, Any]], wall: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_timeline(all_spans: list[Span], labels: list[str], path: Path) -> None:
-    """A Gantt per device: one bar per task attempt, coloured by stage (failed: hatched)."""
+def resize_marks(events: list[dict[str, Any]]) -> list[tuple[float, str, int]]:
+    """(seconds since the first start, task, new k) of each journaled resize of a gang."""
+    starts = [e["ts"] for e in events if e.get("event") == "task_running"]
+    if not starts:
+        return []
+    t0 = min(starts)
+    return [
+        (float(e["ts"]) - t0, str(e["task"]), int(e.get("ranks", 1)))
+        for e in events
+        if e.get("event") == "task_resized" and "ts" in e
+    ]
+
+
+def plot_timeline(
+    all_spans: list[Span],
+    labels: list[str],
+    path: Path,
+    resizes: list[tuple[float, str, int]] = (),  # type: ignore[assignment]
+) -> None:
+    """A Gantt per device: one bar per task attempt, coloured by stage (failed: hatched); a
+    k-rank gang is a bar on each of its devices labelled `k ranks`, a resize a red marker."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
@@ -307,6 +326,13 @@ def plot_timeline(all_spans: list[Span], labels: list[str], path: Path) -> None:
                 linewidth=0.3,
                 hatch=None if s.outcome == "done" else "//",
             )
+        if len(s.devices) > 1:
+            ax.text(s.start, min(s.devices), f" {len(s.devices)} ranks", fontsize=6, va="center")
+    for at, task, k in resizes:
+        devs = next((s.devices for s in all_spans if s.task == task and s.start >= at), [])
+        for d in devs or [0]:
+            ax.plot([at], [d], marker="v", color="red", markersize=5)
+        ax.annotate(f"resize -> {k}", (at, min(devs or [0])), fontsize=6, color="red")
     ax.set_yticks(range(len(labels)), labels)
     ax.set_ylim(-0.6, len(labels) - 0.4)
     ax.invert_yaxis()
@@ -325,7 +351,8 @@ def plot_timeline(all_spans: list[Span], labels: list[str], path: Path) -> None:
 def write_time_report(run_dir: Path, tasks: Mapping[str, Any], labels: list[str]) -> str | None:
     """results/timeline.png and results/time.{md,csv}; the table's text (None: no task ran)."""
     paths = RunPaths(run_dir)
-    all_spans, wall = spans(read_events(paths.journal), tasks)
+    events = read_events(paths.journal)
+    all_spans, wall = spans(events, tasks)
     if not all_spans:
         return None
     n_devices = max([len(labels)] + [d + 1 for s in all_spans for d in s.devices])
@@ -338,5 +365,5 @@ def write_time_report(run_dir: Path, tasks: Mapping[str, Any], labels: list[str]
     writer.writeheader()
     writer.writerows(rows)
     atomic_write_text(paths.results / "time.csv", buf.getvalue())
-    plot_timeline(all_spans, labels, paths.results / "timeline.png")
+    plot_timeline(all_spans, labels, paths.results / "timeline.png", resize_marks(events))
     return table
