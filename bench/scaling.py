@@ -313,7 +313,7 @@ def dry_run_cost() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="rigid vs sized at dispatch (prints one JSON)")
-    parser.add_argument("--devices", default="2,4,8", help="device counts, e.g. 2,4,8")
+    parser.add_argument("--devices", default="2,4,8", help="device counts, e.g. 2,4,8 (none)")
     parser.add_argument("--modes", default="rigid,dispatch", help="rigid,dispatch")
     parser.add_argument("--journal", type=Path, help="a default-experiment run's journal.jsonl")
     parser.add_argument("--alpha", type=float, default=0.1, help="s(k) = k / (1 + alpha (k-1))")
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     measured, source = measured_seconds(args.journal)
     total_s = args.total_s or (120.0 if args.quick else sum(measured.values()))
     scale = total_s / sum(measured.values())
-    counts = sorted(int(x) for x in args.devices.split(","))
+    counts = sorted(int(x) for x in args.devices.split(",") if x.strip() not in ("", "none"))
     modes = args.modes.split(",")
     t_start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="pita-scaling-"))
