@@ -310,36 +310,58 @@ def _rows(run_dir) -> list[dict]:
 
     with open(run_dir / "results" / "summary.csv") as f:
         rows = list(csv.DictReader(f))
-    timing = {"wall_s", "train_s", "eval_s", "seconds"}
-    return [{k: v for k, v in r.items() if k not in timing and not k.endswith("_s")} for r in rows]
+    return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]  # no timings
+
+
+def _same(a: list[dict], b: list[dict], rel: float) -> bool:
+    """Row for row, column for column: numbers within `rel` (float reduction order), the rest
+    equal."""
+    if len(a) != len(b):
+        return False
+    for ra, rb in zip(a, b):
+        if ra.keys() != rb.keys():
+            return False
+        for k in ra:
+            try:
+                x, y = float(ra[k]), float(rb[k])
+            except ValueError:
+                if ra[k] != rb[k]:
+                    return False
+                continue
+            if abs(x - y) > rel * max(abs(x), abs(y), 1e-12):
+                return False
+    return True
 
 
 @pytest.mark.slow
 def test_results_do_not_depend_on_the_ranks_a_task_got(tmp_path):
-    """One experiment on fake:1 and on fake:4 under data_parallel: on fake:4 the Sizer gives
-    a training task k > 1 ranks; every results row is the same."""
+    """One experiment on fake:4 with every training task on one rank and with the ranks the
+    Sizer chose (pretrain and Q#'s train on k > 1): every results row is the same, up to
+    float reduction order (measured: 7e-5 relative on one KL, the rest identical).
+
+    Both runs have 4 collect / evaluate shards: fake:1 against fake:4 also changes the
+    sharding, which today changes the rows (see the issue 32 note), not the ranks."""
     from tests.conftest import journal, run_dirs
 
     base = [
         "experiment=smoke",
         "executor.progress=false",
+        "system.devices=fake:4",
         "training.parallel_strategy=data_parallel",
         "pretrain.steps=8",
         "dataset.test_size=8",
         *only("reference", "QSharp"),
     ]
     rows = {}
-    for n in (1, 4):
-        proc = run_cli(
-            [*base, f"system.devices=fake:{n}", f"experiment.name=k{n}"], tmp_path, timeout=900
-        )
+    for name, ranks in (("rigid", 1), ("sized", 8)):
+        args = [*base, f"executor.max_ranks_per_task={ranks}", f"experiment.name={name}"]
+        proc = run_cli(args, tmp_path, timeout=900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        [run_dir] = run_dirs(tmp_path, f"k{n}")
-        rows[n] = _rows(run_dir)
-        if n == 4:
-            sized = [e for e in journal(run_dir) if e["event"] == "task_sized"]
-            assert any(e["ranks"] > 1 for e in sized), sized
-    assert rows[1] and rows[1] == rows[4]
+        [run_dir] = run_dirs(tmp_path, name)
+        rows[name] = _rows(run_dir)
+        sized = [e for e in journal(run_dir) if e["event"] == "task_sized"]
+        assert any(e["ranks"] > 1 for e in sized) == (name == "sized"), sized
+    assert rows["rigid"] and _same(rows["rigid"], rows["sized"], rel=1e-3)
 
 
 def test_the_live_table_and_the_timeline_show_a_gang_and_its_resize(tmp_path):

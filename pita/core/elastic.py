@@ -24,7 +24,8 @@ device runs other chains' shards and keeps the one it got); the plan's own event
   Its cost is bounded: a task whose own path to the end is shorter than the remaining work
   spread over all devices cannot shorten the run (more ranks only add work when alpha > 0),
   so it gets one rank without a simulation; the simulation covers at most `window` tasks
-  (the highest-priority ones, closed under dependencies).
+  (the highest-priority ones, closed under dependencies), each task's path beyond it added
+  to its simulated end.
 """
 
 from __future__ import annotations
@@ -188,10 +189,13 @@ class Sizer:
         simulate: Callable[..., tuple[dict[str, float], float]],
         n_devices: int,
         max_ranks: int,
-        window: int = 2000,
+        window: int = 500,
         key: Callable[[TaskSpec], str] = lambda t: t.id,
+        version: Callable[[], Any] = lambda: 0,
     ):
         self.key = key
+        self.version = version  # changes when the duration estimates do (cached paths)
+        self._paths: tuple[Any, dict[str, float]] | None = None
         self.curves = curves
         self.one_rank_s = one_rank_s
         self.simulate = simulate
@@ -219,50 +223,63 @@ class Sizer:
         base = self.one_rank_s(task)
         return self.curves.seconds(task, base, k) if task.elastic else base
 
+    def paths(self, tasks: Mapping[str, TaskSpec]) -> dict[str, float]:
+        """Seconds from each task (itself included, one rank) to the end of `tasks`: computed
+        once per duration estimate (an unfinished task's descendants are all unfinished, so
+        the figure holds while the plan shrinks)."""
+        stamp = self.version()
+        if (
+            self._paths is None
+            or self._paths[0] != stamp
+            or any(tid not in self._paths[1] for tid in tasks)
+        ):
+            seconds = {tid: self.seconds(t, 1) for tid, t in tasks.items()}
+            self._paths = (stamp, paths_to_end(tasks, seconds))
+        return self._paths[1]
+
     def size(
         self,
         task: TaskSpec,
         remaining: Mapping[str, TaskSpec],
         running_left: Mapping[str, float],
-        path_s: Mapping[str, float] | None = None,
     ) -> Sizing:
         """The k for `task` (not started) given the unfinished tasks (`remaining`, running
         ones included, each with its current k in `.gpus`) and the seconds left of the
-        running ones. `path_s`: seconds from each task to the plan's end (its own included),
-        for the cheap off-critical-path test; computed when not given."""
+        running ones.
+
+        The predicted end of the plan for a k is the latest, over the simulated tasks, of
+        (its simulated end + its path after it): exactly the simulated makespan when the
+        whole plan is simulated, and an estimate that does not ignore what lies beyond a
+        window of the `window` highest-priority tasks on a big plan."""
         t0 = time.perf_counter()
         seconds = {
-            tid: (
-                running_left[tid]
-                if tid in running_left
-                else self.seconds(t)
-                if tid != task.id
-                else 0.0
-            )
+            tid: running_left[tid] if tid in running_left else self.seconds(t)
             for tid, t in remaining.items()
-        }
-        work = sum(
-            s * (t.gpus if tid in running_left else 1)
-            for tid, t in remaining.items()
-            for s in [seconds[tid]]
             if tid != task.id
-        ) + self.seconds(task, 1)
-        if path_s is None:
-            path_s = paths_to_end(remaining, {**seconds, task.id: self.seconds(task, 1)})
-        if not task.elastic or path_s.get(task.id, 0.0) < work / self.n_devices:
+        }
+        one = self.seconds(task, 1)
+        work = one + sum(
+            s * (remaining[tid].gpus if tid in running_left else 1) for tid, s in seconds.items()
+        )
+        path_s = self.paths(remaining)
+        if not task.elastic or path_s.get(task.id, one) < work / self.n_devices:
             sizing = Sizing(task.id, 1, {}, 0.0, time.perf_counter() - t0, simulated=False)
             self.decisions[task.id] = sizing
             return sizing
         window = priority_window(remaining, self.window, keep=set(running_left) | {task.id})
+        tail = {
+            tid: max(0.0, path_s.get(tid, 0.0) - self.seconds(remaining[tid], 1)) for tid in window
+        }
+        tail[task.id] = max(0.0, path_s.get(task.id, one) - one)
         predicted: dict[int, float] = {}
         starts: dict[int, float] = {}
         for k in self.choices:
             trial = {tid: remaining[tid] for tid in window}
             trial[task.id] = replace(task, gpus=k)
-            secs = {tid: seconds[tid] for tid in window}
+            secs = {tid: seconds[tid] for tid in window if tid != task.id}
             secs[task.id] = self.seconds(task, k)
-            start_at, makespan = self.simulate(trial, secs, [*running_left, task.id])
-            predicted[k] = makespan
+            start_at, _ = self.simulate(trial, secs, [*running_left, task.id])
+            predicted[k] = max(start_at[tid] + secs[tid] + tail[tid] for tid in start_at)
             starts[k] = start_at.get(task.id, 0.0)
         best = min(self.choices, key=lambda k: (round(predicted[k], 6), k))
         sizing = Sizing(

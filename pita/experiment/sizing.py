@@ -55,6 +55,7 @@ def make_sizer(
         n_devices=len(scheduler.devices),
         max_ranks=int(cfg.executor.get("max_ranks_per_task", 1)),
         key=durations.key,
+        version=lambda: durations.work_units,
     )
 
 
