@@ -3,6 +3,14 @@ one process on the whole batch (same init, same data)."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -136,3 +144,71 @@ def test_pretrain_data_parallel_on_a_two_device_gang_matches_one_process(tmp_pat
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=2e-5, rtol=1e-4)
+
+
+# --- the launcher (torch's elastic_launch): failures, collisions, orphans --------------------
+
+
+def _oom_on_rank_one(dist) -> None:
+    if dist.rank == 1:
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    dist.barrier()
+
+
+def test_an_out_of_memory_rank_is_named_and_classified_oom():
+    from pita.runtime.oom import classify_exception
+
+    with pytest.raises(DataParallelError, match=r"rank 1 of 2 failed: RuntimeError: CUDA out") as e:
+        run_data_parallel(_oom_on_rank_one, 2, backend="gloo", device_type="cpu", timeout_s=60)
+    assert classify_exception(e.value) == "oom"
+
+
+def _gang_process(mode: str, folder) -> subprocess.Popen:
+    from tests.conftest import ROOT
+
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.gang_processes", mode, str(folder)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+
+
+def test_two_gangs_starting_at_once_rendezvous_on_distinct_ports(tmp_path):
+    procs = [_gang_process("ports", tmp_path) for _ in range(2)]
+    outs = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert all(r["sum"] == 3.0 for out in outs for r in out)  # each gang reduced its own ranks
+    ports = [out[0]["port"] for out in outs]
+    assert all(out[0]["port"] == out[1]["port"] for out in outs) and ports[0] != ports[1]
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (/proc/<pid>/stat's state)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.parametrize("killed", ["worker", "orchestrator"])
+def test_no_rank_outlives_a_sigkilled_worker_or_orchestrator(tmp_path, killed):
+    """The ranks (PR_SET_PDEATHSIG SIGKILL, parent: the worker's forkserver) die with the
+    worker; the worker dies with the orchestrator (SIGTERM), and its ranks with it."""
+    proc = _gang_process("hang" if killed == "worker" else "orchestrator", tmp_path)
+    deadline = time.time() + 240
+    while len(list(tmp_path.glob("rank*.pid"))) < 2 and time.time() < deadline:
+        assert proc.poll() is None, "the launcher exited before its ranks started"
+        time.sleep(0.1)
+    ranks = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+    assert len(ranks) == 2 and all(_alive(pid) for pid in ranks)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    if killed == "orchestrator":  # the worker stops its ranks on SIGTERM, then exits
+        ranks.append(int((tmp_path / "worker.pid").read_text()))
+    deadline = time.time() + 60
+    while any(_alive(pid) for pid in ranks) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in ranks if _alive(pid)], "a rank (or the worker) outlived its launcher"

@@ -15,6 +15,15 @@ a torchtune recipe does:
    accuracy by response position), a checkpoint when due.
 3. `finish`: save `value_model/`, write the training report, return the stage's result.
 
+With `training.parallel_strategy` data_parallel or fsdp on a k-device gang the three parts
+run on every rank (`pita.runtime.gang.run_stage`; the items are read once, in the worker,
+and sent to the ranks): every rank builds the same model from the same seed, draws the
+same shuffled order, and trains on its strided share of each step's batch of unique
+sequences, weighted by its share of the batch's weight times k, so the averaged gradients
+(DDP all-reduce, FSDP2 reduce-scatter) are those of one process on the whole batch: same
+global batch, seeds, data order and number of optimizer steps whatever k is. Rank 0
+writes the model, the report and the result.
+
 The numerics are those of the one-function version this replaced (same operations in
 the same order, so the same RNG streams): tests/test_value_chains.py and friends pin them.
 """
@@ -172,6 +181,12 @@ class ValueRun:
     order: Any = None  # this epoch's shuffled order (on the device)
     cursor: int = 0
     diagnostics: dict = field(default_factory=dict)
+    dist: Any = None  # pita.training.ddp.DistContext of a gang's rank, None on one process
+    net: Any = None  # what the loss runs through: the read-out, DDP- or FSDP2-wrapped on a gang
+
+    @property
+    def world(self) -> int:
+        return self.dist.world_size if self.dist is not None else 1
 
     @property
     def n(self) -> int:
@@ -188,13 +203,36 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
     over micro-batches (`micro_batch_plan`: the whole batch, halved by each OOM retry),
     clipping and the precision (bf16/fp16 autocast on CUDA only, fp32 on CPU).
     """
+    from pita.runtime.gang import run_stage
+
+    return run_stage(ctx, _train_value_rank, list(items))
+
+
+def _train_value_rank(ctx: StageContext, dist: Any, items: Sequence[tuple]) -> dict:
+    """`train_value` on one process (`dist` None) or on one rank of the task's gang."""
     t0 = time.perf_counter()
-    run = setup(ctx, items)
+    run = setup(ctx, items, dist)
     train_loop(ctx, run)
     return finish(ctx, run, t0)
 
 
-def setup(ctx: StageContext, items: Sequence[tuple]) -> ValueRun:
+def _readout(model: Any) -> Any:
+    """A module whose forward is the value model's training read-out (`action_values`):
+    what DDP / FSDP2 wrap, since their hooks run on a module's forward."""
+    import torch
+
+    class ValueReadout(torch.nn.Module):
+        def __init__(self, inner: Any):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids: Any, alt: Any = None) -> Any:
+            return self.inner.action_values(ids, alt=alt)
+
+    return ValueReadout(model)
+
+
+def setup(ctx: StageContext, items: Sequence[tuple], dist: Any = None) -> ValueRun:
     """Data, model, probe, batch arithmetic, optimizer, TrainStep and the checkpoint to
     resume from, in the order the RNG streams expect."""
     import torch
@@ -228,6 +266,7 @@ def setup(ctx: StageContext, items: Sequence[tuple]) -> ValueRun:
         batch=min(n, 256 if auto else int(algo.batch_size)),
         diagnostics=diagnostics,
     )
+    run.dist = dist
     _batching(ctx, run, auto)
     _optimizer(ctx, run)
     _resume(ctx, run)
@@ -318,10 +357,12 @@ def _batching(ctx: StageContext, run: ValueRun, auto: bool) -> None:
     import torch
 
     from pita.runtime.batching import training_micro_batch
+    from pita.training.ddp import wrap_model
     from pita.training.loop import accumulation_plan, micro_batch_plan
 
     tr, algo, n, device = ctx.cfg.training, run.algo, run.n, run.device
-    micro, _ = micro_batch_plan(run.batch, tr, ctx.task.batch_scale, whole_batch=True)
+    share = -(-run.batch // run.world)  # the largest rank's share of a step's batch
+    micro, _ = micro_batch_plan(share, tr, ctx.task.batch_scale, whole_batch=True)
     # The whole training set lives on the device (pre-tensorised, copied once): a step only
     # indexes it, so there is no per-step collation and no host<->device copy in the loop.
     run.tensors = tuple(_to_device(run.data[k], device) for k in ("ids", "alt", "target", "weight"))
@@ -337,25 +378,44 @@ def _batching(ctx: StageContext, run: ValueRun, auto: bool) -> None:
             loss_fn=lambda _model, mb: loss_fn(mb["m"])[0],
             fallback=micro,
         )
-    run.micro, run.n_micro = accumulation_plan(run.batch, micro, tr.accumulation_steps)
+        micro = _smallest_over_ranks(min(micro, share), run.dist)
+    run.micro, run.n_micro = accumulation_plan(share, micro, tr.accumulation_steps)
+    if run.dist is not None:  # DDP / FSDP2 run their hooks on a module's forward
+        run.net = wrap_model(_readout(run.model), run.dist)
+        run.loss_fn = value_loss(run.model, run.tensors, str(algo.loss_type), forward=run.net)
     run.steps = int(algo.steps) or int(algo.epochs) * math.ceil(n / run.batch)
     run.log_every = max(1, run.steps // 10)
 
 
-def value_loss(model: Any, tensors: tuple, loss_type: str) -> Callable[[Any], Any]:
+def _smallest_over_ranks(value: int, dist: Any) -> int:
+    """The smallest of the ranks' values (every rank must cut the same micro-batches)."""
+    if dist is None:
+        return value
+    import torch
+    import torch.distributed as tdist
+
+    t = torch.tensor([value], device=dist.device)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def value_loss(
+    model: Any, tensors: tuple, loss_type: str, forward: Callable[..., Any] | None = None
+) -> Callable[[Any], Any]:
     """`loss_fn(m)`: the weighted mean loss of micro-batch m (indices into the unique
     sequences) and its accuracy. Untrained positions have weight 0 and drop out of the
     weighted means: no boolean indexing (it would wait for the device to count the selected
     positions). The head (Q- or V-type) is read through `action_values`: column t = the
-    value of token t+1."""
+    value of token t+1 (`forward(ids, alt)`: the same read-out, wrapped for a gang)."""
     from pita.algos import losses
 
     ids, alts, target, weight = tensors
+    read = forward if forward is not None else (lambda x, alt: model.action_values(x, alt=alt))
 
     def loss_fn(m: Any):
         x, w, y = ids[m], weight[m].reshape(-1), target[m]
         bt = loss_type == "bradley_terry"
-        out, alt = model.action_values(x, alt=alts[m] if bt else None)  # [b, T-1, M]
+        out, alt = read(x, alts[m] if bt else None)  # [b, T-1, M]
         out = out.float()
         out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1, y.shape[-1])
         if bt:  # P(y' ≻ y) = σ(v(s, a') − v(s, a)), a the competing token
@@ -398,7 +458,7 @@ def _optimizer(ctx: StageContext, run: ValueRun) -> None:
     # figures are read back once per logging window, not every step (no host sync per step)
     run.trainer = train_step(
         ctx,
-        run.model,
+        run.net if run.net is not None else run.model,  # DDP: its no_sync while accumulating
         run.optim,
         scheduler=run.sched,
         device=run.device,
@@ -426,7 +486,7 @@ def _resume(ctx: StageContext, run: ValueRun) -> None:
         run.trainer.precision.name,
         run.init,
     )
-    run.ckpt = checkpointer(ctx)
+    run.ckpt = checkpointer(ctx, writer=run.dist is None or run.dist.is_main)
     run.start, extra = run.ckpt.restore(
         model=run.model,
         optimizer=run.optim,
@@ -452,9 +512,7 @@ def train_loop(ctx: StageContext, run: ValueRun) -> None:
             run.order, run.cursor = torch.randperm(n, generator=gen).to(run.device), 0
         idx = run.order[run.cursor : run.cursor + batch]
         run.cursor += batch
-        parts = list(idx.split(run.micro))
-        # each micro-batch's weighted mean, weighted by its share of the batch's weight (device tensors)
-        shares = [1.0] if len(parts) == 1 else [weight[m].sum() / weight[idx].sum() for m in parts]
+        parts, shares = _micro_batches(run, idx, weight)
         run.trainer.run(parts, run.loss_fn, weights=shares, samples=len(idx))
         if (step + 1) % run.log_every == 0 or step + 1 == run.steps:
             _log_window(ctx, run, step + 1)
@@ -470,6 +528,31 @@ def train_loop(ctx: StageContext, run: ValueRun) -> None:
         )
 
 
+def _micro_batches(run: ValueRun, idx: Any, weight: Any) -> tuple[list, list]:
+    """This process's micro-batches of a step's batch `idx` and their loss weights: each
+    micro-batch's weighted mean counts by its share of the batch's weight (device tensors).
+
+    On a gang the rank takes its strided share of `idx` in `n_micro` parts (the same count
+    on every rank: FSDP2 reduce-scatters after each backward) and the weights are scaled by
+    k, since DDP / FSDP2 average the ranks' gradients."""
+    if run.dist is None:
+        parts = list(idx.split(run.micro))
+        if len(parts) == 1:
+            return parts, [1.0]
+        return parts, [weight[m].sum() / weight[idx].sum() for m in parts]
+    mine = idx[run.dist.rank :: run.world]
+    total = weight[idx].sum()
+    parts, shares = [], []
+    for m in mine.tensor_split(run.n_micro):
+        if len(m) == 0:  # a share shorter than n_micro: a no-op part keeps the collectives paired
+            parts.append(mine[:1])
+            shares.append(0.0)
+        else:
+            parts.append(m)
+            shares.append(weight[m].sum() * run.world / total)
+    return parts, shares
+
+
 def _recent_means(run: ValueRun) -> tuple[list[dict], float, float]:
     """(the last window's metric rows, their mean loss, their mean accuracy)."""
     recent = run.trainer.metrics_rows()[-run.log_every :]
@@ -482,6 +565,7 @@ def _log_window(ctx: StageContext, run: ValueRun, done: int) -> None:
     """The window's mean loss / accuracy, the held-out accuracy by response position (where
     learning stops), and the heartbeat."""
     from pita.algos import value_diagnostics
+    from pita.training.ddp import gathered
 
     recent, mean_loss, mean_acc = _recent_means(run)
     ctx.logger.info(
@@ -494,7 +578,8 @@ def _log_window(ctx: StageContext, run: ValueRun, done: int) -> None:
         run.trainer.lr(),
     )
     if run.held is not None:
-        acc = value_diagnostics.heldout_accuracy(run.model, run.held, run.device)
+        with gathered(run.net, run.dist):  # FSDP2: the root's shards gathered for the read
+            acc = value_diagnostics.heldout_accuracy(run.model, run.held, run.device)
         run.diagnostics["heldout_acc"] = acc
         recent[-1].update({f"heldout_pos{j}": a for j, a in acc.items()})
         ctx.logger.info(
@@ -507,22 +592,27 @@ def _log_window(ctx: StageContext, run: ValueRun, done: int) -> None:
 def finish(ctx: StageContext, run: ValueRun, t0: float) -> dict:
     """Save `value_model/`, write the training report, return the stage's result (the last
     window's means: its rows survive a resume, they are in the checkpoint)."""
+    from pita.training.ddp import full_state_dict
     from pita.training.report import write_training_report
 
     _, mean_loss, mean_acc = _recent_means(run)
-    run.model.eval().save(ctx.out_dir / Artifact.VALUE_MODEL)
+    state = full_state_dict(run.model, run.dist)  # every rank takes part (FSDP2 gathers)
+    if run.dist is not None and not run.dist.is_main:
+        return {}  # rank 0 writes the model, the report and the result
+    run.model.eval().save(ctx.out_dir / Artifact.VALUE_MODEL, state=state)
     perf = write_training_report(
         ctx.out_dir,
         run.trainer,
         micro_batch=run.micro,
         accumulation_steps=run.n_micro,
+        world_size=run.world,
         gradient_checkpointing=run.checkpointing,
         title=ctx.task.id,
     )
     return {
         "steps": run.steps,
         "batch_size": run.batch,
-        "micro_batch_size": run.micro,
+        "micro_batch_size": run.micro * run.world,  # over the gang: the row does not depend on k
         "records": run.data["records"],
         "unique_sequences": run.n,
         "targets": run.data["states"],

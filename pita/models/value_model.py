@@ -227,12 +227,17 @@ class ValueModel(nn.Module):
             "head_type": self.head_type,
         }
 
-    def save(self, folder: str | Path) -> Path:
+    def save(self, folder: str | Path, state: dict[str, torch.Tensor] | None = None) -> Path:
+        """Weights and config into `folder`; `state`: the full state dict when this model's
+        own is sharded (FSDP2 gathers it on every rank: `pita.training.ddp.full_state_dict`)."""
         from safetensors.torch import save_file
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        state = {
+            k: v.detach().contiguous().cpu()
+            for k, v in (self.state_dict() if state is None else state).items()
+        }
         save_file(state, str(folder / WEIGHTS_NAME))
         (folder / CONFIG_NAME).write_text(json.dumps(self.config_dict(), indent=2))
         return folder

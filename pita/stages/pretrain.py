@@ -15,8 +15,8 @@ model and its tokenizer are written with `save_pretrained` into `model/`, next t
 
 Training mechanics come from `pita.training`: precision (`training.mixed_precision` /
 `precision_type`), exact gradient accumulation, clipping, `system.clear_cache_interval`,
-`training.compile` and `training.gradient_checkpointing`, and DDP over the task's gang
-with `training.parallel_strategy=data_parallel`. The tiny policy trains on its whole batch
+`training.compile` and `training.gradient_checkpointing`, and DDP or FSDP2 over the task's
+gang with `training.parallel_strategy=data_parallel | fsdp`. The tiny policy trains on its whole batch
 at once (`training.micro_batch_size` is sized for hub models and would only slow it down);
 it is cut into micro-batches when `training.accumulation_steps` is set or an OOM retry
 halves the task's `batch_scale`. With `training.checkpoint_every` the loop checkpoints
@@ -134,7 +134,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     from pita.models.catalog import resolve_family
     from pita.models.tiny import build_tiny_llama
     from pita.runtime.kit import checkpointer, train_step
-    from pita.training.ddp import wrap_model
+    from pita.training.ddp import full_state_dict, wrap_model
     from pita.training.loop import (
         compile_model,
         enable_gradient_checkpointing,
@@ -186,7 +186,8 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     model.to(device).train()
     checkpointing = enable_gradient_checkpointing(model, tr.gradient_checkpointing, ctx.logger)
     compiled = compile_model(model, tr.compile, tr.compile_mode, logger=ctx.logger)
-    net = wrap_model(model, dist)  # DDP all-reduces the gradients; the same model otherwise
+    # DDP all-reduces the gradients; FSDP2 shards the model in place (the optimizer comes after)
+    net = wrap_model(model, dist)
     wd = pcfg.get("weight_decay")
     optim = torch.optim.AdamW(
         model.parameters(), lr=pcfg.lr, weight_decay=tr.weight_decay if wd is None else wd
@@ -268,10 +269,11 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
             extra=lambda state=rng_after: {"rng": state},
         )
 
+    state = full_state_dict(model, dist) if dist is not None else None  # FSDP2: gathered
     if dist is not None and not dist.is_main:
         return {}  # rank 0 writes the model and the report
     model.eval()
-    model.save_pretrained(ctx.out_dir / Artifact.MODEL)
+    model.save_pretrained(ctx.out_dir / Artifact.MODEL, state_dict=state)
     task.save_tokenizer(str(ctx.out_dir / Artifact.MODEL))
     perf = write_training_report(
         ctx.out_dir,

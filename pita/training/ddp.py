@@ -24,8 +24,9 @@ How it keeps its promises:
   k failed: <Type>: <message>")` naming the earliest failure (its peers fail next, with
   "connection closed by peer"). An out-of-memory text is kept, so the executor's classifier
   calls it `oom`.
-- No orphans: every rank sets `prctl(PR_SET_PDEATHSIG, SIGKILL)`; its parent is the worker
-  (spawn) or the worker's forkserver, which exits when the worker dies.
+- No orphans: every rank sets `prctl(PR_SET_PDEATHSIG, SIGKILL)` (its parent under spawn is
+  the worker) and watches the worker through a pidfd (under forkserver its parent is the
+  forkserver, which outlives the worker while any rank lives): `_die_with`.
 - Start-up: ranks are forked from a forkserver that imported torch, transformers and pita's
   training modules once (`warm_forkserver`); a later gang of the same worker forks warm
   processes. `start_method="spawn"` is the fallback (each rank imports everything again).
@@ -39,18 +40,20 @@ tensors, not tasks.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing
 import os
 import pickle
 import queue as queue_mod
+import select
 import signal
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -170,16 +173,56 @@ def wrap_model(
     return DistributedDataParallel(model, device_ids=device_ids)
 
 
+def full_state_dict(model: torch.nn.Module, dist: DistContext | None) -> dict[str, Any]:
+    """`model`'s whole state dict on the CPU. FSDP2: every shard gathered (a collective:
+    every rank calls it, in the same order); otherwise the model's own."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+        for k, v in model.state_dict().items()
+    }
+
+
+@contextlib.contextmanager
+def gathered(net: Any, dist: DistContext | None) -> Iterator[None]:
+    """FSDP2: the root module's own parameters unsharded while the body reads the model
+    outside its forward (held-out diagnostics); every rank must enter. No-op otherwise."""
+    if dist is None or dist.world_size == 1 or dist.strategy != "fsdp":
+        yield
+        return
+    net.unshard()
+    try:
+        yield
+    finally:
+        net.reshard()
+
+
 # --- the rank side ----------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """SIGKILL this rank when its parent (the worker, or the worker's forkserver) dies."""
+def _die_with(launcher_pid: int) -> None:
+    """SIGKILL this rank when the process that launched it dies, however it dies.
+
+    `prctl(PR_SET_PDEATHSIG, SIGKILL)` covers a spawned rank, whose parent is the launcher.
+    A forkserver rank's parent is the forkserver, which by design lives as long as any of
+    its children (each holds its "alive" pipe), so the rank also watches the launcher
+    itself through a pidfd (readable once that process has exited) from a daemon thread."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
-        return
+        pass
+    try:
+        pidfd = os.pidfd_open(launcher_pid)
+    except ProcessLookupError:  # the launcher died before this rank started
+        os._exit(1)
+
+    def watch() -> None:
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="pita-launcher-watch", daemon=True).start()
 
 
 def _first_line(exc: BaseException) -> str:
@@ -188,6 +231,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _rank_main(
+    launcher_pid: int,
     entry: Callable[..., Any],
     args: tuple,
     queue: Any,
@@ -197,10 +241,7 @@ def _rank_main(
     timeout_s: float,
 ) -> bytes:
     """One rank (started by the elastic agent, which set RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
-    parent = os.getppid()
-    _die_with_parent()
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
+    _die_with(launcher_pid)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if threads > 0:
         torch.set_num_threads(threads)
@@ -354,7 +395,14 @@ def launch_ranks(
     _quiet_launcher_logs()
     try:
         returned = elastic_launch(config, _rank_main)(
-            entry, tuple(args), queue, backend, device_type, threads_per_rank, timeout_s
+            os.getpid(),
+            entry,
+            tuple(args),
+            queue,
+            backend,
+            device_type,
+            threads_per_rank,
+            timeout_s,
         )
     except ChildFailedError as exc:
         _stop_drain(queue, drain)

@@ -443,6 +443,8 @@ class TrainStep:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
             norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+            if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor over the shards, reduced here
+                norm = norm.full_tensor()
             grad_norm = (
                 norm.detach() if self.sync_every > 1 else float(norm)
             )  # no host sync when lazy

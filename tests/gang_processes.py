@@ -1,0 +1,51 @@
+"""Processes for tests/test_ddp.py's launcher tests: `python -m tests.gang_processes MODE DIR`.
+
+- `ports DIR`: launch 2 ranks that all-reduce and report the rendezvous port; print JSON.
+- `hang DIR`: launch 2 ranks that write `rank<r>.pid` into DIR and sleep (a worker to SIGKILL).
+- `orchestrator DIR`: start a child `hang` process that dies with this one as a pool worker
+  does (PR_SET_PDEATHSIG SIGTERM), write `worker.pid`, and wait (an orchestrator to SIGKILL).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _ports(dist) -> dict:
+    import torch
+    import torch.distributed as tdist
+
+    t = torch.ones(1) * (dist.rank + 1)
+    tdist.all_reduce(t)
+    return {"port": int(os.environ["MASTER_PORT"]), "sum": float(t)}
+
+
+def _hang(dist, folder: str) -> None:
+    Path(folder, f"rank{dist.rank}.pid").write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+def main(mode: str, folder: str) -> None:
+    from pita.training.ddp import launch_ranks
+
+    if mode == "ports":
+        print(json.dumps(launch_ranks(_ports, 2, device_type="cpu")), flush=True)
+    elif mode == "hang":
+        launch_ranks(_hang, 2, args=(folder,), device_type="cpu")
+    elif mode == "orchestrator":
+        code = (
+            "from pita.runtime.worker import _die_with_parent; _die_with_parent(); "
+            f"from tests.gang_processes import main; main('hang', {folder!r})"
+        )
+        worker = subprocess.Popen([sys.executable, "-c", code])
+        Path(folder, "worker.pid").write_text(str(worker.pid))
+        worker.wait()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
