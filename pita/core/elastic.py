@@ -21,9 +21,11 @@ device runs other chains' shards and keeps the one it got); the plan's own event
 - `Sizer`: the decision. For an elastic task (`TaskSpec.elastic`: a training stage that runs
   data-parallel on 1..k ranks) it simulates the remaining plan with the task on k in
   {1, 2, 4, ..., max_ranks} and keeps the k whose simulation ends first (ties: fewer ranks).
-  Its cost is bounded: a task whose own path to the end is shorter than the remaining work
-  spread over all devices cannot shorten the run (more ranks only add work when alpha > 0),
-  so it gets one rank without a simulation; the simulation covers at most `window` tasks
+  A k > 1 must gain 2 % of the predicted end (`margin`: each decision simulates the
+  elastic tasks not sized yet at one rank, so a smaller gain is within its own error).
+  Its cost is bounded: on a plan larger than the window, a task whose own path to the end
+  is shorter than the remaining work spread over all devices gets one rank without a
+  simulation (more ranks only add work when alpha > 0); the simulation covers at most `window` tasks
   (the highest-priority ones, closed under dependencies), each task's path beyond it added
   to its simulated end.
 """
@@ -196,6 +198,7 @@ class Sizer:
         self.key = key
         self.version = version  # changes when the duration estimates do (cached paths)
         self._paths: tuple[Any, dict[str, float]] | None = None
+        self.margin = 0.02  # share of the predicted end a gang must gain
         self.curves = curves
         self.one_rank_s = one_rank_s
         self.simulate = simulate
@@ -262,7 +265,8 @@ class Sizer:
             s * (remaining[tid].gpus if tid in running_left else 1) for tid, s in seconds.items()
         )
         path_s = self.paths(remaining)
-        if not task.elastic or path_s.get(task.id, one) < work / self.n_devices:
+        big = len(remaining) > self.window  # a small plan is simulated whole: milliseconds
+        if not task.elastic or (big and path_s.get(task.id, one) < work / self.n_devices):
             sizing = Sizing(task.id, 1, {}, 0.0, time.perf_counter() - t0, simulated=False)
             self.decisions[task.id] = sizing
             return sizing
@@ -281,7 +285,12 @@ class Sizer:
             start_at, _ = self.simulate(trial, secs, [*running_left, task.id])
             predicted[k] = max(start_at[tid] + secs[tid] + tail[tid] for tid in start_at)
             starts[k] = start_at.get(task.id, 0.0)
-        best = min(self.choices, key=lambda k: (round(predicted[k], 6), k))
+        # more ranks only for a clear gain: each decision simulates the elastic tasks not
+        # sized yet at one rank, so a small predicted gain is within its own error
+        margin = self.margin * predicted[1]
+        best = min(
+            self.choices, key=lambda k: (round(predicted[k] + (margin if k > 1 else 0), 6), k)
+        )
         sizing = Sizing(
             task.id, best, predicted, starts[best], time.perf_counter() - t0, simulated=True
         )
