@@ -56,7 +56,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from bench.scheduler import lower_bound, warm_up  # noqa: E402
 from pita.core.dag import Plan  # noqa: E402
-from pita.core.elastic import TRAINING_STAGES, GangStartup  # noqa: E402
+from pita.core.elastic import TRAINING_STAGES, GangStartup, rank_choices, resized  # noqa: E402
 from pita.core.journal import Journal  # noqa: E402
 from pita.core.parallel_executor import DagRunner  # noqa: E402
 from pita.core.progress import TaskDurations  # noqa: E402
@@ -126,14 +126,16 @@ def config(n: int, max_ranks: int):
 def elastic_plan(cfg, gpu, elastic: bool) -> Plan:
     """The default DAG; every training task elastic (dispatch mode) or on one device."""
     plan = build_plan(cfg, gpu)
+    n = len(gpu.devices)
     for t in plan.tasks.values():
-        t.gpus, t.elastic = 1, elastic and t.stage in TRAINING_STAGES
+        t.gpus, t.strategy = 1, "none"
+        t.ranks = rank_choices(n, n) if elastic and t.stage in TRAINING_STAGES else []
     return plan
 
 
 def gang_task(like: TaskSpec, k: int, i: int) -> TaskSpec:
     """A 0-second copy of a training task on k ranks (its own id and task folder)."""
-    return replace(like, id=f"startup.k{k}.{i}", deps=[], inputs={}, gpus=k, elastic=True)
+    return replace(resized(like, k), id=f"startup.k{k}.{i}", deps=[], inputs={})
 
 
 def measure_startup(
@@ -149,7 +151,7 @@ def measure_startup(
     table.update({f"startup.host{d}": 0.0 for d in range(n)})
     (run_dir / "bench_durations.json").write_text(json.dumps(table))
     for d in range(n):  # each worker's forkserver has preloaded torch (as during a real run)
-        host = replace(like, id=f"startup.host{d}", deps=[], inputs={}, gpus=2, elastic=True)
+        host = replace(resized(like, 2), id=f"startup.host{d}", deps=[], inputs={})
         pool.submit(host, [d, (d + 1) % n], cfg_dict, str(run_dir), 1).result(600)
     out: dict[str, dict[str, float]] = {}
     for k in ks:
@@ -287,7 +289,7 @@ def dry_run_cost() -> dict:
     plan = build_plan(cfg, gpu)
     plan_s = time.perf_counter() - t0
     for t in plan.tasks.values():
-        t.elastic = t.stage in TRAINING_STAGES
+        t.ranks = rank_choices(8, 64) if t.stage in TRAINING_STAGES else []
     scheduler = make_scheduler(cfg, gpu)
     sizer = make_sizer(cfg, plan.tasks, task_durations(cfg, gpu), scheduler, history={})
     out = dry_run_sizing(plan, scheduler, sizer)

@@ -27,11 +27,19 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # PYTHONPATH (another checkout) wins
 
 
-def run(size: str = "cpu", steps: int = 60, device: str = "auto", n_items: int = 8192) -> dict:
-    import torch
+def prepare(
+    run_dir: Path,
+    size: str = "cpu",
+    steps: int = 60,
+    device: str = "cpu",
+    n_items: int = 8192,
+    overrides: tuple[str, ...] = (),
+    gpus: int = 1,
+):
+    """(a StageContext of a Q# train task in `run_dir` with a saved reference, its items)."""
     from omegaconf import OmegaConf
 
-    from pita.algos.value_training import train_value
+    from pita.algos.registry import ALGORITHMS
     from pita.core.tasks import TaskSpec
     from pita.datasets import build_task
     from pita.experiment.cli import compose_config
@@ -39,15 +47,18 @@ def run(size: str = "cpu", steps: int = 60, device: str = "auto", n_items: int =
     from pita.models.tiny import build_tiny_llama
     from pita.runtime.context import ModelCache, StageContext
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     experiment, dataset = (
         ("star_graph_paper", "star_graph_d2_l5")
         if size == "paper"
         else ("star_graph", "star_graph")
     )
     cfg = compose_config(
-        [f"experiment={experiment}", f"algos.QSharp.steps={steps}", "algos.QSharp.enabled=true"]
+        [
+            f"experiment={experiment}",
+            f"algos.QSharp.steps={steps}",
+            "algos.QSharp.enabled=true",
+            *overrides,
+        ]
     )
     ds_cfg = _group_cfg(cfg, "dataset", dataset)
     fam_cfg = OmegaConf.to_container(cfg.model, resolve=True)
@@ -62,47 +73,60 @@ def run(size: str = "cpu", steps: int = 60, device: str = "auto", n_items: int =
             (list(ex.prompt_ids), list(ex.target_ids), 0, [float(rng.random() < 0.5)], None)
         )
 
-    with tempfile.TemporaryDirectory() as tmp:
-        run_dir = Path(tmp)
-        ref_dir = run_dir / "tasks" / "pretrain" / "model"
-        arch = fam_cfg["reference_arch"]
-        longest = max(len(p) + len(t) for p, t, *_ in items)
-        ref = build_tiny_llama(
-            len(tok),
-            n_layer=arch["n_layer"],
-            d_model=arch["d_model"],
-            n_head=arch["n_head"],
-            max_position=max(64, 2 * longest),
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-            seed=0,
-        )
+    ref_dir = run_dir / "tasks" / "pretrain" / "model"
+    arch = fam_cfg["reference_arch"]
+    longest = max(len(p) + len(t) for p, t, *_ in items)
+    ref = build_tiny_llama(
+        len(tok),
+        n_layer=arch["n_layer"],
+        d_model=arch["d_model"],
+        n_head=arch["n_head"],
+        max_position=max(64, 2 * longest),
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        seed=0,
+    )
+    if not (ref_dir / "config.json").is_file():
         ref.save_pretrained(ref_dir)
-        task.save_tokenizer(str(ref_dir))
-        spec = TaskSpec(
-            id="QSharp.bench.tiny.r0.train",
-            algo="QSharp",
-            dataset=dataset,
-            family="tiny",
-            round=0,
-            stage="train",
-            fn="pita.algos.qsharp:train",
-            inputs={"reference": "pretrain"},
-            dataset_cfg=ds_cfg,
-            family_cfg=fam_cfg,
-        )
-        out = run_dir / "out"
-        out.mkdir()
-        logger = logging.getLogger("bench.value_training")
-        ctx = StageContext(
-            task=spec,
-            cfg=cfg,
-            run_dir=run_dir,
-            out_dir=out,
-            logger=logger,
-            device=device,
-            models=ModelCache(2),
-        )
+    task.save_tokenizer(str(ref_dir))
+    spec = TaskSpec(
+        id="QSharp.bench.tiny.r0.train",
+        algo="QSharp",
+        algo_schema=ALGORITHMS["QSharp"].schema_path,
+        dataset=dataset,
+        family="tiny",
+        round=0,
+        stage="train",
+        fn="pita.algos.qsharp:train",
+        inputs={"reference": "pretrain"},
+        dataset_cfg=ds_cfg,
+        family_cfg=fam_cfg,
+        gpus=gpus,
+    )
+    out = run_dir / f"out-{gpus}-{time.monotonic_ns()}"
+    out.mkdir()
+    logger = logging.getLogger("bench.value_training")
+    ctx = StageContext(
+        task=spec,
+        cfg=cfg,
+        run_dir=run_dir,
+        out_dir=out,
+        logger=logger,
+        device=device,
+        models=ModelCache(2),
+    )
+    return ctx, items
+
+
+def run(size: str = "cpu", steps: int = 60, device: str = "auto", n_items: int = 8192) -> dict:
+    import torch
+
+    from pita.algos.value_training import train_value
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx, items = prepare(Path(tmp), size, steps, device, n_items)
         t0 = time.perf_counter()
         result = train_value(ctx, items)
         wall = time.perf_counter() - t0

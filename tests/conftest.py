@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from pita.algos.registry import ALGO_NAMES
-from pita.core.tasks import TASK_STAGES
+from pita.core.tasks import TASK_STAGES, TaskSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 ALGOS = ALGO_NAMES  # the registry table
 STAGES = TASK_STAGES  # every stage a task can have
+
+
+def task_spec(id: str, **fields) -> TaskSpec:
+    """A TaskSpec for a unit test: a round-0 QSharp train task on goal_walk / tiny with a
+    function nobody runs, unless `fields` says otherwise."""
+    defaults = dict(algo="QSharp", dataset="goal_walk", family="tiny", round=0, stage="train")
+    return TaskSpec(id=id, **{**defaults, "fn": "x:y", **fields})
 
 
 def sleep_overrides(fn: str = "tests.fault_stages:sleep_stage") -> list[str]:
@@ -44,6 +53,45 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+
+
+def start_cli(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
+    """The command line started in the background (stdout and stderr in one pipe): a run to
+    kill, interrupt or watch while it goes."""
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "run_parallel.py"), *args],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        # Ctrl-C reaches a run started from a terminal, whose SIGINT is the default; a pytest
+        # started in the background (`cmd &`, nohup) ignores SIGINT and its children would too
+        preexec_fn=_sigint_default,
+    )
+
+
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def slow_env(markers: Path, task_id: str, seconds: float) -> dict[str, str]:
+    """The environment that makes `tests.fault_stages` write `<markers>/<task>.started` and
+    hold `task_id` for `seconds` (a task to kill, interrupt or outlive mid-run)."""
+    return {
+        "PITA_TEST_MARKERS": str(markers),
+        "PITA_TEST_SLOW_TASK": task_id,
+        "PITA_TEST_SLOW_S": str(seconds),
+    }
+
+
+def run_ok(args: list[str], cwd: Path, name: str, **kwargs) -> Path:
+    """Run the command line (`run_cli`), check it exits 0 (the output's tails otherwise) and
+    return the run folder of `experiment.name=<name>`, the only one."""
+    proc = run_cli(args, cwd, **kwargs)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [run_dir] = run_dirs(cwd, name)
+    return run_dir
 
 
 def run_dirs(cwd: Path, name: str) -> list[Path]:
@@ -80,3 +128,38 @@ def local_family(tmp_path_factory):
     from tests.local_family import build_local_family
 
     return build_local_family(tmp_path_factory.mktemp("local_family"))
+
+
+@dataclass(frozen=True)
+class SmokeRun:
+    """One finished `experiment=smoke` run (real training), shared by the tests that only read
+    what a run leaves behind: the folder, the summary, the ETA line, the time table, run_info."""
+
+    cwd: Path
+    args: list[str]
+    env: dict[str, str]
+    proc: subprocess.CompletedProcess
+    run_dir: Path
+
+
+# `algos=[..]` names exactly the smoke experiment's seven (the run is the same) so run_info's
+# command can be checked as typed, before the CLI expands the shortcut.
+SMOKE_ARGS = [
+    "experiment=smoke",
+    "algos=[reference,PITA,QSharp,QSharp-HF,DPO,GRPO,GRPO-HF]",
+    "system.devices=fake:2",
+    "executor.progress=false",
+]
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory) -> SmokeRun:
+    """The session's one smoke run: every algorithm's chain trained for real on two fake
+    devices, with its own duration cache so the ETA starts from work units. A test that
+    changes the folder (a resume) must leave what the others read in place."""
+    cwd = tmp_path_factory.mktemp("smoke_run")
+    env = {"PITA_CACHE_DIR": str(cwd / "cache")}
+    proc = run_cli(SMOKE_ARGS, cwd, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [run_dir] = run_dirs(cwd, "smoke")
+    return SmokeRun(cwd, list(SMOKE_ARGS), env, proc, run_dir)

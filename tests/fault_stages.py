@@ -18,17 +18,23 @@ def _marker(ctx: StageContext, what: str) -> None:
     folder = os.environ.get("PITA_TEST_MARKERS")
     if folder:
         path = os.path.join(folder, f"{ctx.task.id}.{what}")
-        with open(path, "a") as f:
-            f.write(
-                json.dumps(
-                    {
-                        "pid": os.getpid(),
-                        "t": time.time(),
-                        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                    }
-                )
-                + "\n"
-            )
+        line = json.dumps(
+            {
+                "pid": os.getpid(),
+                "t": time.time(),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            }
+        )
+        # A test polls for this file and reads it at once: write the whole content
+        # beside it and rename, so a reader never sees a half-written (empty) marker.
+        earlier = ""
+        if os.path.exists(path):
+            with open(path) as f:
+                earlier = f.read()
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(earlier + line + "\n")
+        os.replace(tmp, path)
 
 
 def sleep_stage(ctx: StageContext) -> dict:
@@ -70,6 +76,24 @@ def nan_stage(ctx: StageContext) -> dict:
     return {"rows": [{"eta": 0.0, "pass@1": float("nan")}]}
 
 
+def infinite_kl_stage(ctx: StageContext) -> dict:
+    """A row whose policy sampled outside π_ref's top-k: its `kl` is +inf, by definition."""
+    return {"rows": [{"eta": None, "pass@1": 0.5, "kl": float("inf"), "off_support": 0.25}]}
+
+
 def forgetful_stage(ctx: StageContext) -> dict:
     """Writes nothing although its task declares an output."""
     return {}
+
+
+def progress_stage(ctx: StageContext) -> dict:
+    """A stage slower than any estimate that says how far it is: `PITA_TEST_LOAD_S` seconds
+    without progress (a model load), then `PITA_TEST_STEPS` steps of `PITA_TEST_STEP_S`
+    seconds, each reported through `ctx.report_progress` like a training stage's."""
+    time.sleep(float(os.environ.get("PITA_TEST_LOAD_S", "0")))
+    steps = int(os.environ.get("PITA_TEST_STEPS", "20"))
+    for i in range(steps):
+        time.sleep(float(os.environ.get("PITA_TEST_STEP_S", "0.1")))
+        ctx.report_progress(i + 1, steps, "step", f"loss {1.0 / (i + 1):.3f}")
+    write_stand_in_outputs(ctx)
+    return {"steps": steps}

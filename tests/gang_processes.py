@@ -2,6 +2,8 @@
 
 - `ports DIR`: launch 2 ranks that all-reduce and report the rendezvous port; print JSON.
 - `hang DIR`: launch 2 ranks that write `rank<r>.pid` into DIR and sleep (a worker to SIGKILL).
+- `value DIR STRATEGY`: tests/test_gang_training.py's value-training task on 2 ranks,
+  checkpointing every 2 steps, in the run folder DIR (a task to SIGKILL mid-way).
 - `orchestrator DIR`: start a child `hang` process that dies with this one as a pool worker
   does (PR_SET_PDEATHSIG SIGTERM), write `worker.pid`, and wait (an orchestrator to SIGKILL).
 """
@@ -37,6 +39,10 @@ def main(mode: str, folder: str) -> None:
         print(json.dumps(launch_ranks(_ports, 2, device_type="cpu")), flush=True)
     elif mode == "hang":
         launch_ranks(_hang, 2, args=(folder,), device_type="cpu")
+    elif mode == "value":  # a 2-rank value-training task that checkpoints (to SIGKILL)
+        from tests.test_gang_training import CHECKPOINTED, value_train_in
+
+        value_train_in(Path(folder), sys.argv[3], 2, *CHECKPOINTED)
     elif mode == "orchestrator":
         code = (
             "from pita.runtime.worker import _die_with_parent; _die_with_parent(); "

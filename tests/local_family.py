@@ -131,9 +131,16 @@ def _llama_config(tokenizer, *, hidden: int, layers: int):
 
 
 def build_local_family(
-    root: Path, *, n_train: int = 12, n_test: int = 4, hidden: int = 32, seed: int = 0
+    root: Path,
+    *,
+    n_train: int = 12,
+    n_test: int = 4,
+    hidden: int = 32,
+    layers: int | None = None,
+    seed: int = 0,
 ) -> LocalFamily:
-    """Write the data, tokenizer and the three checkpoints under `root` (see the module docstring)."""
+    """Write the data, tokenizer and the three checkpoints under `root` (see the module
+    docstring). `layers`: every model's depth (default: reference 2, guide and reward 1)."""
     import torch
     from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
@@ -153,13 +160,13 @@ def build_local_family(
 
     torch.manual_seed(seed)
     folders = {"reference": root / "reference", "guide": root / "guide", "reward": root / "reward"}
-    LlamaForCausalLM(_llama_config(tokenizer, hidden=hidden, layers=2)).save_pretrained(
+    LlamaForCausalLM(_llama_config(tokenizer, hidden=hidden, layers=layers or 2)).save_pretrained(
         folders["reference"]
     )
-    LlamaForCausalLM(_llama_config(tokenizer, hidden=hidden, layers=1)).save_pretrained(
+    LlamaForCausalLM(_llama_config(tokenizer, hidden=hidden, layers=layers or 1)).save_pretrained(
         folders["guide"]
     )
-    rm_config = _llama_config(tokenizer, hidden=hidden, layers=1)
+    rm_config = _llama_config(tokenizer, hidden=hidden, layers=layers or 1)
     rm_config.num_labels = 1
     LlamaForSequenceClassification(rm_config).save_pretrained(folders["reward"])
     for folder in folders.values():

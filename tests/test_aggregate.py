@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import csv
+import os
 import statistics
 from pathlib import Path
 
 import pytest
 
-from pita.experiment.report import COLUMNS
+from pita.results.report import COLUMNS
 from tests.conftest import only, run_cli
 
 HEADER = COLUMNS  # the results contract (docs/DESIGN.md §6)
@@ -27,7 +28,7 @@ def _job(folder: Path, seed: int, rows: list[list], extra_override: str = "") ->
 
 
 def test_aggregate_mean_std_per_algo_dataset_family_round_eta(tmp_path):
-    from pita.experiment.aggregate import aggregate
+    from pita.results.aggregate import aggregate
 
     sweep = tmp_path / "multirun" / "2026-01-01_00-00-00"
     accs = [0.5, 0.6, 0.7]
@@ -70,7 +71,7 @@ def test_aggregate_mean_std_per_algo_dataset_family_round_eta(tmp_path):
 
 
 def test_jobs_that_differ_beyond_the_seed_are_kept_apart(tmp_path):
-    from pita.experiment.aggregate import aggregate
+    from pita.results.aggregate import aggregate
 
     for i, lr in enumerate(["1e-3", "1e-3", "1e-2", "1e-2"]):
         _job(
@@ -110,7 +111,7 @@ def test_real_seed_sweep_ends_with_one_aggregate_table(tmp_path):
 def test_aggregate_writes_the_matched_kl_table_of_the_means(tmp_path):
     """Two guided algorithms with an η curve in every job: `matched_kl.md` reads the mean
     curves (Q# mean KL at η 5 is 1.0 with mean pass@1 0.6; PITA's 2.0 and 0.8)."""
-    from pita.experiment.aggregate import aggregate
+    from pita.results.aggregate import aggregate
 
     sweep = tmp_path / "multirun" / "2026-01-01_00-00-00"
     for i in range(2):
@@ -146,7 +147,7 @@ def _job_with_sampling(folder: Path, seed: int, rows: list[tuple[float, str]]) -
 
 def test_two_reference_rules_are_never_pooled(tmp_path):
     """Issue 22: full and top-2 reference rows of one run stay two rows, each over 3 runs."""
-    from pita.experiment.aggregate import aggregate, main
+    from pita.results.aggregate import aggregate, main
 
     sweep = tmp_path / "multirun" / "ts"
     full, top2 = [0.50, 0.52, 0.54], [1.0, 0.98, 0.96]
@@ -165,3 +166,173 @@ def test_two_reference_rules_are_never_pooled(tmp_path):
     [by_hand] = sweep.glob("aggregate-*/aggregate.md")
     assert by_hand.read_text() == own
     assert main([str(sweep), "--out", str(sweep)]) == 2
+
+
+# --- the run's rules (issue 34 item 4) ------------------------------------------------------
+
+# the summary's columns (HEADER): ..., pass@1, maj@k, avg_reward, kl, kl_full, off_support, wall_s
+ROW = ["QSharp", "goal_walk", "tiny", 0, 5.0, 40, 80, 0.5, 0.5, 0.5, 0.4, 0.4, 0.0, 1.0]
+
+
+def _aggregate_cli(capsys, *args: str) -> tuple[int, list[str]]:
+    from pita.results.aggregate import main
+
+    code = main([str(a) for a in args])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def _immutable_folder(folder: Path):
+    """A folder nobody may write: `chattr +i` as root (root ignores modes), else 0555."""
+    import subprocess
+
+    folder.mkdir()
+    if os.geteuid() == 0:
+        if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+            pytest.skip("chattr +i is not supported on this file system")
+        return lambda: subprocess.run(["chattr", "-i", str(folder)], check=True)
+    folder.chmod(0o555)
+    return lambda: folder.chmod(0o755)
+
+
+@pytest.mark.parametrize("target", ["file", "proc", "dev_full", "immutable", "run_results"])
+def test_odd_out_targets_are_one_line_exit_2_and_the_run_is_untouched(tmp_path, capsys, target):
+    run = _job(tmp_path / "sweep" / "0", 0, [ROW])
+    (run / "results" / "matched_kl.md").write_text("the run's own table\n")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    undo = None
+    out = {
+        "file": tmp_path / "a_file",
+        "proc": Path("/proc/self/aggregate"),
+        "dev_full": Path("/dev/full"),
+        "immutable": tmp_path / "frozen",
+        "run_results": run / "results",
+    }[target]
+    if target == "file":
+        out.write_text("x")
+    if target == "immutable":
+        undo = _immutable_folder(out)
+    try:
+        code, err = _aggregate_cli(capsys, tmp_path / "sweep", "--out", out)
+    finally:
+        if undo is not None:
+            undo()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: --out {out}: "), err
+    expected = {
+        "file": "not a folder",
+        "proc": "a system folder",
+        "dev_full": "a system folder",
+        "immutable": "cannot write there",
+        "run_results": "aggregate never writes into a run",
+    }[target]
+    assert expected in err[0]
+    after = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert after == before  # not a byte written into the run
+
+
+def test_a_run_folder_given_alone_gets_its_aggregate_beside_it(tmp_path, capsys):
+    run = _job(tmp_path / "runs" / "2026-01-01_00-00-00", 0, [ROW])
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    code, err = _aggregate_cli(capsys, run)
+    assert code == 0, err
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+    [beside] = (tmp_path / "runs").glob("aggregate-*")
+    assert (beside / "aggregate.md").is_file()
+
+
+def test_bad_cells_are_skipped_with_one_warning_that_counts_them(tmp_path, capsys, caplog):
+    sweep = tmp_path / "sweep"
+    bad = ["QSharp", "goal_walk", "tiny", 0, 5.0, 40, 80, "nan", "inf", "-inf", "x?", 0.4, 0, 1]
+    _job(sweep / "0", 0, [ROW, bad])  # 4 bad cells in one row, the rest of it kept
+    _job(sweep / "1", 1, [ROW, ["QSharp", "goal_walk", "tiny", "abc", 5.0, 40, 80, 0.9]])
+    _job(sweep / "2", 2, [ROW, ["QSharp", "goal_walk", "tiny", 0.5, 5.0, 40, 80, 0.9]])
+    _job(sweep / "3", 3, [])
+    (sweep / "3" / "results" / "summary.csv").write_bytes(os.urandom(4096))
+    with caplog.at_level("INFO", logger="pita.aggregate"):
+        code, err = _aggregate_cli(capsys, sweep, "--out", tmp_path / "agg")
+    assert code == 0 and not err, err
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2, warnings
+    assert "3/results/summary.csv is not a results summary" in warnings[0]
+    assert warnings[1] == (
+        "skipped 4 cell(s) that are not numbers pita writes (nan, inf, text) and 2 row(s) whose "
+        "round, η or names are not valid in the summaries of 4 run(s)"
+    )
+    with open(tmp_path / "agg" / "aggregate.csv", newline="") as f:
+        [row] = list(csv.DictReader(f))
+    assert row["n_runs"] == "3" and float(row["pass@1_mean"]) == 0.5  # the three good rows
+    assert float(row["wall_s_mean"]) == 1.0  # the bad row keeps its finite cells
+    assert (tmp_path / "agg" / "plots" / "frontier_goal_walk.png").is_file()
+
+
+def test_run_folders_are_read_under_the_runs_rules(tmp_path, capsys):
+    """A planted link, or a run folder of another user: refused with one line, exit 2, as
+    the run itself refuses them (pita/core/safe_files.py)."""
+    sweep = tmp_path / "sweep"
+    run = _job(sweep / "0", 0, [ROW])
+    secret = tmp_path / "secret.csv"
+    secret.write_text((run / "results" / "summary.csv").read_text())
+    (run / "results" / "summary.csv").unlink()
+    (run / "results" / "summary.csv").symlink_to(secret)
+    code, err = _aggregate_cli(capsys, sweep, "--out", tmp_path / "agg")
+    assert code == 2 and len(err) == 1 and "is a symbolic link" in err[0], err
+    if os.geteuid() != 0:
+        return
+    (run / "results" / "summary.csv").unlink()
+    (run / "results" / "summary.csv").write_text(secret.read_text())
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    os.chown(run, nobody.pw_uid, nobody.pw_gid)
+    code, err = _aggregate_cli(capsys, sweep, "--out", tmp_path / "agg")
+    assert code == 2 and len(err) == 1 and "owned by uid" in err[0], err
+    assert err[0].endswith("needs --trust-group)")
+    os.chown(run, nobody.pw_uid, os.getegid())  # shared with our group, on purpose
+    code, err = _aggregate_cli(capsys, sweep, "--out", tmp_path / "agg", "--trust-group")
+    assert code == 0, err
+
+
+def test_frontier_legend_stays_readable_for_many_runs(tmp_path):
+    """12 configs x 3 algorithms x 2 rounds: short legend labels beside the plots (never
+    over a curve), each config named once in a table beside them, nothing off the figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from pita.results.aggregate import frontier_figure
+
+    rows = []
+    for c in range(12):
+        config = f"algos.QSharp.training.learning_rate={10 ** -(c % 5 + 2)} model=family_{c}"
+        for algo in ("QSharp", "PITA", "DPO"):
+            for rnd in (0, 1):
+                for eta in (1.0, 5.0):
+                    rows.append(
+                        {
+                            "config": config,
+                            "algo": algo,
+                            "family": "tiny",
+                            "round": rnd,
+                            "eta": eta,
+                            "kl_mean": 0.1 * eta + 0.05 * c,
+                            "kl_std": 0.01,
+                            "pass@1_mean": 0.3 + 0.01 * c,
+                            "avg_reward_mean": 0.5,
+                        }
+                    )
+    fig = frontier_figure(rows, "goal_walk")
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    plots = [ax.get_window_extent(renderer) for ax in fig.axes[:2]]
+    legend = fig.axes[2].get_legend()
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert len(labels) == 12 * 3 * 2 and max(map(len, labels)) <= 20, labels
+    texts = [legend.get_window_extent(renderer)] + [
+        t.get_window_extent(renderer) for ax in fig.axes[3:] for t in ax.texts
+    ]
+    page = fig.bbox
+    for box in texts:
+        assert not any(box.overlaps(p) for p in plots)  # beside the plots, never over them
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 + 1 and page.y0 <= box.y0
+    table = "\n".join(t.get_text() for ax in fig.axes[3:] for t in ax.texts)
+    for c in range(12):
+        assert table.count(f"model=family_{c}\n") + table.endswith(f"model=family_{c}") == 1

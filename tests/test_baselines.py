@@ -160,6 +160,7 @@ def _run_folder(tmp_path: Path, steps: int = 60) -> Path:
 
 
 def _ctx(run_dir: Path, algo: str, stage: str, inputs: dict, overrides: list[str], name: str):
+    from pita.algos.registry import ALGORITHMS
     from pita.core.tasks import TaskSpec
     from pita.experiment.cli import compose_config
     from pita.runtime.context import StageContext
@@ -168,6 +169,7 @@ def _ctx(run_dir: Path, algo: str, stage: str, inputs: dict, overrides: list[str
     task = TaskSpec(
         id=name,
         algo=algo,
+        algo_schema=ALGORITHMS[algo].schema_path,
         dataset="goal_walk",
         family="tiny",
         round=0,

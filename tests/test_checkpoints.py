@@ -7,14 +7,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from pita.training.checkpoint import COMPLETE
-from tests.conftest import ROOT, only, run_cli, run_dirs
+from tests.conftest import only, run_cli, run_dirs, start_cli
 
 PRETRAIN = "pretrain.goal_walk.tiny"
 ARGS = [
@@ -35,15 +34,7 @@ def _weights(run_dir: Path) -> dict:
 
 def _kill_pretrain_after_checkpoint(cwd: Path, min_step: int, timeout: float = 120) -> int:
     """Start the run, SIGKILL the worker running pretrain once step >= min_step is checkpointed."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "run_parallel.py"), *ARGS],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = start_cli(ARGS, cwd)
     deadline = time.time() + timeout
     killed = None
     while time.time() < deadline and killed is None and proc.poll() is None:
@@ -159,15 +150,7 @@ def test_sigkilled_grpo_retry_resumes_from_the_last_committed_trainer_checkpoint
         "training.checkpoint_every=5",
         "executor.progress=false",
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "run_parallel.py"), *args],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = start_cli(args, tmp_path)
     killed_at, deadline = None, time.time() + 240
     while killed_at is None and proc.poll() is None and time.time() < deadline:
         for marker in tmp_path.glob(
@@ -219,14 +202,7 @@ def _trl_run(algo: str, cwd: Path) -> subprocess.Popen:
         "executor.progress=false",
         "executor.max_retries=12",
     ]
-    return subprocess.Popen(
-        [sys.executable, str(ROOT / "run_parallel.py"), *args],
-        cwd=cwd,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    return start_cli(args, cwd)
 
 
 def _alive(pid: int) -> bool:
@@ -384,14 +360,7 @@ def test_sigkilled_value_training_resumes_from_its_checkpoint_like_an_uninterrup
     killed_cwd, clean_cwd = tmp_path / "killed", tmp_path / "clean"
     killed_cwd.mkdir()
     clean_cwd.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "run_parallel.py"), *VALUE_ARGS],
-        cwd=killed_cwd,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = start_cli(VALUE_ARGS, killed_cwd)
     killed, deadline = None, time.time() + 240
     while killed is None and proc.poll() is None and time.time() < deadline:
         for manifest in killed_cwd.glob(

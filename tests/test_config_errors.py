@@ -89,6 +89,29 @@ BAD = [
     (["algos.DPO.num_atoms=5"], "algos.DPO.num_atoms: unknown key"),
     (["training.weight_decay=-1"], "training.weight_decay=-1.0: must be >= 0"),
     (["algos.QSharp.guidance.mode=greedy"], "expectation | expectation_clamped"),
+    # issue 34: a "did you mean" for every misspelt key, and what TRL checks only in the task
+    (
+        ["algos.PITA.lrr=0.1"],
+        "algos.PITA.lrr: unknown key (not in pita's config schema, see conf/ "
+        "and pita/core/schema.py); did you mean algos.PITA.lr?",
+    ),
+    (
+        ["+trainig.compile=true"],
+        "trainig: unknown key (not in pita's config schema, see conf/ and pita/core/schema.py); did you mean training?",
+    ),
+    (["+algos.GRPO.betta=0.1"], "did you mean algos.GRPO.beta?"),
+    (
+        ["algos.GRPO.trl.loss_type=dr_grpoo"],
+        "algos.GRPO.trl.loss_type='dr_grpoo': not a value TRL's GRPOConfig accepts",
+    ),
+    (["algos.DPO.trl.optim=adamw_bnb_8bit"], "needs the bitsandbytes package"),
+    (
+        ["algos.DPO.trl.deepspeed=/tmp/ds.json"],
+        "algos.DPO.trl.deepspeed: needs the deepspeed package",
+    ),
+    (["algos.DPO.trl.trust_remote_code=true"], "set model.trust_remote_code=true instead"),
+    (["dataset=gsm8kk"], "dataset=gsm8kk: no such dataset config; available: "),
+    (["dataset=gsm8kk"], "; did you mean dataset=gsm8k?"),
 ]
 
 
@@ -188,6 +211,10 @@ def _conf_copy(tmp_path, monkeypatch, name: str, text: str) -> None:
             "# @package _global_\nexperiment:\n  nmae: typo\n",
             "conf/experiment/mine.yaml: experiment.nmae: Key 'nmae'",
         ),
+        (
+            "# @package _global_\nexperiment:\n  nmae: typo\n",
+            "; did you mean experiment.name?",
+        ),
     ],
 )
 def test_errors_in_an_experiment_file_name_file_and_key(
@@ -245,7 +272,7 @@ def test_offline_hub_model_not_in_cache_fails_fast(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert lines[0].startswith("error: model.reference='gpt2': not in the local Hugging Face cache")
-    assert "HF_HUB_OFFLINE is set" in lines[0] and "huggingface-cli download gpt2" in lines[0]
+    assert "HF_HUB_OFFLINE is set" in lines[0] and "hf download gpt2" in lines[0]
     assert all(ln.startswith("error: model.") for ln in lines) and "Traceback" not in proc.stderr
     assert not (tmp_path / "outputs").exists()
 
@@ -315,3 +342,18 @@ def test_stage_override_is_logged_and_not_imported_on_dry_run(tmp_path):
         "executor.stage_overrides.any.train=evilpkg.stages:train: config is code"
         in proc.stdout + proc.stderr
     )
+
+
+def test_a_quantized_family_with_a_trained_policy_is_refused_before_the_run():
+    """On CUDA a -8bit / -4bit alias loads, but DPO / GRPO train the policy in fp32: the
+    task would refuse it (placement.trained_policy_refusal), so preflight says it first;
+    with only guided algorithms (π_ref frozen) the alias is fine."""
+    from pita.experiment.preflight import _families, _family_errors
+
+    family = ["model.name=mine-4bit", f"model.reference={ROOT}", f"model.guide={ROOT}"]
+    cfg = cli.compose_config([*family, "dataset=gsm8k"])
+    [line] = _family_errors(cfg, _families(cfg), "cuda")
+    assert line.startswith("model.name='mine-4bit': algos.DPO trains the family's policy"), line
+    assert "drop the suffix or disable algos.DPO" in line
+    guided = cli.compose_config([*family, "dataset=gsm8k", *only("reference", "QSharp")])
+    assert _family_errors(guided, _families(guided), "cuda") == []

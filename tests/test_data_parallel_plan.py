@@ -1,7 +1,7 @@
-"""training.parallel_strategy=data_parallel plans pretrain (the stage that trains with DDP)
-as an elastic task: one device in the plan, 1..executor.max_ranks_per_task ranks chosen at
-dispatch (pita/core/elastic.py), one DDP rank per device (issue 13: the key used to do
-nothing in a real run; issue 32: the gang is sized by simulating the plan)."""
+"""training.parallel_strategy plans the training stages on gangs: under data_parallel each is
+elastic (one device in the plan, 1..executor.max_ranks_per_task DDP ranks chosen at dispatch
+by simulating the plan: pita/core/elastic.py, issue 32); under fsdp a gang of every device
+(issue 13: the key used to do nothing in a real run; issue 31: every training stage)."""
 
 from __future__ import annotations
 
@@ -13,27 +13,43 @@ from tests.conftest import journal, only, run_cli, run_dirs
 
 
 @pytest.mark.parametrize(
-    "overrides, gang, elastic",
+    "overrides, gang, ranks",
     [
-        (["training.parallel_strategy=data_parallel"], 1, True),
-        (["training.parallel_strategy=none"], 1, False),
-        (["training.parallel_strategy=fsdp"], 3, False),
-        (["training.parallel_strategy=data_parallel", "system.gpu_mode=single_gpu"], 1, False),
-        (["training.parallel_strategy=data_parallel", "executor.max_ranks_per_task=1"], 1, False),
+        (["training.parallel_strategy=data_parallel"], 1, [1, 2, 4]),
+        (["training.parallel_strategy=none"], 1, []),
+        (["training.parallel_strategy=fsdp"], 4, []),
+        (["training.parallel_strategy=data_parallel", "system.gpu_mode=single_gpu"], 1, []),
+        (["training.parallel_strategy=data_parallel", "executor.max_ranks_per_task=1"], 1, []),
+        (["training.parallel_strategy=data_parallel", "executor.max_ranks_per_task=2"], 1, [1, 2]),
     ],
 )
-def test_pretrain_and_value_training_are_planned_on_a_gang(overrides, gang, elastic):
-    """pita's own loops (pretrain, the value trainer's train stage) get the gang: under
-    data_parallel planned on one device and sized at dispatch (elastic), under fsdp every
-    device; the others keep one device and are never elastic."""
-    cfg = cli.compose_config(["system.devices=fake:3", *only("reference", "QSharp"), *overrides])
+def test_training_stages_are_planned_on_a_gang(overrides, gang, ranks):
+    """Every training stage (pretrain, the value trainer's and the TRL stages' train, the
+    reward model) gets the gang, the others keep one device and are never elastic. Under
+    data_parallel the gang's k is chosen at dispatch among `ranks` (planned on one device);
+    under fsdp the task's `strategy` is what runs: fsdp for pita's own loops, DDP for a TRL
+    stage on these (fake, CPU) devices."""
+    cfg = cli.compose_config(
+        ["system.devices=fake:4", *only("reference", "QSharp", "GRPO-HF"), *overrides]
+    )
     plan = build_plan(cfg, make_gpu_manager(cfg))
-    own_loops = {tid for tid, t in plan.tasks.items() if t.stage in ("pretrain", "train")}
-    assert "pretrain.goal_walk.tiny" in own_loops and len(own_loops) > 1
-    assert {plan.tasks[tid].gpus for tid in own_loops} == {gang}
-    assert {plan.tasks[tid].elastic for tid in own_loops} == {elastic}
-    assert {t.gpus for tid, t in plan.tasks.items() if tid not in own_loops} == {1}
-    assert not any(t.elastic for tid, t in plan.tasks.items() if tid not in own_loops)
+    training = {
+        tid for tid, t in plan.tasks.items() if t.stage in ("pretrain", "train", "reward_model")
+    }
+    assert {"pretrain.goal_walk.tiny", "GRPO-HF.goal_walk.tiny.r0.reward_model"} <= training
+    assert {plan.tasks[tid].gpus for tid in training} == {gang}
+    assert {tuple(plan.tasks[tid].ranks) for tid in training} == {tuple(ranks)}
+    assert {t.gpus for tid, t in plan.tasks.items() if tid not in training} == {1}
+    assert not any(t.elastic for tid, t in plan.tasks.items() if tid not in training)
+    key = overrides[0].split("=")[1]
+    for tid in training:
+        strategy = plan.tasks[tid].strategy
+        if gang == 1:
+            assert strategy == "none"
+        elif key == "fsdp" and tid.startswith("GRPO-HF"):
+            assert strategy == "ddp"  # accelerate has no FSDP on CPU
+        else:
+            assert strategy == {"data_parallel": "ddp", "fsdp": "fsdp"}[key]
 
 
 @pytest.mark.slow

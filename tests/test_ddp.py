@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pita.training.ddp import DataParallelError, run_data_parallel, shard_indices, wrap_model
+from pita.training.ddp import DataParallelError, launch_ranks, shard_indices, wrap_model
 from pita.training.loop import TrainStep, split_batch
 from pita.training.precision import choose_precision
 
@@ -67,28 +67,28 @@ def test_shard_indices_are_strided_and_padded():
 def test_world_size_follows_parallel_strategy_and_gpu_mode():
     from types import SimpleNamespace
 
-    from omegaconf import OmegaConf
+    from pita.runtime.gang import gang_world_size
 
-    from pita.runtime.gang import data_parallel_world_size
-
-    def ctx(strategy, gpu_mode="auto", gpus=2):
-        cfg = OmegaConf.create(
-            {"training": {"parallel_strategy": strategy}, "system": {"gpu_mode": gpu_mode}}
+    def ctx(strategy, gpu_mode="auto", gpus=2):  # the typed settings a StageContext holds
+        return SimpleNamespace(
+            training=SimpleNamespace(parallel_strategy=strategy),
+            system=SimpleNamespace(gpu_mode=gpu_mode),
+            device="cpu",
+            task=SimpleNamespace(gpus=gpus),
         )
-        return SimpleNamespace(cfg=cfg, device="cpu", task=SimpleNamespace(gpus=gpus))
 
-    assert data_parallel_world_size(ctx("none")) == 1
-    assert data_parallel_world_size(ctx("data_parallel")) == 2  # a fake / CPU gang: 2 gloo ranks
-    assert data_parallel_world_size(ctx("data_parallel", gpus=1)) == 1
-    assert data_parallel_world_size(ctx("data_parallel", "single_gpu")) == 1
-    assert data_parallel_world_size(ctx("data_parallel", "cpu")) == 1
+    assert gang_world_size(ctx("none")) == 1
+    assert gang_world_size(ctx("data_parallel")) == 2  # a fake / CPU gang: 2 gloo ranks
+    assert gang_world_size(ctx("data_parallel", gpus=1)) == 1
+    assert gang_world_size(ctx("data_parallel", "single_gpu")) == 1
+    assert gang_world_size(ctx("data_parallel", "cpu")) == 1
 
 
 def test_ddp_on_two_gloo_processes_matches_one_process_on_the_full_batch():
     single = _train(None, micro=BATCH)
     messages: list[tuple[str, int, object]] = []
     # Each rank: half the batch, in 2 accumulated micro-batches of 2 (no_sync until the last).
-    ranks = run_data_parallel(
+    ranks = launch_ranks(
         _train,
         2,
         args=(2,),
@@ -109,7 +109,7 @@ def test_ddp_on_two_gloo_processes_matches_one_process_on_the_full_batch():
 
 def test_a_failing_rank_raises_with_its_error():
     with pytest.raises(DataParallelError, match=r"rank 1 of 2 failed: .*rank one is broken"):
-        run_data_parallel(_fail_on_rank_one, 2, backend="gloo", device_type="cpu", timeout_s=60)
+        launch_ranks(_fail_on_rank_one, 2, backend="gloo", device_type="cpu", timeout_s=60)
 
 
 @pytest.mark.slow
@@ -159,7 +159,7 @@ def test_an_out_of_memory_rank_is_named_and_classified_oom():
     from pita.runtime.oom import classify_exception
 
     with pytest.raises(DataParallelError, match=r"rank 1 of 2 failed: RuntimeError: CUDA out") as e:
-        run_data_parallel(_oom_on_rank_one, 2, backend="gloo", device_type="cpu", timeout_s=60)
+        launch_ranks(_oom_on_rank_one, 2, backend="gloo", device_type="cpu", timeout_s=60)
     assert classify_exception(e.value) == "oom"
 
 

@@ -175,7 +175,7 @@ def test_a_token_in_the_environment_turns_token_auth_on_for_an_explicit_address(
 
 
 def test_sweep_watcher_prints_each_job_start_and_end_once(tmp_path):
-    from pita.experiment.aggregate import SWEEP_WATCHER, AggregateCallback, SweepWatcher
+    from pita.results.aggregate import SWEEP_WATCHER, AggregateCallback, SweepWatcher
 
     lines: list[str] = []
     sweep = tmp_path / "multirun"
@@ -218,7 +218,7 @@ def test_sweep_watcher_prints_each_job_start_and_end_once(tmp_path):
 def test_sweep_watcher_thread_prints_while_jobs_run(tmp_path):
     import time
 
-    from pita.experiment.aggregate import SweepWatcher
+    from pita.results.aggregate import SweepWatcher
 
     lines: list[str] = []
     watcher = SweepWatcher(tmp_path, interval_s=0.05, out=lines.append)

@@ -45,7 +45,7 @@ def _task(tid, stage="collect", deps=(), elastic=False, work=1.0, algo="PITA") -
         stage=stage,
         fn="-",
         deps=list(deps),
-        elastic=elastic,
+        ranks=[1, 2, 4, 8] if elastic else [],
         work=work,
         mem_mb=100,
     )
@@ -137,7 +137,7 @@ def test_the_critical_path_task_waits_for_idle_devices_when_the_simulation_says_
 
 def test_on_a_big_plan_a_task_off_the_critical_path_gets_one_rank_without_a_simulation():
     plan, seconds = _critical_path_plan()
-    plan.tasks["c0.train"].elastic = True
+    plan.tasks["c0.train"].ranks = [1, 2, 4, 8]
     seconds["c0.train"] = 2.0  # far shorter than the remaining work over 8 devices
     # a plan larger than the simulation window (a small one is always simulated whole)
     sizing = _sizer(seconds, 8, window=5).size(plan.tasks["c0.train"], plan.tasks, {})
@@ -227,6 +227,9 @@ class _FixedSizer:
     def seconds(self, task, k=None):
         return 1.0
 
+    def ranks_of(self, task):
+        return self.choices
+
     def observe(self, task, wall_s, result):
         pass
 
@@ -264,7 +267,7 @@ def test_a_gang_waiting_past_its_predicted_start_shrinks_to_the_free_devices():
 
 
 def test_seconds_per_rank_count_go_into_the_duration_cache_and_back(tmp_path):
-    from pita.experiment.timeline import load_durations, load_rank_history, record_durations
+    from pita.results.timeline import load_history, load_rank_history, record_durations
 
     train = _task("a.train", "train", elastic=True)
     other = _task("a.collect")
@@ -283,7 +286,7 @@ def test_seconds_per_rank_count_go_into_the_duration_cache_and_back(tmp_path):
     history = load_rank_history(cache)
     assert history["a.train"] == {"curve": "train|tiny", "by_ranks": {"1": 100.0, "4": 40.0}}
     assert "a.collect" not in history  # only elastic tasks keep seconds per rank count
-    assert load_durations(cache) == {"a.train": 160.0, "a.collect": 5.0}  # one-rank figures
+    assert load_history(cache).exact == {"a.train": 160.0, "a.collect": 5.0}  # one-rank figures
     assert [e["event"] for e in read_events(run_dir / "journal.jsonl")][:1] == ["task_running"]
     curves = SpeedupCurves(history=history, startup=GangStartup({1: 0.0, 4: 0.0}))
     assert curves.alpha(train) == (pytest.approx((4 * 40 / 100 - 1) / 3), "learned")
@@ -303,7 +306,7 @@ def test_dry_run_prints_the_chosen_ranks_and_the_predicted_makespan(tmp_path):
     lines = [ln.split() for ln in out.splitlines() if " k=" in ln]
     assert {ln[0] for ln in lines} >= {"pretrain.goal_walk.tiny", "PITA.goal_walk.tiny.r0.train"}
     assert all(ln[1] in ("k=1", "k=2", "k=4") for ln in lines)
-    assert "Predicted makespan:" in out and "with one rank each" in out
+    assert "Predicted makespan:" in out and "with the least ranks each" in out
 
 
 def _rows(run_dir) -> list[dict]:
@@ -367,7 +370,8 @@ def test_results_do_not_depend_on_the_ranks_a_task_got(tmp_path):
 
 def test_the_live_table_and_the_timeline_show_a_gang_and_its_resize(tmp_path):
     from pita.core.progress import Progress
-    from pita.experiment.timeline import resize_marks, spans, time_rows, write_time_report
+    from pita.results.timeline import resize_marks, spans, time_rows, write_time_report
+    from pita.results.timeline_plot import timeline_model
 
     progress = Progress(2, ["GPU 0", "GPU 1", "GPU 2"], live=False)
     progress.running = {"a.train": [1, 2], "b.collect": [0]}
@@ -386,6 +390,11 @@ def test_the_live_table_and_the_timeline_show_a_gang_and_its_resize(tmp_path):
     ]
     assert resize_marks(events) == [(0.0, "a.train", 2)]
     all_spans, wall = spans(events, plan.tasks)
+    model = timeline_model(all_spans, ["G0", "G1", "G2"], resize_marks(events))
+    [bar] = model.bars  # the gang: one bar across its two device rows
+    assert bar.rows == (1, 2) and bar.gang == 2
+    [mark] = [m for m in model.markers if m.kind == "resize"]
+    assert (mark.rows, mark.text) == ((1, 2), "2 ranks")
     rows = {(r["section"], r["name"]): r for r in time_rows(all_spans, wall, ["G0", "G1", "G2"])}
     assert rows[("device", "G0")]["share_%"] == 0.0  # device-busy % per device
     assert rows[("device", "G1")]["share_%"] == rows[("device", "G2")]["share_%"] == 100.0
@@ -395,3 +404,27 @@ def test_the_live_table_and_the_timeline_show_a_gang_and_its_resize(tmp_path):
     table = write_time_report(tmp_path, plan.tasks, ["G0", "G1", "G2"])
     assert "| G1 | 1 | 8.0 | 100.0 % |" in table
     assert (tmp_path / "results" / "timeline.png").stat().st_size > 1000
+
+
+def test_under_data_parallel_a_gang_forced_by_memory_is_sized_from_its_least_k():
+    """Issue 31's rule kept: a training task too large for one device gets the smallest FSDP
+    gang that fits (pita/experiment/gangs.py); under data_parallel that gang is its least k
+    and the Sizer may give it more. The others are planned on one device, DDP at k > 1."""
+    from pita.core.elastic import resized
+    from pita.experiment import cli
+    from pita.experiment.run import build_plan, make_gpu_manager
+    from tests.test_gangs import BIG, _devices, _train_memory
+
+    mem = _train_memory(BIG, "QSharp")
+    device = (mem.per_rank_mb("fsdp", 2) + mem.per_rank_mb("none", 1)) // 2
+    overrides = [_devices(device, 4), *only("reference", "QSharp"), *BIG]
+    cfg = cli.compose_config([*overrides, "training.parallel_strategy=data_parallel"])
+    plan = build_plan(cfg, make_gpu_manager(cfg))
+    train = plan.tasks["QSharp.goal_walk.tiny.r0.train"]
+    assert (train.gpus, train.strategy, train.ranks) == (2, "fsdp", [2, 4])
+    four = resized(train, 4)  # FSDP: the gang's total divides over more ranks
+    assert (four.gpus, four.strategy, four.mem_mb) == (4, "fsdp", train.mem_mb)
+    pretrain = plan.tasks["pretrain.goal_walk.tiny"]
+    assert (pretrain.gpus, pretrain.strategy, pretrain.ranks) == (1, "none", [1, 2, 4])
+    two = resized(pretrain, 2)  # DDP: every rank holds the whole task
+    assert (two.gpus, two.strategy, two.mem_mb) == (2, "ddp", 2 * pretrain.mem_mb)

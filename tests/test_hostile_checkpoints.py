@@ -22,7 +22,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from pita.training.checkpoint import COMPLETE
-from tests.conftest import ROOT, run_cli, run_dirs
+from tests.conftest import run_cli, run_dirs, start_cli, task_spec
 
 PRETRAIN = "pretrain.goal_walk.tiny"
 STEPS = 6
@@ -74,7 +73,6 @@ def _pretrain(
     would remove it on commit)."""
     from safetensors.torch import load_file
 
-    from pita.core.tasks import TaskSpec
     from pita.experiment.config import PitaConfig
     from pita.runtime.context import StageContext
     from pita.stages.pretrain import pretrain
@@ -86,12 +84,9 @@ def _pretrain(
     cfg.system.trust_group = trust_group
     if every == 0:
         cfg.training.checkpoint_every_minutes = 0.0
-    task = TaskSpec(
+    task = task_spec(
         id=PRETRAIN,
         algo="*",
-        dataset="goal_walk",
-        family="tiny",
-        round=0,
         stage="pretrain",
         fn="pita.stages.pretrain:pretrain",
         dataset_cfg={"name": "goal_walk", "num_nodes": 8},
@@ -289,14 +284,7 @@ GRPO_ARGS = [
 
 
 def _start(args: list[str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, str(ROOT / "run_parallel.py"), *args],
-        cwd=cwd,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    return start_cli(args, cwd)
 
 
 def _runs_with_snapshots(jobs: list[tuple[list[str], Path, int, Path]]) -> None:

@@ -11,7 +11,8 @@ Layers, lowest first (a package may import itself and any package of a lower lay
                               training objects from a context (kit), per-rank DDP glue (gang)
     algos                     the algorithm table, PITA / Q# / DPO / GRPO stages, roll-outs
     stages                    stages every chain shares: pretrain, evaluate, collect_merge
-    experiment                config schema, planner, run, report, cli
+    results                   what a run leaves: report, matched-KL, aggregate, timeline
+    experiment                config schema, planner, run, cli
 
 Function-level imports count too: a lazy import is still a dependency.
 """
@@ -35,8 +36,9 @@ LAYER = {
     "runtime": 4,
     "algos": 5,
     "stages": 6,
-    "experiment": 7,
-    "": 8,  # pita/__init__.py, pita/__main__.py
+    "results": 7,
+    "experiment": 8,
+    "": 9,  # pita/__init__.py, pita/__main__.py
 }
 
 

@@ -240,7 +240,7 @@ def test_eta_zero_guided_row_is_the_reference_row_under_the_guided_rule(local_fa
     import torch
     from omegaconf import OmegaConf
 
-    from pita.models.generation import generate, sequence_logprobs
+    from pita.models.generation import forced_logprobs, generate
     from pita.models.loading import load_causal_lm, load_tokenizer
     from pita.stages.evaluate import eval_policies
 
@@ -257,9 +257,15 @@ def test_eta_zero_guided_row_is_the_reference_row_under_the_guided_rule(local_fa
     ref = load_causal_lm(str(local_family.reference), dtype="float32")
     tok = load_tokenizer(str(local_family.reference))
 
+    from pita.core.schema import EvaluationConfig, GenerationConfig, settings
+
     def ctx(algo):
         return SimpleNamespace(
-            task=SimpleNamespace(algo=algo), cfg=cfg, input=lambda name: local_family.guide
+            task=SimpleNamespace(algo=algo),
+            cfg=cfg,
+            generation=settings(GenerationConfig, cfg.generation),
+            evaluation=settings(EvaluationConfig, cfg.evaluation),
+            input=lambda name: local_family.guide,
         )
 
     reference_rows = eval_policies(ctx("reference"), ref)
@@ -291,20 +297,20 @@ def test_eta_zero_guided_row_is_the_reference_row_under_the_guided_rule(local_fa
     full = sample(reference_rows[0])
     assert full.responses != a.responses  # the full distribution is another row
 
-    forced = sequence_logprobs(
+    forced = forced_logprobs(
         ref,
         prompts,
         a.responses,
         batch_size=6,
         pad_token_id=tok.pad_token_id,
         **eta0[0].rule.kwargs(),
-    )
+    )[0]
     for x, y in zip(forced, a.logprobs):
         assert x == pytest.approx(y, abs=1e-4)
     assert all(len(r) == 8 or r[-1] == tok.eos_token_id for r in a.responses)
-    plain = sequence_logprobs(
-        ref, prompts, a.responses, batch_size=6, pad_token_id=tok.pad_token_id
-    )
+    plain = forced_logprobs(ref, prompts, a.responses, batch_size=6, pad_token_id=tok.pad_token_id)[
+        0
+    ]
     assert sum(map(sum, plain)) < sum(
         map(sum, forced)
     )  # the full distribution spreads mass off the top-3

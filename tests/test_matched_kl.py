@@ -1,4 +1,4 @@
-"""Guided rows read at matched KL (pita/experiment/matched_kl.py) against hand-computed numbers."""
+"""Guided rows read at matched KL (pita/results/matched_kl.py) against hand-computed numbers."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import csv
 
 import pytest
 
-from pita.experiment.matched_kl import interpolate, matched_kl_rows, write_matched_kl
+from pita.results.matched_kl import interpolate, matched_kl_rows, write_matched_kl
 
 
 def _row(algo: str, eta: float, kl: float, pass1: float, **kw) -> dict:

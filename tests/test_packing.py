@@ -14,23 +14,20 @@ from pita.core.dag import Plan
 from pita.core.executor import TaskOutcome
 from pita.core.parallel_executor import DagRunner, DeviceState, Scheduler
 from pita.core.resources import host_cores, max_tasks_per_device, thread_budget, thread_env
-from pita.core.tasks import TASK_STAGES, TaskSpec
+from pita.core.tasks import TASK_STAGES
 from pita.experiment import estimates
-from tests.conftest import journal, only, run_cli, run_dirs
+from tests.conftest import journal, only, run_cli, run_dirs, task_spec
 
 STAGES = TASK_STAGES  # every stage a task can have
 FAKE_8GB = 8 * 1024
 
 
 def _task(tid, mem=1000, prio=1.0, stage="collect", rnd=0, deps=(), algo="QSharp"):
-    return TaskSpec(
+    return task_spec(
         id=tid,
         algo=algo,
-        dataset="goal_walk",
-        family="tiny",
         round=rnd,
         stage=stage,
-        fn="x:y",
         mem_mb=mem,
         priority=prio,
         deps=list(deps),
@@ -268,19 +265,17 @@ def test_estimate_reads_a_saved_checkpoint_without_loading_it(tmp_path):
             "algos": {"DPO": {"batch_size": 8}},
         }
     )
-    collect = TaskSpec(
+    collect = task_spec(
         id="DPO.gsm8k.custom.r0.collect.s00",
         algo="DPO",
         dataset="gsm8k",
         family="custom",
-        round=0,
         stage="collect",
-        fn="x:y",
         mem_mb=512,
         family_cfg=family,
         dataset_cfg={"name": "gsm8k", "max_prompt_tokens": 512, "max_new_tokens": 512},
     )
-    train = TaskSpec(
+    train = task_spec(
         **{
             **collect.to_dict(),
             "id": "DPO.gsm8k.custom.r0.train",

@@ -4,6 +4,8 @@ and the clear error of a quantized alias without CUDA."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from accelerate.utils import convert_file_size_to_int
 from transformers import LlamaConfig
@@ -224,9 +226,29 @@ def test_a_70b_judge_gets_a_gang_of_fake_gpus_and_a_device_map_over_it(local_fam
 
 
 def test_stage_models_load_through_the_placement_code(local_family, caplog):
-    """evaluate / collect load π_ref with load_stage_lm: the family's dtype, device_map=auto
-    through load_on_gang (the CPU without CUDA), a -8bit alias refused off CUDA in one line."""
+    """No stage, algorithm or runtime module loads a causal LM but through
+    `load_stage_lm`; it loads π_ref as the family says (its dtype, device_map=auto through
+    load_on_gang, the CPU without CUDA; a -8bit alias refused off CUDA in one line) and
+    refuses, in one line, to train a policy the family wants sharded or quantized."""
+    import ast
+
     import torch
+
+    from pita.algos.trl_common import load_trainable_lm
+    from tests.conftest import ROOT
+
+    direct = []
+    for package in ("algos", "stages", "runtime"):
+        for path in sorted((ROOT / "pita" / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                called = node.func if isinstance(node, ast.Call) else None
+                name = getattr(called, "attr", None) or getattr(called, "id", None)
+                owner = getattr(getattr(called, "value", None), "id", "")
+                if name == "load_causal_lm" or (
+                    name == "from_pretrained" and owner == "AutoModelForCausalLM"
+                ):
+                    direct.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not direct, f"load causal LMs through placement.load_stage_lm: {direct}"
 
     from pita.models.placement import load_stage_lm, placement_lines
 
@@ -250,3 +272,23 @@ def test_stage_models_load_through_the_placement_code(local_family, caplog):
             family_cfg={**fam, "device_map": None},
             device="cpu",
         )
+    ctx = SimpleNamespace(
+        task=SimpleNamespace(family="local-8bit"),
+        cfg=SimpleNamespace(model={**fam, "device_map": None}),
+        device="cpu",
+        system=SimpleNamespace(attn_impl="eager"),
+    )
+    with pytest.raises(ValueError, match=r"^model.name=local-8bit: a policy this stage trains"):
+        load_trainable_lm(ctx, fam["reference"])  # type: ignore[arg-type]
+    for device_map in (None, "auto"):  # device_map places run-only models, never the trained one
+        trained = load_trainable_lm(
+            SimpleNamespace(  # type: ignore[arg-type]
+                task=SimpleNamespace(family="local"),
+                cfg=SimpleNamespace(model={**fam, "device_map": device_map, "dtype": "bfloat16"}),
+                device="cpu",
+                system=SimpleNamespace(attn_impl="eager"),
+            ),
+            fam["reference"],
+        )
+        assert next(trained.parameters()).dtype == torch.float32  # fp32 whatever dtype
+        assert next(trained.parameters()).device.type == "cpu"  # the task's device

@@ -20,14 +20,14 @@ import pytest
 from pita.core.gpu_manager import GPUManager
 from pita.core.tasks import TaskSpec
 from pita.core.worker_pool import WorkerPool
-from tests.conftest import journal, only, run_dirs, sleep_overrides
+from tests.conftest import journal, only, run_dirs, sleep_overrides, slow_env, task_spec
 from tests.test_faults import BASE, REF, _start, _wait_for
 
 NOOP = "tests.fault_stages:noop_stage"
 
 
 def _noop_task(tid: str) -> TaskSpec:
-    return TaskSpec(
+    return task_spec(
         id=tid, algo="reference", dataset="-", family="-", round=0, stage="evaluate", fn=NOOP
     )
 
@@ -49,16 +49,20 @@ def _address_of(pid: int) -> str:
     return argv[argv.index(b"--address") + 1].decode()
 
 
+def _start_slow(args: list[str], cwd, markers, victim: str, seconds: float):
+    """The run started with `victim` held for `seconds`; (the process, the victim's
+    `.started` marker) once the victim runs."""
+    proc = _start(args, cwd, slow_env(markers, victim, seconds))
+    started = markers / f"{victim}.started"
+    _wait_for(started)
+    return proc, started
+
+
 def test_stopped_worker_is_killed_and_the_run_finishes(tmp_path, markers):
     """kill -STOP the worker of a training task: the heartbeat check kills it, the task is
     retried on a fresh worker, the run exits 0 (it used to hang: the dispatcher thread died
     on `w.job` being None while the killed worker was still being reaped)."""
     victim = "QSharp.goal_walk.tiny.r0.train"
-    env = {
-        "PITA_TEST_MARKERS": str(markers),
-        "PITA_TEST_SLOW_TASK": victim,
-        "PITA_TEST_SLOW_S": "3",
-    }
     args = [
         *BASE,
         "executor.heartbeat_timeout_s=2",
@@ -66,9 +70,7 @@ def test_stopped_worker_is_killed_and_the_run_finishes(tmp_path, markers):
         *only("reference", "QSharp"),
         *sleep_overrides(),
     ]
-    proc = _start(args, tmp_path, env)
-    started = markers / f"{victim}.started"
-    _wait_for(started)
+    proc, started = _start_slow(args, tmp_path, markers, victim, 3)
     pid = json.loads(started.read_text().splitlines()[0])["pid"]
     os.kill(pid, signal.SIGSTOP)
     out = _finish(proc)  # a hang fails here
@@ -141,11 +143,6 @@ def test_bad_clients_mid_run_the_run_still_finishes(tmp_path, markers):
     """End to end: mid-run, connect with a wrong key and leave a silent socket open; every
     later task needs a fresh worker (max_tasks_per_worker=1) and the run still exits 0."""
     victim = "pretrain.goal_walk.tiny"
-    env = {
-        "PITA_TEST_MARKERS": str(markers),
-        "PITA_TEST_SLOW_TASK": victim,
-        "PITA_TEST_SLOW_S": "2",
-    }
     args = [
         *BASE,
         *REF,
@@ -153,9 +150,7 @@ def test_bad_clients_mid_run_the_run_still_finishes(tmp_path, markers):
         "experiment.name=intruder",
         *sleep_overrides(),
     ]
-    proc = _start(args, tmp_path, env)
-    started = markers / f"{victim}.started"
-    _wait_for(started)
+    proc, started = _start_slow(args, tmp_path, markers, victim, 2)
     address = _address_of(json.loads(started.read_text())["pid"])
     silent = socket.socket(socket.AF_UNIX)
     try:

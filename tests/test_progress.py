@@ -6,10 +6,11 @@ from rich.console import Console
 
 from pita.core.progress import Progress
 from pita.core.tasks import TaskSpec
+from tests.conftest import task_spec
 
 
 def _task(tid: str) -> TaskSpec:
-    return TaskSpec(
+    return task_spec(
         id=tid, algo="GRPO", dataset="goal_walk", family="tiny", round=0, stage="train", fn="-"
     )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import journal, only, run_cli, run_dirs, sleep_overrides
+from tests.conftest import journal, only, run_ok, sleep_overrides, task_spec
 
 pytest.importorskip("ray")
 
@@ -19,9 +19,7 @@ def test_dag_runs_as_ray_tasks(tmp_path):
         "executor.progress=false",
         *sleep_overrides(),
     ]
-    proc = run_cli(args, tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    [run_dir] = run_dirs(tmp_path, "ray")
+    run_dir = run_ok(args, tmp_path, "ray", timeout=300)
     done = [e for e in journal(run_dir) if e["event"] == "task_done"]
     assert len(done) == 11
     assert all((run_dir / "tasks" / e["task"] / "manifest.json").is_file() for e in done)
@@ -49,11 +47,8 @@ def test_ray_tasks_carry_their_task_id_as_name(two_gpu_ray, tmp_path):
     from omegaconf import OmegaConf
 
     from pita.core.ray_executor import RayExecutor
-    from pita.core.tasks import TaskSpec
 
-    task = TaskSpec(
-        "reference.goal_walk.tiny.r0.eval", "reference", "goal_walk", "tiny", 0, "eval", "x:y"
-    )
+    task = task_spec("reference.goal_walk.tiny.r0.eval", algo="reference", stage="eval")
     ex = RayExecutor(OmegaConf.create({"ray_address": "local"}), run_task=_task_name)
     assert ex.submit(task, (0,), {}, tmp_path).result(timeout=120) == task.id
 
@@ -77,3 +72,90 @@ def test_gpus_that_torch_cannot_use_are_one_line_before_any_task(two_gpu_ray):
         "the Ray cluster offers 2 GPUs but torch on its nodes has no CUDA: start it with "
         "--num-gpus=0 or install a CUDA torch"
     ]
+
+
+def _rank_report(ctx, dist):
+    """A rank of the gang: who it is, gathered on rank 0."""
+    import os
+
+    import torch.distributed as td
+
+    ranks: list = [None] * dist.world_size
+    td.all_gather_object(ranks, (dist.rank, os.getpid()))
+    return {"world_size": dist.world_size, "ranks": ranks}
+
+
+def _gang_in_ray(task, cfg_dict, run_dir, attempt):
+    """A Ray task body: the GPUs Ray gave it, then the k-rank launcher (run_stage) inside."""
+    import logging
+    import os
+    from pathlib import Path
+
+    import ray
+    from omegaconf import OmegaConf
+
+    from pita.core.tasks import TaskSpec
+    from pita.runtime.context import StageContext
+    from pita.runtime.gang import run_stage
+
+    out = Path(run_dir) / "tasks" / task["id"]
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = StageContext(
+        task=TaskSpec.from_dict(task),
+        cfg=OmegaConf.create(cfg_dict),
+        run_dir=Path(run_dir),
+        out_dir=out,
+        logger=logging.getLogger("test.ray.gang"),
+    )
+    return {
+        "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "pid": os.getpid(),
+        "gang": run_stage(ctx, _rank_report),
+    }
+
+
+def test_a_k_device_training_task_gets_k_gpus_of_one_node_and_runs_the_launcher_inside(
+    two_gpu_ray, tmp_path
+):
+    """Issue 31 item 5: one Ray task asking for num_gpus=k (Ray places it on one node and
+    pins the GPUs), whose stage starts k ranks with the same launcher as a local worker."""
+    from omegaconf import OmegaConf
+
+    from pita.core.ray_executor import RayExecutor
+    from pita.core.tasks import TaskSpec
+    from pita.experiment import cli
+
+    cfg = cli.compose_config(["system.devices=fake:2", "training.parallel_strategy=data_parallel"])
+    task = TaskSpec(
+        "QSharp.goal_walk.tiny.r0.train", "QSharp", "goal_walk", "tiny", 0, "train", "x:y"
+    )
+    task.gpus, task.strategy = 2, "ddp"
+    ex = RayExecutor(OmegaConf.create({"ray_address": "local"}), run_task=_gang_in_ray)
+    assert ex.largest_node() == 2
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    got = ex.submit(task, (0, 1), cfg_dict, tmp_path).result(timeout=300)
+    assert sorted(got["gpu_ids"]) == ["0", "1"] and got["visible"] in ("0,1", "1,0")
+    gang = got["gang"]
+    assert gang["world_size"] == 2 and [r for r, _ in gang["ranks"]] == [0, 1]
+    pids = {pid for _, pid in gang["ranks"]}
+    assert len(pids) == 2 and got["pid"] not in pids  # two rank processes under the Ray task
+
+
+def test_no_gang_is_planned_larger_than_the_largest_ray_node():
+    """A 4-GPU cluster of two 2-GPU nodes: a training gang holds at most 2 (one node);
+    a task that needs more is refused before the run."""
+    from pita.core.errors import ConfigError
+    from pita.experiment import cli
+    from pita.experiment.plan import plan_experiment
+    from tests.conftest import only
+
+    cfg = cli.compose_config(
+        [*only("reference", "QSharp"), "training.parallel_strategy=data_parallel"]
+    )
+    plan = plan_experiment(cfg, 4, device_mb=[80 * 1024] * 4, device_kind="cuda", largest_gang=2)
+    gangs = {t.gpus for t in plan.tasks.values() if t.stage in ("pretrain", "train")}
+    assert gangs == {2}
+    cfg = cli.compose_config([*only("reference"), "model.gpus_per_task=3"])
+    with pytest.raises(ConfigError, match="largest node of the Ray cluster has 2"):
+        plan_experiment(cfg, 4, device_mb=[80 * 1024] * 4, device_kind="cuda", largest_gang=2)

@@ -19,6 +19,7 @@ from pita.algos.registry import ALGORITHMS, Algorithm, Held
 from pita.core.paths import Artifact
 from pita.core.tasks import TaskSpec
 from pita.experiment import estimates
+from tests.conftest import task_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 PITA = ROOT / "pita"
@@ -175,14 +176,9 @@ def _train_task(algo: str) -> TaskSpec:
         "reference_arch": {"n_layer": 1, "d_model": 64, "n_head": 4},
         "guide_arch": {"n_layer": 2, "d_model": 64, "n_head": 4},
     }
-    return TaskSpec(
+    return task_spec(
         id=f"{algo}.goal_walk.tiny.r0.train",
         algo=algo,
-        dataset="goal_walk",
-        family="tiny",
-        round=0,
-        stage="train",
-        fn="x:y",
         mem_mb=1536,
         family_cfg=family,
         dataset_cfg={"name": "goal_walk", "num_nodes": 8, "walk_length": 3},

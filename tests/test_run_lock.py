@@ -10,17 +10,13 @@ import pytest
 
 from pita.core.errors import ConfigError
 from pita.core.run_lock import RunLock
-from tests.conftest import journal, run_cli, run_dirs, sleep_overrides
+from tests.conftest import journal, run_cli, run_dirs, sleep_overrides, slow_env
 from tests.test_faults import BASE, REF, _start, _wait_for
 
 
 def test_second_orchestrator_exits_2_naming_the_holder(tmp_path, markers):
     victim = "pretrain.goal_walk.tiny"
-    env = {
-        "PITA_TEST_MARKERS": str(markers),
-        "PITA_TEST_SLOW_TASK": victim,
-        "PITA_TEST_SLOW_S": "60",
-    }
+    env = slow_env(markers, victim, 60)
     first = _start([*BASE, *REF, "experiment.name=locked", *sleep_overrides()], tmp_path, env)
     try:
         _wait_for(markers / f"{victim}.started")
@@ -56,3 +52,47 @@ def test_lock_in_process(tmp_path):
             RunLock(tmp_path).acquire()
     with RunLock(tmp_path):  # released on exit
         pass
+
+
+def test_multirun_job_takes_the_lock_before_hydra_writes_its_folder(tmp_path, markers):
+    """Issue 28: a sweep job whose folder another orchestrator holds is refused with one
+    line and exit 2 before Hydra writes `.hydra/` (the job's run.log handler locks first:
+    pita/experiment/job_log.py); once free, the sweep runs, each job holding its own folder
+    while it runs and releasing it when the next job starts."""
+    import os
+    import time
+
+    victim = "pretrain.goal_walk.tiny"
+    sweep = tmp_path / "sweep"
+    args = ["-m", *BASE, *REF, *sleep_overrides(), f"hydra.sweep.dir={sweep}", "dataset.seed=0,1"]
+    holder = RunLock(sweep / "0").acquire()
+    try:
+        refused = run_cli(args, tmp_path, timeout=120)
+    finally:
+        holder.release()
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"in use by pid {os.getpid()} on " in errors[0], refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert not (sweep / "0" / ".hydra").exists()  # Hydra wrote nothing into a folder in use
+    env = {"PITA_TEST_MARKERS": str(markers), "PITA_TEST_SLOW_TASK": victim}
+    sweep_run = _start(args, tmp_path, {**env, "PITA_TEST_SLOW_S": "4"})
+    try:
+        started = markers / f"{victim}.started"
+        deadline = time.time() + 120
+        while not (started.is_file() and len(started.read_text().splitlines()) == 2):
+            assert time.time() < deadline and sweep_run.poll() is None, "job 1 never started"
+            time.sleep(0.1)
+        with pytest.raises(ConfigError, match="in use by pid"):  # job 1 holds its folder
+            RunLock(sweep / "1").acquire()
+        with RunLock(sweep / "0"):  # job 0 ended: its lock went with its logging
+            pass
+        out, _ = sweep_run.communicate(timeout=120)
+    finally:
+        if sweep_run.poll() is None:
+            sweep_run.send_signal(signal.SIGKILL)
+            sweep_run.wait()
+    assert sweep_run.returncode == 0, out[-3000:]
+    for job in ("0", "1"):
+        assert (sweep / job / ".hydra" / "config.yaml").is_file()
+        assert journal(sweep / job)[-1]["event"] == "run_finished"

@@ -5,19 +5,14 @@ from __future__ import annotations
 import json
 
 from pita.core.parallel_executor import DeviceState, Scheduler
-from pita.core.tasks import TaskSpec
-from tests.conftest import journal, only, run_cli, run_dirs, sleep_overrides
+from tests.conftest import journal, only, run_cli, run_dirs, sleep_overrides, task_spec
 
 
 def _task(tid, gpus=1, mem=1000, prio=1.0, pref=None):
-    return TaskSpec(
+    return task_spec(
         id=tid,
-        algo="QSharp",
         dataset="d",
         family="f",
-        round=0,
-        stage="train",
-        fn="x:y",
         gpus=gpus,
         mem_mb=mem,
         priority=prio,

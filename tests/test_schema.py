@@ -56,15 +56,31 @@ def _leaves() -> list[tuple[str, str, dataclasses.Field, bool]]:
     return out
 
 
+def _ceiling(rule: Rule | None) -> bool:
+    return rule is not None and (rule.le is not None or rule.lt is not None)
+
+
+def _floor(rule: Rule | None) -> bool:
+    return rule is not None and (rule.ge is not None or rule.gt is not None or rule.batch)
+
+
 def test_every_numeric_key_has_a_range():
+    """A floor and a ceiling: every size, count, step, rate and timeout has both (a floor
+    alone lets `steps=10**12` start a run that never ends)."""
     missing = [
         prefix + key
         for prefix, key, f, numeric in _leaves()
-        if numeric
+        if (numeric or (rule_of(f) is not None and rule_of(f).batch))  # type: ignore[union-attr]
         and f.name not in CROSS_CHECKED
-        and not ((r := rule_of(f)) is not None and (r.bounded or r.batch or r.items))
+        and not (_floor(rule_of(f)) and _ceiling(rule_of(f)))
     ]
-    assert not missing, f"give these keys a range in pita/core/schema.py: {missing}"
+    assert not missing, f"give these keys a floor and a ceiling in pita/core/schema.py: {missing}"
+
+
+def test_the_range_check_refuses_a_floor_alone():
+    """What the test above reads: a rule with a floor only has no ceiling."""
+    assert not _ceiling(Rule(ge=1)) and not _ceiling(Rule(batch=True))
+    assert _floor(Rule(ge=1)) and _ceiling(Rule(ge=1, le=8)) and _ceiling(Rule(gt=0, lt=1))
 
 
 def _out_of_range(rule: Rule, numeric: bool) -> list[Any]:

@@ -359,7 +359,7 @@ def test_star_graph_paper_config_runs_at_toy_size(tmp_path):
     value rows with the V-type head, the official recipe and the hold-out diagnostics."""
     import csv
 
-    from tests.conftest import run_cli, run_dirs
+    from tests.conftest import run_ok
 
     args = [
         "experiment=star_graph_paper",
@@ -395,9 +395,7 @@ def test_star_graph_paper_config_runs_at_toy_size(tmp_path):
             for k, v in (("epochs", 1), ("holdout_fraction", 0.2))
         ],
     ]
-    proc = run_cli(args, tmp_path, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    [run_dir] = run_dirs(tmp_path, "paper_toy")
+    run_dir = run_ok(args, tmp_path, "paper_toy", timeout=900)
     with open(run_dir / "results" / "summary.csv") as f:
         rows = list(csv.DictReader(f))
     assert {r["algo"] for r in rows} == {

@@ -1,5 +1,5 @@
 """Task folders prove completion (issue 13): a sha256 per file, the declared outputs
-required, NaN/inf metrics failing the task, and on resume a redone task redoing its
+required, NaN metrics failing the task (an infinite KL commits: tests/test_kl.py), and on resume a redone task redoing its
 dependants and the dead attempts' `.tmp-*` folders removed. Real files, real runs."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pita.core.paths import TaskPaths, atomic_write_json, atomic_write_text
 from pita.core.tasks import TaskSpec
 from pita.runtime.context import ModelCache
 from pita.runtime.worker import execute_task
-from tests.conftest import ROOT, journal, only, run_cli, run_dirs, sleep_overrides
+from tests.conftest import ROOT, journal, only, run_cli, run_dirs, sleep_overrides, task_spec
 
 TID = "QSharp.goal_walk.tiny.r0.evaluate"
 
@@ -91,12 +91,8 @@ def test_commit_refuses_a_folder_without_its_declared_outputs(tmp_path):
 
 
 def _task(fn: str, outputs=()) -> TaskSpec:
-    return TaskSpec(
+    return task_spec(
         id=TID,
-        algo="QSharp",
-        dataset="goal_walk",
-        family="tiny",
-        round=0,
         stage="evaluate_merge",
         fn=fn,
         outputs=list(outputs),
@@ -109,7 +105,7 @@ def _task(fn: str, outputs=()) -> TaskSpec:
         (
             "tests.fault_stages:nan_stage",
             (),
-            "non-finite value(s) in the stage's result: result['rows'][0]['pass@1']=nan",
+            "NaN value(s) in the stage's result: result['rows'][0]['pass@1']=nan",
         ),
         (
             "tests.fault_stages:forgetful_stage",
@@ -125,6 +121,24 @@ def test_bad_stage_output_fails_the_task_and_commits_nothing(tmp_path, fn, outpu
     assert not ok and failure == "error" and expected in message
     assert not TaskPaths(tmp_path, TID).final.exists()
     assert expected in (TaskPaths(tmp_path, TID).failed(1) / "log.txt").read_text()
+
+
+def test_an_infinite_kl_commits_the_task(tmp_path):
+    """A row whose policy sampled off π_ref's support under its rule has kl = +inf
+    (docs/ALGORITHMS.md, "KL: the three columns"): a value, not a NaN bug."""
+    ok, _, message, result = execute_task(
+        _task("tests.fault_stages:infinite_kl_stage"),
+        {},
+        tmp_path,
+        1,
+        device="cpu",
+        models=ModelCache(),
+    )
+    assert ok, message
+    assert result["rows"][0]["kl"] == float("inf")
+    assert json.loads((TaskPaths(tmp_path, TID).final / "result.json").read_text())["rows"][0][
+        "kl"
+    ] == float("inf")
 
 
 def test_resume_redoes_a_corrupted_task_and_its_dependants_and_removes_tmp(tmp_path, markers):

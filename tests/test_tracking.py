@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 from pathlib import Path
 
 import pytest
@@ -41,26 +42,9 @@ def _tensorboard(run: Path) -> dict[str, dict[str, list[float]]]:
 
 
 def _wandb_records(path: Path):
-    """The records of an offline run's `.wandb` file (wandb's LevelDB-style log: 32 KiB
-    blocks, 7-byte record headers; wandb 0.2x+ ships no Python reader for it)."""
-    import struct
+    from pita.training.wandb_log import records
 
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data, pos, chunks = path.read_bytes(), 7, []  # 7: the ":W&B" header, magic, version
-    while pos + 7 <= len(data):
-        left = 32768 - pos % 32768
-        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
-        if left < 7 or (length == 0 and kind == 0):  # block padding
-            pos += left
-            continue
-        chunks.append(data[pos + 7 : pos + 7 + length])
-        pos += 7 + length
-        if kind in (1, 4):  # FULL or LAST
-            record = pb.Record()
-            record.ParseFromString(b"".join(chunks))
-            chunks = []
-            yield record
+    return records(path)
 
 
 def _wandb(run: Path) -> dict[str, dict[str, list[float]]]:
@@ -93,13 +77,14 @@ def _wandb(run: Path) -> dict[str, dict[str, list[float]]]:
 
 
 def _mlflow(run: Path) -> dict[str, dict[str, list[float]]]:
-    """{run name: {key: values}} read back with `MlflowClient` from the run's sqlite store."""
+    """{run name: {key: values}} read back with `MlflowClient` from the sqlite store shared
+    by every run under outputs/."""
     import mlflow
 
-    db = run / "logs" / "mlflow" / "mlflow.db"
-    client = mlflow.MlflowClient(f"sqlite:///{db}")
+    store = run.parents[1] / "mlflow"  # outputs/<name>/<timestamp> -> outputs/mlflow
+    client = mlflow.MlflowClient(f"sqlite:///{store / 'mlflow.db'}")
     exp = client.get_experiment_by_name("smoke")
-    assert exp.artifact_location.startswith((run / "logs" / "mlflow").as_uri())
+    assert exp.artifact_location.startswith(store.resolve().as_uri())
     out = {}
     for r in client.search_runs([exp.experiment_id]):
         assert r.info.status == "FINISHED" and r.data.tags["ci"] == "true"
@@ -168,8 +153,41 @@ def test_csv_tracker_rows_and_resume_prunes_the_dead_attempts_steps(tmp_path):
     resumed = CsvTracker(path)
     resumed.start_step = 3  # a retry resumed from the step-3 checkpoint
     resumed.log({"train/loss": 9.0}, 4)
+    resumed.close()
     rows = list(csv.DictReader(open(path)))
     assert [float(r["step"]) for r in rows] == [1, 2, 3, 4] and float(rows[-1]["train/loss"]) == 9.0
+
+
+def test_csv_tracker_appends_each_step_and_rewrites_only_for_a_new_column(tmp_path):
+    """Issue 28: each step appends one line to the same file (no rewrite: quadratic over a
+    long training); a new key widens the header once; a torn last row (a killed worker) is
+    dropped by the retry."""
+
+    from pita.training.tracking import CsvTracker
+
+    path = tmp_path / "task.csv"
+    tracker = CsvTracker(path)
+    tracker.log({"train/loss": 1.0}, 1)
+    inode, sizes = os.stat(path).st_ino, []
+    for step in range(2, 40):
+        tracker.log({"train/loss": 1.0 / step}, step)
+        assert os.stat(path).st_ino == inode  # the same file, appended to
+        sizes.append(path.stat().st_size)
+    assert sizes == sorted(set(sizes))  # grows by one row each step
+    tracker.log({"train/loss": 0.1, "eval/acc": 0.5}, 40)  # a new column: one rewrite
+    tracker.log({"train/loss": 0.1, "eval/acc": 0.6}, 41)
+    tracker.close()
+    rows = list(csv.DictReader(open(path)))
+    assert [float(r["step"]) for r in rows] == list(range(1, 42))
+    assert rows[0]["eval/acc"] == "" and float(rows[-1]["eval/acc"]) == 0.6
+    with open(path, "a") as f:
+        f.write("42,0.")  # killed mid-row
+    retry = CsvTracker(path)
+    retry.start_step = 41
+    retry.log({"train/loss": 0.05, "eval/acc": 0.7}, 42)
+    retry.close()
+    rows = list(csv.DictReader(open(path)))
+    assert [float(r["step"]) for r in rows] == list(range(1, 43))
 
 
 @pytest.mark.parametrize("backend", ["wandb", "mlflow"])
@@ -187,12 +205,16 @@ def test_missing_tracker_package_is_a_config_error_naming_the_pip_install(tmp_pa
     assert not (tmp_path / "outputs").exists()
 
 
-def test_unknown_logger_lists_the_options(tmp_path):
-    done = run_cli(["logger=tensorbord", "dry_run=true"], cwd=tmp_path)
-    assert done.returncode == 2
+def test_unknown_logger_lists_the_options(tmp_path, capsys, monkeypatch):
+    from pita.experiment import cli
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["logger=tensorbord", "dry_run=true"])
+    assert exit_info.value.code == 2
     assert (
         "logger=tensorbord: no such logger config; available: csv, mlflow, none, tensorboard, wandb"
-        in done.stderr
+        in capsys.readouterr().err
     )
 
 
@@ -200,7 +222,7 @@ def test_metric_names_are_legal_everywhere_and_result_tags_keep_rows_apart():
     """One sanitizer for every backend (MLflow refuses `eta=0` and `pass@1`); the results'
     tags carry every column that tells rows apart: two reference rows differ only by their
     sampling rule and must not share a curve."""
-    from pita.experiment.report import RESULT_METRICS, result_tag
+    from pita.results.report import RESULT_METRICS, result_tag
     from pita.training.tracking import metric_name
 
     assert metric_name("eta=0") == "eta_0" and metric_name("pass@1") == "pass_at_1"
@@ -306,7 +328,7 @@ def test_mlflow_retry_reopens_the_tasks_run_in_the_runs_sqlite_store(tmp_path):
     mlflow = pytest.importorskip("mlflow")
     from omegaconf import OmegaConf
 
-    from pita.training.tracking import mlflow_uri, open_tracker
+    from pita.training.tracking import logger_cfg, mlflow_uri, open_tracker
 
     cfg = OmegaConf.create(
         {"experiment": {"name": "t"}, "logger": {"backend": "mlflow", "tags": ["x y"]}}
@@ -316,7 +338,7 @@ def test_mlflow_retry_reopens_the_tasks_run_in_the_runs_sqlite_store(tmp_path):
         tracker.log({"train/loss": 1.0, "eval@k": 2.0}, attempt + 1)
         tracker.close()
         assert not tracker.failed
-    uri = mlflow_uri(cfg.logger, tmp_path)
+    uri = mlflow_uri(logger_cfg(cfg), tmp_path)
     assert uri == f"sqlite:///{tmp_path.resolve()}/logs/mlflow/mlflow.db"
     client = mlflow.MlflowClient(uri)
     exp = client.get_experiment_by_name("t")
@@ -326,3 +348,123 @@ def test_mlflow_retry_reopens_the_tasks_run_in_the_runs_sqlite_store(tmp_path):
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert [m.step for m in history] == [1, 2] and "eval_at_k" in run.data.metrics
     assert exp.artifact_location == (tmp_path / "logs" / "mlflow" / "artifacts").resolve().as_uri()
+
+
+def test_mlflow_default_store_is_shared_by_every_run_under_outputs(tmp_path):
+    """Issue 28: `logger=mlflow` without a tracking_uri writes every run under `outputs/`
+    (single runs and sweep jobs) into one store, `outputs/mlflow/mlflow.db` behind one
+    lock, so `mlflow ui` compares them; a task's retry still reopens its own run's MLflow
+    run, never another run's task of the same name."""
+    mlflow = pytest.importorskip("mlflow")
+    from omegaconf import OmegaConf
+
+    from pita.training.tracking import logger_cfg, mlflow_uri, open_tracker
+
+    cfg = OmegaConf.create({"experiment": {"name": "t"}, "logger": {"backend": "mlflow"}})
+    outputs = tmp_path / "outputs"
+    runs = [outputs / "t" / "ts1", outputs / "t" / "ts2", outputs / "t" / "multirun" / "ts3" / "0"]
+    for i, run in enumerate([*runs, runs[0]]):  # the last: a retry in the first run
+        assert mlflow_uri(logger_cfg(cfg), run) == f"sqlite:///{outputs.resolve()}/mlflow/mlflow.db"
+        tracker = open_tracker(cfg, run, "task")
+        tracker.log({"train/loss": float(i)}, i)
+        tracker.close()
+        assert not tracker.failed
+    assert not any((run / "logs").exists() for run in runs)
+    assert (outputs / "mlflow" / "mlflow.lock").is_file()
+    client = mlflow.MlflowClient(mlflow_uri(logger_cfg(cfg), runs[0]))
+    exp = client.get_experiment_by_name("t")
+    found = client.search_runs([exp.experiment_id])
+    by_run = {r.data.tags["pita.run"]: r for r in found}
+    assert len(found) == 3 and set(by_run) == {str(r.resolve()) for r in runs}
+    steps = {
+        run: [
+            m.step
+            for m in client.get_metric_history(by_run[str(run.resolve())].info.run_id, "train/loss")
+        ]
+        for run in runs
+    }
+    assert steps == {runs[0]: [0, 3], runs[1]: [1], runs[2]: [2]}
+
+
+KILLED_ATTEMPT = """
+import sys, time
+from pathlib import Path
+from omegaconf import OmegaConf
+from pita.training.tracking import open_tracker
+cfg = OmegaConf.create({"experiment": {"name": "t"}, "logger": {"backend": "wandb"}})
+tracker = open_tracker(cfg, Path(sys.argv[1]), "task")
+tracker.start_step = 5
+for step in range(6, 9):
+    tracker.log({"train/loss": 1.0 / step}, step)
+print("logged", flush=True)
+time.sleep(600)
+"""
+
+
+def test_wandb_offline_folders_of_a_retried_task_sync_as_one_run(tmp_path, monkeypatch):
+    """Issue 28: a task's first attempt logs steps 1-7 and fails (an OOM: its tracker
+    closes); the second resumes from the step-5 checkpoint, logs 6-8 and is SIGKILLed
+    before wandb wrote anything; the third resumes from step 5 again and trains 6-10.
+    The offline folders must replay (`wandb sync`, in start-time order) into one run: the
+    same run id and name in each, and steps that only go up from one folder to the next
+    (W&B drops a step at or below the run's last one), with nothing lost that was not
+    already on disk: 1-7 from the first attempt, 8-10 from the third."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("wandb")
+    from omegaconf import OmegaConf
+
+    from pita.core.gpu_manager import GPUManager
+    from pita.training.tracking import open_tracker, wandb_run_id
+    from pita.training.wandb_log import history_steps, records
+    from tests.conftest import ROOT
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    run = tmp_path / "outputs" / "t" / "ts"
+    cfg = OmegaConf.create({"experiment": {"name": "t"}, "logger": {"backend": "wandb"}})
+
+    def attempt(start: int, stop: int) -> None:
+        tracker = open_tracker(cfg, run, "task")
+        tracker.start_step = start - 1
+        for step in range(start, stop + 1):
+            tracker.log({"train/loss": 1.0 / step}, step)
+        tracker.close()
+        assert not tracker.failed
+        time.sleep(1.1)  # a folder's name holds its start second: a real retry takes longer
+
+    attempt(1, 7)
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_ATTEMPT, str(run)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,  # a worker's environment: this process's W&B service is not inherited
+        env={**GPUManager("cpu").worker_env([0]), "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert child.stdout.readline().strip() == "logged"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    time.sleep(1.1)
+    attempt(6, 10)
+    folders = sorted((run / "logs" / "wandb" / "wandb").glob("offline-run-*"))  # start order
+    assert len(folders) == 3
+    run_id = wandb_run_id(run, "task")
+    steps = []
+    for folder in folders:
+        (path,) = folder.glob(f"run-{run_id}.wandb")
+        runs = {
+            (r.run.run_id, r.run.display_name)
+            for r in records(path)
+            if r.WhichOneof("record_type") == "run"
+        }
+        assert runs <= {(run_id, "task")}, runs
+        steps.append(history_steps(path))
+    assert steps[0] == list(range(1, 8)) and steps[1] == [], (
+        folders,
+        steps,
+    )  # the kill lost its steps
+    assert steps[2] == [8, 9, 10]  # 6-7 were on disk already; 8 was not

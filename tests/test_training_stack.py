@@ -26,6 +26,7 @@ from pita.training.report import (
     trainer_metrics_callback,
     write_training_report,
 )
+from tests.conftest import task_spec
 
 # --- precision -----------------------------------------------------------------------------
 
@@ -428,7 +429,6 @@ def test_trainer_callback_feeds_the_same_report(tmp_path):
 
 
 def pretrain_context(tmp_path, gpus=1, **training):
-    from pita.core.tasks import TaskSpec
     from pita.experiment.config import PitaConfig
     from pita.runtime.context import StageContext
 
@@ -436,12 +436,9 @@ def pretrain_context(tmp_path, gpus=1, **training):
     cfg.pretrain.steps, cfg.pretrain.batch_size, cfg.pretrain.warmup_steps = 4, 16, 1
     for key, value in training.items():
         cfg.training[key] = value
-    task = TaskSpec(
+    task = task_spec(
         id="pretrain.goal_walk.tiny",
         algo="*",
-        dataset="goal_walk",
-        family="tiny",
-        round=0,
         stage="pretrain",
         fn="pita.stages.pretrain:pretrain",
         gpus=gpus,

@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from tests.conftest import ALGOS, only, run_cli, run_dirs
+from tests.conftest import ALGOS, only, run_cli, run_dirs, run_ok
 
 # --- the parent-side check (fast, no torch) ---------------------------------------------------
 
@@ -98,6 +98,104 @@ def test_reward_model_options_of_the_hf_variants():
     assert _errors(**{"QSharp-HF": {"trl": {"nonsense": 1}, "peft": {"r": 0}}}) == []
 
 
+def test_values_trl_checks_only_at_trainer_start_are_refused_before_the_run():
+    """Issue 34: choices read from TRL's source (metadata, enums, enumerating help texts),
+    with the nearest allowed value; a value TRL's help names is accepted."""
+    [loss] = _errors(GRPO={"trl": {"loss_type": "dr_grpoo"}})
+    assert loss.startswith("algos.GRPO.trl.loss_type='dr_grpoo': not a value TRL's GRPOConfig")
+    assert loss.endswith("did you mean dr_grpo?")
+    [dpo] = _errors(DPO={"trl": {"loss_type": ["sigmoid", "ipoo"]}})
+    assert "'ipoo'" in dpo and "did you mean ipo?" in dpo
+    [sched] = _errors(DPO={"trl": {"lr_scheduler_type": "cosin"}})
+    assert "did you mean cosine?" in sched
+    assert (
+        _errors(
+            GRPO={"trl": {"loss_type": "cispo", "scale_rewards": "batch", "optim": "adamw_torch"}},
+            DPO={"trl": {"loss_type": ["sigmoid", "sft"], "debug": "underflow_overflow"}},
+        )
+        == []
+    )
+
+
+@pytest.mark.parametrize(
+    ("option", "package"),
+    [({"optim": "adamw_bnb_8bit"}, "bitsandbytes"), ({"deepspeed": "/x/ds.json"}, "deepspeed")],
+)
+def test_an_optimizer_or_backend_whose_package_is_missing(option, package):
+    import importlib.util
+
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed here")
+    [line] = _errors(DPO={"trl": option})
+    assert (
+        f"needs the {package} package, which is not installed here; pip install {package}" in line
+    )
+
+
+def test_secrets_and_remote_code_refused_without_echoing_the_value():
+    token = "hf_" + "a1B2c3D4e5" * 4
+    lines = _errors(
+        DPO={"trl": {"hub_token": token, "trust_remote_code": True}},
+        GRPO={"trl": {"model_init_kwargs": {"trust_remote_code": True}, "hub_model_id": token}},
+    )
+    assert len(lines) == 4 and not any(token in line for line in lines)
+    assert lines[0].startswith("algos.DPO.trl.hub_token: looks like a secret; refused")
+    assert lines[1].startswith("algos.DPO.trl.trust_remote_code: remote code is switched by")
+    assert "set model.trust_remote_code=true instead" in lines[1]
+    assert lines[2].startswith("algos.GRPO.trl.model_init_kwargs.trust_remote_code:")
+    assert lines[3].startswith("algos.GRPO.trl.hub_model_id: looks like a secret")
+    assert _errors(DPO={"trl": {"average_tokens_across_devices": True, "pad_token": "<pad>"}}) == []
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("algos.DPO.trl.hub_token={token}", "algos.DPO.trl.hub_token"),
+        ("algos.GRPO-HF.reward_trl.hub_token={token}", "algos.GRPO-HF.reward_trl.hub_token"),
+        ("logger.tracking_uri=https://bob:{token}@mlflow.example.com", "logger.tracking_uri"),
+        ("dataset.hub_id={token}", "dataset.hub_id"),
+    ],
+)
+def test_a_secret_on_the_command_line_is_refused_and_never_echoed(
+    override, key, tmp_path, capsys, monkeypatch
+):
+    from pita.experiment import cli
+
+    monkeypatch.chdir(tmp_path)
+    token = "hf_" + "PlantedSecret0" * 3
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([override.format(token=token)])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2
+    assert token not in out + err
+    assert any(line.startswith(f"error: {key}") for line in err.splitlines()), err
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_option_files_are_read_like_control_files(tmp_path):
+    from pita.experiment.trl_values import option_file_error as check
+
+    good = tmp_path / "accel.json"
+    good.write_text('{"split_batches": false}')
+    assert check("k", str(good)) is None
+    assert "an absolute path" in check("k", "accel.json")
+    assert check("k", str(tmp_path / "none.json")).endswith("no such file")
+    link = tmp_path / "link.json"
+    link.symlink_to(good)
+    assert "symbolic link" in check("k", str(link))
+    good.chmod(0o666)
+    assert "writable by every user" in check("k", str(good))
+    good.chmod(0o600)
+    (tmp_path / "bad.json").write_text("{nope")
+    assert "not a JSON file" in check("k", str(tmp_path / "bad.json"))
+    assert "not a regular file" in check("k", "/dev/zero")
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * (2**20 + 1))
+    assert "limit" in check("k", str(big))
+    [line] = _errors(DPO={"trl": {"accelerator_config": str(link)}})
+    assert line.startswith(f"algos.DPO.trl.accelerator_config='{link}':")
+
+
 def test_value_guided_algorithms_have_no_trl_keys():
     assert _errors(QSharp={"trl": {"nonsense": 1}}) == []  # the schema walker refuses the key
 
@@ -168,9 +266,7 @@ def test_trl_options_and_lora_reach_the_trainers(local_family, tmp_path):
         "algos.GRPO-HF.reward_epochs=1",
         "algos.GRPO-HF.reward_trl.center_rewards_coefficient=0.01",
     ]
-    proc = run_cli(args, tmp_path, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    [run_dir] = run_dirs(tmp_path, "trlopt")
+    run_dir = run_ok(args, tmp_path, "trlopt", timeout=600)
     tasks = run_dir / "tasks"
 
     dpo = json.loads((tasks / "DPO.gsm8k.local.r0.train" / "result.json").read_text())
@@ -198,3 +294,95 @@ def test_trl_options_and_lora_reach_the_trainers(local_family, tmp_path):
         rows = {r["algo"]: r for r in csv.DictReader(f)}
     for algo in ("DPO", "GRPO", "GRPO-HF"):
         assert math.isfinite(float(rows[algo]["pass@1"])), rows[algo]
+
+
+# --- at the built TRL config (no run) ---------------------------------------------------------
+
+
+def _stage_ctx(tmp_path, algo: str, stage: str, overrides: list[str]):
+    """A StageContext for one of `algo`'s TRL stages, composed from the real config."""
+    import logging
+
+    from pita.algos.registry import ALGORITHMS
+    from pita.core.tasks import TaskSpec
+    from pita.experiment.cli import compose_config
+    from pita.runtime.context import StageContext
+
+    cfg = compose_config([f"algos.{algo}.enabled=true", *overrides])
+    task = TaskSpec(
+        id=f"{algo}.{stage}",
+        algo=algo,
+        algo_schema=ALGORITHMS[algo].schema_path,
+        dataset="goal_walk",
+        family="tiny",
+        round=0,
+        stage=stage,
+        fn="-",
+        inputs={"reference": "pretrain"},
+    )
+    out = tmp_path / "tasks" / task.id
+    out.mkdir(parents=True)
+    logger = logging.getLogger(f"test.trl_options.{task.id}")
+    return StageContext(task=task, cfg=cfg, run_dir=tmp_path, out_dir=out, logger=logger)
+
+
+@pytest.mark.parametrize(
+    ("algo", "stage", "config", "key", "overrides", "recorded"),
+    [
+        (
+            "DPO",
+            "train",
+            "DPOConfig",
+            "trl",
+            [
+                "algos.DPO.trl.loss_type=ipo",
+                "algos.DPO.peft={r: 4, alpha: 8, target_modules: [q_proj, v_proj]}",
+            ],
+            {
+                "trl": {"loss_type": ["ipo"]},
+                "peft": {
+                    "r": 4,
+                    "alpha": 8.0,
+                    "dropout": 0.0,
+                    "target_modules": ["q_proj", "v_proj"],
+                },
+            },
+        ),
+        (
+            "GRPO",
+            "train",
+            "GRPOConfig",
+            "trl",
+            ["algos.GRPO.trl.scale_rewards=false", "algos.GRPO.trl.loss_type=dr_grpo"],
+            {"trl": {"scale_rewards": "none", "loss_type": "dr_grpo"}},
+        ),
+        (
+            "GRPO-HF",
+            "reward_model",
+            "RewardConfig",
+            "reward_trl",
+            ["algos.GRPO-HF.reward_trl.center_rewards_coefficient=0.01"],
+            {"reward_trl": {"center_rewards_coefficient": 0.01}},
+        ),
+    ],
+)
+def test_trl_options_reach_the_built_trl_config(
+    tmp_path, algo, stage, config, key, overrides, recorded
+):
+    """What the stages hand TRL, without a run: `training_args` builds the TRL config with the
+    options last (after TRL's own `__post_init__`), and `applied_options` records for
+    result.json what that config holds, with the LoRA spec of the trained policy. (The e2e
+    test_trl_options_and_lora_reach_the_trainers trains with them and checks the weights.)"""
+    import trl
+
+    from pita.algos.trl_common import applied_options, training_args, trl_options
+
+    ctx = _stage_ctx(tmp_path, algo, stage, overrides)
+    options = trl_options(ctx, key)
+    extra = {"num_generations": 4} if config == "GRPOConfig" else {}
+    args = training_args(
+        ctx, getattr(trl, config), batch_size=8, lr=1e-3, steps=2, options=options, **extra
+    )
+    assert applied_options(args, ctx, key) == recorded
+    # pita's own settings are still there beside the options
+    assert args.learning_rate == 1e-3 and args.max_steps == 2 and args.report_to == []

@@ -16,15 +16,7 @@ import torch
 from pita.algos.collector import RolloutCollector, preference_label, preference_pairs
 from pita.datasets.goal_walk import GoalWalkTask
 from pita.models.tiny import build_tiny_llama
-from tests.conftest import only, run_cli, run_dirs
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.conftest import only, run_ok
 
 
 @pytest.fixture(scope="module")
@@ -199,9 +191,7 @@ def test_two_round_chain_through_run_parallel(tmp_path):
             f"algos.{algo}.samples_per_example=2",
             f"algos.{algo}.batch_size=32",
         ]
-    proc = run_cli(args, tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    [run_dir] = run_dirs(tmp_path, "chain")
+    run_dir = run_ok(args, tmp_path, "chain", timeout=300)
     rows = _rows(run_dir)
     for algo in ("QSharp", "PITA"):
         got = {(r["round"], float(r["eta"])) for r in rows if r["algo"] == algo}

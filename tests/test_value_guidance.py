@@ -8,24 +8,15 @@ import math
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from pita.algos import losses
 from pita.algos.guidance import HookStats, ValueGuidanceHook, hook_factory, offsets_from_values
+from pita.core.schema import ValueGuidedConfig, settings
 from pita.models.generation import generate
 from pita.models.tiny import build_tiny_llama, tiny_llama_config
 from pita.models.value_model import ValueModel, build_value_model
 
 V, PAD, EOS = 12, 10, 11
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: intra-op threads only add synchronisation (80x slower on a busy 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _value_model(num_atoms: int = 1, seed: int = 0) -> ValueModel:
@@ -192,8 +183,9 @@ def test_one_value_forward_per_step_and_cache_matches_recomputation():
 def test_value_model_save_load_and_warm_start(tmp_path):
     ref = _reference()
     fam = {"name": "tiny", "guide_arch": {"n_layer": 2, "d_model": 32, "n_head": 4}}
-    algo = OmegaConf.create(
-        {"loss_type": "mle", "num_atoms": 5, "V_min": -1.0, "V_max": 2.0, "warm_start": True}
+    algo = settings(
+        ValueGuidedConfig,
+        {"loss_type": "mle", "num_atoms": 5, "V_min": -1.0, "V_max": 2.0, "warm_start": True},
     )
     vm = build_value_model(ref, fam, algo, vocab_size=V)
     assert torch.equal(vm.backbone.embed_tokens.weight, ref.model.embed_tokens.weight)
@@ -225,9 +217,10 @@ def test_warm_start_layers_copies_only_the_bottom_blocks():
         V, n_layer=2, d_model=32, n_head=4, pad_token_id=PAD, eos_token_id=EOS, seed=1
     )
     fam = {"name": "tiny", "guide_arch": {"n_layer": 2, "d_model": 32, "n_head": 4}}
-    algo = OmegaConf.create(
+    algo = settings(
+        ValueGuidedConfig,
         {"loss_type": "bce", "num_atoms": 1, "V_min": 0.0, "V_max": 1.0}
-        | {"warm_start": True, "warm_start_layers": 1}
+        | {"warm_start": True, "warm_start_layers": 1},
     )
     vm = build_value_model(ref, fam, algo, vocab_size=V)
 

@@ -17,18 +17,10 @@ from pita.algos.guidance import CandidateGuidanceHook, HookStats, hook_factory, 
 from pita.models.generation import generate, position_ids_from_mask
 from pita.models.tiny import build_tiny_llama, tiny_llama_config
 from pita.models.value_model import ValueModel
-from tests.conftest import only, run_cli, run_dirs
+from tests.conftest import only, run_ok
 
 V, PAD, EOS = 12, 10, 11
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [3]]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _v_model(seed: int = 0, num_atoms: int = 1) -> ValueModel:
@@ -289,9 +281,7 @@ def test_training_and_guided_decoding_end_to_end(tmp_path, head):
         "algos.QSharp.lr_schedule=official",
         "algos.QSharp.weight_decay=0.1",
     ]
-    proc = run_cli(args, tmp_path, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    [run_dir] = run_dirs(tmp_path, name)
+    run_dir = run_ok(args, tmp_path, name, timeout=600)
     train_dir = next((run_dir / "tasks").glob("QSharp.*.r0.train"))
     result = json.loads((train_dir / "result.json").read_text())
     assert result["value_head"] == head and result["heldout_acc"] and "probe_heldout_acc" in result

@@ -21,6 +21,7 @@ timed_stage  # bench/scheduler.py: executor.stage_overrides to "bench.workload:t
 AggregateCallback  # conf/config.yaml: hydra.callbacks ... _target_
 _.on_multirun_end  # Hydra's Callback hook
 _.on_multirun_start  # Hydra's Callback hook (starts the sweep watcher)
+LockedRunLog  # conf/hydra/job_logging/pita.yaml: the run.log handler class
 
 # --- called by transformers / TRL / logging / torch ------------------------------------------
 _.on_log  # TrainerCallback hooks (pita/training/report.py, tracking.py, algos/trl_common.py)
@@ -64,15 +65,9 @@ weights_bytes  # pita/runtime/batch_size/search.py MemoryEstimate: the batch-siz
 # - pita/training/checkpoint.py: Checkpointer.enabled - never read (AlgoConfig.enabled's name hides it)
 # - pita/training/ddp.py: DistContext.backend - never read (other `backend`s hide it)
 
-# --- config keys (pita/core/schema.py fields) read by name: cfg.get("<key>") / OmegaConf -----
-checkpoint_every_minutes  # pita/runtime/kit.py, pita/algos/trl_common.py: training.get(...)
-memory_gb  # pita/experiment/estimates.py, pita/experiment/plan.py: model.get("memory_gb")
-gpus_per_task  # pita/experiment/plan.py: the family's gpus_per_task
-warm_start_layers  # pita/models/value_model.py: algo.get("warm_start_layers")
-value_head  # pita/models/value_model.py and guidance: algo.get("value_head")
-lr_schedule  # pita/algos/value_training.py: algo.get("lr_schedule")
-holdout_fraction  # pita/algos/value_training.py: algo.get("holdout_fraction")
-peft  # pita/algos/trl_common.py, pita/experiment/trl_options.py: algo.get("peft")
-trl  # the same: algo.get("trl")
-reward_trl  # the same: algo.get("reward_trl")
+# --- config keys (pita/core/schema.py fields) read by name ---------------------------------------
+trl  # pita/algos/trl_common.py: trl_options(ctx, key) reads algos.<NAME>.<key> by name, key="trl"
+reward_trl  # the same, key="reward_trl" (the reward model's TRL options)
 _.bounded  # pita/core/schema.py Rule.bounded: tests/test_schema.py checks every numeric key has one
+resume_safe_keys  # pita/core/schema.py: tests/test_affects.py ties docs/operations.md's resume sentence to it
+describe_keys  # the same: the sentence's text, derived from the fields' `affects`

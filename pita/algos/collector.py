@@ -49,6 +49,8 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pita.core.schema import ValueGuidedConfig
+
 
 def score_in_batches(
     task: Any, examples: Sequence, responses: Sequence[Sequence[int]], batch_size: int
@@ -94,7 +96,7 @@ class RolloutCollector:
         roll_in_top_k: int | None = None,
         reward_batch_size: int = 32,
         seed: int = 0,
-        heartbeat: Callable[[str], None] | None = None,
+        report: Callable[..., None] | None = None,
     ):
         self.reference, self.task = reference, task
         self.batch_size, self.max_new_tokens = batch_size, max_new_tokens
@@ -103,10 +105,18 @@ class RolloutCollector:
         self.hook_factory = roll_in_hook_factory
         self.roll_in_top_k = rollout_top_k if roll_in_top_k is None else roll_in_top_k
         self.reward_batch_size, self.seed = reward_batch_size, seed
-        self.heartbeat = heartbeat or (lambda msg: None)
+        self.report = report or (
+            lambda done, total, unit="", detail="": None
+        )  # ctx.report_progress
 
     def _generate(
-        self, prompts: list[list[int]], *, top_k: int, hook_factory: Callable | None, generator
+        self,
+        prompts: list[list[int]],
+        *,
+        top_k: int,
+        hook_factory: Callable | None,
+        generator,
+        on_batch: Callable[[int], None] | None = None,
     ):
         from pita.models.generation import generate
 
@@ -123,6 +133,7 @@ class RolloutCollector:
             top_p=self.top_p,
             generator=generator,
             offset_hook_factory=hook_factory,
+            on_batch=on_batch,
         )
 
     def collect(
@@ -146,10 +157,14 @@ class RolloutCollector:
         row_examples = [ex for _, ex in rows]
 
         # 1. roll-in: whole responses from the current policy π^k
+        total = 2 * len(rows)  # prompts generated: the roll-ins, then as many roll-outs
         roll_in = self._generate(
-            prompts, top_k=self.roll_in_top_k, hook_factory=self.hook_factory, generator=generator
+            prompts,
+            top_k=self.roll_in_top_k,
+            hook_factory=self.hook_factory,
+            generator=generator,
+            on_batch=lambda done: self.report(done, total, "prompts", "roll-in"),
         ).responses
-        self.heartbeat(f"roll-in: {len(rows)} responses")
         # 2. cut: keep c = h − 1 tokens, h ~ U{1..|y|−1} (c = 0 when |y| < 2)
         cuts = [rng.randint(0, max(0, len(y) - 2)) for y in roll_in]
         prefixes = [y[:c] for y, c in zip(roll_in, cuts)]
@@ -159,9 +174,9 @@ class RolloutCollector:
             top_k=self.rollout_top_k,
             hook_factory=None,
             generator=generator,
+            on_batch=lambda done: self.report(len(rows) + done, total, "prompts", "roll-out"),
         ).responses
         rollouts = [r[: self.max_new_tokens - c] for r, c in zip(cont, cuts)]
-        self.heartbeat(f"roll-out: {len(rows)} continuations")
         # 4. rewards of exactly the stored ids
         responses = [pre + ro for pre, ro in zip(prefixes, rollouts)]
         rewards = score_in_batches(self.task, row_examples, responses, self.reward_batch_size)
@@ -226,9 +241,7 @@ def ground_truth_pairs(
             if r < 1.0 and j not in wrong:
                 wrong[j] = list(y)
         pending = [j for j in pending if j not in wrong and tries[j] < max_tries]
-        collector.heartbeat(
-            f"ground truth vs first wrong: {len(wrong)}/{len(examples)} pairs, {len(pending)} pending"
-        )
+        collector.report(len(wrong), len(examples), "pairs", f"{len(pending)} pending")
     records = []
     for j in sorted(wrong):
         ex = examples[j]
@@ -284,7 +297,7 @@ def collect_shard(ctx: Any, *, pairs: bool) -> tuple[list[dict], dict]:
     task = ctx.build_task()
     tok = task.tokenizer
     examples = task.train_examples()
-    dc, gen, algo = ctx.cfg.data_collection, ctx.cfg.generation, ctx.algo_cfg
+    dc, gen, algo = ctx.data_collection, ctx.generation, ctx.algo_as(ValueGuidedConfig)
     if dc.max_examples:
         examples = examples[: dc.max_examples]
     part = ctx.shard_slice(len(examples))
@@ -323,12 +336,10 @@ def collect_shard(ctx: Any, *, pairs: bool) -> tuple[list[dict], dict]:
         roll_in_top_k=roll_in_top_k,
         reward_batch_size=generation_batch_size(ctx, dc.reward_batch_size, fallback=32),
         seed=ctx.seed,
-        heartbeat=ctx.heartbeat,
+        report=ctx.report_progress,
     )
-    samples = int(
-        algo.get("samples_per_example", 0) or dc.samples_per_example
-    )  # per-algo override, if any
-    recipe = str(dc.get("recipe", "rollouts"))
+    samples = algo.samples_per_example or dc.samples_per_example  # per-algo override, if any
+    recipe = dc.recipe
     dropped = None
     if recipe == "ground_truth_vs_first_wrong":
         hook = None  # one offline round of π_ref samples (module docstring)

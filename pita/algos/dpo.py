@@ -38,19 +38,29 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pita.core.paths import Artifact
+from pita.core.schema import PreferenceConfig, RewardModelMixin
 from pita.runtime.context import StageContext
 
 
 def training_prompts(ctx: StageContext, task) -> list:
     """The task's training prompts, at most `data_collection.max_examples` (0 = all)."""
     examples = task.train_examples()
-    cap = int(ctx.cfg.data_collection.max_examples)
+    cap = ctx.data_collection.max_examples
     return examples[:cap] if cap else examples
+
+
+def pair_settings(ctx: StageContext) -> PreferenceConfig | RewardModelMixin:
+    """`algos.<NAME>` of an algorithm whose collect writes preference pairs: DPO / RPO, or
+    an -HF variant (its proxy reward model's pairs)."""
+    algo = ctx.algo
+    if not isinstance(algo, (PreferenceConfig, RewardModelMixin)):
+        raise TypeError(f"algos.{ctx.task.algo} does not collect preference pairs")
+    return algo
 
 
 def samples_per_example(ctx: StageContext) -> int:
     """`algos.<NAME>.samples_per_example`, else `data_collection.samples_per_example`."""
-    return int(ctx.algo_cfg.samples_per_example) or int(ctx.cfg.data_collection.samples_per_example)
+    return pair_settings(ctx).samples_per_example or ctx.data_collection.samples_per_example
 
 
 def _unique(responses: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -129,7 +139,7 @@ def collect(ctx: StageContext) -> dict:
     indices = list(range(len(all_examples)))[ctx.shard_slice(len(all_examples))]
     k = samples_per_example(ctx)
     examples = [all_examples[i] for i in indices for _ in range(k)]
-    gen = ctx.cfg.generation
+    gen = ctx.generation
     prompts = [e.prompt_ids for e in examples]
     max_new = int(gen.max_new_tokens or task.max_new_tokens)
     bs = generation_batch_size(
@@ -147,18 +157,18 @@ def collect(ctx: StageContext) -> dict:
         top_k=gen.top_k,
         top_p=gen.top_p,
         generator=torch.Generator(device="cpu").manual_seed(ctx.seed),
+        on_batch=lambda done: ctx.report_progress(done, len(prompts), "prompts", "sampling"),
     )
-    ctx.heartbeat(f"sampled {len(examples)}")
 
     # Rewards in batches of data_collection.reward_batch_size (one verifier call per batch).
-    rb = generation_batch_size(ctx, ctx.cfg.data_collection.reward_batch_size, fallback=256)
+    rb = generation_batch_size(ctx, ctx.data_collection.reward_batch_size, fallback=256)
     rewards: list[float] = []
     for start in range(0, len(examples), rb):
         rewards += task.rewards(examples[start : start + rb], out.responses[start : start + rb])
     binary = all(r in (0.0, 1.0) for r in rewards)
 
     # Pairs per prompt, in token space.
-    max_pairs = int(ctx.algo_cfg.pairs_per_example)
+    max_pairs = pair_settings(ctx).pairs_per_example
     n_pairs = n_with_pairs = 0
     with open(ctx.out_dir / Artifact.PAIRS, "w") as f:
         for j, i in enumerate(indices):
@@ -278,7 +288,8 @@ def check_token_dataset(dataset, ids: dict[str, list[list[int]]]) -> None:
 
 
 def train(ctx: StageContext) -> dict:
-    """Train the policy with TRL's DPOTrainer on every round's pairs so far.
+    """Train the policy with TRL's DPOTrainer on every round's pairs so far, on the task's
+    gang when it has one (`run_on_gang`: each rank takes its share of every batch).
 
     Reads: `pairs.jsonl` of the `data` inputs, the start policy (round r-1's `model/` or
     π_ref), `algos.DPO.*` (beta, lr, epochs, sft_weight), `training.*`.
@@ -286,12 +297,18 @@ def train(ctx: StageContext) -> dict:
     performance_summary.txt, `train_log.jsonl`. Assumes the pairs' token ids are what
     the policy sampled (TRL gets them as ids).
     """
+    from pita.algos.trl_common import run_on_gang
+
+    return run_on_gang(ctx, _train)
+
+
+def _train(ctx: StageContext, dist: object = None) -> dict:
+    """`train` on one rank (or alone): the TRL Trainer finds the gang through accelerate."""
     import torch
     from datasets import Dataset
     from trl import DPOConfig
 
     from pita.algos.trl_common import (
-        applied_options,
         effective_batch,
         load_trainable_lm,
         lora_config,
@@ -304,7 +321,7 @@ def train(ctx: StageContext) -> dict:
     )
     from pita.models.loading import load_tokenizer
 
-    algo = ctx.algo_cfg
+    algo = ctx.algo_as(PreferenceConfig)
     # Data first (fail before loading models): the pairs of every round so far, shuffled.
     records = read_pairs(ctx.input("data"))
     if not records:
@@ -376,4 +393,4 @@ def train(ctx: StageContext) -> dict:
             "logps/rejected",
         ),
     )
-    return {"pairs": len(records), "start": start_dir, **end, **applied_options(args, ctx)}
+    return {"pairs": len(records), "start": start_dir, **end}

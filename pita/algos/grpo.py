@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pita.core.paths import Artifact
+from pita.core.schema import GRPOConfig as GRPOSettings
 from pita.runtime.context import StageContext
 
 
@@ -123,7 +124,6 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
     from trl import GRPOConfig
 
     from pita.algos.trl_common import (
-        applied_options,
         effective_batch,
         load_trainable_lm,
         lora_config,
@@ -136,7 +136,7 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
     )
     from pita.models.loading import load_tokenizer
 
-    algo, gen = ctx.algo_cfg, ctx.cfg.generation
+    algo, gen = ctx.algo_as(GRPOSettings), ctx.generation
     batch, group = effective_batch(ctx), int(algo.num_generations)
     if batch % group:
         raise ValueError(
@@ -221,7 +221,6 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
         "start": start_dir,
         "first_reward": first.get("reward"),
         **end,
-        **applied_options(args, ctx),
     }
 
 
@@ -232,6 +231,13 @@ def train(ctx: StageContext) -> dict:
     `algos.GRPO.*`, `training.*`. Writes: `model/`, training_metrics.png, performance_summary.txt
     (reward and KL are in result.json). Assumes the task has a reward for any response.
     """
+    from pita.algos.trl_common import run_on_gang
+
+    return run_on_gang(ctx, _train)
+
+
+def _train(ctx: StageContext, dist: object = None) -> dict:
+    """`train` on one rank of the task's gang (or alone)."""
     from pita.algos.dpo import training_prompts
 
     task = ctx.build_task()
@@ -244,6 +250,13 @@ def train_hf(ctx: StageContext) -> dict:
     reward is `reward_model/` of the `reward_model` input; the task's true reward is only
     logged (`true_reward`), never optimised. Writes what `train` writes.
     """
+    from pita.algos.trl_common import run_on_gang
+
+    return run_on_gang(ctx, _train_hf)
+
+
+def _train_hf(ctx: StageContext, dist: object = None) -> dict:
+    """`train_hf` on one rank of the task's gang (or alone)."""
     from pita.algos.dpo import training_prompts
     from pita.algos.reward_model import load_reward_scorer
 

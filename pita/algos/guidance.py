@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from pita.core.schema import GUIDANCE_MODES as MODES
+from pita.core.schema import ValueGuidedConfig
 from pita.models.value_model import ValueModel
 
 P_CLAMP = 1e-6
@@ -263,6 +264,6 @@ def guided_hook_factory(ctx: Any, guide_dir: str | Path, eta: float) -> Callable
     through the worker's model LRU (`ctx.models`). Its callers (evaluate, collect) sample
     guided decoding with the generator's top-k = `guidance.top_k`."""
     model = ctx.load_value_model(guide_dir)
-    guidance = ctx.algo_cfg.guidance
+    guidance = ctx.algo_as(ValueGuidedConfig).guidance
     top_k = int(guidance.top_k)
     return hook_factory(model, float(eta), str(guidance.mode), top_k, generation_top_k=top_k)

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from pita.algos.collector import collect_shard, read_jsonl, write_jsonl
 from pita.algos.value_training import train_value
 from pita.core.paths import Artifact
+from pita.core.schema import ValueGuidedConfig
 from pita.runtime.context import StageContext
 
 
@@ -87,4 +88,6 @@ def train(ctx: StageContext) -> dict:
     performance_summary.txt (see `pita.algos.value_training.train_value`).
     """
     records = read_jsonl(ctx.input("data"), Artifact.RECORDS)
-    return train_value(ctx, preference_items(records, str(ctx.algo_cfg.loss_type)))
+    return train_value(
+        ctx, preference_items(records, str(ctx.algo_as(ValueGuidedConfig).loss_type))
+    )

@@ -46,6 +46,7 @@ from typing import Any
 from pita.algos.collector import collect_shard, read_jsonl, write_jsonl
 from pita.algos.value_training import train_value
 from pita.core.paths import Artifact
+from pita.core.schema import ValueGuidedConfig
 from pita.runtime.context import StageContext
 
 
@@ -101,5 +102,7 @@ def train(ctx: StageContext) -> dict:
     training_metrics.png, performance_summary.txt. Assumes rewards in [V_min, V_max].
     """
     records = read_jsonl(ctx.input("data"), Artifact.RECORDS)
-    targets = reward_targets([r["reward"] for r in records], ctx.algo_cfg, ctx.task.algo)
+    targets = reward_targets(
+        [r["reward"] for r in records], ctx.algo_as(ValueGuidedConfig), ctx.task.algo
+    )
     return train_value(ctx, training_items(records, targets))

@@ -23,6 +23,7 @@ from pita.algos.collector import collect_shard, preference_pairs, read_jsonl, wr
 from pita.algos.qsharp import reward_targets, training_items
 from pita.algos.value_training import train_value
 from pita.core.paths import Artifact
+from pita.core.schema import ValueGuidedHFConfig
 from pita.runtime.context import StageContext
 
 
@@ -33,7 +34,7 @@ def collect(ctx: StageContext) -> dict:
     Reads: as `pita_algo.collect`. Writes: `records.jsonl` and `pairs.jsonl` (token ids).
     """
     records, stats = collect_shard(ctx, pairs=True)
-    cap, per_example = int(ctx.algo_cfg.pairs_per_example), {}
+    cap, per_example = int(ctx.algo_as(ValueGuidedHFConfig).pairs_per_example), {}
     pairs = []  # at most `pairs_per_example` per training prompt (the labelling budget)
     for pair in preference_pairs(records):
         per_example[pair["example"]] = per_example.get(pair["example"], 0) + 1
@@ -65,7 +66,7 @@ def train(ctx: StageContext) -> dict:
     """
     from pita.algos.reward_model import load_reward_scorer
 
-    algo = ctx.algo_cfg
+    algo = ctx.algo_as(ValueGuidedHFConfig)
     if algo.loss_type not in ("mle", "bce", "mse"):
         raise ValueError(
             f"algos.QSharp-HF.loss_type={algo.loss_type!r}: Q#-HF trains mle (or bce | mse)"

@@ -7,8 +7,9 @@ runs each, what each leaves in its task folder), the memory estimates (which mod
 stage holds), evaluate (which rows are guided decoding, which is π_ref itself), the report
 (row order) and the tests. Nothing outside `pita/algos/` branches on an algorithm's name
 (tests/test_registry.py checks): a decision that depends on the algorithm reads a field of
-its row. Adding an algorithm = one row here + `conf/algo/<name>.yaml` + its defaults line
-in `conf/config.yaml` (a test checks the two agree).
+its row. Adding an algorithm to pita = one row here + `conf/algo/<name>.yaml` + its defaults
+line in `conf/config.yaml` (a test checks the two agree); adding one from your own package
+= an entry point `pita_algorithms` (below, and docs/extending.md), no edit here.
 
 Functions are dotted paths, imported only in workers: this module imports nothing
 heavy, so the orchestrator can plan without torch. `executor.stage_overrides` replaces
@@ -76,9 +77,15 @@ class Algorithm:
     models: Mapping[str, tuple[Held, ...]] = field(default_factory=dict)
     is_reference: bool = False  # evaluates π_ref itself, once per sampling rule (no training)
     schema: type = ReferenceConfig  # its `algos.<NAME>` keys (pita/core/schema.py)
-    # Stages that train with pita's own loop through `pita.runtime.gang.run_stage`: with
+    # Stages that train on a gang through `pita.runtime.gang.run_stage` (pita's own loops,
+    # and the TRL stages whose ranks are accelerate's processes): with
     # `training.parallel_strategy` data_parallel / fsdp the planner gives them a gang.
     gang_stages: tuple[str, ...] = ()
+
+    @property
+    def schema_path(self) -> str:
+        """ "module:Class" of `schema`: how a task names it to its worker (`ctx.algo`)."""
+        return f"{self.schema.__module__}:{self.schema.__qualname__}"
 
 
 # Stages every chain shares unless an algorithm names its own function.
@@ -177,7 +184,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             # with the vocabulary and pairs. Kept apart so that no plan changes.
             models={**_VALUE_MODELS, "reward_model": (Held("reward", "train", atoms_head=True),)},
             schema=ValueGuidedHFConfig,
-            gang_stages=("train",),
+            gang_stages=("reward_model", "train"),
         ),
         # policy-optimisation baselines with TRL (pita/algos/dpo.py, grpo.py)
         # DPO is plain DPO (`sft_weight: 0`, as the papers ran it); RPO is the same trainer with
@@ -190,6 +197,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             outputs=_POLICY_OUTPUTS,
             models=_POLICY_MODELS,
             schema=PreferenceConfig,
+            gang_stages=("train",),
         ),
         Algorithm(
             "RPO",
@@ -198,6 +206,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             outputs=_POLICY_OUTPUTS,
             models=_POLICY_MODELS,
             schema=PreferenceConfig,
+            gang_stages=("train",),
         ),
         Algorithm(
             "GRPO",
@@ -206,6 +215,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             outputs={"train": (Artifact.MODEL,)},
             models={"train": _GRPO_TRAIN, "evaluate": _POLICY_MODELS["evaluate"]},
             schema=GRPOConfig,
+            gang_stages=("train",),
         ),
         Algorithm(
             "GRPO-HF",
@@ -223,9 +233,41 @@ ALGORITHMS: dict[str, Algorithm] = {
                 "train": (*_GRPO_TRAIN, Held("reward", "forward", sequences=2)),
             },
             schema=GRPOHFConfig,
+            gang_stages=("reward_model", "train"),
         ),
     )
 }
+
+
+# --- algorithms and datasets of your own package, without editing pita ---------------------
+# A package declares entry points (docs/extending.md): `pita_algorithms` entries load to an
+# `Algorithm` row (or a list of them); `pita_datasets` entries (read by pita/datasets) name a
+# module with `validate_cfg` and `build`. Algorithms are read here, once, while this table is
+# built, so every list derived from it below (names, guided rows, schemas) and
+# every process that imports it (the orchestrator, each worker, a Ray or SLURM node with the
+# package installed) sees the same algorithms.
+PLUGIN_ALGORITHMS = "pita_algorithms"
+
+
+def _plugins() -> None:
+    from importlib.metadata import entry_points
+
+    from pita.core.schema import ALGO_SCHEMAS
+
+    for ep in entry_points(group=PLUGIN_ALGORITHMS):
+        rows = ep.load()
+        for row in rows if isinstance(rows, (list, tuple)) else [rows]:
+            if not isinstance(row, Algorithm) or row.name in ALGORITHMS or row.name == ANY:
+                raise ValueError(
+                    f"entry point {ep.name} = {ep.value} ({PLUGIN_ALGORITHMS}): must give "
+                    f"Algorithm rows with new names (taken: {', '.join(ALGORITHMS)})"
+                )
+            ALGORITHMS[row.name] = row
+            if row.schema not in ALGO_SCHEMAS.values():  # conf/algo yaml: defaults [<name>]
+                ALGO_SCHEMAS[f"{row.name}_schema"] = row.schema
+
+
+_plugins()
 ALGO_NAMES: tuple[str, ...] = tuple(ALGORITHMS)
 GUIDED: tuple[str, ...] = tuple(name for name, a in ALGORITHMS.items() if a.guided)
 REFERENCE: tuple[str, ...] = tuple(name for name, a in ALGORITHMS.items() if a.is_reference)

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pita.core.paths import Artifact
+from pita.core.schema import RewardModelMixin
 from pita.runtime.context import StageContext
 
 HELDOUT_FRACTION = 0.1
@@ -59,7 +60,7 @@ def pairwise_accuracy(scorer, records: Sequence[dict]) -> float:
 def _scorer_batch(ctx: StageContext) -> int:
     from pita.runtime.batching import generation_batch_size
 
-    return generation_batch_size(ctx, ctx.cfg.data_collection.reward_batch_size, fallback=32)
+    return generation_batch_size(ctx, ctx.data_collection.reward_batch_size, fallback=32)
 
 
 def load_reward_scorer(ctx: StageContext, folder: Path | str):
@@ -72,9 +73,7 @@ def load_reward_scorer(ctx: StageContext, folder: Path | str):
         folder = folder / Artifact.REWARD_MODEL
 
     def load():
-        model = load_reward_model(
-            str(folder), device=ctx.device, attn_impl=ctx.cfg.system.attn_impl
-        )
+        model = load_reward_model(str(folder), device=ctx.device, attn_impl=ctx.system.attn_impl)
         return RewardScorer(
             model, load_tokenizer(str(folder)), _scorer_batch(ctx), padding_side="right"
         )
@@ -88,8 +87,16 @@ def train_reward_model(ctx: StageContext) -> dict:
     Reads: `pairs.jsonl` of the `data` inputs, π_ref (the backbone, with a fresh scalar
     head) and its tokenizer, `algos.<NAME>.*`. Writes: `reward_model/`
     (sequence-classification model + tokenizer), training_metrics.png, and the held-out
-    pairwise accuracy in result.json. Holds out 10 % of prompts to measure it.
+    pairwise accuracy in result.json. Holds out 10 % of prompts to measure it. Trains on
+    the task's gang when it has one (`run_on_gang`); rank 0 measures the accuracies.
     """
+    from pita.algos.trl_common import run_on_gang
+
+    return run_on_gang(ctx, _train_reward_model)
+
+
+def _train_reward_model(ctx: StageContext, dist: object = None) -> dict:
+    """`train_reward_model` on one rank of the task's gang (or alone)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification
@@ -97,7 +104,6 @@ def train_reward_model(ctx: StageContext) -> dict:
 
     from pita.algos.dpo import read_pairs
     from pita.algos.trl_common import (
-        applied_options,
         effective_batch,
         quiet,
         stage_log_callback,
@@ -108,7 +114,7 @@ def train_reward_model(ctx: StageContext) -> dict:
     from pita.models.loading import load_tokenizer
     from pita.models.reward_scorer import RewardScorer
 
-    algo = ctx.algo_cfg
+    algo = ctx.algo_as(RewardModelMixin)
     # Data: every round's pairs, split by prompt into train / held-out.
     records = read_pairs(ctx.input("data"))
     train_pairs, heldout = split_by_prompt(records, HELDOUT_FRACTION, ctx.seed)
@@ -129,7 +135,7 @@ def train_reward_model(ctx: StageContext) -> dict:
     tok = load_tokenizer(ref_dir)
     torch.manual_seed(ctx.seed)
     model = AutoModelForSequenceClassification.from_pretrained(
-        ref_dir, num_labels=1, dtype=torch.float32, attn_implementation=ctx.cfg.system.attn_impl
+        ref_dir, num_labels=1, dtype=torch.float32, attn_implementation=ctx.system.attn_impl
     )
     model.config.pad_token_id = tok.pad_token_id
 
@@ -159,7 +165,11 @@ def train_reward_model(ctx: StageContext) -> dict:
         len(ctx.input("data")),
         ref_dir,
     )
-    model, end = train_and_save(ctx, trainer, tok, Artifact.REWARD_MODEL, ("train_loss",))
+    model, end = train_and_save(
+        ctx, trainer, tok, Artifact.REWARD_MODEL, ("train_loss",), options="reward_trl"
+    )
+    if not trainer.is_world_process_zero():
+        return end  # rank 0's result is the task's
     scorer = RewardScorer(model, tok, _scorer_batch(ctx), padding_side="right")
     result = {
         "pairs": len(train_pairs),
@@ -167,7 +177,6 @@ def train_reward_model(ctx: StageContext) -> dict:
         "train_accuracy": pairwise_accuracy(scorer, train_pairs[:2000]),
         "heldout_accuracy": pairwise_accuracy(scorer, heldout),
         **end,
-        **applied_options(args, ctx, "reward_trl"),
     }
     ctx.logger.info(
         "pairwise accuracy: train %.3f, held-out %.3f",

@@ -25,6 +25,17 @@
   result's common part), the same for DPO, GRPO, GRPO-HF and the reward model.
 - `StageLogCallback`: TRL's log lines go to the task's `log.txt`, to `train_log.jsonl`
   in the task folder and to the worker's heartbeat.
+- `run_on_gang(ctx, body)`: the stage body on every rank of the task's gang
+  (`task.gpus` > 1 with `task.strategy` ddp | fsdp, pita/experiment/gangs.py): the gang's
+  ranks are the accelerate processes TRL expects (RANK / WORLD_SIZE / LOCAL_RANK /
+  MASTER_ADDR / MASTER_PORT set and the process group up before the Trainer is built, so
+  accelerate picks it up: `MULTI_CPU` on CPU, `MULTI_GPU` on CUDA, `FSDP` on CUDA under
+  fsdp through `TrainingArguments(fsdp=True, fsdp_config={"version": 2, ...})`, the form
+  transformers 5 keeps of `fsdp="full_shard auto_wrap"`).
+  The effective batch is the gang's: each of k ranks takes 1/k of it, with the same data
+  order (accelerate's seedable sampler, batches dealt to ranks in turn), so k ranks step as
+  one process on the same examples. Rank 0 writes the task's files; `distributed_info`
+  records the strategy that really ran (accelerate's `distributed_type`) in result.json.
 - `offline()`: the hub is never contacted (HF_HUB_OFFLINE and friends), so a missing file
   fails fast instead of hanging a CPU box without network; no `datasets` progress bars.
 - Where the checkpoints come from: `ctx.reference_model()` (π_ref), `policy_start_dir` (the policy
@@ -42,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from pita.core.paths import Artifact
+from pita.core.schema import GRPOConfig, PreferenceConfig, TrainedConfig
 from pita.runtime.context import StageContext
 
 OFFLINE_ENV = {
@@ -70,6 +82,76 @@ def offline() -> None:
         pass
 
 
+# --- the task's gang -------------------------------------------------------------------------
+
+
+def cpu_fsdp_note(task_id: str) -> str:
+    """The one line a TRL task under `training.parallel_strategy=fsdp` logs where it runs DDP
+    (CPU and `fake:` devices; the dry run prints the same line)."""
+    return (
+        f"{task_id}: training.parallel_strategy=fsdp runs DDP here (replicated ranks): "
+        "accelerate has no FSDP on CPU, a TRL stage shards only on CUDA"
+    )
+
+
+def gang_rank() -> tuple[int, int]:
+    """(rank, world size) of this process in the task's gang; (0, 1) outside one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def run_on_gang(ctx: StageContext, body: Any) -> dict:
+    """`body(ctx, dist)` (a module-level function: it is pickled) on every rank of the task's
+    gang, or here alone; rank 0's result. See the module docstring."""
+    from pita.runtime.gang import run_stage
+
+    if ctx.task.gpus > 1 and str(ctx.training.parallel_strategy) == "fsdp":
+        if ctx.task.strategy != "fsdp":
+            ctx.logger.info(cpu_fsdp_note(ctx.task.id))
+    return run_stage(ctx, body)
+
+
+def distributed_info(trainer: Any) -> dict[str, Any]:
+    """What really ran, for result.json: accelerate's `distributed_type` (NO, MULTI_CPU,
+    MULTI_GPU, FSDP, ...), its number of processes and FSDP's version when sharded."""
+    acc = trainer.accelerator
+    kind = acc.distributed_type
+    info: dict[str, Any] = {
+        "distributed_type": str(getattr(kind, "value", kind)),
+        "num_processes": int(acc.num_processes),
+    }
+    plugin = getattr(acc.state, "fsdp_plugin", None)
+    if plugin is not None and info["distributed_type"] == "FSDP":
+        info["fsdp_version"] = int(getattr(plugin, "fsdp_version", 1))
+    return info
+
+
+def fsdp_kwargs(ctx: StageContext, on_cuda: bool) -> dict[str, Any]:
+    """TrainingArguments' FSDP2 fields for a task the planner gave `strategy=fsdp`, on CUDA
+    only (accelerate has no FSDP on CPU: the planner never gives a TRL task fsdp there).
+    Each transformer block is wrapped (`_no_split_modules`), parameters resharded after
+    forward; the final model is gathered in full for `save_pretrained`."""
+    if ctx.task.strategy != "fsdp" or not on_cuda:
+        return {}
+    return {
+        # transformers 5 deprecates the string form ("full_shard auto_wrap"): fsdp=True and
+        # the rest in fsdp_config (FSDP2's full shard is reshard_after_forward=True)
+        "fsdp": True,
+        "fsdp_config": {
+            "version": 2,
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "reshard_after_forward": True,
+            "state_dict_type": "FULL_STATE_DICT",
+            "cpu_ram_efficient_loading": False,
+            # FSDP's own activation checkpointing (the Trainer's would all-gather twice)
+            "activation_checkpointing": bool(ctx.training.gradient_checkpointing),
+        },
+    }
+
+
 # --- checkpoints --------------------------------------------------------------------------
 
 
@@ -82,22 +164,24 @@ def policy_start_dir(ctx: StageContext) -> str:
 
 def load_trainable_lm(ctx: StageContext, path: str):
     """A fresh fp32 copy of a causal LM for training (never the worker's cached copy: the
-    trainers patch `forward` and change the weights). Mixed precision is autocast's job."""
-    from pita.models.loading import load_causal_lm
+    trainers patch `forward` and change the weights), through the stages' one loader."""
+    from pita.models.placement import load_stage_lm
 
-    return load_causal_lm(
+    return load_stage_lm(
         path,
-        dtype="float32",
+        family=ctx.task.family,
+        family_cfg=ctx.cfg.model,
         device=ctx.device,
-        attn_impl=ctx.cfg.system.attn_impl,
-        trust_remote_code=bool(ctx.cfg.model.get("trust_remote_code", False)),
+        attn_impl=ctx.system.attn_impl,
+        trainable=True,
     )
 
 
-def save_model(model: Any, tokenizer: Any, folder: Path) -> None:
-    """`save_pretrained` of the unwrapped model and its tokenizer (loadable with from_pretrained);
-    the trainer's unused, empty `output_dir` beside it is removed."""
-    model.save_pretrained(folder)
+def save_model(model: Any, tokenizer: Any, folder: Path, state_dict: Any = None) -> None:
+    """`save_pretrained` of the unwrapped model and its tokenizer (loadable with from_pretrained;
+    `state_dict`: the full weights gathered from FSDP shards); the trainer's unused, empty
+    `output_dir` beside it is removed."""
+    model.save_pretrained(folder, state_dict=state_dict)
     tokenizer.save_pretrained(folder)
     with contextlib.suppress(OSError):  # rmdir refuses a folder that is not empty
         (Path(folder).parent / Artifact.TRAINER_SCRATCH).rmdir()
@@ -109,7 +193,7 @@ def save_model(model: Any, tokenizer: Any, folder: Path) -> None:
 def effective_batch(ctx: StageContext, fallback: int = 64) -> int:
     """`algos.<NAME>.batch_size` (the effective batch); `auto` -> `fallback` (the micro-batch,
     not the effective batch, is what memory limits)."""
-    value = ctx.algo_cfg.batch_size
+    value = ctx.algo_as(TrainedConfig).batch_size
     if isinstance(value, int):
         return value
     ctx.logger.info(
@@ -127,7 +211,7 @@ def micro_batches(ctx: StageContext, batch: int) -> tuple[int, int]:
     from pita.training.loop import micro_batch_plan
 
     return micro_batch_plan(
-        batch, ctx.cfg.training, ctx.task.batch_scale, whole_batch=ctx.has_input("reference")
+        batch, ctx.training, ctx.task.batch_scale, whole_batch=ctx.has_input("reference")
     )
 
 
@@ -136,7 +220,7 @@ def precision_flags(ctx: StageContext) -> dict[str, bool]:
     by the shared training stack (TRL defaults to bf16, which must be off on a CPU)."""
     from pita.training.precision import trl_precision_kwargs
 
-    return trl_precision_kwargs(ctx.cfg.training, ctx.device, logger=ctx.logger)
+    return trl_precision_kwargs(ctx.training, ctx.device, logger=ctx.logger)
 
 
 def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
@@ -146,26 +230,28 @@ def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
     from pita.training.checkpoint import time_checkpoint_callback
     from pita.training.loop import TrainingMetrics
     from pita.training.report import trainer_metrics_callback, write_training_report
-    from pita.training.tracking import logger_cfg, trl_callback
+    from pita.training.tracking import trl_callback
 
     args = trainer.args
     world = max(1, int(getattr(args, "world_size", 1) or 1))
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
     metrics = TrainingMetrics(ctx.device)
     trainer.add_callback(trainer_metrics_callback(metrics, samples_per_step=per_step))
-    if str(logger_cfg(ctx.cfg).get("backend")) != "none":  # TRL reports to none: our tracker
+    if ctx.logger_settings.backend != "none":  # TRL reports to none: our tracker
         trainer.add_callback(trl_callback(task_tracker(ctx)))
-    minutes = float(ctx.cfg.training.get("checkpoint_every_minutes", 0.0) or 0.0)
+    minutes = ctx.training.checkpoint_every_minutes
     if args.save_strategy != "no" and minutes > 0:
         trainer.add_callback(time_checkpoint_callback(minutes))
     _train_resumable(ctx, trainer, metrics)
+    if not trainer.is_world_process_zero():
+        return {}
     return write_training_report(
         ctx.out_dir,
         metrics,
         micro_batch=args.per_device_train_batch_size,
         accumulation_steps=args.gradient_accumulation_steps,
         world_size=world,
-        gradient_checkpointing=bool(ctx.cfg.training.gradient_checkpointing),
+        gradient_checkpointing=ctx.training.gradient_checkpointing,
         precision=precision_for(ctx),
         title=ctx.task.id,
     )
@@ -205,7 +291,12 @@ def _train_resumable(ctx: StageContext, trainer: Any, metrics: Any) -> None:
 
 
 def train_and_save(
-    ctx: StageContext, trainer: Any, tokenizer: Any, artifact: str, logged: tuple[str, ...]
+    ctx: StageContext,
+    trainer: Any,
+    tokenizer: Any,
+    artifact: str,
+    logged: tuple[str, ...],
+    options: str = "trl",
 ) -> tuple[Any, dict[str, Any]]:
     """The ending every TRL stage shares: `train_with_report` (resuming from the task's
     newest committed checkpoint; training_metrics.png, performance_summary.txt), then the
@@ -214,14 +305,29 @@ def train_and_save(
     removed, its checkpoints go with the task's checkpoint folder once committed).
 
     Returns (the trained model in eval mode, the common part of the stage's result:
-    `steps`, the last logged value of each `logged` key, `performance`)."""
+    `steps`, the last logged value of each `logged` key, `performance` and the TRL options
+    of `algos.<NAME>.<options>` as the built config holds them)."""
     performance = train_with_report(ctx, trainer)
-    model = merged_adapter(ctx, trainer.accelerator.unwrap_model(trainer.model)).eval()
-    save_model(model, tokenizer, ctx.out_dir / artifact)
-    return model, {
+    info = distributed_info(trainer)
+    # FSDP: every rank takes part in gathering the full weights; rank 0 writes them
+    state_dict = (
+        trainer.accelerator.get_state_dict(trainer.model)
+        if info["distributed_type"] == "FSDP"
+        else None
+    )
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if trainer.is_world_process_zero():
+        model = merged_adapter(ctx, model)
+        save_model(model, tokenizer, ctx.out_dir / artifact, state_dict)
+    ctx.logger.info(
+        "trained with %s over %d process(es)", info["distributed_type"], info["num_processes"]
+    )
+    return model.eval(), {
         "steps": trainer.state.global_step,
         **last_logged(trainer, *logged),
         "performance": performance,
+        **applied_options(trainer.args, ctx, options),
+        "distributed": info,
     }
 
 
@@ -234,26 +340,20 @@ def trl_options(ctx: StageContext, key: str = "trl") -> dict[str, Any]:
     """`algos.<NAME>.trl` (or `.reward_trl`, the -HF reward model's) as a plain dict: any
     other TRL config field, checked in the parent (pita/experiment/trl_options.py: a field
     of the config, not one pita sets itself)."""
-    from omegaconf import DictConfig, OmegaConf
-
-    value = ctx.algo_cfg.get(key) or {}
-    if isinstance(value, DictConfig):
-        value = OmegaConf.to_container(value, resolve=True)
-    return dict(value)  # type: ignore[arg-type]
+    return dict(getattr(ctx.algo, key))
 
 
 def lora_config(ctx: StageContext):
     """peft's LoraConfig of `algos.<NAME>.peft` (keys and values checked in the parent,
     pita/core/schema.py `PEFT_KEYS`), or None for full fine-tuning."""
-    spec = ctx.algo_cfg.get("peft")
+    algo = ctx.algo
+    spec = algo.peft if isinstance(algo, (PreferenceConfig, GRPOConfig)) else None
     if spec is None:
         return None
-    from omegaconf import OmegaConf
     from peft import LoraConfig
 
     from pita.core.schema import PEFT_KEYS
 
-    spec = OmegaConf.to_container(spec, resolve=True) if not isinstance(spec, dict) else spec
     lora = {k: spec.get(k, default) for k, (default, _) in PEFT_KEYS.items()}
     return LoraConfig(
         r=int(lora["r"]),
@@ -329,13 +429,19 @@ def training_args(
     from pita.training.loop import dataloader_kwargs
 
     offline()
-    tr = ctx.cfg.training
+    tr = ctx.training
     on_cuda = torch.device(ctx.device).type == "cuda" and torch.cuda.is_available()
-    micro, accum = micro_batches(ctx, batch_size)
+    _, world = gang_rank()
+    if batch_size % world:  # the planner checks integer batches; this is `auto`'s fallback
+        raise ValueError(
+            f"algos.{ctx.task.algo}.batch_size={batch_size}: the gang's {world} ranks each "
+            f"take an equal share; use a multiple of {world}"
+        )
+    micro, accum = micro_batches(ctx, batch_size // world)  # each rank's share of the batch
     # algos.<NAME>.num_workers (the seed guide's key) wins; 0 there defers to training.num_workers;
     # -1 = auto: this worker's thread budget - 1, at most 4 (`dataloader_kwargs`)
-    workers = int(ctx.algo_cfg.num_workers) or int(tr.num_workers)
-    loader = dataloader_kwargs(workers, bool(tr.pin_memory), "cuda" if on_cuda else "cpu")
+    workers = ctx.algo_as(TrainedConfig).num_workers or tr.num_workers
+    loader = dataloader_kwargs(workers, tr.pin_memory, "cuda" if on_cuda else "cpu")
     # transformers 5 renamed gradient_checkpointing (a deprecated alias that warns) to activation_checkpointing
     names = {f.name for f in dataclasses.fields(config_cls)}
     checkpointing = (
@@ -343,12 +449,17 @@ def training_args(
         if "activation_checkpointing" in names
         else "gradient_checkpointing"
     )
-    extra = {checkpointing: bool(tr.gradient_checkpointing), **extra}
+    sharding = fsdp_kwargs(ctx, on_cuda)
+    extra = {checkpointing: bool(tr.gradient_checkpointing) and not sharding, **extra}
 
     saving = {
         "output_dir": str(ctx.out_dir / Artifact.TRAINER_SCRATCH),
         **trl_checkpoint_kwargs(ctx),
     }
+    if world > 1 and not int(tr.checkpoint_every or 0):
+        # time-based saves are decided by each rank's own clock: ranks that disagree on
+        # whether to save would wait for each other forever; a gang saves by steps only
+        saving = {"output_dir": saving["output_dir"], "save_strategy": "no"}
     kwargs = dict(
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=accum,
@@ -374,6 +485,7 @@ def training_args(
         push_to_hub=False,
         disable_tqdm=True,
         **precision_flags(ctx),
+        **sharding,
         **extra,
     )
     if options:
@@ -384,11 +496,13 @@ def training_args(
         )
     args = config_cls(**{**kwargs, **(options or {})})
     ctx.logger.info(
-        "%s: effective batch %d = %d micro x %d accumulation, lr %.2e, %s, %s, device %s",
+        "%s: effective batch %d = %d micro x %d accumulation x %d rank(s), lr %.2e, %s, %s, "
+        "device %s",
         config_cls.__name__,
         batch_size,
         micro,
         accum,
+        world,
         lr,
         f"{steps} steps" if steps > 0 else f"{epochs} epoch(s)",
         "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
@@ -417,7 +531,14 @@ def stage_log_callback(ctx: StageContext):
     t0 = time.time()
 
     class StageLogCallback(TrainerCallback):
+        live = ""  # the last logged loss / reward / kl, shown with every step's progress
+
+        def on_step_end(self, args, state, control, **kwargs):
+            ctx.report_progress(state.global_step, state.max_steps, "step", self.live)
+
         def on_log(self, args, state, control, logs=None, **kwargs):
+            if not state.is_world_process_zero:  # a gang: rank 0 writes for all
+                return
             logs = {k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))}
             record = {
                 "step": state.global_step,
@@ -429,8 +550,10 @@ def stage_log_callback(ctx: StageContext):
                 f.write(json.dumps(record) + "\n")
             shown = ", ".join(f"{k}={v:.4g}" for k, v in logs.items() if _worth_showing(k))
             ctx.logger.info("step %d/%d %s", state.global_step, state.max_steps, shown)
-            live = " ".join(f"{k}={logs[k]:.3g}" for k in ("loss", "reward", "kl") if k in logs)
-            ctx.heartbeat(f"step {state.global_step}/{state.max_steps} {live}".strip())
+            self.live = " ".join(
+                f"{k}={logs[k]:.3g}" for k in ("loss", "reward", "kl") if k in logs
+            )
+            ctx.report_progress(state.global_step, state.max_steps, "step", self.live)
 
     return StageLogCallback()
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pita.core.paths import Artifact
+from pita.core.schema import ValueGuidedConfig
 from pita.runtime.context import StageContext
 
 
@@ -240,18 +241,18 @@ def setup(ctx: StageContext, items: Sequence[tuple], dist: Any = None) -> ValueR
     from pita.training.loop import enable_gradient_checkpointing
     from pita.training.precision import training_device
 
-    algo = ctx.algo_cfg
+    algo = ctx.algo_as(ValueGuidedConfig)
     if not items:
         raise ValueError(f"{ctx.task.id}: no training records in {ctx.input('data')}")
     torch.manual_seed(ctx.seed)
-    device = torch.device(training_device(ctx.cfg.system.gpu_mode, ctx.device).device)
+    device = torch.device(training_device(ctx.system.gpu_mode, ctx.device).device)
     reference = ctx.load_model(ctx.reference_model())
     data, held = _data(ctx, items, reference)
     model, init = _model(ctx, reference)
     model.to(device).train()
     diagnostics = _probe(ctx, model, data, held, device)
     checkpointing = enable_gradient_checkpointing(
-        model.backbone, ctx.cfg.training.gradient_checkpointing, ctx.logger
+        model.backbone, ctx.training.gradient_checkpointing, ctx.logger
     )
     n = data["unique"]
     auto = not isinstance(algo.batch_size, int)  # auto: the probe picks the micro-batch
@@ -279,7 +280,7 @@ def _data(ctx: StageContext, items: Sequence[tuple], reference: Any) -> tuple[di
 
     pad_id = int(reference.config.pad_token_id if reference.config.pad_token_id is not None else 0)
     items, held_items = value_diagnostics.split_holdout(
-        items, float(ctx.algo_cfg.get("holdout_fraction", 0.0)), ctx.seed
+        items, ctx.algo_as(ValueGuidedConfig).holdout_fraction, ctx.seed
     )
     data = build_targets(items, pad_id)
     held = build_targets(held_items, pad_id) if held_items else None
@@ -298,10 +299,10 @@ def _model(ctx: StageContext, reference: Any) -> tuple[Any, str]:
     π_ref); its head must be the one the config trains."""
     from pita.models.value_model import ValueModel, build_value_model, head_atoms, value_init
 
-    algo = ctx.algo_cfg
+    algo = ctx.algo_as(ValueGuidedConfig)
     if ctx.has_input("previous"):
         prev = ctx.input("previous") / Artifact.VALUE_MODEL
-        model = ValueModel.load(prev, device="cpu", attn_impl=ctx.cfg.system.attn_impl)
+        model = ValueModel.load(prev, device="cpu", attn_impl=ctx.system.attn_impl)
         ctx.logger.info("warm start from the previous round's checkpoint %s", prev)
         init = f"previous:{ctx.input('previous').name}"
     else:
@@ -311,7 +312,7 @@ def _model(ctx: StageContext, reference: Any) -> tuple[Any, str]:
             algo,
             vocab_size=reference.config.vocab_size,
             seed=ctx.seed,
-            attn_impl=ctx.cfg.system.attn_impl,
+            attn_impl=ctx.system.attn_impl,
             logger=ctx.logger,
         )
         init = value_init(algo, ctx.cfg.model)  # reference | base | scratch (issue 23)
@@ -320,10 +321,10 @@ def _model(ctx: StageContext, reference: Any) -> tuple[Any, str]:
             f"{ctx.task.id}: checkpoint has {model.num_outputs} outputs per token but "
             f"loss_type={algo.loss_type} needs {head_atoms(algo.loss_type, algo.num_atoms)}"
         )
-    if model.head_type != str(algo.get("value_head", "q")):
+    if model.head_type != algo.value_head:
         raise ValueError(
             f"{ctx.task.id}: checkpoint has value_head={model.head_type}, config says "
-            f"{algo.get('value_head', 'q')}"
+            f"{algo.value_head}"
         )
     return model, init
 
@@ -333,8 +334,8 @@ def _probe(ctx: StageContext, model: Any, data: dict, held: dict | None, device:
     hold-out): its held-out accuracy, and a warning when the run looks set to plateau."""
     from pita.algos import value_diagnostics
 
-    algo = ctx.algo_cfg
-    if held is None or int(algo.get("probe_steps", 0)) <= 0:
+    algo = ctx.algo_as(ValueGuidedConfig)
+    if held is None or algo.probe_steps <= 0:
         return {}
     probe = value_diagnostics.linear_probe(
         model, data, held, device, steps=int(algo.probe_steps), seed=ctx.seed
@@ -360,7 +361,7 @@ def _batching(ctx: StageContext, run: ValueRun, auto: bool) -> None:
     from pita.training.ddp import wrap_model
     from pita.training.loop import accumulation_plan, micro_batch_plan
 
-    tr, algo, n, device = ctx.cfg.training, run.algo, run.n, run.device
+    tr, algo, n, device = ctx.training, run.algo, run.n, run.device
     share = -(-run.batch // run.world)  # the largest rank's share of a step's batch
     micro, _ = micro_batch_plan(share, tr, ctx.task.batch_scale, whole_batch=True)
     # The whole training set lives on the device (pre-tensorised, copied once): a step only
@@ -443,15 +444,11 @@ def _optimizer(ctx: StageContext, run: ValueRun) -> None:
     from pita.runtime.kit import train_step
 
     algo, steps = run.algo, run.steps
-    wd = (
-        ctx.cfg.training.weight_decay
-        if algo.get("weight_decay") is None
-        else float(algo.weight_decay)
-    )
+    wd = ctx.training.weight_decay if algo.weight_decay is None else algo.weight_decay
     run.optim = torch.optim.AdamW(
         run.model.parameters(), lr=float(algo.lr), weight_decay=wd, **_fused_adamw(run.device)
     )
-    if str(algo.get("lr_schedule", "cosine")) == "official":  # the Q# star-graph classifier's
+    if algo.lr_schedule == "official":  # the Q# star-graph classifier's
         run.sched = official_schedule(run.optim, steps)
     else:
         run.sched = get_cosine_schedule_with_warmup(run.optim, min(100, steps // 10), steps)
@@ -471,6 +468,7 @@ def _resume(ctx: StageContext, run: ValueRun) -> None:
     (`training.checkpoint_every`: a retry continues from there)."""
     import torch
 
+    from pita.runtime.gang import checkpoint_objects
     from pita.runtime.kit import checkpointer
 
     run.gen = torch.Generator().manual_seed(ctx.seed)
@@ -486,10 +484,13 @@ def _resume(ctx: StageContext, run: ValueRun) -> None:
         run.trainer.precision.name,
         run.init,
     )
-    run.ckpt = checkpointer(ctx, writer=run.dist is None or run.dist.is_main)
+    run.ckpt = checkpointer(
+        ctx, writer=run.dist is None or run.dist.is_main, collective=run.dist is not None
+    )
+    model, optim = checkpoint_objects(ctx, run.model, run.optim)
     run.start, extra = run.ckpt.restore(
-        model=run.model,
-        optimizer=run.optim,
+        model=model,
+        optimizer=optim,
         scheduler=run.sched,
         step=run.trainer,
         max_step=run.steps,
@@ -505,8 +506,12 @@ def train_loop(ctx: StageContext, run: ValueRun) -> None:
     weight, a log window every `log_every` steps, a checkpoint when due."""
     import torch
 
+    from pita.runtime.gang import checkpoint_objects
+
     n, batch, weight = run.n, run.batch, run.tensors[3]
-    model, optim, sched, gen = run.model, run.optim, run.sched, run.gen
+    model, optim = checkpoint_objects(ctx, run.model, run.optim)
+    sched, gen = run.sched, run.gen
+    detail = ""  # the last log window's loss, shown with every step's progress
     for step in range(run.start, run.steps):
         if run.cursor + batch > n:  # the next epoch, freshly shuffled
             run.order, run.cursor = torch.randperm(n, generator=gen).to(run.device), 0
@@ -515,7 +520,8 @@ def train_loop(ctx: StageContext, run: ValueRun) -> None:
         parts, shares = _micro_batches(run, idx, weight)
         run.trainer.run(parts, run.loss_fn, weights=shares, samples=len(idx))
         if (step + 1) % run.log_every == 0 or step + 1 == run.steps:
-            _log_window(ctx, run, step + 1)
+            detail = _log_window(ctx, run, step + 1)
+        ctx.report_progress(step + 1, run.steps, "step", detail)
         run.ckpt.maybe_save(
             step + 1,
             lambda: {"model": model, "optimizer": optim, "scheduler": sched},
@@ -561,9 +567,9 @@ def _recent_means(run: ValueRun) -> tuple[list[dict], float, float]:
     return recent, mean_loss, mean_acc
 
 
-def _log_window(ctx: StageContext, run: ValueRun, done: int) -> None:
-    """The window's mean loss / accuracy, the held-out accuracy by response position (where
-    learning stops), and the heartbeat."""
+def _log_window(ctx: StageContext, run: ValueRun, done: int) -> str:
+    """Log the window's mean loss / accuracy and the held-out accuracy by response position
+    (where learning stops); returns the detail the progress line shows until the next."""
     from pita.algos import value_diagnostics
     from pita.training.ddp import gathered
 
@@ -586,7 +592,7 @@ def _log_window(ctx: StageContext, run: ValueRun, done: int) -> None:
             "held-out balanced accuracy by response position: %s",
             value_diagnostics.format_positions(acc),
         )
-    ctx.heartbeat(f"step {done}/{run.steps} loss {recent[-1]['loss']:.4f}")
+    return f"loss {recent[-1]['loss']:.4f}"
 
 
 def finish(ctx: StageContext, run: ValueRun, t0: float) -> dict:

@@ -18,9 +18,10 @@ device runs other chains' shards and keeps the one it got); the plan's own event
 - `GangStartup`: seconds from dispatch to the first optimizer step of a k-rank gang beyond a
   one-rank task (rank processes, rendezvous): measured ones when a task reported them, else
   `DEFAULT_STARTUP_S`.
-- `Sizer`: the decision. For an elastic task (`TaskSpec.elastic`: a training stage that runs
-  data-parallel on 1..k ranks) it simulates the remaining plan with the task on k in
-  {1, 2, 4, ..., max_ranks} and keeps the k whose simulation ends first (ties: fewer ranks).
+- `Sizer`: the decision. For an elastic task (`TaskSpec.ranks`: a training stage that runs
+  data-parallel on 1..k ranks, or a gang forced by memory from its least k up) it simulates
+  the remaining plan with the task on each k of its `ranks` (1, 2, 4, ..., max_ranks) and
+  keeps the k whose simulation ends first (ties: fewer ranks).
   A k > 1 must gain 2 % of the predicted end (`margin`: each decision simulates the
   elastic tasks not sized yet at one rank, so a smaller gain is within its own error).
   Its cost is bounded: on a plan larger than the window, a task whose own path to the end
@@ -64,6 +65,22 @@ def rank_choices(max_ranks: int, n_devices: int) -> list[int]:
         out.append(k)
         k *= 2
     return out
+
+
+def resized(task: TaskSpec, k: int) -> TaskSpec:
+    """A copy of `task` on k ranks: its memory per device and how its ranks share it follow
+    (DDP: every rank holds the whole task; FSDP, a gang forced by memory: the gang's total
+    stays and divides by k)."""
+    per_rank = -(-task.mem_mb // max(1, task.gpus))
+    if task.strategy == "fsdp":
+        return replace(task, gpus=k)
+    return replace(task, gpus=k, mem_mb=per_rank * k, strategy="ddp" if k > 1 else "none")
+
+
+def set_ranks(task: TaskSpec, k: int) -> None:
+    """Give `task` k ranks in place (see `resized`)."""
+    new = resized(task, k)
+    task.gpus, task.mem_mb, task.strategy = new.gpus, new.mem_mb, new.strategy
 
 
 def curve_key(task: TaskSpec) -> str:
@@ -203,13 +220,17 @@ class Sizer:
         self.one_rank_s = one_rank_s
         self.simulate = simulate
         self.n_devices = n_devices
-        self.choices = rank_choices(max_ranks, n_devices)
+        self.choices = rank_choices(max_ranks, n_devices)  # an elastic task's: `task.ranks`
         self.window = window
         self.decisions: dict[str, Sizing] = {}
 
     @property
     def enabled(self) -> bool:
         return len(self.choices) > 1
+
+    def ranks_of(self, task: TaskSpec) -> list[int]:
+        """The k an elastic task may be given here (its `ranks`, at most the sizer's)."""
+        return [k for k in task.ranks if k <= self.choices[-1]] or task.ranks[:1]
 
     def observe(self, task: TaskSpec, wall_s: float, result: Mapping[str, Any]) -> None:
         """A task finished on `task.gpus` ranks: its seconds at that k (the curve), and the
@@ -267,7 +288,8 @@ class Sizer:
         path_s = self.paths(remaining)
         big = len(remaining) > self.window  # a small plan is simulated whole: milliseconds
         if not task.elastic or (big and path_s.get(task.id, one) < work / self.n_devices):
-            sizing = Sizing(task.id, 1, {}, 0.0, time.perf_counter() - t0, simulated=False)
+            least = self.ranks_of(task)[0] if task.elastic else task.gpus
+            sizing = Sizing(task.id, least, {}, 0.0, time.perf_counter() - t0, simulated=False)
             self.decisions[task.id] = sizing
             return sizing
         window = priority_window(remaining, self.window, keep=set(running_left) | {task.id})
@@ -277,9 +299,10 @@ class Sizer:
         tail[task.id] = max(0.0, path_s.get(task.id, one) - one)
         predicted: dict[int, float] = {}
         starts: dict[int, float] = {}
-        for k in self.choices:
+        choices = self.ranks_of(task)
+        for k in choices:
             trial = {tid: remaining[tid] for tid in window}
-            trial[task.id] = replace(task, gpus=k)
+            trial[task.id] = resized(task, k)
             secs = {tid: seconds[tid] for tid in window if tid != task.id}
             secs[task.id] = self.seconds(task, k)
             start_at, _ = self.simulate(trial, secs, [*running_left, task.id])
@@ -287,9 +310,9 @@ class Sizer:
             starts[k] = start_at.get(task.id, 0.0)
         # more ranks only for a clear gain: each decision simulates the elastic tasks not
         # sized yet at one rank, so a small predicted gain is within its own error
-        margin = self.margin * predicted[1]
+        margin = self.margin * predicted[choices[0]]
         best = min(
-            self.choices, key=lambda k: (round(predicted[k] + (margin if k > 1 else 0), 6), k)
+            choices, key=lambda k: (round(predicted[k] + (margin if k > choices[0] else 0), 6), k)
         )
         sizing = Sizing(
             task.id, best, predicted, starts[best], time.perf_counter() - t0, simulated=True

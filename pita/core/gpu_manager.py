@@ -157,6 +157,34 @@ def query_nvml_devices() -> list[Device]:
     return devices
 
 
+def visible_devices(found: list[Device], visible: str | None) -> list[Device]:
+    """The NVML GPUs this process may use: all of them, or those `CUDA_VISIBLE_DEVICES`
+    names (a SLURM job's GPUs: SLURM sets it to the job's devices). NVML ignores the
+    variable, so `system.devices=auto` applies it here. Entries are UUIDs (`GPU-...`) or
+    indices; when NVML sees exactly as many GPUs as are named (a job whose cgroup hides the
+    node's other GPUs, where the indices are renumbered) they are all the job's. Indices are
+    NVML's (PCI bus) order, which is how SLURM numbers a node's GPUs. Unset: every GPU;
+    empty: none (CPU slots), as CUDA itself reads it."""
+    if visible is None or not found:
+        return found
+    names = [v.strip() for v in visible.split(",") if v.strip()]
+    if not names or names == ["-1"]:
+        return []
+    if len(found) == len(names):
+        return list(found)
+    by_name = {d.uuid: d for d in found} | {str(d.nvml_index): d for d in found}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise ConfigError(
+            f"CUDA_VISIBLE_DEVICES={visible!r}: names GPUs NVML does not see ({missing}); fix "
+            "the variable or set system.devices=[...]"
+        )
+    chosen = [by_name[n] for n in names]
+    for pos, d in enumerate(chosen):
+        d.index = pos
+    return chosen
+
+
 def cpu_slot_count(cpu_workers: Any, threads_per_worker: int) -> int:
     """`executor.cpu_workers`: auto = usable cores / threads per worker (at least 1)."""
     if cpu_workers != "auto":
@@ -211,6 +239,8 @@ class GPUManager:
         validate_devices_spec(spec)
         self.threads_per_worker = threads_per_worker
         self.devices: list[Device] = self._discover(spec, cpu_workers, threads_per_worker)
+        # the most devices one task may hold at once (a Ray cluster: its largest node's)
+        self.largest_gang: int = len(self.devices)
 
     # ---- discovery ---------------------------------------------------------------------
     @staticmethod
@@ -236,7 +266,7 @@ class GPUManager:
         if spec.startswith("fake:"):
             return _fake_devices(spec[5:])
         if spec == "auto":
-            found = query_nvml_devices()
+            found = visible_devices(query_nvml_devices(), os.environ.get("CUDA_VISIBLE_DEVICES"))
             if found:
                 return found
         return _cpu_slots(cpu_slot_count(cpu_workers, threads))
@@ -267,6 +297,10 @@ class GPUManager:
     ) -> dict[str, str]:
         """The explicit environment of a worker pinned to `device_indices`."""
         env = dict(os.environ if base is None else base)
+        # A worker owns its W&B service: one inherited from this process (set once it logged
+        # a multirun job's results) outlives a killed worker, holding its run id, and the
+        # retry's tracker then fails with "run ID is in use" (tests/test_tracking.py).
+        env.pop("WANDB_SERVICE", None)
         devs = [self.devices[i] for i in device_indices]
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         if self.kind == "cuda":

@@ -31,7 +31,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pita.core.dag import Plan
+from pita.core.elastic import resized, set_ranks
 from pita.core.errors import RETRYABLE
+from pita.core.journal import RUN_FILE_PREFIX, RunFileError
 from pita.core.tasks import TaskSpec
 
 log = logging.getLogger(__name__)
@@ -55,9 +57,8 @@ class DeviceState:
 
 
 def per_device(task: TaskSpec) -> int:
-    """MB a task needs on each of its devices: a data-parallel (elastic) task holds its whole
-    model on every rank; a sharded one (device_map) splits it over its gang."""
-    return task.mem_mb if task.elastic else -(-task.mem_mb // task.gpus)
+    """MB a task needs on each of its devices (`mem_mb` is its gang's total)."""
+    return -(-task.mem_mb // task.gpus)
 
 
 class Scheduler:
@@ -351,7 +352,7 @@ class DagRunner:
                 continue
             if task.id not in self.sizer.decisions:
                 sizing = self.sizer.size(task, *self._remaining(pending, now))
-                task.gpus = sizing.k
+                set_ranks(task, sizing.k)
                 self.sized_at[task.id] = now
                 self._journal("task_sized", **sizing.journal_fields())
                 log.info(
@@ -365,20 +366,30 @@ class DagRunner:
                 sizing = self.sizer.decisions[task.id]
                 waited = now - self.sized_at[task.id]
                 if waited > sizing.gang_start_s + max(1.0, 0.25 * sizing.gang_start_s):
-                    fits = sum(
-                        1
-                        for d in self.scheduler.devices
-                        if self.scheduler._eligible(d, per_device(task))
-                    )
-                    k = max([c for c in self.sizer.choices if c <= max(1, fits)] or [1])
+                    k = self._free_ranks(task)
                     self._journal(
                         "task_resized", task=task.id, ranks=k, previous=task.gpus, why="waited"
                     )
                     log.info(
                         "%s waited %.1fs for %d devices: %d now", task.id, waited, task.gpus, k
                     )
-                    task.gpus = k
+                    set_ranks(task, k)
                     del self.sized_at[task.id]
+
+    def _free_ranks(self, task: TaskSpec) -> int:
+        """The most ranks of `task`'s choices whose devices are free now (else its least)."""
+        choices = self.sizer.ranks_of(task)
+        fit = [
+            c
+            for c in choices
+            if c < task.gpus
+            and sum(
+                self.scheduler._eligible(d, per_device(resized(task, c)))
+                for d in self.scheduler.devices
+            )
+            >= c
+        ]
+        return max(fit or choices[:1])
 
     def _remaining(
         self, pending: dict[str, TaskSpec], now: float
@@ -423,6 +434,9 @@ class DagRunner:
             self._learn(task, outcome.result or {}, pending)
             return
         attempt = self.attempts[task.id]
+        if (outcome.message or "").startswith(RUN_FILE_PREFIX):  # every task would fail so
+            self._journal("task_failed", task=task.id, failure="error", message=outcome.message)
+            raise RunFileError(outcome.message.removeprefix(RUN_FILE_PREFIX))
         self._journal(
             "task_failed",
             task=task.id,

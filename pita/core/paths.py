@@ -111,14 +111,16 @@ def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def non_finite_numbers(obj: Any, where: str = "result") -> list[str]:
-    """Paths like `result['rows'][0]['kl']` of every NaN / inf float in a JSON-like value."""
+def nan_numbers(obj: Any, where: str = "result") -> list[str]:
+    """Paths like `result['rows'][0]['pass@1']` of every NaN float in a JSON-like value.
+    An infinity is a value, not a bug: a row's `kl` is +inf when a sample leaves π_ref's
+    support under the row's rule (docs/ALGORITHMS.md, "KL: the three columns")."""
     if isinstance(obj, float):
-        return [] if math.isfinite(obj) else [f"{where}={obj}"]
+        return [f"{where}={obj}"] if math.isnan(obj) else []
     if isinstance(obj, dict):
-        return [p for k, v in obj.items() for p in non_finite_numbers(v, f"{where}[{k!r}]")]
+        return [p for k, v in obj.items() for p in nan_numbers(v, f"{where}[{k!r}]")]
     if isinstance(obj, (list, tuple)):
-        return [p for i, v in enumerate(obj) for p in non_finite_numbers(v, f"{where}[{i}]")]
+        return [p for i, v in enumerate(obj) for p in nan_numbers(v, f"{where}[{i}]")]
     return []
 
 

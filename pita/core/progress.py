@@ -7,15 +7,23 @@ The ETA (in the table's title and a run.log line every few tasks) simulates what
 the plan on the run's devices (`simulate_remaining`, the dry run's event simulation) with
 each task's expected duration from `TaskDurations`: this run's finished tasks of the same
 kind first, then earlier runs' recorded durations, then the planner's work units.
+
+A running task's time left comes from its own progress where it reports some (training
+steps, prompts generated: `progress_line` in its heartbeat, parsed by `parse_progress`),
+so a task slower than its estimate raises the ETA (`task_left`), and so does every task of
+its kind still waiting. A task past its estimate that reports no progress makes the ETA
+say "unknown" (with the rest of the plan's time as a lower bound), never "2 s".
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from pita.core.parallel_executor import Scheduler, fresh_scheduler, simulate_remaining
@@ -26,9 +34,11 @@ log = logging.getLogger("pita.progress")
 # Seconds per planner work unit before anything was measured (neither in this run nor in an
 # earlier one): the default experiment took 765 task seconds for 90.4 units on a 2-core CPU.
 NOMINAL_S_PER_WORK = 8.0
-THIS_RUN, EARLIER, WORK_UNITS = (
+THIS_RUN, PACE, EARLIER, SCALED, WORK_UNITS = (
     "from this run's durations",
+    "from the running tasks' progress",
     "from earlier runs' durations",
+    "from earlier runs' durations scaled by task size",
     "from work units: no earlier run",
 )
 
@@ -53,18 +63,22 @@ class TaskDurations:
 
     1. this run: the mean wall time of finished tasks of the same kind (`task_kind`);
     2. earlier runs: `earlier[key(task)]`, recorded durations of the same task in earlier
-       runs of the same experiment (pita/experiment/timeline.py keeps them);
-    3. work units: `task.work` x seconds per unit, measured on this run's finished tasks,
-       else on the earlier runs' ones, else NOMINAL_S_PER_WORK.
+       runs of the same experiment (pita/results/timeline.py keeps them);
+    3. earlier runs of the same kind with another size (more steps, examples, a larger
+       model): `scaled(task)`, their seconds scaled by the task's size (timeline.py);
+    4. work units: `task.work` x seconds per unit, measured on this run's finished tasks,
+       else on the earlier runs' ones, else NOMINAL_S_PER_WORK: no history of its own.
     """
 
     def __init__(
         self,
         earlier: dict[str, float] | None = None,
         key: Callable[[TaskSpec], str] = lambda t: t.id,
+        scaled: Callable[[TaskSpec], float | None] = lambda t: None,
     ):
         self.earlier = dict(earlier or {})
         self.key = key
+        self.scaled = scaled
         self.by_kind: dict[tuple, list[float]] = {}
         self.work_s = self.work_units = 0.0
         # (task, wall) -> the seconds it stands for on one rank: a task that ran on a gang
@@ -87,19 +101,99 @@ class TaskDurations:
             return sum(s for s, _ in known) / units, EARLIER
         return NOMINAL_S_PER_WORK, WORK_UNITS
 
-    def estimate(self, task: TaskSpec, rate: tuple[float, str] | None = None) -> tuple[float, str]:
+    def history(self, task: TaskSpec) -> tuple[float, str] | None:
+        """(seconds, source) from a measured duration of this task or its kind, else None."""
         seen = self.by_kind.get(task_kind(task))
         if seen:
             return sum(seen) / len(seen), THIS_RUN
         key = self.key(task)
         if key in self.earlier:
             return self.earlier[key], EARLIER
+        scaled = self.scaled(task)
+        return None if scaled is None else (scaled, SCALED)
+
+    def estimate(self, task: TaskSpec, rate: tuple[float, str] | None = None) -> tuple[float, str]:
+        known = self.history(task)
+        if known is not None:
+            return known
         per_unit, source = rate or self.rate()
         return task.work * per_unit, source
 
 
+# Below this share of its work done, a task's projection (elapsed / share) is mostly its
+# start-up (model load, tokenizing): the estimate still counts when it says more is left.
+EARLY_FRACTION = 0.05
+# A task with no progress is "unknown" only this long past its estimate: estimates of
+# short tasks are noisy, and a stage's first progress line takes a heartbeat to arrive.
+OVERDUE_GRACE_S = 10.0
+PROGRESS_RE = re.compile(r"^(?P<unit>[A-Za-z][\w-]*) (?P<done>\d+)/(?P<total>\d+)(?:\s|$)")
+
+
+def progress_line(done: int, total: int, unit: str = "step", detail: str = "") -> str:
+    """`step 412/1000 loss 0.31`: the one form a stage's progress takes in its heartbeat
+    (`StageContext.report_progress` writes it, `parse_progress` reads it back here)."""
+    return f"{unit} {int(done)}/{int(total)} {detail}".strip()
+
+
+def parse_progress(line: str) -> float | None:
+    """The share of its work a task has done (0..1) from its last heartbeat line, or None
+    when the line is not a `progress_line` (a stage that reports no totals)."""
+    m = PROGRESS_RE.match(line or "")
+    if m is None or int(m["total"]) <= 0:
+        return None
+    return min(1.0, int(m["done"]) / int(m["total"]))
+
+
+def task_left(
+    estimate: float,
+    elapsed: float,
+    fraction: float | None,
+    first: tuple[float, float] = (0.0, 0.0),
+) -> float | None:
+    """Seconds a running task has left, or None when nothing can say (past its estimate and
+    no progress reported).
+
+    With progress f > 0: the task's own pace. Measured from `first` (seconds into the task
+    and share done when its progress was first seen) once EARLY_FRACTION more is done, so
+    its start-up (model load, a trainer's set-up) or a resumed checkpoint's steps do not
+    count as pace; before that, elapsed x (1 - f) / f, and while f is below
+    EARLY_FRACTION the estimate's `estimate - elapsed` wins when larger. Without progress:
+    what is left of the estimate while there is some, then (OVERDUE_GRACE_S past it)
+    unknown: a task well past its estimate is never counted as about to end.
+    """
+    if fraction is not None and fraction > 0:
+        e0, f0 = first
+        if fraction - f0 >= EARLY_FRACTION and elapsed > e0:
+            return (elapsed - e0) * (1.0 - fraction) / (fraction - f0)
+        projected = elapsed * (1.0 - fraction) / fraction
+        if fraction < EARLY_FRACTION:
+            return max(projected, estimate - elapsed)
+        return projected
+    if elapsed < estimate + OVERDUE_GRACE_S:
+        return max(0.0, estimate - elapsed)
+    return None
+
+
+@dataclass
+class Remaining:
+    """What an `Eta` says at one moment."""
+
+    seconds: float  # the unfinished plan simulated on the devices (unknown tasks: 0 s left)
+    source: str  # where most of the expected seconds come from
+    left: dict[str, float | None] = field(default_factory=dict)  # running task -> s left
+    fraction: dict[str, float] = field(default_factory=dict)  # running task -> share done
+    elapsed: dict[str, float] = field(default_factory=dict)  # running task -> s run
+    expected: dict[str, float] = field(default_factory=dict)  # running task -> its estimate
+
+    @property
+    def unknown(self) -> list[str]:
+        """Running tasks past their estimate that report no progress."""
+        return [tid for tid, left in self.left.items() if left is None]
+
+
 class Eta:
-    """Seconds left for a plan: simulate the unfinished tasks with their expected durations."""
+    """Seconds left for a plan: simulate the unfinished tasks with their expected durations,
+    the running ones with what their progress says is left (`task_left`)."""
 
     def __init__(
         self,
@@ -115,23 +209,65 @@ class Eta:
         # (task, one-rank seconds) -> seconds on the task's `gpus` ranks (elastic tasks)
         self.at_ranks: Callable[[TaskSpec, float], float] = lambda t, s: s
 
-    def remaining(self, started: dict[str, float], now: float) -> tuple[float, str]:
-        """(seconds left, source of most of them) given the running tasks' start times."""
+    def estimate(
+        self,
+        started: dict[str, float],
+        now: float,
+        fractions: Mapping[str, float | None] | None = None,
+        first: Mapping[str, tuple[float, float]] | None = None,
+    ) -> Remaining:
+        """The plan's time left given the running tasks' start times, progress shares and
+        (`first`) when their progress was first seen (see `task_left`)."""
+        fractions, first = fractions or {}, first or {}
         left = {tid: t for tid, t in self.tasks.items() if tid not in self.finished}
+        out = Remaining(0.0, THIS_RUN)
         if not left:
-            return 0.0, THIS_RUN
+            return out
         rate = self.durations.rate(list(self.tasks.values()))
+        expected = {}
+        for tid, t in left.items():
+            s, source = self.durations.estimate(t, rate)
+            expected[tid] = (self.at_ranks(t, s), source)
+        pace: dict[tuple, float] = {}  # kind -> longest projected total of a running task
+        for tid in started:
+            if tid not in left:
+                continue
+            elapsed, f = max(0.0, now - started[tid]), fractions.get(tid)
+            out.elapsed[tid], out.expected[tid] = elapsed, expected[tid][0]
+            remaining = task_left(expected[tid][0], elapsed, f, first.get(tid, (0.0, 0.0)))
+            out.left[tid] = remaining
+            if f is not None:
+                out.fraction[tid] = f
+            if f is not None and f >= EARLY_FRACTION and remaining is not None:
+                kind = task_kind(left[tid])
+                pace[kind] = max(pace.get(kind, 0.0), elapsed + remaining)
         seconds: dict[str, float] = {}
         weight: dict[str, float] = {}
         for tid, t in left.items():
-            s, source = self.durations.estimate(t, rate)
-            s = self.at_ranks(t, s)
-            if tid in started:  # what is left of it (at least a little: it has not ended)
-                s = max(0.05 * s, s - (now - started[tid]))
+            s, source = expected[tid]
+            if tid in started:
+                s = out.left[tid] or 0.0
+                if out.fraction.get(tid, 0.0) >= EARLY_FRACTION:
+                    source = PACE
+            elif pace.get(task_kind(t), 0.0) > s:  # a running task of its kind is slower
+                s, source = pace[task_kind(t)], PACE
             seconds[tid] = s
             weight[source] = weight.get(source, 0.0) + s
-        total = simulate_remaining(left, fresh_scheduler(self.scheduler), seconds, set(started))
-        return total, max(weight, key=lambda k: weight[k])
+        out.seconds = simulate_remaining(
+            left, fresh_scheduler(self.scheduler), seconds, set(started) & set(left)
+        )
+        out.source = max(weight, key=lambda k: weight[k])
+        return out
+
+    def remaining(
+        self,
+        started: dict[str, float],
+        now: float,
+        fractions: Mapping[str, float | None] | None = None,
+    ) -> tuple[float, str]:
+        """(seconds left, source of most of them): `estimate` in short."""
+        r = self.estimate(started, now, fractions)
+        return r.seconds, r.source
 
 
 ETA_REFRESH_S = 2.0  # the live table's ETA is recomputed at most this often
@@ -165,7 +301,8 @@ class Progress:
         self.eta_every = eta_every or max(1, round(n_tasks / 10))
         self.eta_interval_s = eta_interval_s
         self.started: dict[str, float] = {}  # running task -> when it started
-        self._eta: tuple[float, str, float] | None = None  # (seconds left, source, computed at)
+        self._first: dict[str, tuple[float, float]] = {}  # its first progress: (s in, share)
+        self._eta: tuple[Remaining, float] | None = None  # (the last estimate, computed at)
         self._eta_stale = False  # a task ended since the last estimate
         self._eta_lock = threading.RLock()
         self._eta_logged = (already_done, time.time())  # (done count, time) of the last line
@@ -176,8 +313,8 @@ class Progress:
     def _table(self):
         from rich.table import Table
 
-        left = self.eta_left()
-        eta = "" if left is None else f", ETA {format_duration(left[0])}"
+        text = self.eta_text()
+        eta = "" if text is None else f", {text}"
         table = Table(
             title=f"pita: {self.done}/{self.n_tasks} tasks done, {len(self.running)} running, "
             f"{self.failed} failed, {time.time() - self.t0:.0f}s{eta}",
@@ -186,6 +323,7 @@ class Progress:
         table.add_column("device")
         table.add_column("done", justify="right")
         table.add_column("running")
+        table.add_column("progress")
         table.add_column("latest (step, loss, reward, kl)")
         latest = self.latest_progress()
         for i, label in enumerate(self.labels):
@@ -194,6 +332,7 @@ class Progress:
                 label,
                 str(self.done_per_device[i]),
                 "\n".join(self._rank_label(tid, i) for tid in tasks) or "-",
+                "\n".join(self.task_progress(t) for t in tasks),
                 "\n".join(latest.get(t, "") for t in tasks),
             )
         return table
@@ -204,6 +343,18 @@ class Progress:
         if len(devs) < 2:
             return task_id
         return f"{task_id} [rank {devs.index(device)}/{len(devs)}]"
+
+    def task_progress(self, tid: str) -> str:
+        """`41 %, 3 min 10 s left` / `past its 2 s estimate, no progress reported` / ``."""
+        if self._eta is None or tid not in self._eta[0].elapsed:
+            return ""
+        r = self._eta[0]
+        share = f"{100 * r.fraction[tid]:.0f} %, " if tid in r.fraction else ""
+        left = r.left[tid]
+        if left is None:
+            return f"past its {format_duration(r.expected[tid])} estimate, no progress reported"
+        since = time.time() - self._eta[1]
+        return f"{share}{format_duration(max(0.0, left - since))} left"
 
     # ---- ETA -----------------------------------------------------------------------------
     def update_eta(self) -> None:
@@ -216,31 +367,53 @@ class Progress:
             now = time.time()
             self._eta_stale = False
             try:
-                seconds, source = self.eta.remaining(dict(self.started), now)
+                fractions = {t: parse_progress(line) for t, line in self.latest_progress().items()}
+                for tid, f in fractions.items():
+                    if f and tid in self.started and tid not in self._first:
+                        self._first[tid] = (now - self.started[tid], f)
+                estimate = self.eta.estimate(dict(self.started), now, fractions, self._first)
             except Exception:  # an estimate, not worth a failed run
                 log.debug("ETA estimate failed", exc_info=True)
                 return
-            self._eta = (seconds, source, now)
+            self._eta = (estimate, now)
 
     def eta_left(self) -> tuple[float, str] | None:
         """(seconds left now, source) from the last estimate, counted down since."""
         if (
-            self._eta_stale
+            (self._eta_stale or self.started)  # running tasks report progress: re-read it
             and self._eta is not None
-            and time.time() - self._eta[2] >= ETA_REFRESH_S
+            and time.time() - self._eta[1] >= ETA_REFRESH_S
         ):
             self.update_eta()
         if self._eta is None:
             return None
-        seconds, source, at = self._eta
-        return max(0.0, seconds - (time.time() - at)), source
+        estimate, at = self._eta
+        return max(0.0, estimate.seconds - (time.time() - at)), estimate.source
+
+    def eta_text(self) -> str | None:
+        """`ETA 4 min 10 s (from this run's durations)`, or, while a running task is past
+        its estimate and reports no progress, `ETA unknown: <task> has run 40 min 00 s, past
+        its estimate of 2 s, and reports no progress; the rest at least 2 s (...)`."""
+        left = self.eta_left()
+        if left is None or self._eta is None:
+            return None
+        estimate, at = self._eta
+        unknown = estimate.unknown
+        if not unknown:
+            return f"ETA {format_duration(left[0])} ({left[1]})"
+        tid = unknown[0]
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        ran = estimate.elapsed[tid] + time.time() - at
+        return (
+            f"ETA unknown: {tid}{more} has run {format_duration(ran)}, past its estimate of "
+            f"{format_duration(estimate.expected[tid])}, and reports no progress; "
+            f"the rest at least {format_duration(left[0])} ({left[1]})"
+        )
 
     def eta_line(self) -> str | None:
         """`12/52 tasks, ETA 4 min 10 s (from this run's durations)`, or None before one."""
-        left = self.eta_left()
-        if left is None:
-            return None
-        return f"{self.done}/{self.n_tasks} tasks, ETA {format_duration(left[0])} ({left[1]})"
+        text = self.eta_text()
+        return None if text is None else f"{self.done}/{self.n_tasks} tasks, {text}"
 
     def _tick(self) -> None:
         """A line every eta_interval_s even while no task ends (a long training task)."""
@@ -314,6 +487,7 @@ class Progress:
                 self.started[task.id] = time.time()
                 return
             self.started.pop(task.id, None)
+            self._first.pop(task.id, None)
             if self.eta is None:
                 return
             if kind == "done":

@@ -4,7 +4,13 @@ pita does not build its own cluster: beyond one machine it hands tasks to Ray (o
 whole experiments under SLURM with Hydra's submitit launcher, `conf/hydra/launcher/`).
 With `executor=ray`, the DAG runner and scheduler stay the same; each task becomes one
 Ray task asking for `num_gpus=task.gpus`, and Ray pins it (`CUDA_VISIBLE_DEVICES`) on
-whichever node has room. The run folder must be on a filesystem every node mounts.
+whichever node has room. A k-device training task is one such task: Ray gives it k GPUs
+of one node (a Ray task never spans nodes, so no placement group is needed), and its stage
+starts the same k-rank launcher there as a local worker does; the planner makes no gang
+larger than the largest node (`largest_node`). Under SLURM (Hydra's submitit launcher) a
+run uses its job's GPUs: `system.devices=auto` keeps the ones `CUDA_VISIBLE_DEVICES` names
+(pita/core/gpu_manager.py `visible_devices`). The run folder must be on a filesystem every
+node mounts.
 The scheduler's device slots are the cluster's GPUs (or CPUs when it has none), read
 from `ray.cluster_resources()`.
 
@@ -50,9 +56,19 @@ def _ray_auth_error() -> type[BaseException]:
 RAY_PROBE_TIMEOUT_S = 5.0
 
 
-def probe_ray_address(address: str | None, timeout_s: float = RAY_PROBE_TIMEOUT_S) -> None:
+def _key(address: str | None, shown: str | None = None) -> str:
+    """`executor.ray_address='auto' (found 10.0.0.1:6379)`: the key as the user set it, and
+    the cluster `auto` found when it differs."""
+    shown = address if shown is None else shown
+    return f"executor.ray_address={shown!r}" + (f" (found {address})" if address != shown else "")
+
+
+def probe_ray_address(
+    address: str | None, timeout_s: float = RAY_PROBE_TIMEOUT_S, shown: str | None = None
+) -> None:
     """Refuse an explicit `host:port` (or `ray://host:port`) that does not accept a TCP
-    connection within `timeout_s`: ray.init would retry it for many minutes."""
+    connection within `timeout_s`: ray.init would retry it for many minutes. `shown`: the
+    address as the user gave it (`auto`), for the message."""
     if address in (None, "", "local", "auto"):
         return
     hostport = str(address).split("://", 1)[-1].rstrip("/")
@@ -63,7 +79,7 @@ def probe_ray_address(address: str | None, timeout_s: float = RAY_PROBE_TIMEOUT_
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as exc:
         raise ConfigError(
-            f"executor.ray_address={address!r}: no Ray cluster reachable ({host}:{port}: "
+            f"{_key(address, shown)}: no Ray cluster reachable ({host}:{port}: "
             f"{exc.strerror or type(exc).__name__} within {timeout_s:.0f} s); start one "
             "(`ray start --head`) or use executor.ray_address=local for a Ray on this machine"
         ) from None
@@ -108,7 +124,7 @@ def enable_token_auth(address: str | None) -> None:
         pass
 
 
-def auth_error(address: str | None, message: str) -> ConfigError | None:
+def auth_error(address: str | None, message: str, shown: str | None = None) -> ConfigError | None:
     """The config error for a Ray authentication failure `message` (None: not one): which
     credential is missing or refused, never "no Ray cluster reachable"."""
     low = message.lower()
@@ -119,12 +135,30 @@ def auth_error(address: str | None, message: str) -> ConfigError | None:
         what = "requires token authentication and no token was found"
     else:
         what = f"refused the token from {source}"
-    return ConfigError(f"executor.ray_address={address!r}: the Ray cluster {what}; {AUTH_HINT}")
+    return ConfigError(f"{_key(address, shown)}: the Ray cluster {what}; {AUTH_HINT}")
 
 
-def probe_ray_auth(address: str | None, timeout_s: float = AUTH_PROBE_TIMEOUT_S) -> None:
+def resolve_auto(address: str | None) -> str | None:
+    """`auto` -> the `host:port` Ray would connect to (RAY_ADDRESS, else the cluster the last
+    `ray start` on this machine recorded), so the probes below judge the cluster `auto`
+    finds (a token-auth cluster refused one token-less client for ~20 s of retry lines);
+    anything else, or an `auto` that finds nothing, unchanged (ray.init then decides)."""
+    if address != "auto":
+        return address
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+
+        return canonicalize_bootstrap_address("auto") or address
+    except Exception:  # noqa: BLE001 - nothing found, or a Ray without the helper
+        return address
+
+
+def probe_ray_auth(
+    address: str | None, timeout_s: float = AUTH_PROBE_TIMEOUT_S, shown: str | None = None
+) -> None:
     """Ask the cluster's GCS once whether it accepts this client: ray.init would retry a
-    refused token for a long time and then report only "Failed to connect"."""
+    refused token for a long time and then report only "Failed to connect". `shown`: the
+    address as the user gave it (`auto`), for the message."""
     if not _explicit(address):
         return
     try:
@@ -144,7 +178,7 @@ def probe_ray_auth(address: str | None, timeout_s: float = AUTH_PROBE_TIMEOUT_S)
         t.start()
         t.join(timeout_s)
     if outcome:
-        error = auth_error(address, f"{type(outcome[0]).__name__}: {outcome[0]}")
+        error = auth_error(address, f"{type(outcome[0]).__name__}: {outcome[0]}", shown)
         if error is not None:
             raise error
 
@@ -173,9 +207,10 @@ class RayExecutor:
         ray = _ray()
         if not ray.is_initialized():
             address = executor_cfg.ray_address
-            probe_ray_address(address)
-            enable_token_auth(address)
-            probe_ray_auth(address)
+            found = resolve_auto(address)  # `auto`: the cluster it finds is probed too
+            probe_ray_address(found, shown=address)
+            enable_token_auth(found)
+            probe_ray_auth(found, shown=address)
             try:
                 ray.init(
                     address=None if address in (None, "local") else address,
@@ -201,6 +236,15 @@ class RayExecutor:
         res = self.ray.cluster_resources()
         gpus = int(res.get("GPU", 0))
         return ("gpu", gpus) if gpus else ("cpu", int(res.get("CPU", 1)))
+
+    def largest_node(self) -> int:
+        """The most slots (GPUs, or CPUs on a cluster without GPUs) one alive node offers:
+        the largest gang a task can get, since a Ray task runs on one node."""
+        kind = "GPU" if self.slots()[0] == "gpu" else "CPU"
+        sizes = [
+            int(n.get("Resources", {}).get(kind, 0)) for n in self.ray.nodes() if n.get("Alive")
+        ]
+        return max(sizes, default=1) or 1
 
     def gpu_memory_mb(self, timeout_s: float = 60.0) -> list[int]:
         """Total MiB of every GPU of the cluster, read with NVML on its own node (one tiny
@@ -247,7 +291,13 @@ class RayExecutor:
         self, task: TaskSpec, devices, cfg_dict: dict, run_dir: str | Path, attempt: int = 1
     ) -> Future:
         kind, _ = self.slots()
-        options: dict[str, Any] = {"num_gpus": task.gpus} if kind == "gpu" else {"num_cpus": 1}
+        # A k-device task is one Ray task asking for k GPUs (k CPUs for k gloo ranks on a
+        # cluster without GPUs): Ray places it on one node with that many free and pins them
+        # (CUDA_VISIBLE_DEVICES); its stage starts the same k-rank launcher inside
+        # (pita.runtime.gang.run_stage), as a local worker does.
+        options: dict[str, Any] = (
+            {"num_gpus": task.gpus} if kind == "gpu" else {"num_cpus": max(1, task.gpus)}
+        )
         options["name"] = task.id  # the Ray dashboard and `ray list tasks` show the task id
         ref = self._remote.options(**options).remote(
             task.to_dict(), cfg_dict, str(run_dir), attempt

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,23 +22,46 @@ from pita.core.paths import RunPaths, TaskPaths
 log = logging.getLogger("pita")
 
 
-def completed_tasks(plan: Any, run_dir: Path) -> set[str]:
-    """Task ids of `plan` (insertion order is topological) that resume may skip."""
+def completed_tasks(plan: Any, run_dir: Path, touched: Mapping[str, str] | None = None) -> set[str]:
+    """Task ids of `plan` (insertion order is topological) that resume may skip;
+    `touched`: tasks a changed config makes run again (pita/experiment/resume_fix.py)."""
+    why = resume_reasons(plan, run_dir, touched, warn=True)
+    return {tid for tid in plan.tasks if tid not in why}
+
+
+def resume_reasons(
+    plan: Any, run_dir: Path, touched: Mapping[str, str] | None = None, *, warn: bool = False
+) -> dict[str, str]:
+    """task id -> why it runs on this resume, for every task that is not kept (the dry
+    run of a resume prints it). With `warn`, a finished folder that is not kept is a WARNING."""
     states = replay(RunPaths(run_dir).journal)
+    touched = touched or {}
     done: set[str] = set()
+    why: dict[str, str] = {}
     for tid, task in plan.tasks.items():
-        journal_done = states.get(tid, {}).get("event") == "task_done"
+        last = states.get(tid, {}).get("event")
+        paths = TaskPaths(run_dir, tid)
+        if tid in touched:
+            why[tid] = touched[tid]
+            continue
         redo_dep = next((d for d in task.deps if d not in done), None)
         if redo_dep is not None:
-            if TaskPaths(run_dir, tid).manifest.exists():
+            why[tid] = f"its input {redo_dep} runs again"
+            if warn and paths.manifest.exists():
                 log.warning("%s: redone because its input %s is redone", tid, redo_dep)
             continue
-        why = TaskPaths(run_dir, tid).verify(task.outputs)
-        if why is None:
+        problem = paths.verify(task.outputs)
+        if problem is None:
             done.add(tid)
-        elif journal_done or TaskPaths(run_dir, tid).final.exists():
-            log.warning("%s: its folder does not verify (%s): running it again", tid, why)
-    return done
+        elif last == "task_done" or paths.final.exists():
+            why[tid] = f"its folder does not verify ({problem})"
+            if warn:
+                log.warning("%s: its folder does not verify (%s): running it again", tid, problem)
+        else:
+            why[tid] = {"task_failed": "failed", "task_skipped": "skipped (an input failed)"}.get(
+                str(last), "not finished"
+            )
+    return why
 
 
 def remove_stale_tmp(run_dir: Path) -> list[str]:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pita.core.errors import ConfigError
 from pita.core.paths import RunPaths
-from pita.core.safe_files import open_control
+from pita.core.safe_files import group_shared, open_control
 
 
 def lock_holder_pid(path: Path, locks_table: Path = Path("/proc/locks")) -> int | None:
@@ -73,7 +73,13 @@ class RunLock:
             self._nested = True
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = open_control(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fd = open_control(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except PermissionError:  # a teammate's run whose lock is private to its owner
+            raise ConfigError(
+                f"{self.path} is private to its owner; they share the run by resuming it once "
+                f"with system.trust_group=true (the lock becomes the group's)"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -82,7 +88,8 @@ class RunLock:
                 f"run folder {self.path.parent}: in use by {self.holder()}; "
                 f"wait for that run to end or stop it first"
             ) from None
-        os.fchmod(fd, 0o600)  # an older pita made it 0644: any user could flock it
+        if os.fstat(fd).st_uid == os.geteuid():  # an older pita made it 0644: anyone could flock
+            os.fchmod(fd, 0o660 if group_shared() else 0o600)  # a shared run: the group's
         info = {
             "pid": os.getpid(),
             "host": socket.gethostname(),

@@ -35,6 +35,20 @@ def _caller_groups() -> set[int]:
     return {os.getegid(), *os.getgroups()}
 
 
+_GROUP_SHARED = [False]  # this process runs a run shared with its group (system.trust_group)
+
+
+def share_with_group(on: bool) -> None:
+    """Make `trust_group` the default of every check in this process: the orchestrator of a
+    run with `system.trust_group=true` reads the saved config, plan, journal, lock and
+    manifests its teammates wrote, without each reader passing the flag along."""
+    _GROUP_SHARED[0] = bool(on)
+
+
+def group_shared() -> bool:
+    return _GROUP_SHARED[0]
+
+
 def owner_problem(st: os.stat_result, trust_group: bool = False) -> str | None:
     """Why a file or folder with this stat may not steer pita, or None when it may.
 
@@ -45,7 +59,7 @@ def owner_problem(st: os.stat_result, trust_group: bool = False) -> str | None:
         return "writable by every user"
     if st.st_uid == os.geteuid():
         return None
-    if trust_group and st.st_gid in _caller_groups():
+    if (trust_group or _GROUP_SHARED[0]) and st.st_gid in _caller_groups():
         return None
     return f"owned by uid {st.st_uid}, not by you (uid {os.geteuid()})"
 
@@ -71,7 +85,8 @@ def open_control(path: Path | str, flags: int, mode: int = 0o600, trust_group: b
             raise UnsafeFile(f"{path} is not a regular file; move it away")
         why = owner_problem(st, trust_group)
         if why:
-            raise UnsafeFile(f"{path} is {why}; refusing to use it")
+            hint = " (a run shared with your group needs system.trust_group=true)" * ("uid" in why)
+            raise UnsafeFile(f"{path} is {why}; refusing to use it{hint}")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)

@@ -27,7 +27,7 @@ import functools
 import re
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, TypeVar
 
 # --- choice lists (each owned here; the modules that act on them import them) ---------------
 
@@ -51,6 +51,9 @@ GUIDANCE_MODES = ("bernoulli", "mle", "expectation", "expectation_clamped")
 AUTO_BATCH = ("auto", "auto_batch_size")  # a batch size the runtime searches for
 FOLDER_NAME = r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._-]{0,99}"  # one path component, no '..'
 
+SEED_MAX = 2**32 - 1  # numpy's seeds stop there
+BATCH_MAX = 1 << 20
+DAY_S, WEEK_S = 86_400.0, 604_800.0
 UNKNOWN_KEY = "unknown key (not in pita's config schema, see conf/ and pita/core/schema.py)"
 
 
@@ -90,7 +93,9 @@ class Rule:
         if value is None:
             return True
         if self.batch:
-            return value in AUTO_BATCH if isinstance(value, str) else _is_int(value) and value > 0
+            if isinstance(value, str):
+                return value in AUTO_BATCH
+            return _is_int(value) and value > 0 and self._in(value)
         if self.pattern is not None:
             return isinstance(value, str) and re.fullmatch(self.pattern, value) is not None
         if self.items:
@@ -121,7 +126,8 @@ class Rule:
         if self.choices is not None:
             return "allowed: " + " | ".join("null" if c is None else str(c) for c in self.choices)
         if self.batch:
-            return "a positive integer or auto / " + AUTO_BATCH[1]
+            ceiling = f" <= {_num(self.le)}" if self.le is not None else ""
+            return f"a positive integer{ceiling} or auto / {AUTO_BATCH[1]}"
         lo = f">= {_num(self.ge)}" if self.ge is not None else None
         lo = f"> {_num(self.gt)}" if self.gt is not None else lo
         hi = f"<= {_num(self.le)}" if self.le is not None else None
@@ -142,10 +148,24 @@ class Rule:
         return f"must be {lo or hi}"
 
 
-def spec(help: str, default: Any = MISSING, **rule: Any) -> Any:
-    """A dataclass field with TRL-style `metadata={"help": ...}` and, when `rule` names
-    any, the `Rule` of what the key allows."""
-    meta: dict[str, Any] = {"help": help}
+# What changing a key changes (`spec(affects=...)`); four lists are derived from it: the keys a
+# resume may change (and the CLI's refusal text), what a checkpoint's identity leaves out, the
+# duration cache's key (pita/results/timeline.py) and, with `memory=True`, the peak cache's.
+AFFECTS = (
+    "result",  # what a task computes (and so how long it works)
+    "place",  # where and how fast it runs, never what: devices, workers, timeouts
+    "record",  # only what is recorded around the result: trackers, progress, dry run
+)
+
+
+def spec(
+    help: str, default: Any = MISSING, *, affects: str = "result", memory: bool = False, **rule: Any
+) -> Any:
+    """A dataclass field with TRL-style `metadata={"help": ...}`, what changing it affects
+    (`AFFECTS`), whether it changes a task's device-memory peak (`memory`) and, when `rule`
+    names any, the `Rule` of what the key allows."""
+    assert affects in AFFECTS, f"affects={affects!r}: one of {AFFECTS}"
+    meta: dict[str, Any] = {"help": help, "affects": affects, "memory": memory}
     if rule:
         meta["rule"] = Rule(**rule)
     if isinstance(default, (list, dict)):
@@ -181,27 +201,35 @@ class ExperimentConfig:
         "Dataset group names for a multi-dataset experiment; empty = [dataset.name].", []
     )
     families: List[str] = spec("Model family group names; empty = [model.name].", [])
-    seed: int = spec("Seed of everything random in the run.", 0, ge=0)
+    seed: int = spec("Seed of everything random in the run.", 0, ge=0, le=SEED_MAX)
 
 
 @dataclass
 class SystemConfig:
-    devices: Any = spec("auto | cpu | [0,2] | fake:N | fake:[80GB,40GB]", "auto")
-    gpu_mode: str = spec("How many devices a run may use.", "auto", choices=GPU_MODES)
-    attn_impl: str = spec("Attention implementation.", "eager", choices=ATTN_IMPLS)
+    devices: Any = spec("auto | cpu | [0,2] | fake:N | fake:[80GB,40GB]", "auto", affects="place")
+    gpu_mode: str = spec(
+        "How many devices a run may use.", "auto", choices=GPU_MODES, affects="place"
+    )
+    attn_impl: str = spec("Attention implementation.", "eager", choices=ATTN_IMPLS, memory=True)
     clear_cache_interval: int = spec(
-        "Empty the CUDA cache every N training steps.", 10, ge=0, note="0 = never"
+        "Empty the CUDA cache every N training steps.",
+        10,
+        ge=0,
+        note="0 = never",
+        affects="place",
+        le=1_000_000,
     )
     use_parallel_execution: bool = spec(
-        "false runs every task in this process (debugging, pdb).", True
+        "false runs every task in this process (debugging, pdb).", True, affects="place"
     )
-    threads_per_worker: int = spec("torch threads per CPU worker.", 1, ge=1, le=1_024)
+    threads_per_worker: int = spec(
+        "torch threads per CPU worker.", 1, ge=1, le=1_024, affects="place"
+    )
     trust_group: bool = spec(
-        "Use a run folder owned by a teammate of one of your groups (resume a shared run).", False
+        "Use a run folder owned by a teammate of one of your groups (resume a shared run).",
+        False,
+        affects="place",
     )
-
-
-SECONDS = "must be > 0 seconds"
 
 
 @dataclass
@@ -210,6 +238,7 @@ class ExecutorConfig:
         "local (worker processes on this machine), inprocess or ray.",
         "local",
         choices=EXECUTOR_BACKENDS,
+        affects="place",
     )
     cpu_workers: Any = spec(
         "CPU worker count when no GPU is used: auto = cores / threads_per_worker.",
@@ -217,6 +246,7 @@ class ExecutorConfig:
         auto=True,
         ge=1,
         le=1_024,
+        affects="place",
     )
     max_tasks_per_gpu: Any = spec(
         "Tasks that may share one GPU: auto = while their memory estimates fit "
@@ -226,32 +256,48 @@ class ExecutorConfig:
         auto=True,
         ge=1,
         le=64,
+        affects="place",
     )
     max_tasks_per_worker: int = spec(
-        "Recycle a worker after this many tasks.", 200, ge=1, le=1_000_000
+        "Recycle a worker after this many tasks.", 200, ge=1, le=1_000_000, affects="place"
     )
     max_retries: int = spec(
-        "Retries of a task whose worker was killed, hit a CUDA fault or OOM.", 2, ge=0, le=100
+        "Retries of a task whose worker was killed, hit a CUDA fault or OOM.",
+        2,
+        ge=0,
+        le=100,
+        affects="place",
     )
     task_timeout_s: float = spec(
-        "Kill a task running longer than this (seconds).", 7200.0, gt=0, allowed=SECONDS
+        "Kill a task running longer than this (seconds).",
+        7200.0,
+        gt=0,
+        note="seconds",
+        affects="place",
+        le=WEEK_S,
     )
-    heartbeat_s: float = spec("Seconds between worker heartbeats.", 2.0, gt=0, allowed=SECONDS)
+    heartbeat_s: float = spec(
+        "Seconds between worker heartbeats.", 2.0, gt=0, note="seconds", affects="place", le=DAY_S
+    )
     heartbeat_timeout_s: float = spec(
         "A worker silent this long is treated as lost (> heartbeat_s).",
         120.0,
         gt=0,
-        allowed=SECONDS,
+        note="seconds",
+        affects="place",
+        le=DAY_S,
     )
     start_timeout_s: float = spec(
         "A worker that has not connected this long after its start is killed "
         "and its task retried on a fresh one (seconds).",
         60.0,
         gt=0,
-        allowed=SECONDS,
+        note="seconds",
+        affects="place",
+        le=DAY_S,
     )
     model_cache_size: int = spec(
-        "Models a worker keeps loaded between tasks (LRU).", 2, ge=1, le=64
+        "Models a worker keeps loaded between tasks (LRU).", 2, ge=1, le=64, affects="place"
     )
     max_ranks_per_task: int = spec(
         "Most ranks (devices) a data-parallel training task may get; its k in 1, 2, 4, ... is "
@@ -260,70 +306,95 @@ class ExecutorConfig:
         ge=1,
         le=1_024,
         note="1 = off",
+        affects="place",
     )
     max_shards: int = spec(
-        "Upper bound on shards per shardable stage.", 0, ge=0, note="0 = one per device", le=1_024
+        "Upper bound on shards per shardable stage.",
+        0,
+        ge=0,
+        note="0 = one per device",
+        le=1_024,
+        affects="place",
     )
     monitor_interval_s: float = spec(
-        "Seconds between GPU/RSS samples and run.log summaries.", 30.0, gt=0, allowed=SECONDS
+        "Seconds between GPU/RSS samples and run.log summaries.",
+        30.0,
+        gt=0,
+        note="seconds",
+        affects="record",
+        le=DAY_S,
     )
-    progress: bool = spec("Live progress display of tasks per device.", True)
+    progress: bool = spec("Live progress display of tasks per device.", True, affects="record")
     preimport: bool = spec(
-        "Workers import torch as soon as they start, overlapping planning.", True
+        "Workers import torch as soon as they start, overlapping planning.", True, affects="place"
     )
     stage_overrides: Dict[str, Dict[str, str]] = spec(
         "Replace stage functions: +executor.stage_overrides.QSharp.train=mypkg.mod:fn (algo 'any' = all).",
         {},
     )
     ray_address: Optional[str] = spec(
-        "Ray cluster address for backend=ray (None = local Ray).", None
+        "Ray cluster address for backend=ray (None = local Ray).", None, affects="place"
     )
 
 
 @dataclass
 class TrainingConfig:
     micro_batch_size: int = spec(
-        "Examples per forward/backward; the rest is gradient accumulation.", 4, ge=1, le=65_536
+        "Examples per forward/backward; the rest is gradient accumulation.",
+        4,
+        ge=1,
+        le=65_536,
+        memory=True,
     )
     gradient_checkpointing: bool = spec(
-        "Recompute activations in backward: less memory, slower.", False
+        "Recompute activations in backward: less memory, slower.", False, memory=True
     )
-    mixed_precision: bool = spec("Use fp16/bf16 autocast on GPUs.", True)
+    mixed_precision: bool = spec("Use fp16/bf16 autocast on GPUs.", True, memory=True)
     precision_type: str = spec(
-        "auto: bf16 on CC>=8.0, fp16 below, fp32 on CPU.", "auto", choices=PRECISION_TYPES
+        "auto: bf16 on CC>=8.0, fp16 below, fp32 on CPU.",
+        "auto",
+        choices=PRECISION_TYPES,
+        memory=True,
     )
     accumulation_steps: int = spec(
-        "Gradient accumulation steps.", 0, ge=0, note="0 = derived", le=65_536
+        "Gradient accumulation steps.", 0, ge=0, note="0 = derived", le=65_536, memory=True
     )
-    compile: bool = spec("torch.compile the model.", False)
+    compile: bool = spec("torch.compile the model.", False, memory=True)
     compile_mode: str = spec("torch.compile mode.", "default", choices=COMPILE_MODES)
     parallel_strategy: str = spec(
-        "data_parallel (DDP): pretrain and the value trainer get 1..executor.max_ranks_per_task "
-        "devices, one rank each, k chosen at dispatch; fsdp (FSDP2): a gang of every device.",
+        "How a training stage uses a gang of devices: data_parallel = DDP (replicated ranks), "
+        "1..executor.max_ranks_per_task of them, k chosen at dispatch by simulating the rest of "
+        "the plan; fsdp = FSDP2 on every device (parameters, gradients and optimizer state "
+        "sharded; a TRL stage runs DDP on CPU, where accelerate has no FSDP). A training task "
+        "too large for one device gets the smallest FSDP gang that fits whatever this says.",
         "none",
         choices=PARALLEL_STRATEGIES,
+        memory=True,
     )
     num_workers: int = spec(
         "DataLoader workers of TRL stages whose algos.<NAME>.num_workers is 0.",
         0,
         ge=-1,
         note="-1 = auto",
+        le=256,
     )
     pin_memory: bool = spec("Pin host memory in DataLoaders (GPU only).", False)
-    max_grad_norm: float = spec("Gradient clipping norm.", 1.0, ge=0, note="0 = off")
-    weight_decay: float = spec("AdamW weight decay.", 0.0, ge=0)
+    max_grad_norm: float = spec("Gradient clipping norm.", 1.0, ge=0, note="0 = off", le=1e6)
+    weight_decay: float = spec("AdamW weight decay.", 0.0, ge=0, le=10)
     checkpoint_every: int = spec(
         "Checkpoint a training task every N optimizer steps into tasks/<id>.checkpoints/; "
         "a retried or resumed task continues from its newest checkpoint.",
         0,
         ge=0,
         note="0 = off",
+        le=100_000_000,
     )
     checkpoint_every_minutes: float = spec(
         "Also checkpoint when this many minutes passed since the last one.",
         10.0,
         ge=0,
         note="0 = off",
+        le=1e6,
     )
 
 
@@ -336,28 +407,36 @@ class LoggerConfig:
         "none",
         choices=LOGGER_BACKENDS,
         note="or logger=<name>",
+        affects="record",
     )
-    project: str = spec("W&B project name.", "pita")
+    project: str = spec("W&B project name.", "pita", affects="record")
     mode: str = spec(
         "W&B mode: offline (no API key; `wandb sync` later); beats WANDB_MODE.",
         "offline",
         choices=WANDB_MODES,
+        affects="record",
     )
     tracking_uri: Optional[str] = spec(
-        "MLflow tracking URI (None = a sqlite store in <run>/logs/mlflow/mlflow.db).", None
+        "MLflow tracking URI (None = a sqlite store in <run>/logs/mlflow/mlflow.db).",
+        None,
+        affects="record",
     )
     tags: List[str] = spec(
-        "Tags of every tracked run (W&B tags, MLflow tags, TensorBoard text).", []
+        "Tags of every tracked run (W&B tags, MLflow tags, TensorBoard text).", [], affects="record"
     )
 
 
 @dataclass
 class GenerationConfig:
-    batch_size: BatchSize = spec("Prompts per generation batch, or auto.", 256, batch=True)
-    max_new_tokens: int = spec(
-        "Longest response.", 0, ge=0, note="0 = the task's length", le=131_072
+    batch_size: BatchSize = spec(
+        "Prompts per generation batch, or auto.", 256, batch=True, memory=True, le=BATCH_MAX
     )
-    temperature: float = spec("Sampling temperature (offsets are added before it).", 1.0, gt=0)
+    max_new_tokens: int = spec(
+        "Longest response.", 0, ge=0, note="0 = the task's length", le=131_072, memory=True
+    )
+    temperature: float = spec(
+        "Sampling temperature (offsets are added before it).", 1.0, gt=0, le=100
+    )
     top_p: float = spec("Nucleus sampling mass.", 1.0, gt=0, le=1)
     top_k: int = spec("Sample among the top-k tokens (0 = all).", 0, ge=0, le=1_000_000)
 
@@ -365,12 +444,14 @@ class GenerationConfig:
 @dataclass
 class DataCollectionConfig:
     reward_batch_size: BatchSize = spec(
-        "Sequences per reward-model forward, or auto.", 32, batch=True
+        "Sequences per reward-model forward, or auto.", 32, batch=True, memory=True, le=BATCH_MAX
     )
     samples_per_example: int = spec(
         "Roll-outs collected per training prompt per round.", 64, ge=1, le=100_000
     )
-    bradley_terry_beta: float = spec("β_BT of the Bradley–Terry draw for PITA labels.", 10.0, ge=0)
+    bradley_terry_beta: float = spec(
+        "β_BT of the Bradley–Terry draw for PITA labels.", 10.0, ge=0, le=1e6
+    )
     max_examples: int = spec(
         "Use at most this many training prompts per round (0 = all).", 0, ge=0, le=10_000_000
     )
@@ -390,13 +471,18 @@ class DataCollectionConfig:
 
 @dataclass
 class EvaluationConfig:
-    batch_size: BatchSize = spec("Prompts per evaluation batch, or auto.", 512, batch=True)
-    num_samples: int = spec("Samples per test prompt (k of maj@k).", 4, ge=1, le=10_000)
+    batch_size: BatchSize = spec(
+        "Prompts per evaluation batch, or auto.", 512, batch=True, memory=True, le=BATCH_MAX
+    )
+    num_samples: int = spec(
+        "Samples per test prompt (k of maj@k).", 4, ge=1, le=10_000, memory=True
+    )
     etas: List[float] = spec(
         "Guidance strengths η evaluated for guided algorithms (η=0 is π_ref).",
         [0.0, 2.0, 5.0, 10.0],
         items=True,
         ge=0,
+        le=1e6,
     )
     max_prompts: int = spec(
         "Evaluate at most this many test prompts (0 = all).", 0, ge=0, le=10_000_000
@@ -408,8 +494,8 @@ class PretrainConfig:
     steps: int = spec(
         "Teacher-forced steps of the reference policy (offline tasks).", 400, ge=1, le=10_000_000
     )
-    batch_size: int = spec("Sequences per pretraining step.", 256, ge=1, le=65_536)
-    lr: float = spec("Peak AdamW learning rate.", 3e-3, gt=0)
+    batch_size: int = spec("Sequences per pretraining step.", 256, ge=1, le=65_536, memory=True)
+    lr: float = spec("Peak AdamW learning rate.", 3e-3, gt=0, le=10)
     warmup_steps: int = spec(
         "Linear warmup steps before the cosine decay.", 20, ge=0, le=10_000_000
     )
@@ -420,7 +506,7 @@ class PretrainConfig:
         choices=PRETRAIN_SCHEDULES,
     )
     weight_decay: Optional[float] = spec(
-        "AdamW weight decay of pretraining (null = training.weight_decay).", None, ge=0
+        "AdamW weight decay of pretraining (null = training.weight_decay).", None, ge=0, le=10
     )
 
 
@@ -432,7 +518,7 @@ class DatasetConfig:
     its validator (pita/datasets)."""
 
     name: str = spec("goal_walk | star_graph | gsm8k | math500 | aime | imdb | tldr", "goal_walk")
-    seed: Optional[int] = spec("Seed of the task's data.", None, ge=0)
+    seed: Optional[int] = spec("Seed of the task's data.", None, ge=0, le=SEED_MAX)
     num_nodes: Optional[int] = spec(
         "Graph nodes N (goal_walk, star_graph).", None, ge=1, le=100_000
     )
@@ -448,7 +534,7 @@ class DatasetConfig:
     hub_id: Optional[str] = spec("Override the hub dataset id.", None)
     split: Optional[str] = spec("Hub split for evaluation.", None)
     max_prompt_tokens: Optional[int] = spec(
-        "Truncate prompts to this many tokens (hub tasks).", None, ge=1
+        "Truncate prompts to this many tokens (hub tasks).", None, ge=1, le=131_072
     )
     max_new_tokens: Optional[int] = spec("Response budget (hub tasks).", None, ge=1, le=131_072)
     train_path: Optional[str] = spec("Local .jsonl of training prompts (hub tasks).", None)
@@ -485,7 +571,7 @@ class ModelConfig:
     )
     trust_remote_code: bool = spec("Allow model repos to run their own code.", False)
     memory_gb: float = spec(
-        "Estimated device memory of one stage's models (GB), for admission.", 0.5, gt=0
+        "Estimated device memory of one stage's models (GB), for admission.", 0.5, gt=0, le=100_000
     )
     gpus_per_task: int = spec("Devices per task (a gang); >1 shards the models.", 1, ge=1, le=64)
     reference_arch: TinyModelConfig = field(default_factory=TinyModelConfig)
@@ -497,7 +583,7 @@ class ModelConfig:
 
 @dataclass
 class GuidanceConfig:
-    eta: float = spec("Default η (η multiplies the value; 0 = π_ref).", 10.0, ge=0)
+    eta: float = spec("Default η (η multiplies the value; 0 = π_ref).", 10.0, ge=0, le=1e6)
     mode: str = spec("How values become token offsets.", "bernoulli", choices=GUIDANCE_MODES)
     top_k: int = spec("Guide among the reference's top-k tokens.", 2, ge=1, le=1_000_000)
 
@@ -513,11 +599,16 @@ class ReferenceConfig:
 class TrainedConfig(ReferenceConfig):
     """Keys every trained algorithm has."""
 
-    batch_size: BatchSize = spec("Training batch size (effective), or auto.", 256, batch=True)
-    num_workers: int = spec(
-        "DataLoader workers for this algorithm's training (0 = training.num_workers).", 0, ge=-1
+    batch_size: BatchSize = spec(
+        "Training batch size (effective), or auto.", 256, batch=True, memory=True, le=BATCH_MAX
     )
-    lr: float = spec("Learning rate.", 1e-3, gt=0)
+    num_workers: int = spec(
+        "DataLoader workers for this algorithm's training (0 = training.num_workers).",
+        0,
+        ge=-1,
+        le=256,
+    )
+    lr: float = spec("Learning rate.", 1e-3, gt=0, le=10)
     epochs: int = spec("Passes over the collected data.", 1, ge=1, le=100_000)
     steps: int = spec("Optimizer steps (0 = from epochs).", 0, ge=0, le=100_000_000)
 
@@ -531,6 +622,7 @@ class CollectingConfig(TrainedConfig):
         0,
         ge=0,
         note="0 = data_collection.samples_per_example",
+        le=100_000,
     )
 
 
@@ -538,16 +630,17 @@ class CollectingConfig(TrainedConfig):
 class RewardModelMixin:
     """The -HF variants: a proxy Bradley–Terry reward model fitted on preference pairs."""
 
-    reward_lr: float = spec("Learning rate of the proxy reward model.", 1e-3, gt=0)
-    reward_epochs: int = spec("Epochs of the proxy reward model.", 1, ge=1)
+    reward_lr: float = spec("Learning rate of the proxy reward model.", 1e-3, gt=0, le=10)
+    reward_epochs: int = spec("Epochs of the proxy reward model.", 1, ge=1, le=100_000)
     pairs_per_example: int = spec(
-        "At most this many preference pairs per training prompt.", 8, ge=1
+        "At most this many preference pairs per training prompt.", 8, ge=1, le=100_000
     )
     samples_per_example: int = spec(
         "Samples per training prompt in this algorithm's collect.",
         0,
         ge=0,
         note="0 = data_collection.samples_per_example",
+        le=100_000,
     )
     reward_trl: Dict[str, Any] = spec(
         "Any other field of TRL's RewardConfig for the proxy reward model, passed as is: "
@@ -562,7 +655,9 @@ class ValueGuidedConfig(CollectingConfig):
     """PITA, Q#: a value model trained on roll-outs guides π_ref at decoding time."""
 
     loss_type: str = spec("Value loss.", "bce", choices=LOSS_TYPES)
-    num_atoms: int = spec("Atoms of the distributional value (mle).", 11, ge=2)
+    num_atoms: int = spec(
+        "Atoms of the distributional value (mle).", 11, ge=2, memory=True, le=1_024
+    )
     V_min: float = spec("Smallest atom value (< V_max).", 0.0)
     V_max: float = spec("Largest atom value.", 1.0)
     init: Optional[str] = spec(
@@ -583,18 +678,21 @@ class ValueGuidedConfig(CollectingConfig):
         -1,
         ge=-1,
         allowed="allowed: -1 (every block) or a count of bottom blocks >= 0",
+        le=1_024,
     )
     value_head: str = spec(
         "q: one value per vocabulary entry, read at the prefix; v: candidate appended, "
         "scalar read at its own position (the official Q# classifier).",
         "q",
         choices=VALUE_HEADS,
+        memory=True,
     )
     weight_decay: Optional[float] = spec(
         "AdamW weight decay of value training.",
         None,
         ge=0,
         note="or null = training.weight_decay",
+        le=10,
     )
     lr_schedule: str = spec(
         "cosine: warmup min(100, 10%), decay to 0; official: warmup max(100, 10%), "
@@ -614,6 +712,7 @@ class ValueGuidedConfig(CollectingConfig):
         "when the run will sit on the plateau (0 = off).",
         200,
         ge=0,
+        le=10_000_000,
     )
     guidance: GuidanceConfig = field(default_factory=GuidanceConfig)
 
@@ -678,30 +777,44 @@ def peft_errors(value: Any, prefix: str) -> list[str]:
 class PreferenceConfig(CollectingConfig):
     """DPO, RPO: TRL's DPOTrainer on preference pairs of the policy's samples."""
 
-    beta: float = spec("KL coefficient β.", 0.1, gt=0)
+    beta: float = spec("KL coefficient β.", 0.1, gt=0, le=1e6)
     sft_weight: float = spec(
-        "Weight of an NLL term on the chosen responses (TRL's sigmoid+sft = RPO α).", 0.0, ge=0
+        "Weight of an NLL term on the chosen responses (TRL's sigmoid+sft = RPO α).",
+        0.0,
+        ge=0,
+        le=1e6,
     )
     pairs_per_example: int = spec(
-        "At most this many preference pairs per training prompt.", 8, ge=1
+        "At most this many preference pairs per training prompt.", 8, ge=1, le=100_000
     )
     trl: Dict[str, Any] = spec(TRL_HELP.format(config="DPOConfig", example="loss_type=ipo"), {})
-    peft: Any = spec(PEFT_HELP, None)  # Any: Hydra cannot merge a mapping into a None Dict
+    peft: Any = spec(
+        PEFT_HELP, None, memory=True
+    )  # Any: Hydra cannot merge a mapping into a None Dict
 
 
 @dataclass
 class GRPOConfig(TrainedConfig):
     """GRPO: TRL's GRPOTrainer with the task's verifier as reward."""
 
-    beta: float = spec("KL coefficient β (0 = no KL term).", 0.04, ge=0)
+    beta: float = spec("KL coefficient β (0 = no KL term).", 0.04, ge=0, le=1e6)
     num_generations: int = spec(
-        "Completions per prompt (the group).", 8, ge=2, note="GRPO needs a group"
+        "Completions per prompt (the group).",
+        8,
+        ge=2,
+        note="GRPO needs a group",
+        memory=True,
+        le=1_024,
     )
-    max_completion_length: int = spec("Completion budget (0 = task length).", 0, ge=0)
+    max_completion_length: int = spec(
+        "Completion budget (0 = task length).", 0, ge=0, memory=True, le=131_072
+    )
     trl: Dict[str, Any] = spec(
         TRL_HELP.format(config="GRPOConfig", example="scale_rewards=false"), {}
     )
-    peft: Any = spec(PEFT_HELP, None)  # Any: Hydra cannot merge a mapping into a None Dict
+    peft: Any = spec(
+        PEFT_HELP, None, memory=True
+    )  # Any: Hydra cannot merge a mapping into a None Dict
 
 
 @dataclass
@@ -745,8 +858,12 @@ class PitaConfig:
         le=1,
         allowed="a fraction in (0, 1]; lower is safer",
     )
-    dry_run: bool = spec("Print the plan and exit without starting a worker.", False)
-    resume_from: Optional[str] = spec("Run folder to resume (its saved config is reused).", None)
+    dry_run: bool = spec(
+        "Print the plan and exit without starting a worker.", False, affects="record"
+    )
+    resume_from: Optional[str] = spec(
+        "Run folder to resume (its saved config is reused).", None, affects="record"
+    )
 
 
 # --- the walker -----------------------------------------------------------------------------
@@ -771,6 +888,148 @@ def schema_errors(
         if values and rule is not None and not rule.ok(value):
             errors.append(f"{prefix}{name}={value!r}: {rule.text(value)}")
     return errors
+
+
+# --- what a key affects: the lists derived from `spec(affects=..., memory=...)` -------------
+
+
+def _walk(dotted: str) -> tuple[dataclasses.Field | None, type | None]:
+    """(field, group dataclass) at a dotted key of PitaConfig: (None, PitaConfig) for "",
+    (None, None) for a key outside the schema; a key inside a dict field
+    (`executor.stage_overrides.QSharp.train`) is that field's."""
+    f: dataclasses.Field | None = None
+    schema: type | None = PitaConfig
+    for part in dotted.split(".") if dotted else []:
+        if schema is None:  # inside a leaf: a dict field's own keys
+            return f, None
+        fields = {g.name: g for g in dataclasses.fields(schema)}
+        if part not in fields:
+            return None, None
+        f = fields[part]
+        schema = nested_schema(f)
+    return f, schema
+
+
+def affects_of(dotted: str) -> str | None:
+    """What changing a dotted key affects (`AFFECTS`); `algos.<NAME>.*` is "result" (every
+    algorithm key changes what its chain computes), a whole group is "result"; None for a key
+    outside the schema (`hydra.*`)."""
+    if dotted == "algos" or dotted.startswith("algos."):
+        return "result"
+    f, schema = _walk(dotted)
+    if schema is not None:
+        return "result"
+    return None if f is None else f.metadata.get("affects", "result")
+
+
+def keys_affecting(kind: str, schema: type | None = None) -> tuple[str, ...]:
+    """The dotted leaf keys of `schema` (PitaConfig unless given) that declare `affects=kind`."""
+    assert kind in AFFECTS, f"kind={kind!r}: one of {AFFECTS}"
+    return tuple(
+        key
+        for key, f in leaf_fields(schema or PitaConfig)
+        if f.metadata.get("affects", "result") == kind  # `algos` (no spec): each algo's keys
+    )
+
+
+def resume_safe(dotted: str) -> bool:
+    """Whether a resumed run may change the key: it affects where or how the run goes, or
+    what is recorded, never what a task computes."""
+    return affects_of(dotted) in ("place", "record")
+
+
+def resume_safe_keys() -> tuple[str, ...]:
+    """Every leaf key a resumed run may change (`resume_safe`)."""
+    return keys_affecting("place") + keys_affecting("record")
+
+
+def memory_keys(schema: type | None = None) -> tuple[str, ...]:
+    """The dotted leaf keys of `schema` (PitaConfig unless given) that change a task's
+    device-memory peak (`memory=True`): the peak cache's key."""
+    return tuple(key for key, f in leaf_fields(schema or PitaConfig) if f.metadata.get("memory"))
+
+
+def result_config(plain: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A resolved config (plain dicts) without what does not change a task's result: the keys
+    that affect only its place or its record, and what is outside the schema (`hydra`). What
+    a checkpoint's identity and the duration cache's key are computed from."""
+    out: dict[str, Any] = {}
+    for key, value in plain.items():
+        dotted = f"{prefix}{key}"
+        if affects_of(dotted) != "result":
+            continue
+        group = _walk(dotted)[1] is not None and isinstance(value, Mapping)
+        out[key] = result_config(value, f"{dotted}.") if group else value
+    return out
+
+
+def describe_keys(keys: tuple[str, ...] | list[str]) -> str:
+    """`keys` for a message: a group all of whose leaves are listed reads `group.*`, one
+    with a single leaf left out reads `group.* but group.<leaf>`."""
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        groups.setdefault(key.rsplit(".", 1)[0] if "." in key else "", []).append(key)
+    parts: list[str] = []
+    for group, listed in groups.items():
+        sub = _walk(group)[1] if group else None
+        every = [f"{group}.{k}" for k, _ in leaf_fields(sub)] if sub else []
+        missing = [k for k in every if k not in listed]
+        if sub and not missing:
+            parts.append(f"{group}.*")
+        elif sub and len(missing) == 1:
+            parts.append(f"{group}.* but {missing[0]}")
+        else:
+            parts += listed
+    return ", ".join(parts)
+
+
+def default_of(dotted: str, schema: type | None = None) -> Any:
+    """The default `schema` (PitaConfig unless given) declares for a dotted key
+    (`training.micro_batch_size`, or `num_generations` of an algorithm's schema)."""
+    f = dict(leaf_fields(schema or PitaConfig))[dotted]
+    return f.default_factory() if f.default is MISSING else f.default  # type: ignore[operator]
+
+
+# --- typed settings: a stage's values as schema instances (issue 33) ----------------------
+
+T = TypeVar("T")
+
+
+def _refuse_write(self: Any, name: str, value: Any = None) -> None:
+    raise dataclasses.FrozenInstanceError(
+        f"cannot assign to field {name!r}: a stage's settings are read-only"
+    )
+
+
+@functools.cache
+def _frozen_class(schema: type) -> type:
+    """A subclass of `schema` whose instances refuse assignment (the schema classes stay
+    plain dataclasses: Hydra merges overrides into them)."""
+    return type(
+        schema.__name__,
+        (schema,),
+        {"__setattr__": _refuse_write, "__delattr__": _refuse_write, "__module__": __name__},
+    )
+
+
+def settings(schema: type[T], node: Mapping[str, Any] | None) -> T:
+    """A read-only instance of `schema` holding `node`'s values (a resolved config group:
+    plain dicts and lists): what a stage reads instead of digging keys out by string. A key
+    `node` lacks takes the field's default, the one home of every default; a key the schema
+    lacks is left out (the config was validated against the schema before any worker
+    started)."""
+    node = node or {}
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(schema):  # type: ignore[arg-type]
+        if f.name not in node or not f.init:
+            continue
+        value, sub = node[f.name], nested_schema(f)
+        values[f.name] = (
+            settings(sub, value) if sub is not None and isinstance(value, Mapping) else value
+        )
+    instance = schema(**values)
+    object.__setattr__(instance, "__class__", _frozen_class(schema))  # type: ignore[arg-type]
+    return instance
 
 
 def leaf_fields(schema: type, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:

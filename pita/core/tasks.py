@@ -39,16 +39,22 @@ class TaskSpec:
     round: int
     stage: str  # a STAGES name, or "<stage>_merge" for the merge of a sharded stage
     fn: str  # "module.path:function", resolved in the worker
+    # "module:Class" of `algos.<algo>`'s schema (the registry row's), resolved in the worker
+    # into `ctx.algo`; "" for tasks outside an algorithm's chain (pretrain, diagnostics)
+    algo_schema: str = ""
     deps: list[str] = field(default_factory=list)
     inputs: dict[str, Any] = field(default_factory=dict)  # logical name -> task id or [ids]
     shard: int | None = None
     num_shards: int = 1
     shard_range: tuple[float, float] = (0.0, 1.0)  # fraction of the stage's items
     gpus: int = 1
-    # a training stage that runs data-parallel on 1..k ranks, each holding the whole model:
-    # `gpus` is chosen when it is dispatched (pita/core/elastic.py), mem_mb is per rank
-    elastic: bool = False
-    mem_mb: int = 0
+    # how a training task uses its gang: "none" (one process), "ddp" (replicated ranks) or
+    # "fsdp" (sharded ranks); the planner's choice (pita/experiment/gangs.py), not the key's
+    strategy: str = "none"
+    # an elastic training task: the rank counts its gang may have, ascending; `gpus` is
+    # chosen among them when it is dispatched (pita/core/elastic.py). Empty: `gpus` is fixed
+    ranks: list[int] = field(default_factory=list)
+    mem_mb: int = 0  # the whole task's, over its gang (per device: mem_mb / gpus)
     mem_source: str = ""  # where mem_mb came from (pita/experiment/estimates.py); shown by dry_run
     preferred_device: int | None = None
     work: float = 1.0  # relative duration estimate, for critical-path priority
@@ -59,6 +65,11 @@ class TaskSpec:
     outputs: list[str] = field(
         default_factory=list
     )  # declared outputs its committed folder must hold
+
+    @property
+    def elastic(self) -> bool:
+        """Whether its ranks are chosen at dispatch (`ranks`)."""
+        return len(self.ranks) > 1
 
     @property
     def chain(self) -> str:

@@ -164,7 +164,7 @@ class WorkerPool:
             task_timeout_s=executor_cfg.task_timeout_s,
             heartbeat_s=executor_cfg.heartbeat_s,
             heartbeat_timeout_s=executor_cfg.heartbeat_timeout_s,
-            start_timeout_s=executor_cfg.get("start_timeout_s", 60.0),
+            start_timeout_s=executor_cfg.start_timeout_s,
             model_cache_size=executor_cfg.model_cache_size,
             preimport=executor_cfg.preimport,
             extra_env=extra_env,

@@ -12,6 +12,7 @@ Importing this package loads neither torch nor transformers: the orchestrator ca
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +29,13 @@ REGISTRY: dict[str, str] = {
     "imdb": "hub",
     "tldr": "hub",
 }
+
+# Datasets of your own package (docs/extending.md): entry points of group `pita_datasets`,
+# `name = "pkg.module"`, read when this package is imported (orchestrator and workers alike).
+# pita's own names win.
+PLUGIN_DATASETS = "pita_datasets"
+for _ep in importlib.metadata.entry_points(group=PLUGIN_DATASETS):
+    REGISTRY.setdefault(_ep.name, _ep.value)
 
 # Tasks generated in code: π_ref is trained on them by the run's `pretrain` stage (from
 # scratch for the tiny family, fine-tuned from the family's weights otherwise).
@@ -71,7 +79,16 @@ def _as_dict(dataset_cfg: Mapping) -> dict[str, Any]:
 
 
 def _module(name: str):
-    return importlib.import_module(f"{__name__}.{REGISTRY[name]}")
+    """pita's own task modules by their short name; a dataset of your own package (entry
+    point `pita_datasets`, docs/extending.md) by its full module path."""
+    module = REGISTRY[name]
+    return importlib.import_module(module if "." in module else f"{__name__}.{module}")
+
+
+def with_defaults(dataset_cfg: Mapping) -> dict:
+    """`dataset_cfg` with the task's own defaults (its module's DEFAULTS) under it."""
+    cfg = _as_dict(dataset_cfg)
+    return {**getattr(_module(cfg["name"]), "DEFAULTS", {}), **cfg}
 
 
 def validate_dataset_cfg(dataset_cfg: Mapping) -> None:

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .base import Example, cfg_error, check_int, check_pairs, check_unknown_keys, cut_at_eos, is_int
-from .vocab import FamilyText, Vocab, build_tokenizer, family_text
+from .offline import build_offline, checked, node_answers, task_tokens
 
 NAME = "goal_walk"
 DEFAULTS: dict[str, Any] = {
@@ -148,17 +148,7 @@ class GoalWalkTask:
         test_size: int = 1000,
         tokenizer: Any = None,
     ):
-        cfg = {
-            "num_nodes": num_nodes,
-            "out_degree": out_degree,
-            "walk_length": walk_length,
-            "seed": seed,
-            "train_size": train_size,
-            "test_size": test_size,
-        }
-        errors = validate_cfg(cfg)
-        if errors:
-            raise ValueError("; ".join(errors))
+        checked({k: v for k, v in locals().items() if k in DEFAULTS}, validate_cfg)
         self.num_nodes, self.out_degree, self.walk_length = num_nodes, out_degree, walk_length
         self.seed, self.train_size, self.test_size = seed, train_size, test_size
 
@@ -168,16 +158,9 @@ class GoalWalkTask:
         self._walk = [walk_distribution(self.graph, s, walk_length) for s in range(num_nodes)]
         self._reach = [sorted(w) for w in self._walk]
 
-        self.vocab = Vocab([*(str(v) for v in range(num_nodes)), START, GOAL, EQ])
-        self.tokenizer = build_tokenizer(self.vocab.tokens[: num_nodes + 3])
-        self.eos_id = self.vocab.eos_id
-        self.max_new_tokens = walk_length + 1
-        # A family's own tokenizer (None: the built-in one above, the tiny family's)
-        self.text: FamilyText | None = family_text(tokenizer, self.tokenizer)
-        if self.text is not None:
-            self.tokenizer, self.eos_id = self.text.tokenizer, self.text.eos_id
-            widest = ",".join([str(num_nodes - 1)] * walk_length)
-            self.max_new_tokens = self.text.max_tokens(widest) + 1
+        self.vocab, self.tokenizer, self.eos_id, self.text, self.max_new_tokens = task_tokens(
+            num_nodes, (START, GOAL, EQ), walk_length, tokenizer
+        )
         self._train: list[Example] | None = None
         self._test: list[Example] | None = None
 
@@ -278,16 +261,7 @@ class GoalWalkTask:
     def answers(self, examples: Sequence[Example], responses: Sequence[Sequence[int]]) -> list[str]:
         """The walk as text ("3 5 7"), up to the first EOS; "" without an EOS."""
         check_pairs(examples, responses)
-        out = []
-        for resp in responses:
-            nodes, has_eos = cut_at_eos(resp, self.eos_id)
-            if not has_eos:
-                out.append("")
-            elif self.text is not None:
-                out.append(" ".join(self.text.decode(nodes).split(",")))
-            else:
-                out.append(" ".join(self.vocab.decode(nodes)))
-        return out
+        return node_answers(self, responses, " ")
 
     def extra_metrics(
         self, examples: Sequence[Example], responses: Sequence[Sequence[int]]
@@ -359,9 +333,5 @@ def _tilted_success(p: float, eta: float) -> float:
 
 
 def build(cfg: Mapping, tokenizer: Any = None, **_: Any) -> GoalWalkTask:
-    """The task; `tokenizer` (a family's tokenizer or its folder) renders it as text in that
-    tokenizer, unless it is the built-in one the tiny family saved."""
-    return GoalWalkTask(
-        **{k: v for k, v in cfg.items() if k != "name" and not str(k).startswith("_")},
-        tokenizer=tokenizer,
-    )
+    """The task (`offline.build_offline`)."""
+    return build_offline(GoalWalkTask, cfg, tokenizer)

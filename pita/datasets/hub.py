@@ -391,8 +391,8 @@ def validate_cfg(cfg: Mapping) -> list[str]:
         errors.append(
             cfg_error("prompt_template", template, "must be a string containing {prompt}")
         )
-    chat = cfg.get("use_chat_template", "auto")
-    if chat not in (True, False, "auto"):
+    chat = cfg.get("use_chat_template")  # None: the dataset's own rule
+    if chat not in (None, True, False, "auto"):
         errors.append(cfg_error("use_chat_template", chat, "must be true, false or auto"))
     return errors
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import Example, cfg_error, check_int, check_pairs, check_unknown_keys, cut_at_eos, is_int
-from .vocab import FamilyText, Vocab, build_tokenizer, family_text
+from .offline import build_offline, checked, node_answers, task_tokens
 
 NAME = "star_graph"
 DEFAULTS: dict[str, Any] = {
@@ -177,33 +177,14 @@ class StarGraphTask:
         seed: int = 0,
         tokenizer: Any = None,
     ):
-        cfg = {
-            "degree": degree,
-            "path_length": path_length,
-            "num_nodes": num_nodes,
-            "train_size": train_size,
-            "test_size": test_size,
-            "seed": seed,
-        }
-        errors = validate_cfg(cfg)
-        if errors:
-            raise ValueError("; ".join(errors))
+        checked({k: v for k, v in locals().items() if k in DEFAULTS}, validate_cfg)
         self.degree, self.path_length, self.num_nodes = degree, path_length, num_nodes
         self.train_size, self.test_size, self.seed = train_size, test_size, seed
 
-        self.vocab = Vocab([*(str(v) for v in range(num_nodes)), SEP, EQ, SLASH])
-        self.tokenizer = build_tokenizer(
-            self.vocab.tokens[: num_nodes + 3], drop=",", isolate="|/="
+        self.vocab, self.tokenizer, self.eos_id, self.text, self.max_new_tokens = task_tokens(
+            num_nodes, (SEP, EQ, SLASH), path_length, tokenizer, drop=",", isolate="|/="
         )
-        self.eos_id = self.vocab.eos_id
         self._sep, self._eq, self._slash = (self.vocab.ids[t] for t in (SEP, EQ, SLASH))
-        self.max_new_tokens = path_length + 1
-        # A family's own tokenizer (None: the built-in one above, the tiny family's)
-        self.text: FamilyText | None = family_text(tokenizer, self.tokenizer)
-        if self.text is not None:
-            self.tokenizer, self.eos_id = self.text.tokenizer, self.text.eos_id
-            widest = ",".join([str(num_nodes - 1)] * path_length)
-            self.max_new_tokens = self.text.max_tokens(widest) + 1
         self.prompt_length = 3 * degree * (path_length - 1) + 3
         self._train: list[Example] | None = None
         self._test: list[Example] | None = None
@@ -320,16 +301,7 @@ class StarGraphTask:
     def answers(self, examples: Sequence[Example], responses: Sequence[Sequence[int]]) -> list[str]:
         """The generated path in text form ("3,7,12,..."), up to EOS; "" without an EOS."""
         check_pairs(examples, responses)
-        out = []
-        for resp in responses:
-            nodes, has_eos = cut_at_eos(resp, self.eos_id)
-            if not has_eos:
-                out.append("")
-            elif self.text is not None:
-                out.append(self.text.decode(nodes))
-            else:
-                out.append(",".join(self.vocab.decode(nodes)))
-        return out
+        return node_answers(self, responses, ",")
 
     def first_step_correct(self, example: Example, response: Sequence[int]) -> bool:
         """The response starts with the source and then the goal arm's first node.
@@ -382,9 +354,5 @@ def path_text(path: Sequence[int]) -> str:
 
 
 def build(cfg: Mapping, tokenizer: Any = None, **_: Any) -> StarGraphTask:
-    """The task; `tokenizer` (a family's tokenizer or its folder) renders it as text in that
-    tokenizer, unless it is the built-in one the tiny family saved."""
-    return StarGraphTask(
-        **{k: v for k, v in cfg.items() if k != "name" and not str(k).startswith("_")},
-        tokenizer=tokenizer,
-    )
+    """The task (`offline.build_offline`)."""
+    return build_offline(StarGraphTask, cfg, tokenizer)

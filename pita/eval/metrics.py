@@ -4,8 +4,9 @@
 - maj@k: per prompt, the majority answer among its k samples (ties broken at random with
   the run's seed; empty answers vote only when nothing else does), then mean correctness;
 - avg_reward: mean reward over samples;
-- kl: mean over sampled sequences of Σ_t [log π(y_t|s_t) − log π_ref(y_t|s_t)], from the
-  log-probs of the sampled tokens only.
+- kl, kl_full, off_support: the KL columns defined once in docs/ALGORITHMS.md ("KL: the
+  three columns"), from the log-probs of the sampled tokens only (`sample_kl` per sample,
+  `kl_columns` per row).
 """
 
 from __future__ import annotations
@@ -46,3 +47,33 @@ def maj_at_k(
 def mean(values: Sequence[float]) -> float:
     finite = [v for v in values if not math.isnan(v)]
     return sum(finite) / len(finite) if finite else float("nan")
+
+
+def sample_kl(
+    logprobs: Sequence[float], ref_rule: Sequence[float], ref_full: Sequence[float]
+) -> dict[str, float | bool]:
+    """One sampled sequence's KL terms: `kl` = Σ_t [log π − log π_ref^rule] (+inf when a
+    token lies outside π_ref^rule's support, where its log-prob is -inf), `kl_full` = Σ_t
+    [log π − log π_ref] against the untruncated π_ref (finite: softmax has full support),
+    `off_support` = whether any token lies outside π_ref^rule's support."""
+    off = any(x == -math.inf for x in ref_rule)
+    return {
+        "kl": math.inf if off else sum(logprobs) - sum(ref_rule),
+        "kl_full": sum(logprobs) - sum(ref_full),
+        "off_support": off,
+    }
+
+
+def kl_columns(samples: Sequence[dict]) -> dict[str, float]:
+    """A row's KL columns from its samples' `sample_kl` terms: `kl` is +inf as soon as one
+    sample is off π_ref^rule's support (the KL is then infinite, not an estimation error),
+    else the mean; `kl_full` the mean; `off_support` the share of samples off the support.
+    Samples written before `kl_full` existed have only `kl`: the other two are then NaN-free
+    absences (left out)."""
+    out: dict[str, float] = {}
+    kls = [float(s["kl"]) for s in samples]
+    out["kl"] = math.inf if any(k == math.inf for k in kls) else mean(kls)
+    if samples and all("kl_full" in s for s in samples):
+        out["kl_full"] = mean([float(s["kl_full"]) for s in samples])
+        out["off_support"] = sum(bool(s["off_support"]) for s in samples) / len(samples)
+    return out

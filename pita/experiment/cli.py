@@ -7,8 +7,9 @@ bad group option or invalid value becomes one line naming the key and what is al
 with exit code 2, before a folder or a process exists. Then `@hydra.main` runs as usual
 (sweeps, launchers and `.hydra/` included).
 
-`resume_from=<run dir>` bypasses composition: the run's saved config is reused, only
-run-safe keys may be overridden, and the run continues in its own folder.
+`resume_from=<run dir>` bypasses composition: the run's saved config is reused, any key
+may be overridden (the tasks it touches run again, the rest is kept:
+pita/experiment/resume_fix.py), and the run continues in its own folder.
 `resume_from=auto` resumes the newest run of `experiment.name` if it did not finish (a
 SLURM requeue finishes its run), else starts a new one; so does rerunning into an existing
 run folder (`hydra.run.dir=<run dir>`).
@@ -23,18 +24,21 @@ checks values only: devices and placement are checked in the job, on its node.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
 from pita.core.errors import ConfigError
 from pita.core.paths import RunPaths
+from pita.core.schema import resume_safe
 from pita.experiment.cli_extras import (
     PROJECT_ROOT,
     conf_dir,
@@ -53,17 +57,9 @@ from pita.experiment.config import (
 CONF_DIR = conf_dir()
 LOCAL_LAUNCHERS = ("BasicLauncher",)  # Hydra's launcher classes that run jobs in this process
 LAST_COMPOSE: dict[str, str] = {}
+T = TypeVar("T")
 HELD_LOCKS: list[Any] = []  # run folder locks taken before Hydra or run() write anything
 EXIT_CODE_FILE = "exit_code"  # a remote job's exit code, read by the sweep's end (aggregate.py)
-# Keys a resumed run may change: where and how it runs, never what it computes.
-RESUME_SAFE_PREFIXES = (
-    "system.devices",
-    "system.threads_per_worker",
-    "system.use_parallel_execution",
-    "executor.",
-    "dry_run",
-    "resume_from",
-)
 
 
 def _first_line(text: object) -> str:
@@ -81,7 +77,10 @@ def format_compose_error(exc: BaseException, overrides: list[str]) -> str:
     cause = exc.__cause__ or exc.__context__
     full_key = getattr(cause, "full_key", None)
     if m and full_key:  # a bad key or value inside a config file
-        return f"conf/{m.group(1)}.yaml: {full_key}: {_first_line(cause)}"
+        from pita.experiment.config import did_you_mean
+
+        hint = did_you_mean(str(full_key)) if type(cause).__name__ == "ConfigKeyError" else ""
+        return f"conf/{m.group(1)}.yaml: {full_key}: {_first_line(cause)}{hint}"
     odd = next((o for o in overrides if not o.isascii()), None)
     if odd is not None and ("LexerNoViableAlt" in text or "token recognition error" in text):
         key, _, value = odd.partition("=")
@@ -93,7 +92,10 @@ def format_compose_error(exc: BaseException, overrides: list[str]) -> str:
         )
     m = re.search(r"Could not override '([^']+)'", text)
     if m:
-        return f"{m.group(1)}: unknown key (not in pita's config schema, see conf/ and pita/core/schema.py)"
+        from pita.core.schema import UNKNOWN_KEY
+        from pita.experiment.config import with_hint
+
+        return with_hint(f"{m.group(1)}: {UNKNOWN_KEY}")
     m = re.search(r"Could not find '(hydra/launcher)/([^']+)'", text)
     if m:
         have = sorted(p.stem for p in (CONF_DIR / "hydra" / "launcher").glob("*.yaml"))
@@ -105,7 +107,9 @@ def format_compose_error(exc: BaseException, overrides: list[str]) -> str:
     if m:
         group, name = m.group(1), m.group(2)
         options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-        return f"{group}={name}: no such {group} config; available: {', '.join(options)}"
+        near = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+        hint = f"; did you mean {group}={near[0]}?" if near else ""
+        return f"{group}={name}: no such {group} config; available: {', '.join(options)}{hint}"
     m = re.search(r"Error merging override (\S+)", text)
     if m:
         cause = exc.__cause__ or exc.__context__
@@ -245,6 +249,11 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
     run_dir = Path(resume_dir).expanduser()
     if not run_dir.exists():
         run_dir = PROJECT_ROOT / resume_dir
+    run_dir = run_dir.absolute()  # workers run from pita's folder: a relative one means another
+    from pita.core.safe_files import share_with_group
+
+    # a teammate's saved config is read only when this command line trusts the group
+    share_with_group(any(o.lstrip("+").lower() == "system.trust_group=true" for o in overrides))
     try:
         saved = load_saved_config(RunPaths(run_dir).saved_config)
     except Exception as exc:
@@ -264,23 +273,41 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
             f"{key}: {_first_line(exc)}"
         ) from None
     assert isinstance(cfg, DictConfig)
-    for o in overrides:
-        key = o.split("=", 1)[0].lstrip("+~")
-        if not key.startswith(RESUME_SAFE_PREFIXES):
-            raise ConfigError(
-                f"{key}: cannot change on resume (the run's saved config is reused); "
-                f"allowed: system.devices, executor.*, dry_run"
-            )
-        if key == "resume_from":
-            continue
-        try:
-            value = OmegaConf.from_dotlist([o.lstrip("+")])
-            cfg = OmegaConf.merge(cfg, value)
-        except Exception as exc:
-            raise ConfigError(f"{o}: {_first_line(exc)}") from None
-    assert isinstance(cfg, DictConfig)
+    cfg = apply_resume_overrides(cfg, overrides)
     cfg.resume_from = str(run_dir)
     return cfg, run_dir
+
+
+def apply_resume_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """A resume's `key=value` overrides onto the saved config. Any key may change (the
+    tasks it touches run again: pita/experiment/resume_fix.py); a config group
+    (`dataset=gsm8k`) selects another experiment and Hydra's own keys fix the run folder,
+    so both are refused with one line."""
+    from pita.core.schema import UNKNOWN_KEY
+    from pita.experiment.config import with_hint
+
+    for o in overrides:
+        key, _, value = o.partition("=")
+        bare = key.lstrip("+~")
+        if bare == "resume_from":
+            continue
+        if bare.startswith("hydra") or "/" in bare or (CONF_DIR / bare).is_dir():
+            raise ConfigError(
+                f"{o}: a config group or Hydra setting cannot change on resume (it describes "
+                f"another run); set its keys one by one (e.g. {bare.split('/')[0]}.<key>=...), "
+                f"or start a new run"
+            )
+        if key.startswith("~"):
+            raise ConfigError(f"{o}: a key cannot be removed on resume; set it to another value")
+        try:
+            merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{bare}={value}"]))
+        except Exception as exc:
+            if type(exc).__name__ == "ConfigKeyError":
+                raise ConfigError(with_hint(f"{bare}: {UNKNOWN_KEY}")) from None
+            raise ConfigError(f"{o}: {_first_line(exc)}") from None
+        assert isinstance(merged, DictConfig)  # a mapping merged into a mapping
+        cfg = merged
+    return cfg
 
 
 def preflight(
@@ -342,87 +369,106 @@ def _print_config_error(exc: ConfigError) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The command line: --help, a resume (typed, `resume_from=auto`, or a rerun into an
+    existing run folder), or a new run or sweep handed to Hydra. Every refusal of the
+    command line is one line and exit 2, before any process starts."""
     from hydra._internal.utils import get_args_parser
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    # as typed, for run_info.json: set before any branch (a resume too), so no path records
+    # a command this process inherited from the one that started it
+    os.environ["PITA_COMMAND"] = json.dumps([sys.argv[0], *argv])
     args = get_args_parser().parse_args(argv)  # Hydra's own parser: -cn NAME, -sc install=bash, ...
     if args.help:
-        try:
-            name = Path(sys.argv[0]).name if sys.argv else "pita"
-            prog = "-m pita" if name == "__main__.py" else name
-            print(help_text(prog, _composed_for_help(list(args.overrides), args)))
-        except BrokenPipeError:  # `--help | head`
-            pass
+        _print_help(args)
         sys.exit(0)
-    from pita.experiment.config import ALGO_NAMES
+    overrides = _exit_2_on_config_error(lambda: _expanded_algos(args))
+    info_only = bool(args.hydra_help or args.cfg or args.info or args.shell_completion)
+    cfg: DictConfig | None = None  # Hydra's --info / --cfg / completion need no run config
+    if not info_only:
+        resume, implicit, overrides = _which_run(overrides, args)
+        if resume is not None:
+            sys.exit(_resume(resume, implicit, overrides, args))
+        cfg = _exit_2_on_config_error(lambda: _new_run_config(overrides, args))
+    if cfg is not None and not args.multirun and remote_launcher() is None:
+        overrides = _lock_before_hydra(cfg, overrides)
+    given = set(args.overrides)
+    sys.argv = [sys.argv[0], *[a for a in argv if a not in given], *overrides]  # Hydra reads it
+    _hydra_main()
 
+
+def _print_help(args: Any) -> None:
     try:
-        overrides = expand_algos(list(args.overrides), ALGO_NAMES)
+        name = Path(sys.argv[0]).name if sys.argv else "pita"
+        prog = "-m pita" if name == "__main__.py" else name
+        print(help_text(prog, _composed_for_help(list(args.overrides), args)))
+    except BrokenPipeError:  # `--help | head`
+        pass
+
+
+def _exit_2_on_config_error(fn: Callable[[], T]) -> T:
+    try:
+        return fn()
     except ConfigError as exc:
         _print_config_error(exc)
         sys.exit(2)
-    info_only = bool(args.hydra_help or args.cfg or args.info or args.shell_completion)
+
+
+def _expanded_algos(args: Any) -> list[str]:
+    from pita.experiment.config import ALGO_NAMES
+
+    return expand_algos(list(args.overrides), ALGO_NAMES)
+
+
+def _which_run(overrides: list[str], args: Any) -> tuple[str | None, bool, list[str]]:
+    """(the run folder to resume or None, whether the resume is implicit, the overrides
+    left): a typed `resume_from=<run>`; `resume_from=auto` (the newest unfinished run of the
+    experiment, else a new run); or `hydra.run.dir=<a run folder with a plan>` (rerunning
+    into a run folder finishes that run). An implicit resume must describe the same run."""
     resume = next((o.split("=", 1)[1] for o in overrides if o.startswith("resume_from=")), None)
-    implicit = False  # resume_from=auto or a rerun into an existing folder, not a typed resume_from
-    if resume == "auto" and not info_only:
+    implicit = False
+    if resume == "auto":
         resume, overrides = _resolve_auto_resume(overrides, args)
         implicit = resume is not None
-    run_dir_override = next(
-        (o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")), None
-    )
-    if (
-        resume in (None, "", "null")
-        and run_dir_override
-        and not args.multirun
-        and not info_only
-        and RunPaths(run_dir_override).plan.is_file()
-    ):
-        resume, implicit = (
-            run_dir_override,
-            True,
-        )  # rerunning into an existing run folder finishes that run
-        overrides = [o for o in overrides if not o.startswith("hydra.run.dir=")]
-    if resume not in (None, "", "null") and not info_only:
+    run_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")), None)
+    if resume in (None, "", "null") and run_dir and not args.multirun:
+        if RunPaths(run_dir).plan.is_file():
+            resume, implicit = run_dir, True
+            overrides = [o for o in overrides if not o.startswith("hydra.run.dir=")]
+    return (None if resume in (None, "", "null") else resume), implicit, overrides
+
+
+def _resume(resume: str, implicit: bool, overrides: list[str], args: Any) -> int:
+    """Resume `resume` (its saved config with the run-safe overrides), under its lock; a
+    dry run touches no file of the run. The exit code."""
+    from pita.experiment.run import lock_run_folder, run
+
+    def resumed_config() -> tuple[DictConfig, Path]:
         rest = [o for o in overrides if not o.startswith("resume_from=")]
-        try:
-            if implicit:  # the same command line again (a requeue): it must describe the same run
-                rest = _same_run_overrides(resume, rest, args)
-            cfg, run_dir = load_resume_config(resume, rest)
-            preflight(cfg, run_dir=run_dir)
-        except ConfigError as exc:
-            _print_config_error(exc)
-            sys.exit(2)
-        from pita.experiment.run import lock_run_folder, run
+        if implicit:  # the same command line again (a requeue): it must describe the same run
+            rest = _same_run_overrides(resume, rest, args)
+        cfg, run_dir = load_resume_config(resume, rest)
+        preflight(cfg, run_dir=run_dir)
+        return cfg, run_dir
 
-        if cfg.dry_run:  # a dry run touches no file of the run
-            _setup_console_logging()
-            sys.exit(_run_checked(lambda: run(cfg, run_dir, resumed=True)))
-        lock = _run_checked(lambda: lock_run_folder(cfg, run_dir, share=True))
-        if isinstance(lock, int):
-            sys.exit(lock)
-        HELD_LOCKS.append(lock)
-        _setup_console_logging(run_dir)
-        sys.exit(_run_checked(lambda: run(cfg, run_dir, resumed=True)))
+    cfg, run_dir = _exit_2_on_config_error(resumed_config)
+    if cfg.dry_run:
+        _setup_console_logging()
+        return _run_checked(lambda: run(cfg, run_dir, resumed=True))
+    lock = _run_checked(lambda: lock_run_folder(cfg, run_dir, share=True))
+    if isinstance(lock, int):
+        return lock
+    HELD_LOCKS.append(lock)
+    _setup_console_logging(run_dir)
+    return _run_checked(lambda: run(cfg, run_dir, resumed=True))
 
-    if not info_only:
-        try:
-            cfg = compose_config(overrides, args.config_name, args.config_dir)
-            preflight(cfg, overrides, devices=remote_launcher() is None)
-        except ConfigError as exc:
-            _print_config_error(exc)
-            sys.exit(2)
-    os.environ["PITA_COMMAND"] = json.dumps(
-        [sys.argv[0], *argv]
-    )  # as typed, for run_info.json (jobs too)
-    if not info_only and not args.multirun and remote_launcher() is None:
-        overrides = _lock_before_hydra(cfg, overrides)
-    given = set(args.overrides)
-    sys.argv = [
-        sys.argv[0],
-        *[a for a in argv if a not in given],
-        *overrides,
-    ]  # Hydra parses sys.argv
-    _hydra_main()
+
+def _new_run_config(overrides: list[str], args: Any) -> DictConfig:
+    """The composed, checked config of a new run (devices checked here unless a remote
+    launcher's job will check them where it runs)."""
+    cfg = compose_config(overrides, args.config_name, args.config_dir)
+    preflight(cfg, overrides, devices=remote_launcher() is None)
+    return cfg
 
 
 def _lock_before_hydra(cfg: DictConfig, overrides: list[str]) -> list[str]:
@@ -476,18 +522,15 @@ def _same_run_overrides(run_dir: str, overrides: list[str], args) -> list[str]:
     loaded = load_saved_config(RunPaths(run_dir).saved_config)
     assert isinstance(loaded, DictConfig)  # a run's saved config is a mapping
     saved = drop_retired_algo_keys(loaded)
-    diff = config_differences(
-        saved, composed, RESUME_SAFE_PREFIXES + ("system.use_parallel_execution",)
-    )
+    diff = config_differences(saved, composed, resume_safe)
     if diff:
         raise ConfigError(
             f"resume of {run_dir}: this command line describes another run ("
             f"{'; '.join(diff[:4])}{' ...' if len(diff) > 4 else ''}); pass resume_from={run_dir} "
-            f"alone to finish it, or change experiment.name for a new run"
+            f"alone to finish it as it was, resume_from={run_dir} <key>=<value> to finish it with "
+            f"other values (the tasks they touch run again), or change experiment.name for a new run"
         )
-    return [
-        o for o in overrides if o.split("=", 1)[0].lstrip("+~").startswith(RESUME_SAFE_PREFIXES)
-    ]
+    return [o for o in overrides if resume_safe(o.split("=", 1)[0].lstrip("+~"))]
 
 
 def _resolve_auto_resume(overrides: list[str], args) -> tuple[str | None, list[str]]:
@@ -558,6 +601,6 @@ def _hydra_main() -> None:
         return code
 
     _main()
-    from pita.experiment.aggregate import LAST_SWEEP
+    from pita.results.aggregate import LAST_SWEEP
 
     sys.exit(max(worst[0], LAST_SWEEP.get("worst_exit_code", 0)))

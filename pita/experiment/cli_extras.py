@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +131,7 @@ def help_text(prog: str = "run_parallel.py", composed: dict | None = None) -> st
         "",
         f"usage: {cmd} [key=value ...] [-m] [-cn NAME] [--config-dir DIR] [--cfg job]",
         f"       {cmd} -sc install=bash      # tab completion (bash/zsh/fish)",
-        "       python -m pita.experiment.aggregate <sweep dir>   # mean ± std over a sweep's runs",
+        "       python -m pita.results.aggregate <sweep dir>   # mean ± std over a sweep's runs",
         "",
         "Exit codes: 0 all tasks done, 1 some failed, 2 bad config (nothing started), 130 interrupted.",
         "",
@@ -199,23 +200,24 @@ def find_resumable(outputs: Path, experiment: str) -> Path | None:
     return candidates[0] if candidates and not run_finished(candidates[0]) else None
 
 
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted leaf keys of a resolved config (lists are leaves; an empty mapping has none)."""
     if isinstance(node, dict):
         out: dict[str, Any] = {}
         for k, v in node.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         return out
     return {prefix[:-1]: node}
 
 
-def config_differences(saved: Any, composed: Any, safe_prefixes: tuple[str, ...]) -> list[str]:
-    """`key: saved -> now` for every key (outside `safe_prefixes`) whose value differs."""
+def config_differences(saved: Any, composed: Any, safe: Callable[[str], bool]) -> list[str]:
+    """`key: saved -> now` for every key (but the `safe` ones) whose value differs."""
     from omegaconf import OmegaConf
 
-    a = _flatten(OmegaConf.to_container(saved, resolve=True))
-    b = _flatten(OmegaConf.to_container(composed, resolve=True))
+    a = flatten(OmegaConf.to_container(saved, resolve=True))
+    b = flatten(OmegaConf.to_container(composed, resolve=True))
     return [
         f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
         for k in sorted(set(a) | set(b))
-        if not k.startswith(safe_prefixes) and a.get(k) != b.get(k)
+        if not safe(k) and a.get(k) != b.get(k)
     ]

@@ -19,6 +19,7 @@ algos.<NAME>.enabled|batch_size|num_workers, rounds_of_training, resume_from).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from pita.core.paths import RunPaths
 from pita.core.schema import (  # noqa: F401 (the dataclasses' old home re-exports them)
     ALGO_SCHEMAS,
     LOGGER_BACKENDS,
+    UNKNOWN_KEY,
     DataCollectionConfig,
     DatasetConfig,
     EvaluationConfig,
@@ -47,6 +49,7 @@ from pita.core.schema import (  # noqa: F401 (the dataclasses' old home re-expor
     SystemConfig,
     TinyModelConfig,
     TrainingConfig,
+    leaf_fields,
     schema_errors,
 )
 from pita.experiment.trl_options import open_trl_dict, trl_option_errors
@@ -90,6 +93,27 @@ def non_finite_errors(node: Any, key: str = "") -> list[str]:
         if bad:
             return [f"{key}={node}: item {bad[0]} ({node[bad[0]]}) must be a finite number"]
         return [m for i, v in enumerate(node) for m in non_finite_errors(v, f"{key}[{i}]")]
+    return []
+
+
+def secret_errors(node: Any, key: str = "") -> list[str]:
+    """`<key>: looks like a secret` for every string of a resolved config that holds a token
+    or a URL with a password (the config is written into the run folder and every task's
+    result); its value is never printed. `algos.<NAME>.trl` is checked by its own rule
+    (pita/experiment/trl_values.py)."""
+    from pita.experiment.trl_values import SECRET_VALUE, secret_error
+
+    if isinstance(node, str):
+        return [line] if SECRET_VALUE.search(node) and (line := secret_error(key, "", node)) else []
+    if isinstance(node, dict):
+        return [
+            m
+            for k, v in node.items()
+            if k not in ("trl", "reward_trl")
+            for m in secret_errors(v, f"{key}.{k}" if key else str(k))
+        ]
+    if isinstance(node, list):
+        return [m for i, v in enumerate(node) for m in secret_errors(v, f"{key}[{i}]")]
     return []
 
 
@@ -141,7 +165,8 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
     non_finite = non_finite_errors(resolved)
     if non_finite:  # the range checks below would compare NaN and pass
         raise ConfigError(non_finite)
-    errors = schema_errors(resolved, PitaConfig)
+    errors = [with_hint(e) for e in schema_errors(resolved, PitaConfig)]
+    errors += secret_errors(resolved)
     try:
         validate_devices_spec(cfg.system.devices)
     except ConfigError as exc:
@@ -172,6 +197,34 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
         raise ConfigError(errors)
 
 
+def known_keys() -> list[str]:
+    """Every dotted key of the schema, each algorithm's own keys under `algos.<NAME>.`."""
+    keys = [k for k, _ in leaf_fields(PitaConfig) if k != "algos"]
+    for name, row in ALGORITHMS.items():
+        keys += [f"algos.{name}.{k}" for k, _ in leaf_fields(row.schema)]
+    return keys
+
+
+def did_you_mean(key: str) -> str:
+    """`; did you mean algos.DPO.beta?` for a misspelt key (its nearest sibling first, then
+    the nearest key anywhere: `trainig.compile` -> `training.compile`), else ''."""
+    leaves = known_keys()
+    keys = sorted({".".join(k.split(".")[:n]) for k in leaves for n in range(1, k.count(".") + 2)})
+    parent, _, leaf = key.rpartition(".")
+    siblings = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent]
+    near = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.7)
+    if near:
+        return f"; did you mean {parent + '.' if parent else ''}{near[0]}?"
+    near = difflib.get_close_matches(key, leaves, n=1, cutoff=0.8)
+    return f"; did you mean {near[0]}?" if near else ""
+
+
+def with_hint(line: str) -> str:
+    """An `<key>: unknown key ...` line with its "did you mean" added."""
+    key, sep, rest = line.partition(": ")
+    return f"{line}{did_you_mean(key)}" if sep and rest == UNKNOWN_KEY else line
+
+
 def stage_override_errors(overrides: dict) -> list[str]:
     """executor.stage_overrides.<ALGO>.<stage>: a known algorithm, a 'module:function'."""
     errors = []
@@ -199,7 +252,10 @@ def algo_errors(algos: dict) -> list[str]:
             errors.append(f"algos.{name}: unknown algorithm; allowed: {', '.join(ALGO_NAMES)}")
             continue
         enabled = bool(algo.get("enabled"))
-        errors += schema_errors(algo, ALGORITHMS[name].schema, f"algos.{name}.", values=enabled)
+        errors += [
+            with_hint(e)
+            for e in schema_errors(algo, ALGORITHMS[name].schema, f"algos.{name}.", values=enabled)
+        ]
         if not enabled:
             continue
         if "V_min" in algo and "V_max" in algo and not algo["V_min"] < algo["V_max"]:

@@ -28,6 +28,7 @@ process holds that `max_memory_reserved` does not count but NVML does.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -40,15 +41,19 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
-from pita.algos.registry import Held, stage_models
+from pita.algos.registry import ALGORITHMS, Held, stage_models
+from pita.core import user_cache
 from pita.core.paths import pita_cache_dir
+from pita.core.schema import ModelConfig, default_of, memory_keys, settings
 from pita.models.placement import BYTES_PER_PARAM
 
 log = logging.getLogger(__name__)
 
 WORKER_OVERHEAD_MB = 512
 PEAK_MARGIN = 1.10  # a measured peak, plus 10 % (allocator rounding, a longer batch next time)
-SCHEMA_DEFAULT_GB = 0.5  # ModelConfig.memory_gb's default: "nobody said"
+HUB_PROMPT_TOKENS, HUB_NEW_TOKENS = 512, 256  # a hub task that sets no length of its own
+UNKNOWN_VOCAB = 80  # the built-in family's vocabulary on a task without node tokens
+SCHEMA_DEFAULT_GB = default_of("model.memory_gb")  # "nobody said"
 # Bytes per element by dtype name: placement's weight table (the same numbers the gang
 # placement uses) plus the other names a config.json may store.
 DTYPE_BYTES = {
@@ -229,30 +234,55 @@ def size_from_name(model_id: str) -> ModelSize | None:
 
 def sequence_lengths(ds: Mapping[str, Any], cfg: Any) -> tuple[int, int]:
     """(prompt tokens, new tokens) of the dataset's longest example, as configured."""
-    name = ds.get("name")
-    gen_new = int(_get(cfg, "generation.max_new_tokens", 0) or 0)
+    from pita.datasets import with_defaults
+
+    ds = with_defaults(ds)
+    name = ds["name"]
+    gen_new = int(_get(cfg, "generation.max_new_tokens"))
     if name == "star_graph":
-        d, length = int(ds.get("degree") or 2), int(ds.get("path_length") or 5)
+        d, length = int(ds["degree"]), int(ds["path_length"])
         return 3 * d * (length - 1) + 3, gen_new or length + 1
     if name == "goal_walk":
-        return 4, gen_new or int(ds.get("walk_length") or 3) + 1
-    return int(ds.get("max_prompt_tokens") or 512), gen_new or int(ds.get("max_new_tokens") or 256)
+        return 4, gen_new or int(ds["walk_length"]) + 1
+    # a hub task without its own limits: a long prompt and answer (the estimate's upper side)
+    prompt, new = ds.get("max_prompt_tokens"), ds.get("max_new_tokens")
+    return int(prompt or HUB_PROMPT_TOKENS), gen_new or int(new or HUB_NEW_TOKENS)
 
 
 def tiny_vocab(ds: Mapping[str, Any]) -> int:
     """The task vocabulary of an offline dataset: node tokens + separators + specials."""
-    return int(ds.get("num_nodes") or 64) + 16
+    from pita.datasets import with_defaults
+
+    nodes = with_defaults(ds).get("num_nodes")  # a hub task has no node tokens
+    return int(nodes) + 16 if nodes else UNKNOWN_VOCAB
 
 
-def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
+def _get(cfg: Any, dotted: str) -> Any:
+    """The value of a dotted key in a (possibly partial) config, else the schema's default:
+    the default has one home (pita/core/schema.py)."""
+    node = _lookup(cfg, dotted)
+    return default_of(dotted) if node is None else node
+
+
+def _algo_get(cfg: Any, algo: str, key: str) -> Any:
+    """`algos.<algo>.<key>`, else the default of the algorithm's schema (None for a task
+    outside an algorithm's chain, or a key its schema lacks)."""
+    node = _lookup(cfg, f"algos.{algo}.{key}")
+    if node is not None or algo not in ALGORITHMS:
+        return node
+    fields = {f.name: f for f in dataclasses.fields(ALGORITHMS[algo].schema)}
+    return default_of(key, ALGORITHMS[algo].schema) if key in fields else None
+
+
+def _lookup(cfg: Any, dotted: str) -> Any:
     node = cfg
     for part in dotted.split("."):
         try:
             node = node[part]
         except (KeyError, TypeError, AttributeError):
-            return default
+            return None
         if node is None:
-            return default
+            return None
     return node
 
 
@@ -289,7 +319,7 @@ class ModelSizes:
         from pita.models.catalog import resolve_family
 
         try:
-            fam = resolve_family(str(family.get("name", "tiny")), family)
+            fam = resolve_family(settings(ModelConfig, family).name, family)
         except ValueError:
             return None
         if fam.is_builtin:
@@ -302,7 +332,7 @@ class ModelSizes:
         if not model_id:
             return None
         return checkpoint_size(
-            model_id, str(family.get("dtype", "auto")), fam.quantization
+            model_id, settings(ModelConfig, family).dtype, fam.quantization
         ) or size_from_name(model_id)
 
 
@@ -318,14 +348,13 @@ CHECKPOINT_OF = {
 
 def _batch_of(task: Any, cfg: Any, held: Held, builtin: bool) -> int:
     """How many sequences the held model processes at once in this task, before batch_scale."""
-    algo_cfg = _get(cfg, f"algos.{task.algo}", {}) or {}
-    micro = int(_get(cfg, "training.micro_batch_size", 4))
+    micro = int(_get(cfg, "training.micro_batch_size"))
     if held.use == "generate":
         if task.stage == "train":  # roll-outs sampled inside training (GRPO's groups)
-            return micro * int(algo_cfg.get("num_generations", 8))
+            return micro * int(_algo_get(cfg, task.algo, "num_generations"))
         if task.stage == "evaluate":
             batch = _batch(_get(cfg, "evaluation.batch_size"), 512)
-            return batch * int(_get(cfg, "evaluation.num_samples", 1))
+            return batch * int(_get(cfg, "evaluation.num_samples"))
         return _batch(_get(cfg, "generation.batch_size"), 256)
     if held.use == "forward":
         if task.stage == "train":
@@ -333,23 +362,24 @@ def _batch_of(task: Any, cfg: Any, held: Held, builtin: bool) -> int:
         return _batch(_get(cfg, "generation.batch_size"), 256)
     # train: the whole batch at once for built-in models, micro-batches for hub models
     if task.stage == "pretrain":
-        return int(_get(cfg, "pretrain.batch_size", 256))
+        return int(_get(cfg, "pretrain.batch_size"))
     if builtin:
-        return _batch(algo_cfg.get("batch_size"), 256)
+        return _batch(_algo_get(cfg, task.algo, "batch_size"), 256)
     return micro * held.sequences
 
 
-def _activation_bytes(
+def _model_estimate(
     task: Any, cfg: Any, held: Held, size: ModelSize, builtin: bool, lengths: tuple[int, int]
-) -> float:
-    """What the held model adds over its weights: KV cache / activations, gradients and AdamW."""
+):
+    """estimate_from_config for one held model (its KV cache / activations, and for a trained
+    one its gradients and AdamW state)."""
     from pita.runtime.batch_size.search import StageMode, estimate_from_config
 
     config = size.config
     if held.atoms_head:  # a value head: num_atoms outputs, not the vocabulary
-        atoms = int((_get(cfg, f"algos.{task.algo}", {}) or {}).get("num_atoms", 1) or 1)
+        atoms = int(_algo_get(cfg, task.algo, "num_atoms"))
         config = SimpleNamespace(**{**vars(config), "vocab_size": atoms})
-    est = estimate_from_config(
+    return estimate_from_config(
         config,
         mode=cast(StageMode, held.use),  # never "weights": the caller counts those
         prompt_tokens=lengths[0],
@@ -358,55 +388,149 @@ def _activation_bytes(
         n_params=size.params,
         optimizer_bytes_per_param=8.0 if held.use == "train" else None,
     )
-    batch = _batch_of(task, cfg, held, builtin)
-    return est.bytes_for(max(1, int(batch * task.batch_scale)))
 
 
-def analytic_mb(task: Any, cfg: Any, sizes: ModelSizes) -> tuple[int, str] | None:
-    """Weights + KV cache / activations + optimizer state of the models the task's stage
-    holds (its algorithm's row in pita/algos/registry.py says which), in MB."""
+def _largest_block(size: ModelSize) -> float:
+    """Bytes of the largest unit FSDP all-gathers at once (one transformer block, or the
+    embedding): what a sharded rank holds unsharded for a moment beside its shard."""
+    c = size.config
+    if c is None:
+        return 0.0
+    h, inter = int(c.hidden_size), int(c.intermediate_size or 4 * int(c.hidden_size))
+    per_param = size.weight_bytes / max(1, size.params)
+    return max(4 * h * h + 3 * h * inter, int(c.vocab_size) * h) * per_param
+
+
+@dataclass
+class TrainingMemory:
+    """A task's analytic estimate split the way a gang's strategy divides it (bytes).
+
+    `params`, `grads` and `optimizer` are the trained model's (AdamW: two fp32 moments);
+    `frozen` the weights and forward buffers of the models it only reads (π_ref beside a
+    value model, DPO's reference); `activations` those of the trained model on the batch one
+    process takes; `batch_split`: k ranks each take 1/k of that batch (the tiny models built
+    in the run train on the whole batch at once; hub models keep `training.micro_batch_size`
+    per rank and accumulate less). DDP replicates everything on every rank; FSDP divides the
+    first three by k and adds one block gathered unsharded (`block`). Frozen models are not
+    sharded (each rank holds its copy).
+    """
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    frozen: float
+    block: float
+    batch_split: bool
+    what: str
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.frozen
+
+    def per_rank_mb(self, strategy: str, ranks: int) -> int:
+        """MB on each rank of a `ranks`-device gang under `strategy` ("none" | "ddp" | "fsdp")."""
+        k = max(1, ranks)
+        state = self.params + self.grads + self.optimizer
+        if strategy == "fsdp" and k > 1:
+            state = state / k + self.block
+        acts = (
+            self.activations / k if (self.batch_split and strategy != "none") else self.activations
+        )
+        return int((state + acts + self.frozen) / MB) + WORKER_OVERHEAD_MB
+
+
+def training_memory(task: Any, cfg: Any, sizes: ModelSizes) -> TrainingMemory | None:
+    """The analytic estimate of `task` split by what a strategy shards (None: sizes unknown).
+
+    Weights are counted once per model the stage holds (its algorithm's row in
+    pita/algos/registry.py): DPO's policy and its frozen reference are two copies of π_ref's
+    checkpoint; GRPO's policy that trains and samples is one."""
     held = stage_models(task.algo, task.stage, task.round)
     if not held:
         return None
     family, ds = task.family_cfg, task.dataset_cfg
     builtin = str(family.get("name")) == "tiny"
     lengths = sequence_lengths(ds, cfg)
-    total = 0.0
+    trained = {h.model for h in held if h.use == "train"}
+    mem = TrainingMemory(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, builtin, "")
     counted: set[str] = set()
     whats: list[str] = []
     for h in held:
-        checkpoint = CHECKPOINT_OF[h.model]
-        size = sizes.get(family, ds, checkpoint)
+        size = sizes.get(family, ds, CHECKPOINT_OF[h.model])
         if size is None:
             return None
-        if checkpoint not in counted:  # a checkpoint's weights are counted once
-            total += size.weight_bytes
-            counted.add(checkpoint)
+        if h.model not in counted:  # a model's weights are counted once, whatever it does
+            counted.add(h.model)
             whats.append(size.what)
-        if h.use != "weights" and size.config is not None:
-            total += _activation_bytes(task, cfg, h, size, builtin, lengths)
-    return int(total / MB) + WORKER_OVERHEAD_MB, " + ".join(dict.fromkeys(whats))
+            if h.model in trained:
+                mem.params += size.weight_bytes
+                mem.block = max(mem.block, _largest_block(size))
+            else:
+                mem.frozen += size.weight_bytes
+        adapter = _lora_params(cfg, task, size) if h.model == "policy" else None
+        if h.use == "train" and adapter is not None:  # LoRA: only the fp32 adapter trains
+            mem.grads += adapter * 4.0
+            mem.optimizer += adapter * 8.0
+        elif h.use == "train":  # gradients in the compute dtype, AdamW's two fp32 moments
+            mem.grads += size.params * (4 if builtin else 2)
+            mem.optimizer += size.params * 8.0
+        if h.use == "weights" or size.config is None:
+            continue  # no shapes (a size read from the name): no activations to count
+        est = _model_estimate(task, cfg, h, size, builtin, lengths)
+        batch = max(1, int(_batch_of(task, cfg, h, builtin) * task.batch_scale))
+        if h.use == "train":
+            mem.activations += batch * est.per_sample_bytes
+        else:
+            mem.frozen += est.bytes_for(batch)
+    mem.what = " + ".join(dict.fromkeys(whats))
+    return mem
+
+
+# LoRA's adapter on a linear layer is r x (inputs + outputs); which layers of a decoder
+# block take (hidden, hidden) and which (hidden, MLP width)
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "c_attn", "c_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj", "c_fc")
+
+
+def _lora_params(cfg: Any, task: Any, size: ModelSize) -> float | None:
+    """Parameters of the LoRA adapter `algos.<NAME>.peft` puts on the policy (None: full
+    fine-tuning, or a model without shapes). `all-linear` = the 4 attention and 3 MLP
+    projections of each block."""
+    peft = _algo_get(cfg, task.algo, "peft")
+    c = size.config
+    if not isinstance(peft, Mapping) or c is None:
+        return None
+    r = int(peft.get("r", 8) or 8)
+    h = int(c.hidden_size)
+    inter = int(c.intermediate_size or 4 * h)
+    targets = peft.get("target_modules", "all-linear")
+    if isinstance(targets, str):
+        targets = [*_ATTENTION[:4], *_MLP[:3]] if targets == "all-linear" else [targets]
+    per_block = sum(r * (h + inter) if t in _MLP else r * 2 * h for t in targets)
+    return float(int(c.num_hidden_layers) * per_block)
+
+
+def analytic_mb(task: Any, cfg: Any, sizes: ModelSizes) -> tuple[int, str] | None:
+    """Weights + KV cache / activations + optimizer state of the models the task's stage
+    holds (its algorithm's row in pita/algos/registry.py says which), in MB, on one device."""
+    mem = training_memory(task, cfg, sizes)
+    if mem is None:
+        return None
+    return mem.per_rank_mb("none", 1), mem.what
 
 
 # --- measured peaks -------------------------------------------------------------------------------
 
 
 def peak_key(task: Any, cfg: Any) -> str:
-    """(algo, stage, family, dataset) + a fingerprint of what changes the peak."""
-    settings = {
-        k: _get(cfg, k)
-        for k in (
-            "generation.batch_size",
-            "generation.max_new_tokens",
-            "evaluation.batch_size",
-            "evaluation.num_samples",
-            "pretrain.batch_size",
-            "training.micro_batch_size",
-            "training.gradient_checkpointing",
-        )
-    }
-    settings["algo"] = _get(cfg, f"algos.{task.algo}.batch_size")
-    blob = json.dumps([task.family_cfg, task.dataset_cfg, settings], sort_keys=True, default=str)
+    """(algo, stage, family, dataset) + a fingerprint of what changes the peak: the chain's
+    model and dataset groups and every key whose field says `memory=True` (the run's and the
+    algorithm's: `schema.memory_keys`)."""
+    keys = {k: _get(cfg, k) for k in memory_keys()}
+    row = ALGORITHMS.get(task.algo)
+    own = {k: _algo_get(cfg, task.algo, k) for k in memory_keys(row.schema)} if row else {}
+    blob = json.dumps([task.family_cfg, task.dataset_cfg, keys, own], sort_keys=True, default=str)
     stage = task.stage.removesuffix("_merge")
     return f"{task.algo}|{stage}|{task.family}|{task.dataset}|{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
@@ -427,13 +551,13 @@ class PeakEstimator:
         self.cache_path = cache_path
         self.peaks: dict[str, tuple[float, str]] = {}  # key -> (peak MB, where it was measured)
         if cache_path is not None:
-            try:
-                data = json.loads(Path(cache_path).read_text())
-                self.peaks = {
-                    k: (float(v["peak_mb"]), f"cached peak of {v['task']}") for k, v in data.items()
-                }
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                self.peaks = {}
+            path = Path(cache_path)
+            self.peaks = user_cache.entries(
+                user_cache.read_json(path, "peaks"),
+                path,
+                "peaks",
+                lambda v: (float(v["peak_mb"]), f"cached peak of {v['task']}"),
+            )
 
     def observe(self, task: Any, result: Mapping[str, Any]) -> bool:
         """Record the task's measured peak (MB); True when one was measured."""
@@ -472,22 +596,10 @@ class PeakEstimator:
     def _save(self, key: str, peak_mb: float, task_id: str) -> None:
         if self.cache_path is None:
             return
-        from pita.core.paths import atomic_write_json
-
-        try:
-            data = (
-                json.loads(Path(self.cache_path).read_text())
-                if Path(self.cache_path).is_file()
-                else {}
-            )
-        except (OSError, ValueError):
-            data = {}
-        data[key] = {"peak_mb": round(peak_mb, 1), "task": task_id}
-        try:
-            Path(self.cache_path).parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(Path(self.cache_path), data)
-        except OSError as exc:
-            log.warning("cannot write the peaks cache %s: %s", self.cache_path, exc)
+        entry = {"peak_mb": round(peak_mb, 1), "task": task_id}
+        user_cache.update_json(
+            Path(self.cache_path), "peaks", lambda data: data.update({key: entry})
+        )
 
 
 def family_file_memory_gb(name: str) -> float:
@@ -519,8 +631,8 @@ def estimate(
         hit = peaks.refine(task)
         if hit is not None:
             return hit
-    fam_gb = float(task.family_cfg.get("memory_gb", SCHEMA_DEFAULT_GB))
-    name = str(task.family_cfg.get("name", "tiny"))
+    family = settings(ModelConfig, task.family_cfg)
+    fam_gb, name = family.memory_gb, family.name
     if abs(fam_gb - family_file_memory_gb(name)) > 1e-9:
         return task.mem_mb, f"model.memory_gb={fam_gb:g} (set)"
     sizes = sizes or ModelSizes()

@@ -17,7 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from pita.algos.registry import ALGORITHMS, ANY, is_importable, lookup, stage_outputs
 from pita.core.dag import Plan, critical_path_priorities
+from pita.core.elastic import rank_choices
 from pita.core.errors import ConfigError
+from pita.core.schema import ModelConfig, settings
 from pita.core.tasks import SHARDABLE, TaskSpec, task_id
 from pita.experiment.cli_extras import conf_dir
 
@@ -115,6 +117,7 @@ class Planner:
     cfg: DictConfig
     n_devices: int
     shard_ranges: list[tuple[float, float]]
+    largest_gang: int | None = None  # the most devices one task may hold (None: n_devices)
     plan: Plan = field(default_factory=Plan)
 
     def function(self, algo: str, stage: str) -> str:
@@ -144,7 +147,7 @@ class Planner:
                 stage="pretrain",
                 fn=self.function(ANY, "pretrain"),
                 gpus=self.data_parallel_gang(),
-                elastic=self.elastic("pretrain"),
+                ranks=self.elastic_ranks(),
                 mem_mb=mem_mb,
                 work=STAGE_WORK["pretrain"],
                 **common,
@@ -152,26 +155,32 @@ class Planner:
         )
         return tid
 
-    def elastic(self, stage: str, gang_stages: tuple[str, ...] = ("pretrain",)) -> bool:
-        """training.parallel_strategy=data_parallel: a stage that trains with pita's own loop
-        on a gang (pretrain, an algorithm's `gang_stages`: pita/runtime/gang.py run_stage)
-        gets 1..executor.max_ranks_per_task devices, one DDP rank each, its k chosen when it
-        is dispatched by simulating the rest of the plan (pita/core/elastic.py); planned on 1."""
-        strategy = str(self.cfg.training.get("parallel_strategy", "none"))
-        if strategy != "data_parallel" or str(self.cfg.system.gpu_mode) in ("cpu", "single_gpu"):
-            return False
-        ranks = int(self.cfg.executor.get("max_ranks_per_task", 1))
-        return stage in gang_stages and min(ranks, self.n_devices) > 1
+    def gang_key(self) -> str:
+        """training.parallel_strategy, or "none" where a run has no gangs (cpu, single_gpu)."""
+        if str(self.cfg.system.gpu_mode) in ("cpu", "single_gpu"):
+            return "none"
+        return str(self.cfg.training.parallel_strategy)
+
+    def elastic_ranks(self) -> list[int]:
+        """training.parallel_strategy=data_parallel: a training stage (pretrain, an
+        algorithm's `gang_stages`) is planned on one device and gets 1, 2, 4, ... up to
+        executor.max_ranks_per_task devices, one DDP rank each, its k chosen when it is
+        dispatched by simulating the rest of the plan (pita/core/elastic.py). pita/experiment/
+        gangs.py then drops the k a TRL stage's batch or the memory rules out. [] otherwise."""
+        if self.gang_key() != "data_parallel":
+            return []
+        top = min(self.n_devices, self.largest_gang or self.n_devices)
+        ranks = rank_choices(int(self.cfg.executor.max_ranks_per_task), top)
+        return ranks if len(ranks) > 1 else []
 
     def data_parallel_gang(self) -> int:
-        """training.parallel_strategy=fsdp: the stages that train with pita's own loop on a
-        gang get a gang of every device of the run (at most executor.max_ranks_per_task), one
-        rank per device (FSDP2 divides the model's states by k: not resized at dispatch);
-        other stages keep one device (or model.gpus_per_task for sharding)."""
-        strategy = str(self.cfg.training.get("parallel_strategy", "none"))
-        if strategy != "fsdp" or str(self.cfg.system.gpu_mode) in ("cpu", "single_gpu"):
+        """training.parallel_strategy=fsdp: the training stages get a gang of every device of
+        the run, one rank per device (FSDP2 divides the model's states by k: not sized at
+        dispatch); other stages, and every stage under data_parallel (`elastic_ranks`),
+        keep one device (or model.gpus_per_task for sharding)."""
+        if self.gang_key() != "fsdp":
             return 1
-        return max(1, min(self.n_devices, int(self.cfg.executor.get("max_ranks_per_task", 1))))
+        return max(1, min(self.n_devices, self.largest_gang or self.n_devices))
 
     def add_stage(self, stage: str, spec: dict[str, Any], deps: list[str]) -> str:
         """One stage task, or its shards plus their merge; returns the id consumers read."""
@@ -244,9 +253,15 @@ class Planner:
                 gang = stage in spec_algo.gang_stages
                 k = max(gpus, self.data_parallel_gang()) if gang else gpus
                 spec = dict(
-                    algo=algo, round=r, inputs=inputs, gpus=k, mem_mb=mem_mb(stage), **common
+                    algo=algo,
+                    algo_schema=spec_algo.schema_path,
+                    round=r,
+                    inputs=inputs,
+                    gpus=k,
+                    mem_mb=mem_mb(stage),
+                    **common,
                 )
-                spec["elastic"] = k == 1 and self.elastic(stage, spec_algo.gang_stages)
+                spec["ranks"] = self.elastic_ranks() if gang and k == 1 else []
                 chain.produced[stage] = self.add_stage(stage, spec, _deps_of(inputs))
             if "collect" in chain.produced:
                 chain.collected.append(chain.produced["collect"])
@@ -254,9 +269,17 @@ class Planner:
 
 
 def plan_experiment(
-    cfg: DictConfig, n_devices: int, *, device_mb: list[int] | None = None, distribute=None
+    cfg: DictConfig,
+    n_devices: int,
+    *,
+    device_mb: list[int] | None = None,
+    distribute=None,
+    device_kind: str = "cpu",
+    largest_gang: int | None = None,
 ) -> Plan:
-    """Build the task DAG. `distribute(n_parts)` gives shard fractions weighted by device."""
+    """Build the task DAG. `distribute(n_parts)` gives shard fractions weighted by device;
+    `device_kind` ("cuda" | "fake" | "cpu") says whether a TRL stage can shard (FSDP);
+    `largest_gang`: the most devices one task may hold (a Ray cluster's largest node)."""
     n_shards = (
         n_devices if cfg.executor.max_shards == 0 else min(n_devices, cfg.executor.max_shards)
     )
@@ -268,14 +291,15 @@ def plan_experiment(
     )
     from pita.datasets import is_offline  # issue 23: a hub family is fine-tuned on offline tasks
 
-    planner = Planner(cfg, n_devices, [tuple(r) for r in shard_ranges])
+    planner = Planner(cfg, n_devices, [tuple(r) for r in shard_ranges], largest_gang)
     algos = enabled_algos(cfg)
     for ds_name in list(cfg.experiment.datasets) or [cfg.dataset.name]:
         ds_cfg = _group_cfg(cfg, "dataset", ds_name)
         for fam_name in list(cfg.experiment.families) or [cfg.model.name]:
             fam_cfg = _group_cfg(cfg, "model", fam_name)
             common = dict(dataset=ds_name, family=fam_name, dataset_cfg=ds_cfg, family_cfg=fam_cfg)
-            mem_gb = float(fam_cfg.get("memory_gb", 0.5))
+            family = settings(ModelConfig, fam_cfg)
+            mem_gb = family.memory_gb
 
             def mem_mb(stage: str, mem_gb: float = mem_gb) -> int:
                 return int(mem_gb * STAGE_MEMORY.get(stage, 1.0) * 1024)
@@ -284,9 +308,7 @@ def plan_experiment(
             if _built_in_run(fam_name, fam_cfg) or is_offline(str(ds_cfg.get("name"))):
                 base_inputs["reference"] = planner.add_pretrain(common, mem_mb("pretrain"))
             for algo in algos:
-                planner.add_chain(
-                    algo, common, base_inputs, mem_mb, int(fam_cfg.get("gpus_per_task", 1))
-                )
+                planner.add_chain(algo, common, base_inputs, mem_mb, family.gpus_per_task)
     plan = planner.plan
     overrides = cfg.executor.stage_overrides or {}
     for t in plan.tasks.values():  # what its committed folder must hold (resume checks it)
@@ -296,7 +318,10 @@ def plan_experiment(
     fill_estimates(plan, cfg, device_mb)  # measured peak > checkpoint size > model.memory_gb
     if device_mb:
         size_gangs(plan, device_mb)
-    check_resources(plan, n_devices, device_mb)
+        from pita.experiment.gangs import size_training_gangs
+
+        size_training_gangs(plan, cfg, device_mb, device_kind, largest_gang)
+    check_resources(plan, n_devices, device_mb, largest_gang)
     critical_path_priorities(plan)
     return plan
 
@@ -321,18 +346,26 @@ def size_gangs(plan: Plan, device_mb: list[int]) -> None:
         if t.family_cfg.get("device_map") == "auto" and t.mem_mb > max(device_mb):
             try:
                 t.gpus = max(t.gpus, gpus_needed(t.mem_mb, device_mb, overhead=1.0))
-                t.elastic = t.elastic and t.gpus == 1  # sharded over its gang, not replicated
+                t.ranks = t.ranks if t.gpus == 1 else []  # sharded over its gang: fixed
             except ValueError:
                 pass  # not even the whole machine: check_resources reports it
 
 
-def check_resources(plan: Plan, n_devices: int, device_mb: list[int] | None) -> None:
-    """Refuse, before anything starts, a task no set of devices could ever hold."""
+def check_resources(
+    plan: Plan, n_devices: int, device_mb: list[int] | None, largest_gang: int | None = None
+) -> None:
+    """Refuse, before anything starts, a task no set of devices could ever hold (on a Ray
+    cluster: no node of it; `largest_gang`)."""
     for t in plan.tasks.values():
         if t.gpus > n_devices:
             raise ConfigError(
                 f"model.gpus_per_task={t.gpus}: task {t.id} needs {t.gpus} devices but this run "
                 f"has {n_devices}; lower it or add devices (system.devices)"
+            )
+        if largest_gang is not None and t.gpus > largest_gang:
+            raise ConfigError(
+                f"model.gpus_per_task={t.gpus}: task {t.id} needs {t.gpus} devices of one node "
+                f"but the largest node of the Ray cluster has {largest_gang}; lower it"
             )
         if device_mb:
             best = sum(sorted(device_mb, reverse=True)[: t.gpus])

@@ -4,9 +4,11 @@ worker exists (exit 2, one line per problem naming the key and what is allowed).
 `validate` (config.py) checks values; this module checks them against the world: local
 dataset files (made absolute against the user's folder, their first lines parsed), the
 model families against the datasets and the devices (quantized aliases need CUDA, a hub
-task needs a hub family's tokenizer), hub models against the local Hugging Face cache
-when the hub is off or unreachable (instead of minutes of retries in every worker), and
-whether the output folder can be written.
+task needs a hub family's tokenizer), hub models and datasets against the local Hugging
+Face cache when the hub is off or unreachable (instead of minutes of retries in every
+worker), the models' own files (positions against the prompt + response budget, LoRA
+target modules: pita/experiment/preflight_models.py), and whether the output folder can be
+written.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import shutil
 import socket
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from omegaconf import DictConfig
 
 PATH_KEYS = ("path", "train_path", "cache_dir")  # dataset.<key>: local paths
 JSONL_LINES_CHECKED = 5
+MAX_LINE_CHARS = 4 * 2**20
 MIN_FREE_MB = 64
 HUB_HOST, HUB_PROBE_S = "huggingface.co", 3.0
 _TRUE = ("1", "true", "yes", "on")
@@ -46,10 +50,22 @@ def environment_errors(
     cfg: DictConfig, gpu_kind: str, *, output_dir: Path | None = None
 ) -> list[str]:
     """Every preflight problem, as one-line messages (empty: go)."""
+    from pita.experiment.preflight_models import (
+        hub_dataset_errors,
+        lora_target_errors,
+        position_errors,
+    )
+
     errors = _jsonl_errors(cfg)
     families = _families(cfg)
-    errors += _family_errors(cfg, families, gpu_kind)
-    errors += _offline_model_errors(families, reward=_needs_reward(cfg))
+    family_errors = _family_errors(cfg, families, gpu_kind)
+    errors += family_errors
+    reachable = _probe_once()  # one probe of the hub for models and datasets
+    errors += _offline_model_errors(families, reward=_needs_reward(cfg), reachable=reachable)
+    if not family_errors:  # a hub task on the built-in family: that line says it all
+        errors += hub_dataset_errors(cfg, hub_offline(), reachable)
+    errors += position_errors(cfg, families)
+    errors += lora_target_errors(cfg, families)
     if output_dir is not None:
         errors += output_dir_errors(output_dir)
     return errors
@@ -81,8 +97,16 @@ def _jsonl_errors(cfg: DictConfig) -> list[str]:
 def _first_lines_problem(path: Path) -> str | None:
     try:
         with open(path, encoding="utf-8") as f:
-            seen = 0
-            for n, line in enumerate(f, 1):
+            seen, eof = 0, False
+            # bounded whatever the file holds: at most JSONL_LINES_CHECKED records, each read
+            # up to MAX_LINE_CHARS (a longer first record is left to the task)
+            for n in range(1, JSONL_LINES_CHECKED * 100 + 1):
+                line = f.readline(MAX_LINE_CHARS)
+                if not line:
+                    eof = True
+                    break
+                if len(line) == MAX_LINE_CHARS and not line.endswith("\n"):
+                    return None
                 if not line.strip():
                     continue
                 try:
@@ -94,7 +118,7 @@ def _first_lines_problem(path: Path) -> str | None:
                 seen += 1
                 if seen >= JSONL_LINES_CHECKED:
                     break
-            return None if seen else f"{path.name} holds no records"
+            return None if seen or not eof else f"{path.name} holds no records"
     except UnicodeDecodeError:
         return f"{path.name} is not UTF-8 text"
     except OSError as exc:
@@ -127,11 +151,18 @@ def _family_errors(
     from pita.datasets import REGISTRY
 
     errors = []
+    trainer = _policy_trainer(cfg)
     for key, name, fam in families:
         if fam.quantization and gpu_kind != "cuda":
             errors.append(
                 f"{key}={name!r}: -{fam.quantization} aliases load with bitsandbytes on CUDA GPUs, "
                 f"but this run's devices are {gpu_kind}; drop the -{fam.quantization} suffix"
+            )
+        elif fam.quantization and trainer:
+            errors.append(  # the task would refuse it (placement.trained_policy_refusal)
+                f"{key}={name!r}: algos.{trainer} trains the family's policy in fp32; "
+                f"-{fam.quantization} (quantized training) is not supported: drop the suffix "
+                f"or disable algos.{trainer}"
             )
     datasets = list(cfg.experiment.datasets) or [cfg.dataset.name]
     hub = [d for d in datasets if REGISTRY.get(_dataset_task(cfg, d)) == "hub"]
@@ -145,11 +176,23 @@ def _family_errors(
     return errors
 
 
+def _policy_trainer(cfg: DictConfig) -> str | None:
+    """The first enabled algorithm that trains the family's policy (DPO, GRPO, ...), if any."""
+    from pita.algos.registry import ALGORITHMS
+    from pita.experiment.plan import enabled_algos
+
+    for name in enabled_algos(cfg):
+        held = (h for models in ALGORITHMS[name].models.values() for h in models)
+        if any(h.model == "policy" and h.use == "train" for h in held):
+            return name
+    return None
+
+
 def _dataset_task(cfg: DictConfig, name: str) -> str:
     from pita.experiment.plan import _group_cfg
 
     try:
-        return str(_group_cfg(cfg, "dataset", name).get("name", name))
+        return str(_group_cfg(cfg, "dataset", name)["name"])
     except Exception:  # noqa: BLE001 - planning reports a bad dataset group itself
         return name
 
@@ -177,6 +220,18 @@ def hub_reachable(timeout_s: float = HUB_PROBE_S) -> bool:
     return bool(ok)
 
 
+def _probe_once() -> Callable[[], bool]:
+    """`hub_reachable`, probed at most once however many checks ask."""
+    seen: list[bool] = []
+
+    def reachable() -> bool:
+        if not seen:
+            seen.append(hub_reachable())
+        return seen[0]
+
+    return reachable
+
+
 def _needs_reward(cfg: DictConfig) -> bool:
     """Whether any dataset is scored by the family's reward model (a star graph on gpt2
     never loads gpt2's IMDB classifier, so its absence must not stop the run)."""
@@ -186,7 +241,11 @@ def _needs_reward(cfg: DictConfig) -> bool:
     return any(needs_reward_model(_dataset_task(cfg, d)) for d in datasets)
 
 
-def _offline_model_errors(families: list[tuple[str, str, Any]], reward: bool = True) -> list[str]:
+def _offline_model_errors(
+    families: list[tuple[str, str, Any]],
+    reward: bool = True,
+    reachable: Callable[[], bool] = hub_reachable,
+) -> list[str]:
     """Hub models must be in the local cache when the hub is off (HF_HUB_OFFLINE) or cannot
     be reached; when it cannot be reached and all are cached, the workers go offline too.
     The reward model counts only when a dataset is scored by it (`reward`)."""
@@ -199,7 +258,7 @@ def _offline_model_errors(families: list[tuple[str, str, Any]], reward: bool = T
     if not wanted:
         return []
     offline = hub_offline()
-    if not offline and hub_reachable():
+    if not offline and reachable():
         return []
     from huggingface_hub import constants, try_to_load_from_cache
 
@@ -216,7 +275,7 @@ def _offline_model_errors(families: list[tuple[str, str, Any]], reward: bool = T
         if not cached:
             errors.append(
                 f"{key}={repo!r}: not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
-                f"{why}; download it first (huggingface-cli download {repo}) or set {key} to a local folder"
+                f"{why}; download it first (hf download {repo}) or set {key} to a local folder"
             )
     if not errors and not offline:
         os.environ["HF_HUB_OFFLINE"] = "1"  # workers inherit it: no minutes of retries each

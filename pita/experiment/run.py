@@ -9,6 +9,7 @@ ran), 2 bad config, 130 interrupted (resumable).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,7 +17,9 @@ import signal
 import sys
 import time
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -24,20 +27,21 @@ from pita.core.dag import Plan
 from pita.core.errors import ConfigError, ExecutorBroken
 from pita.core.executor import Executor
 from pita.core.gpu_manager import GPUManager
-from pita.core.journal import Journal
+from pita.core.journal import RUN_FILE_ERRNOS, Journal, RunFileError, read_events, run_file_error
 from pita.core.parallel_executor import DagRunner, DeviceState, Scheduler, simulate
 from pita.core.parallel_generation import ParallelDataGenerator
 from pita.core.paths import Artifact, RunPaths, TaskPaths, atomic_write_json
 from pita.core.progress import Eta, TaskDurations, format_duration
 from pita.core.resume import completed_tasks, remove_stale_tmp
 from pita.core.run_lock import RunLock
-from pita.core.safe_files import check_folder
+from pita.core.safe_files import check_folder, share_with_group
 from pita.experiment.config import validate
 from pita.experiment.plan import check_resources, plan_experiment
 
 log = logging.getLogger("pita")
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130  # 2 (bad config): cli.py
+INTERRUPTED = "interrupted"  # why a session stopped early (else an ExecutorBroken message)
 
 
 def make_gpu_manager(cfg: DictConfig) -> GPUManager:
@@ -47,7 +51,9 @@ def make_gpu_manager(cfg: DictConfig) -> GPUManager:
         ray_exec = RayExecutor(cfg.executor)
         kind, n = ray_exec.slots()
         sizes = ray_exec.gpu_memory_mb() if kind == "gpu" else []  # NVML on each node: real memory
-        return GPUManager(ray_devices_spec(kind, n, sizes), cpu_workers=max(1, n))
+        gpu = GPUManager(ray_devices_spec(kind, n, sizes), cpu_workers=max(1, n))
+        gpu.largest_gang = ray_exec.largest_node()  # a Ray task runs on one node
+        return gpu
     spec = cfg.system.devices
     if cfg.system.gpu_mode == "cpu":
         spec = "cpu"
@@ -89,33 +95,40 @@ def make_scheduler(cfg: DictConfig, gpu: GPUManager) -> Scheduler:
     return Scheduler(states, max_tasks_per_device=cap, simulated_memory=gpu.kind != "cuda")
 
 
+def compute_kind(cfg: DictConfig, gpu: GPUManager) -> str:
+    """What the workers compute on: "cuda", or "fake" / "cpu" (the CPU). A Ray cluster's GPU
+    slots are listed as `fake:` sizes but are real GPUs (its nodes' torch has CUDA:
+    `RayExecutor.gpu_memory_mb` checks)."""
+    if cfg.executor.backend == "ray" and gpu.kind == "fake":
+        return "cuda"
+    return gpu.kind
+
+
 def build_plan(cfg: DictConfig, gpu: GPUManager) -> Plan:
     return plan_experiment(
         cfg,
         len(gpu.devices),
         device_mb=[d.total_mb for d in gpu.devices],
         distribute=ParallelDataGenerator(gpu).shard_fractions,
+        device_kind=compute_kind(cfg, gpu),
+        largest_gang=gpu.largest_gang,
     )
 
 
 def task_durations(cfg: DictConfig, gpu: GPUManager) -> TaskDurations:
-    """Expected task durations: earlier runs' recorded ones (pita/experiment/timeline.py),
-    then work units; the run adds its own finished tasks as they come."""
-    from pita.experiment.timeline import duration_key, load_durations
+    """Expected task durations: earlier runs' recorded ones (pita/results/timeline.py),
+    exact or of the same kind scaled by size, then work units; the run adds its own
+    finished tasks as they come."""
+    from pita.results.timeline import duration_key, load_history
 
-    return TaskDurations(load_durations(), duration_key(cfg, gpu.kind))
-
-
-def estimated_wall_time(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> tuple[float, str]:
-    """(seconds, source): the plan simulated on the devices with the expected durations."""
-    durations = task_durations(cfg, gpu)
-    eta = Eta(plan.tasks, set(), durations, make_scheduler(cfg, gpu))
-    return eta.remaining({}, time.time())
+    key, history = duration_key(cfg, gpu.kind), load_history()
+    return TaskDurations(history.exact, key, lambda t: history.scaled(t, key))
 
 
 def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
     scheduler = make_scheduler(cfg, gpu)
-    sized = _dry_run_sizing(plan, cfg, gpu)
+    durations = task_durations(cfg, gpu)
+    sized = _dry_run_sizing(plan, cfg, gpu, durations)
     placement, makespan = (
         (sized["placement"], sized["makespan_s"]) if sized else simulate(plan, scheduler)
     )
@@ -127,13 +140,17 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
     for line in gpu.describe():
         print("  " + line)
     print(
-        f"{'task':58s} {'device':9s} {'mem GB':>7s} {'prio':>6s}  {'estimate from':40s} depends on"
+        f"{'task':58s} {'device':9s} {'gang':8s} {'mem GB':>7s} {'GB/rank':>7s} {'prio':>6s}  "
+        f"{'estimate from':40s} depends on"
     )
     for t in plan.tasks.values():
         devs = "+".join(str(d) for d in placement.get(t.id, [])) or "-"
         deps = ", ".join(t.deps) if len(t.deps) <= 2 else f"{t.deps[0]} (+{len(t.deps) - 1})"
+        gang = f"{t.strategy}x{t.gpus}" if t.strategy != "none" else str(t.gpus)
         print(
-            f"{t.id:58s} {devs:9s} {t.mem_mb / 1024:7.2f} {t.priority:6.1f}  {t.mem_source[:40]:40s} {deps}"
+            f"{t.id:58s} {devs:9s} {gang:8s} {t.mem_mb / 1024:7.2f} "
+            f"{t.mem_mb / max(1, t.gpus) / 1024:7.2f} {t.priority:6.1f}  "
+            f"{t.mem_source[:40]:40s} {deps}"
         )
     if sized:
         print(
@@ -146,24 +163,57 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
                 print(f"  {t.id:58s} k={t.gpus}")
         print(
             f"Predicted makespan: ~{format_duration(sized['makespan_s'])} with these ranks, "
-            f"~{format_duration(sized['rigid_makespan_s'])} with one rank each "
+            f"~{format_duration(sized['rigid_makespan_s'])} with the least ranks each "
             f"({sized['sized']} tasks sized in {sized['sizing_s']:.2f} s)."
         )
-    seconds, source = estimated_wall_time(plan, cfg, gpu)
+    for line in gang_notes(plan, cfg):
+        print(line)
+    eta = Eta(plan.tasks, set(), durations, make_scheduler(cfg, gpu))
+    if sized:
+        from pita.experiment.sizing import wire_eta
+
+        eta = wire_eta(eta, sized["sizer"])
+    seconds, source = eta.remaining({}, time.time())
     print(f"Estimated wall time: ~{format_duration(seconds)} ({source}).")
+    print(history_line(plan, durations))
 
 
-def _dry_run_sizing(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> dict | None:
+def history_line(plan: Plan, durations: TaskDurations) -> str:
+    """Which tasks the estimate has no measured duration for (their own or their kind's,
+    scaled by size), so a reader knows how far to trust it."""
+    blind = [t.id for t in plan.tasks.values() if durations.history(t) is None]
+    if not blind:
+        return "Every task's estimate comes from a measured duration (its own or its kind's)."
+    shown = ", ".join(blind[:6]) + (f" (+{len(blind) - 6} more)" if len(blind) > 6 else "")
+    return (
+        f"No history for {len(blind)} of {len(plan.tasks)} task(s), estimated from work "
+        f"units: {shown}."
+    )
+
+
+def gang_notes(plan: Plan, cfg: DictConfig) -> list[str]:
+    """One line per TRL task that runs DDP under training.parallel_strategy=fsdp (CPU)."""
+    from pita.algos.trl_common import cpu_fsdp_note
+    from pita.experiment.gangs import is_trl
+
+    if str(cfg.training.parallel_strategy) != "fsdp":
+        return []
+    return [cpu_fsdp_note(t.id) for t in plan.tasks.values() if is_trl(t) and t.strategy == "ddp"]
+
+
+def _dry_run_sizing(
+    plan: Plan, cfg: DictConfig, gpu: GPUManager, durations: TaskDurations
+) -> dict | None:
     """The dry run's simulation with elastic tasks sized at their simulated dispatch."""
     if not any(t.elastic for t in plan.tasks.values()):
         return None
     from pita.experiment.sizing import dry_run_sizing, make_sizer
 
     scheduler = make_scheduler(cfg, gpu)
-    sizer = make_sizer(cfg, plan.tasks, task_durations(cfg, gpu), scheduler)
+    sizer = make_sizer(cfg, plan.tasks, durations, scheduler)
     if not sizer.enabled:
         return None
-    return dry_run_sizing(plan, scheduler, sizer)
+    return {**dry_run_sizing(plan, scheduler, sizer), "sizer": sizer}
 
 
 def lock_run_folder(cfg: DictConfig, run_dir: Path, share: bool = False) -> RunLock:
@@ -172,7 +222,8 @@ def lock_run_folder(cfg: DictConfig, run_dir: Path, share: bool = False) -> RunL
     before Hydra writes `.hydra/` (`share=True`); `run()` calls it again (nested in the
     same process)."""
     paths = RunPaths(run_dir)
-    trust_group = bool(cfg.system.get("trust_group", False))
+    trust_group = bool(cfg.system.trust_group)
+    share_with_group(trust_group)  # the lock is the group's too (0660), its files readable
     for folder in (run_dir, paths.tasks):  # a folder others can write steers what resume trusts
         check_folder(folder, trust_group)
     for folder in (paths.logs, paths.results, paths.workers):  # fail now, not after the run
@@ -192,7 +243,7 @@ def check_writable(folder: Path) -> None:
 def check_plan_fits(plan: Plan, gpu: GPUManager, cfg: DictConfig) -> None:
     """A resumed run's saved plan onto (maybe other) devices: refuse a task none can hold."""
     try:
-        check_resources(plan, len(gpu.devices), [d.total_mb for d in gpu.devices])
+        check_resources(plan, len(gpu.devices), [d.total_mb for d in gpu.devices], gpu.largest_gang)
     except ConfigError as exc:
         raise ConfigError(
             f"system.devices={cfg.system.devices!r} on resume ({len(gpu.devices)} device(s)): "
@@ -225,19 +276,86 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
 
     absolutized = absolutize_paths(cfg)  # workers run from the project root, not the user's folder
     validate(cfg)
+    share_with_group(bool(cfg.system.trust_group))  # every control file read
     run_dir = Path(run_dir)
     paths = RunPaths(run_dir)
     gpu = make_gpu_manager(cfg)
     plan = Plan.load(paths.plan) if resumed else build_plan(cfg, gpu)
+    change = resume_change(cfg, run_dir, gpu, plan) if resumed else None
+    if change is not None:
+        plan = change.plan
     if resumed:
         check_plan_fits(plan, gpu, cfg)
     if cfg.dry_run:
         warn_stage_overrides(cfg, plan)
         print_dry_run(plan, cfg, gpu)
+        if resumed:
+            print_resume_dry_run(plan, run_dir, change)
         return EXIT_OK
 
     with lock_run_folder(cfg, run_dir):  # one orchestrator per run folder (a second exits 2)
-        return _run_locked(cfg, run_dir, paths, gpu, plan, resumed, absolutized)
+        try:
+            if change is not None:
+                from pita.experiment.resume_fix import apply_change
+
+                apply_change(cfg, run_dir, change)
+            return _run_locked(cfg, run_dir, paths, gpu, plan, resumed, absolutized)
+        except RunFileError as exc:  # the journal cannot be opened: immutable, read-only
+            return run_files_failed(run_dir, exc)
+        except OSError as exc:  # plan.json, run_info.json on a full disk, before any task
+            if exc.errno not in RUN_FILE_ERRNOS:
+                raise
+            return run_files_failed(run_dir, exc)
+
+
+def run_files_failed(run_dir: Path, exc: BaseException, journal: Journal | None = None) -> int:
+    """The run's own files cannot be written (a full disk, an immutable journal or task
+    folder): one line naming the file and the cause, and the command that finishes the
+    run once the cause is gone. Finished tasks are kept (their folders prove it)."""
+    if isinstance(exc, OSError):
+        exc = run_file_error(run_dir, exc)
+    if journal is not None:
+        try:
+            journal.append("run_failed", reason=str(exc))
+        except RunFileError:
+            pass  # the journal itself is what failed
+        journal.close()
+    log.error(
+        "Run stopped: %s. Finished tasks are kept; once that is fixed, finish the run with: %s",
+        exc,
+        resume_command(run_dir),
+    )
+    return EXIT_FAILED
+
+
+def resume_change(cfg: DictConfig, run_dir: Path, gpu: GPUManager, saved: Plan):
+    """What a resume's other values change (pita/experiment/resume_fix.py), or None."""
+    from pita.core.schema import resume_safe  # affects="place" | "record": never a result
+    from pita.experiment.resume_fix import plan_change
+
+    return plan_change(cfg, run_dir, saved, lambda c: build_plan(c, gpu), resume_safe)
+
+
+def print_resume_dry_run(plan: Plan, run_dir: Path, change) -> None:
+    """Which tasks a resume will run, and why (a changed key, a failure, an input)."""
+    from pita.core.resume import resume_reasons
+    from pita.experiment.resume_fix import print_resume_plan
+
+    print_resume_plan(plan, resume_reasons(plan, run_dir, change and change.touched), change)
+
+
+@dataclass
+class Session:
+    """What one run session holds between its start and its end (the steps of `_run_locked`)."""
+
+    journal: Journal
+    executor: Executor
+    monitor: Any
+    durations: TaskDurations
+    progress: Any
+    runner: DagRunner
+    one_rank: Any = None  # (task, wall s, k) -> its one-rank seconds (the speedup curves)
+    t0: float = field(default_factory=time.time)
 
 
 def _run_locked(
@@ -249,23 +367,74 @@ def _run_locked(
     resumed: bool,
     absolutized: list[str],
 ) -> int:
-    if resumed:
-        remove_stale_tmp(run_dir)
-    else:
-        atomic_write_json(paths.plan, plan.to_json())
-        if (
-            absolutized or not paths.saved_config.exists()
-        ):  # Hydra writes it; tests get it here; resume
-            paths.saved_config.parent.mkdir(parents=True, exist_ok=True)
-            paths.saved_config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    from pita.experiment import run_info
-
-    run_info.write(run_dir, gpu, resumed=resumed)  # git commit, packages, devices, command
+    """One run session in a locked folder: write what the run starts from, start the pool,
+    the monitor and the DAG runner, run to the end (or a stop), then record and report."""
+    _write_run_files(cfg, paths, gpu, plan, resumed, bool(absolutized))
     done = completed_tasks(plan, run_dir) if resumed else set()
     journal = Journal(paths.journal)
     journal.append(
         "run_resumed" if resumed else "run_started", tasks=len(plan.tasks), already_done=len(done)
     )
+    _log_start(cfg, run_dir, gpu, plan, done, resumed)
+    session = _start_session(cfg, paths, gpu, plan, done, journal)
+    stop, summary = _execute(session)
+    events = _final_events(paths)  # the journal, read once at the run's end
+    _record_durations(run_dir, plan, session, events)
+    end = {
+        "done": len(session.runner.done),
+        "failed": len(summary.failed),
+        "skipped": len(summary.skipped),
+        "wall_s": round(time.time() - session.t0, 2),
+    }
+    if isinstance(stop, RunFileError):
+        return run_files_failed(run_dir, stop, journal)
+    if stop is not None:
+        return _stopped(journal, run_dir, stop, end)
+    # run_finished is journaled after the report: a report killed midway leaves a run that
+    # resume_from=auto finishes (it redoes no task, it writes the report)
+    reported = _report(cfg, plan, run_dir)
+    _time_report(run_dir, plan, [d.label for d in gpu.devices], events)
+    journal.append("run_finished", **end, report=reported)
+    journal.close()
+    return _final_lines(run_dir, paths, plan, session, summary, reported)
+
+
+def _final_events(paths: RunPaths) -> list[dict]:
+    """The run's journal events for its end (none when the journal cannot be read: the
+    durations and the time report are then skipped, the run's end says why)."""
+    try:
+        return read_events(paths.journal)
+    except OSError as exc:
+        log.warning("cannot read the journal %s: %s", paths.journal, exc)
+        return []
+
+
+def _write_run_files(
+    cfg: DictConfig, paths: RunPaths, gpu: GPUManager, plan: Plan, resumed: bool, absolute: bool
+) -> None:
+    """plan.json and the saved config of a new run (Hydra writes the config; tests and a config
+    with absolutized paths get it here), stale temporary folders of a resumed one gone, and
+    run_info.json (git commit, packages, devices, command)."""
+    from pita.experiment import run_info
+
+    if resumed:
+        remove_stale_tmp(paths.root)
+    else:
+        atomic_write_json(paths.plan, plan.to_json())
+        if absolute or not paths.saved_config.exists():
+            paths.saved_config.parent.mkdir(parents=True, exist_ok=True)
+            paths.saved_config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    run_info.write(paths.root, gpu, resumed=resumed)
+
+
+def _log_start(
+    cfg: DictConfig,
+    run_dir: Path,
+    gpu: GPUManager,
+    plan: Plan,
+    done: AbstractSet[str],
+    resumed: bool,
+) -> None:
     log.info("Run folder: %s", run_dir)
     warn_stage_overrides(cfg, plan, done)
     log.info("Devices (%s): %d", gpu.kind, len(gpu.devices))
@@ -278,11 +447,18 @@ def _run_locked(
         " (resumed)" if resumed else "",
     )
 
-    from pita.core.journal import read_events
+
+def _start_session(
+    cfg: DictConfig, paths: RunPaths, gpu: GPUManager, plan: Plan, done: set[str], journal: Journal
+) -> Session:
+    """Workers (warmed up for the tasks still to run), the scheduler, the monitor, the ETA
+    (earlier runs' durations and this run's finished tasks) and the DAG runner."""
     from pita.core.monitor import Monitor
     from pita.core.progress import Progress
-    from pita.experiment.timeline import done_walls
+    from pita.experiment.estimates import PeakEstimator, peaks_cache_path
+    from pita.results.timeline import done_walls
 
+    run_dir = paths.root
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(cfg_dict, dict)
     executor = make_executor(cfg, gpu, run_dir)
@@ -298,9 +474,10 @@ def _run_locked(
         reservations=lambda: [sum(d.running.values()) for d in scheduler.devices],
     ).start()
     durations = task_durations(cfg, gpu)
-    for tid, wall in done_walls(read_events(paths.journal)).items():
-        if tid in done:  # a resumed run's earlier session: this run's durations
-            durations.observe(plan.tasks[tid], wall)
+    if done:  # a resumed run's earlier sessions: this run's durations
+        for tid, wall in done_walls(read_events(paths.journal)).items():
+            if tid in done:
+                durations.observe(plan.tasks[tid], wall)
     from pita.experiment.sizing import make_sizer, wire_eta
 
     sizer = make_sizer(cfg, plan.tasks, durations, scheduler)
@@ -312,8 +489,6 @@ def _run_locked(
         live=None if cfg.executor.progress else False,
         eta=wire_eta(Eta(plan.tasks, done, durations, scheduler), sizer),
     )
-    from pita.experiment.estimates import PeakEstimator, peaks_cache_path
-
     estimator = PeakEstimator(cfg, peaks_cache_path() if gpu.kind == "cuda" else None)
     estimator.learn_from_run(run_dir, plan.tasks, done)
     runner = DagRunner(
@@ -335,49 +510,38 @@ def _run_locked(
         scheduler.max_tasks,
         cfg.executor.max_tasks_per_gpu,
     )
-    interrupted = False
-    lost: str | None = None
+    return Session(journal, executor, monitor, durations, progress, runner, sizer.curves.one_rank)
+
+
+def _execute(session: Session) -> tuple[str | RunFileError | None, Any]:
+    """Run the DAG to its end; (why it stopped early: "interrupted", a lost executor's
+    message or the run's own files failing; None when it ran to the end, summary). SIGTERM
+    counts as Ctrl-C. The monitor and the workers are stopped whatever happened (killed on
+    a stop)."""
+    stop: str | RunFileError | None = None
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
-    t0 = time.time()
     try:
-        with progress:
-            summary = runner.run()
+        with session.progress:
+            summary = session.runner.run()
     except KeyboardInterrupt:
-        interrupted = True
-        summary = runner.summary
-    except (
-        ExecutorBroken
-    ) as exc:  # a pool thread stopped: fail now, loudly, rather than wait forever
-        lost = str(exc)
-        summary = runner.summary
+        stop, summary = INTERRUPTED, session.runner.summary
+    except ExecutorBroken as exc:  # a pool thread stopped: fail now, loudly, not wait forever
+        stop, summary = str(exc), session.runner.summary
+    except RunFileError as exc:  # a full disk, an immutable journal or task folder: stop now
+        stop, summary = exc, session.runner.summary
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
-        monitor.stop()
-        if not interrupted:
-            try:
-                monitor.sample()  # a last summary while the workers still report
-            except Exception:
-                pass
-        executor.shutdown(kill=interrupted or lost is not None)
-        _record_durations(run_dir, plan, durations.key, sizer.curves.one_rank)
-    if lost is not None:
-        journal.append(
-            "run_failed", reason=lost, done=len(runner.done), wall_s=round(time.time() - t0, 2)
-        )
-        journal.close()
-        log.error(
-            "Run stopped: %s. Finished tasks are kept; resume with:\n  %s",
-            lost,
-            resume_command(run_dir),
-        )
-        return EXIT_FAILED
-    end = {
-        "done": len(runner.done),
-        "failed": len(summary.failed),
-        "skipped": len(summary.skipped),
-        "wall_s": round(time.time() - t0, 2),
-    }
-    if interrupted:
+        session.monitor.stop()
+        if stop != INTERRUPTED:
+            with contextlib.suppress(Exception):
+                session.monitor.sample()  # a last summary while the workers still report
+        session.executor.shutdown(kill=stop is not None)
+    return stop, summary
+
+
+def _stopped(journal: Journal, run_dir: Path, stop: str, end: dict[str, Any]) -> int:
+    """Journal an interrupted or failed run and say how to resume it."""
+    if stop == INTERRUPTED:
         journal.append("run_interrupted", **end)
         journal.close()
         log.warning(
@@ -385,13 +549,21 @@ def _run_locked(
             resume_command(run_dir),
         )
         return EXIT_INTERRUPTED
-
-    # run_finished is journaled after the report: a report killed midway leaves a run that
-    # resume_from=auto finishes (it redoes no task, it writes the report)
-    reported = _report(cfg, plan, run_dir)
-    _time_report(run_dir, plan, [d.label for d in gpu.devices])
-    journal.append("run_finished", **end, report=reported)
+    journal.append("run_failed", reason=stop, done=end["done"], wall_s=end["wall_s"])
     journal.close()
+    log.error(
+        "Run stopped: %s. Finished tasks are kept; resume with:\n  %s",
+        stop,
+        resume_command(run_dir),
+    )
+    return EXIT_FAILED
+
+
+def _final_lines(
+    run_dir: Path, paths: RunPaths, plan: Plan, session: Session, summary: Any, reported: bool
+) -> int:
+    """The run's exit code and last lines: a report that could not be written, the failed
+    tasks with their logs' last lines, or where the results are."""
     if not reported:
         log.error(
             "The tasks are kept; fix the cause, then write the report with: %s",
@@ -406,13 +578,18 @@ def _run_locked(
         )
         for tid, why in summary.failed.items():
             log.error("  %s: %s", tid, why)
-            tail = TaskPaths(run_dir, tid).failed(runner.attempts.get(tid, 1)) / Artifact.LOG
+            attempt = session.runner.attempts.get(tid, 1)
+            tail = TaskPaths(run_dir, tid).failed(attempt) / Artifact.LOG
             if tail.is_file():
                 log.error("    log: %s (%s)", tail, last_line(tail.read_text(errors="replace")))
-        log.error("Fix the cause, then finish the run with: %s", resume_command(run_dir))
+        log.error(
+            "Fix the cause, then finish the run with: %s (add key=value to change a setting: "
+            "the tasks it touches run again, the rest is kept; add dry_run=true to list them)",
+            resume_command(run_dir),
+        )
         _end_lines(paths)
         return EXIT_FAILED
-    log.info("All %d tasks done in %.1fs.", len(plan.tasks), time.time() - t0)
+    log.info("All %d tasks done in %.1fs.", len(plan.tasks), time.time() - session.t0)
     _end_lines(paths)
     return EXIT_OK
 
@@ -431,10 +608,10 @@ def _raise_interrupt(_signum, _frame):  # SIGTERM behaves like Ctrl-C: stop, flu
 
 
 def _report(cfg: DictConfig, plan: Plan, run_dir: Path) -> bool:
-    """Results table and plots from the evaluate tasks (pita/experiment/report.py).
+    """Results table and plots from the evaluate tasks (pita/results/report.py).
     False (one ERROR line, the traceback at DEBUG in run.log) when it could not be
     written: the run then exits 1, never 0 with an old or missing summary."""
-    from pita.experiment.report import write_report
+    from pita.results.report import write_report
 
     try:
         write_report(cfg, plan, run_dir)
@@ -471,23 +648,24 @@ def resume_command(run_dir: Path | str) -> str:
     return f"{user_command()} resume_from={run_dir}"
 
 
-def _record_durations(run_dir: Path, plan: Plan, key, one_rank=None) -> None:
+def _record_durations(run_dir: Path, plan: Plan, session: Session, events: list[dict]) -> None:
     """Keep this run's task durations for the next run's ETA and speedup curves (never
     fails the run)."""
-    from pita.experiment.timeline import record_durations
+    from pita.results.timeline import record_durations
 
+    key = session.durations.key
     try:
-        record_durations(run_dir, plan.tasks, key, one_rank=one_rank)
+        record_durations(run_dir, plan.tasks, key, events=events, one_rank=session.one_rank)
     except Exception as exc:
         log.debug("recording task durations failed: %s", exc, exc_info=True)
 
 
-def _time_report(run_dir: Path, plan: Plan, labels: list[str]) -> None:
+def _time_report(run_dir: Path, plan: Plan, labels: list[str], events: list[dict]) -> None:
     """results/timeline.png and the "where the time went" table, also in run.log."""
-    from pita.experiment.timeline import write_time_report
+    from pita.results.timeline import write_time_report
 
     try:
-        table = write_time_report(run_dir, plan.tasks, labels)
+        table = write_time_report(run_dir, plan.tasks, labels, events=events)
     except Exception as exc:
         log.debug("time report traceback", exc_info=True)
         log.warning("writing the time report failed: %s: %s", type(exc).__name__, exc)
@@ -498,7 +676,7 @@ def _time_report(run_dir: Path, plan: Plan, labels: list[str]) -> None:
 
 def _end_lines(paths: RunPaths) -> None:
     """The run's last lines: where the results and plots are, and what the columns mean."""
-    from pita.experiment.report import legend
+    from pita.results.report import legend
 
     results = paths.results
     if not (results / "summary.md").is_file():

@@ -17,7 +17,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pita.core.dag import Plan
-from pita.core.elastic import GangStartup, Sizer, SpeedupCurves
+from pita.core.elastic import GangStartup, Sizer, SpeedupCurves, set_ranks
 from pita.core.parallel_executor import Scheduler, fresh_scheduler, simulate, simulate_window
 from pita.core.progress import Eta, TaskDurations
 from pita.core.tasks import TaskSpec
@@ -32,7 +32,7 @@ def make_sizer(
 ) -> Sizer:
     """A Sizer over the run's devices; `durations` and an `Eta` built on them then count a
     gang's wall time per rank (`one_rank`, `at_ranks`, see `wire_eta`)."""
-    from pita.experiment.timeline import load_rank_history
+    from pita.results.timeline import load_rank_history
 
     curves = SpeedupCurves(
         history=load_rank_history() if history is None else history, startup=GangStartup()
@@ -79,7 +79,7 @@ def dry_run_sizing(plan: Plan, scheduler: Scheduler, sizer: Sizer) -> dict[str, 
         remaining = {tid: plan.tasks[tid] for tid in plan.tasks if tid in unstarted or tid in ends}
         left = {tid: max(1e-3, end - now) for tid, end in ends.items()}
         sizing = sizer.size(task, remaining, left)
-        task.gpus = sizing.k
+        set_ranks(task, sizing.k)
         calls.append(sizing.cost_s)
 
     t0 = time.perf_counter()

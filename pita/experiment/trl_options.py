@@ -42,6 +42,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from pita.core.schema import GRPOConfig, PreferenceConfig, RewardModelMixin, peft_errors
+from pita.experiment.trl_values import guard_error, value_error
 
 # algorithm family -> (TRL module under trl/trainer/, config class)
 TRL_CONFIGS: dict[type, tuple[str, str]] = {
@@ -249,7 +250,10 @@ def _option_errors(
     errors = []
     for field, value in options.items():
         prefix = f"algos.{name}.{key}.{field}"
-        if field not in fields:
+        guard = guard_error(f"algos.{name}.{key}", field, value)
+        if guard is not None:
+            errors.append(guard)
+        elif field not in fields:
             near = difflib.get_close_matches(field, list(fields), n=1, cutoff=0.6)
             hint = f"; did you mean {near[0]}?" if near else ""
             errors.append(f"{prefix}: not a field of TRL's {config[1]}{hint}")
@@ -257,13 +261,20 @@ def _option_errors(
             errors.append(
                 f"{prefix}={value!r}: set by pita from {own[field].format(name=name)}; use that"
             )
-        elif key == "trl" and field in SFT_KEYS and float(algo.get("sft_weight") or 0) > 0:
+        elif (
+            key == "trl"
+            and field in SFT_KEYS
+            and "sft_weight" in algo
+            and float(algo["sft_weight"]) > 0
+        ):
             errors.append(
                 f"{prefix}={value!r}: set by pita from algos.{name}.sft_weight "
                 f"({algo['sft_weight']}: loss_type [sigmoid, sft]); set it to 0 to choose the loss"
             )
         elif not _type_ok(fields[field], value):
             errors.append(f"{prefix}={value!r}: must be {_expected(fields[field])}")
+        elif (line := value_error(prefix, field, value, config)) is not None:
+            errors.append(line)
     return errors
 
 

@@ -241,12 +241,14 @@ def generate(
     generator: torch.Generator | None = None,
     offset_hook_factory: Callable[[], OffsetHook] | None = None,
     force_full_length: bool = False,
+    on_batch: Callable[[int], None] | None = None,
 ) -> GenerationOutput:
     """Generate a continuation for every prompt (token ids in, token ids out).
 
     ``eos_token_id`` may be a list (e.g. Llama 3's several end tokens). Sampling draws
     from ``generator`` (seed it for reproducible samples). ``offset_hook_factory`` is
-    called once per batch; see :class:`OffsetHook`.
+    called once per batch; see :class:`OffsetHook`. ``on_batch(done)`` is called after
+    each batch with the number of prompts done (a stage's progress report).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: must be >= 1")
@@ -297,6 +299,8 @@ def generate(
                     out.responses[i] = tokens[b][:length]
                     out.logprobs[i] = lps[b][:length]
                     out.base_logprobs[i] = blps[b][:length]
+                if on_batch is not None:
+                    on_batch(min(n, start + batch_size))
     finally:
         model.train(was_training)
     return out
@@ -374,7 +378,7 @@ def _generate_batch(
     )
 
 
-def sequence_logprobs(
+def forced_logprobs(
     model: torch.nn.Module,
     prompts: list[list[int]],
     responses: list[list[int]],
@@ -384,8 +388,10 @@ def sequence_logprobs(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
-) -> list[list[float]]:
-    """Teacher-forced log π(response_t | prompt, response_<t) for every response token.
+) -> tuple[list[list[float]], list[list[float]]]:
+    """Teacher-forced (log-probs under the sampling rule, the model's own log-probs) of
+    every response token: the evaluation's two KL references (π_ref under the row's rule,
+    π_ref untruncated) from one pass.
 
     One forward per batch of ``batch_size`` pairs. Each row is laid out as
     ``[pad…][prompt][response][pad…]`` with the prompts' ends aligned, exactly as
@@ -401,6 +407,7 @@ def sequence_logprobs(
     _check_prompts(prompts)
     n = len(prompts)
     result: list[list[float]] = [[] for _ in range(n)]
+    raw: list[list[float]] = [[] for _ in range(n)]
     device = model_device(model)
     supports_keep = _accepts_logits_to_keep(model)
     order = sorted(range(n), key=lambda i: -len(prompts[i]))
@@ -432,15 +439,14 @@ def sequence_logprobs(
                     **extra,
                 ).logits[:, -(r_max + 1) : -1]
                 for b, i in enumerate(idx):  # fp32 log-softmax one row at a time: bounded memory
-                    length = len(responses[i])
+                    length, targets = len(responses[i]), resp_ids[b, : len(responses[i]), None]
+                    row_logits = logits[b, :length].float()
                     row = rule_scores(
-                        logits[b, :length].float(),
-                        temperature=temperature,
-                        top_k=top_k,
-                        top_p=top_p,
+                        row_logits, temperature=temperature, top_k=top_k, top_p=top_p
                     ).log_softmax(dim=-1)
-                    result[i] = row.gather(-1, resp_ids[b, :length, None]).squeeze(-1).tolist()
+                    result[i] = row.gather(-1, targets).squeeze(-1).tolist()
+                    raw[i] = row_logits.log_softmax(dim=-1).gather(-1, targets).squeeze(-1).tolist()
                 del logits
     finally:
         model.train(was_training)
-    return result
+    return result, raw

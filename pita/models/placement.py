@@ -412,6 +412,18 @@ def placement_lines(model: Any, name: str) -> list[str]:
     return [f"{name}: {line}" for line in getattr(model, "pita_placement_lines", [])]
 
 
+def trained_policy_refusal(family: str, quantization: str | None) -> str | None:
+    """Why a policy a stage trains cannot load as the family says (None: it can): its
+    weights are trained in fp32, never quantized (QLoRA is not supported; preflight refuses
+    the same family before the run: pita/experiment/preflight.py)."""
+    if quantization:
+        return (
+            f"model.name={family}: a policy this stage trains loads in fp32; -{quantization} "
+            "(quantized training) is not supported: drop the suffix"
+        )
+    return None
+
+
 def load_stage_lm(
     name_or_path: str,
     *,
@@ -420,16 +432,36 @@ def load_stage_lm(
     device: str,
     attn_impl: str = "eager",
     logger: logging.Logger | None = None,
+    trainable: bool = False,
 ) -> Any:
     """A stage's causal LM (π_ref, a trained policy) as the family says: its dtype, the
     quantization of a -8bit / -4bit alias, and with `model.device_map=auto` sharded over the
-    worker's gang through `load_on_gang` (per-GPU `max_memory`, layer distribution logged)."""
+    worker's gang through `load_on_gang` (per-GPU `max_memory`, layer distribution logged).
+    The one loader of every stage: `trainable` (a policy pretrain, DPO / RPO or GRPO trains)
+    is a fresh fp32 copy on `device` (`device_map` places only the models a stage runs; a
+    trained policy too large for one device gets an FSDP gang from the planner); a quantized
+    family is refused in one line, since quantization would not reach the trained weights."""
     from pita.models.catalog import resolve_family
     from pita.models.loading import load_causal_lm
 
     spec = resolve_family(family, family_cfg)
+    if trainable:
+        refusal = trained_policy_refusal(family, spec.quantization)
+        if refusal:
+            raise ValueError(refusal)
+        if family_cfg.get("device_map") == "auto" and logger is not None:
+            # device_map places the models a stage only runs; a trained policy is placed by
+            # training.parallel_strategy (one device, or a DDP / FSDP gang for a large one)
+            logger.info("model.device_map=auto: the trained policy stays on %s", device)
+        return load_causal_lm(
+            str(name_or_path),
+            dtype="float32",  # mixed precision is autocast's job
+            device=device,
+            attn_impl=attn_impl,
+            trust_remote_code=spec.trust_remote_code,
+        )
     kwargs = dict(
-        dtype=family_cfg.get("dtype") or spec.dtype,
+        dtype=spec.dtype,  # model.dtype over the catalog's
         quantization=spec.quantization,
         attn_impl=attn_impl,
         trust_remote_code=spec.trust_remote_code,

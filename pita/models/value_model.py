@@ -49,6 +49,7 @@ Checkpoints: `value_model/model.safetensors` (state dict) + `value_model/config.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ from torch import nn
 
 from pita.core.schema import VALUE_HEADS as HEAD_TYPES
 from pita.core.schema import VALUE_INITS as INITS  # where a value model starts (one list)
+from pita.core.schema import ValueGuidedConfig
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -280,7 +282,7 @@ def head_atoms(loss_type: str, num_atoms: int) -> int:
     return int(num_atoms) if loss_type == "mle" else 1
 
 
-def value_init(algo_cfg: Any, family_cfg: dict) -> str:
+def value_init(algo_cfg: ValueGuidedConfig, family_cfg: Mapping[str, Any]) -> str:
     """Where a fresh value model starts (`algos.<NAME>.init`): `reference` (a copy of π_ref),
     `base` (the family's guide checkpoint with a fresh head, the official Q# classifier) or
     `scratch` (random weights). Unset: the old keys' meaning, unchanged: the tiny family
@@ -288,12 +290,12 @@ def value_init(algo_cfg: Any, family_cfg: dict) -> str:
     their guide (base)."""
     from pita.models.catalog import resolve_family
 
-    init = algo_cfg.get("init")
+    init = algo_cfg.init
     if init:
         if init not in INITS:
             raise ValueError(f"init={init!r}: allowed: {' | '.join(INITS)}")
         return str(init)
-    family = resolve_family(family_cfg.get("name", "tiny"), family_cfg)
+    family = resolve_family(family_cfg["name"], family_cfg)
     if family.is_builtin:
         return "reference" if algo_cfg.warm_start else "scratch"
     return "base"
@@ -301,8 +303,8 @@ def value_init(algo_cfg: Any, family_cfg: dict) -> str:
 
 def build_value_model(
     reference: nn.Module,
-    family_cfg: dict,
-    algo_cfg: Any,
+    family_cfg: Mapping[str, Any],
+    algo_cfg: ValueGuidedConfig,
     *,
     vocab_size: int,
     seed: int = 0,
@@ -317,7 +319,7 @@ def build_value_model(
     (e.g. a π_ref pretrained on another task with the same vocabulary)."""
     from pita.models.catalog import BUILTIN, resolve_family
 
-    family = resolve_family(family_cfg.get("name", "tiny"), family_cfg)
+    family = resolve_family(family_cfg["name"], family_cfg)
     init = value_init(algo_cfg, family_cfg)
     n_out = head_atoms(algo_cfg.loss_type, algo_cfg.num_atoms)
     kw = dict(
@@ -325,7 +327,7 @@ def build_value_model(
         v_min=algo_cfg.V_min,
         v_max=algo_cfg.V_max,
         loss_type=algo_cfg.loss_type,
-        head_type=str(algo_cfg.get("value_head", "q")),
+        head_type=algo_cfg.value_head,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -334,9 +336,7 @@ def build_value_model(
                 _tiny_backbone(reference, family_cfg, vocab_size, attn_impl), vocab_size, **kw
             )
             if init == "reference":
-                copied = warm_start_from(
-                    vm, reference, layers=int(algo_cfg.get("warm_start_layers", -1))
-                )
+                copied = warm_start_from(vm, reference, layers=algo_cfg.warm_start_layers)
                 if logger is not None:
                     logger.info(
                         "value model warm-started from the reference: %s",

@@ -1,9 +1,16 @@
 """What a stage function receives: `def stage(ctx: StageContext) -> dict | None`.
 
 A stage is a plain function looked up by (algorithm, stage) in `pita/algos/registry.py`.
-It reads its config from `ctx.cfg` only — the worker has already put the chain's own
-dataset and model family into `ctx.cfg.dataset` / `ctx.cfg.model`, so a stage of a
-multi-dataset experiment never sees another chain's groups — its inputs through
+It reads its settings as typed, read-only values of the schema (pita/core/schema.py),
+built once per chain: `ctx.algo` (the registry row's schema class; `ctx.algo_as(Schema)`
+narrows it for the type checker), `ctx.training`, `ctx.system`, `ctx.generation`,
+`ctx.evaluation`, `ctx.data_collection`, `ctx.pretrain`, `ctx.model`, `ctx.experiment`,
+`ctx.logger_settings`. A default lives on its field only: a stage never restates one with
+`.get("key", default)` (tests/test_stage_settings.py scans for them). `ctx.cfg`, the chain's
+read-only DictConfig, stays for what is not a schema group (`executor.stage_overrides`,
+the dataset's own keys). The worker has already put the chain's own dataset and model
+family into the config, so a stage of a multi-dataset experiment never sees another
+chain's groups. A stage gets its inputs through
 `ctx.input(...)`, loads models through `ctx.load_model(...)` (the worker's LRU, so shards
 of one stage do not reload weights), writes artifacts under `ctx.out_dir` (a temporary
 folder committed atomically when the function returns) and returns a small JSON-able
@@ -14,16 +21,23 @@ from __future__ import annotations
 
 import importlib
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
+from pita.core import schema as S
 from pita.core.paths import Artifact, RunPaths
+from pita.core.progress import progress_line
 from pita.core.tasks import TaskSpec
+
+T = TypeVar("T")
+
+PROGRESS_EVERY_S = 0.5  # a progress line per half second is plenty for a 2 s heartbeat
 
 
 class ModelCache:
@@ -47,6 +61,49 @@ class ModelCache:
         self._items.clear()
 
 
+@dataclass(frozen=True)
+class StageSettings:
+    """The typed values of one chain's config (read-only schema instances)."""
+
+    algo: S.ReferenceConfig
+    experiment: S.ExperimentConfig
+    system: S.SystemConfig
+    training: S.TrainingConfig
+    generation: S.GenerationConfig
+    data_collection: S.DataCollectionConfig
+    evaluation: S.EvaluationConfig
+    pretrain: S.PretrainConfig
+    model: S.ModelConfig
+    logger: S.LoggerConfig
+
+
+def stage_settings(cfg: DictConfig | dict, task: TaskSpec) -> StageSettings:
+    """`cfg`'s groups as schema instances; `algos.<task.algo>` as the class the planner named
+    in `task.algo_schema` (the registry row's; ReferenceConfig for tasks outside a chain)."""
+    plain = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(plain, dict), "a run's config is a mapping"
+
+    def group(name: str) -> Any:
+        return plain.get(name) or {}
+
+    algo_schema: type = S.ReferenceConfig
+    if task.algo_schema:
+        module, _, attr = task.algo_schema.partition(":")
+        algo_schema = getattr(importlib.import_module(module), attr)
+    return StageSettings(
+        algo=S.settings(algo_schema, group("algos").get(task.algo)),
+        experiment=S.settings(S.ExperimentConfig, group("experiment")),
+        system=S.settings(S.SystemConfig, group("system")),
+        training=S.settings(S.TrainingConfig, group("training")),
+        generation=S.settings(S.GenerationConfig, group("generation")),
+        data_collection=S.settings(S.DataCollectionConfig, group("data_collection")),
+        evaluation=S.settings(S.EvaluationConfig, group("evaluation")),
+        pretrain=S.settings(S.PretrainConfig, group("pretrain")),
+        model=S.settings(S.ModelConfig, group("model")),
+        logger=S.settings(S.LoggerConfig, group("logger")),
+    )
+
+
 @dataclass
 class StageContext:
     task: TaskSpec
@@ -60,15 +117,51 @@ class StageContext:
     chain_merged: bool = (
         False  # cfg already carries the task's dataset/family (the worker caches it)
     )
+    settings: StageSettings | None = None  # built from cfg unless given (the worker caches it)
+    # the typed settings, one attribute per group (set from `settings`)
+    algo: S.ReferenceConfig = field(init=False)  # `algos.<task.algo>`, its row's schema class
+    experiment: S.ExperimentConfig = field(init=False)
+    system: S.SystemConfig = field(init=False)
+    training: S.TrainingConfig = field(init=False)
+    generation: S.GenerationConfig = field(init=False)
+    data_collection: S.DataCollectionConfig = field(init=False)
+    evaluation: S.EvaluationConfig = field(init=False)
+    pretrain: S.PretrainConfig = field(init=False)
+    model: S.ModelConfig = field(init=False)
+    logger_settings: S.LoggerConfig = field(init=False)  # `logger.*` (`logger` is the task log)
+    _reported_at: float = field(default=-1e9, init=False, repr=False)  # report_progress
 
     def __post_init__(self) -> None:
         if not self.chain_merged:
             self.cfg = chain_config(self.cfg, self.task)
             self.chain_merged = True
+        if self.settings is None:
+            self.settings = stage_settings(self.cfg, self.task)
+        for f in fields(StageSettings):
+            name = "logger_settings" if f.name == "logger" else f.name
+            setattr(self, name, getattr(self.settings, f.name))
 
-    @property
-    def algo_cfg(self) -> DictConfig:
-        return self.cfg.algos[self.task.algo]
+    def algo_as(self, schema: type[T]) -> T:
+        """`ctx.algo` narrowed to the schema a stage was written for (refused otherwise:
+        a stage plugged into the wrong algorithm fails here, not on a missing key)."""
+        if not isinstance(self.algo, schema):
+            raise TypeError(
+                f"algos.{self.task.algo} is a {type(self.algo).__name__}; this stage needs a "
+                f"{schema.__name__}"  # type: ignore[attr-defined]
+            )
+        return self.algo
+
+    def report_progress(self, done: int, total: int, unit: str = "step", detail: str = "") -> None:
+        """Tell the orchestrator how far the task is (`step 412/1000 loss 0.31`): the live
+        table shows it and the ETA projects the task's time left from it
+        (pita/core/progress.py). Every stage's progress goes through here; a stage may
+        call it every step: it passes at most one line per PROGRESS_EVERY_S on (a gang's
+        rank 0 sends each over a pipe), and always the last."""
+        now = time.monotonic()
+        if done < total and now - self._reported_at < PROGRESS_EVERY_S:
+            return
+        self._reported_at = now
+        self.heartbeat(progress_line(done, total, unit, detail))
 
     def input(self, name: str) -> Path | list[Path]:
         """The committed folder(s) of the task(s) this task consumes under `name`."""
@@ -95,9 +188,7 @@ class StageContext:
             folder = folder / Artifact.VALUE_MODEL
         return self.models.get(
             f"value:{folder}",
-            lambda: ValueModel.load(
-                folder, device=self.device, attn_impl=self.cfg.system.attn_impl
-            ),
+            lambda: ValueModel.load(folder, device=self.device, attn_impl=self.system.attn_impl),
         )
 
     def load_model(self, name_or_path: Path | str) -> Any:
@@ -114,7 +205,7 @@ class StageContext:
                 family=self.task.family,
                 family_cfg=self.cfg.model,
                 device=self.device,
-                attn_impl=self.cfg.system.attn_impl,
+                attn_impl=self.system.attn_impl,
                 logger=self.logger,
             ),
         )
@@ -136,13 +227,13 @@ class StageContext:
                 f"dataset {task.name} is scored by a reward model: set model.reward=<a "
                 f"sequence-classification checkpoint> (family {self.task.family} has none)"
             )
-        batch = self.cfg.data_collection.reward_batch_size
+        batch = self.data_collection.reward_batch_size
         task.scorer = self.models.get(
             f"rm-text:{family.reward}",
             lambda: load_text_scorer(
                 family.reward,
                 device=self.device,
-                dtype=self.cfg.model.get("dtype", "auto"),
+                dtype=self.model.dtype,
                 batch_size=batch if isinstance(batch, int) else 32,
                 trust_remote_code=family.trust_remote_code,
             ),
@@ -162,9 +253,7 @@ class StageContext:
         """A per-task seed: the run seed mixed with the task id (stable across resumes)."""
         import zlib
 
-        return (int(self.cfg.experiment.seed) * 1_000_003 + zlib.crc32(self.task.id.encode())) % (
-            2**31
-        )
+        return (int(self.experiment.seed) * 1_000_003 + zlib.crc32(self.task.id.encode())) % (2**31)
 
 
 def write_stand_in_outputs(ctx: StageContext) -> None:

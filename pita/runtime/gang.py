@@ -36,15 +36,22 @@ from typing import Any
 from pita.runtime.context import ModelCache, StageContext
 
 GANG_STRATEGIES = ("data_parallel", "fsdp")  # the strategies that train on k ranks
+TASK_STRATEGIES = {"ddp": "data_parallel", "fsdp": "fsdp"}  # TaskSpec.strategy -> the key's name
 
 
 def parallel_strategy(ctx: StageContext) -> str:
-    """`training.parallel_strategy` of the task ("none" when the key is absent)."""
-    return str(ctx.cfg.training.get("parallel_strategy", "none") or "none")
+    """How the task uses its gang: the planner's `task.strategy` (pita/experiment/gangs.py:
+    a TRL stage under fsdp on CPU runs ddp, a task too large for one device fsdp whatever the
+    key says), else `training.parallel_strategy` ("none" when the key is absent; a plan
+    written before tasks carried a strategy)."""
+    planned = TASK_STRATEGIES.get(str(getattr(ctx.task, "strategy", "none")))
+    if planned is not None:
+        return planned
+    return str(ctx.training.parallel_strategy)
 
 
 def gang_world_size(ctx: StageContext) -> int:
-    """Ranks for this task: 1 unless `training.parallel_strategy` is data_parallel or fsdp.
+    """Ranks for this task: 1 unless `parallel_strategy(ctx)` is data_parallel or fsdp.
 
     On CUDA: the GPUs pinned to the task (as `system.gpu_mode` allows). Off CUDA (a `fake:`
     or CPU gang, tests): `task.gpus` gloo processes simulate the gang's devices.
@@ -53,7 +60,7 @@ def gang_world_size(ctx: StageContext) -> int:
 
     if parallel_strategy(ctx) not in GANG_STRATEGIES:
         return 1
-    gpu_mode = str(ctx.cfg.system.gpu_mode)
+    gpu_mode = str(ctx.system.gpu_mode)
     if gpu_mode in ("cpu", "single_gpu"):
         return 1
     choice = training_device(gpu_mode, ctx.device)
@@ -62,7 +69,16 @@ def gang_world_size(ctx: StageContext) -> int:
     return max(1, int(ctx.task.gpus))
 
 
-data_parallel_world_size = gang_world_size  # the name before fsdp joined
+def checkpoint_objects(ctx: StageContext, model: Any, optimizer: Any) -> tuple[Any, Any]:
+    """What a loop's `Checkpointer` saves and restores for its model and optimizer: under a
+    gang strategy (whatever k, 1 included) their full state keyed by parameter name
+    (`pita.training.ddp.FullState`), so a checkpoint of k ranks resumes on any k; under
+    `none` the objects themselves (the format of a one-process task)."""
+    if parallel_strategy(ctx) not in GANG_STRATEGIES:
+        return model, optimizer
+    from pita.training.ddp import FullState
+
+    return FullState(model), FullState(model, optimizer)
 
 
 class _QueueLogHandler(logging.Handler):
@@ -130,7 +146,9 @@ def run_stage(
     strategy = parallel_strategy(ctx)
     strategy = strategy if strategy in GANG_STRATEGIES else "data_parallel"
     what = "DDP" if strategy == "data_parallel" else "FSDP2 (fully_shard)"
-    ctx.logger.info("training.parallel_strategy=%s: %s over %d ranks", strategy, what, world)
+    key = str(ctx.training.parallel_strategy)
+    why = "" if key == strategy else f" (the planner's choice; training.parallel_strategy={key})"
+    ctx.logger.info("gang strategy %s%s: %s over %d ranks", strategy, why, what, world)
     snapshot = {
         "task": ctx.task.to_dict(),
         "cfg": OmegaConf.to_container(ctx.cfg, resolve=True),

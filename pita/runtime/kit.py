@@ -46,21 +46,13 @@ def checkpoint_dir(ctx: StageContext) -> Path:
 
 def checkpoint_every(ctx: StageContext) -> tuple[int, float]:
     """(`training.checkpoint_every` steps, `training.checkpoint_every_minutes`); 0 = off."""
-    tr = ctx.cfg.training
-    return (
-        int(tr.get("checkpoint_every", 0) or 0),
-        float(tr.get("checkpoint_every_minutes", 0.0) or 0.0),
-    )
-
-
-# keys a resume may change without changing what a task computes (cf. the CLI's resume-safe keys)
-_NOT_COMPUTED = ("executor", "dry_run", "resume_from", "hydra")
-_NOT_COMPUTED_SYSTEM = ("devices", "threads_per_worker", "use_parallel_execution", "trust_group")
+    return ctx.training.checkpoint_every, ctx.training.checkpoint_every_minutes
 
 
 def checkpoint_identity(ctx: StageContext) -> dict[str, str]:
     """What a checkpoint of this task must carry to be restored: the task id, a sha256 of
-    the task's resolved config (without the keys a resume may change) and one of its
+    the task's resolved config (without the keys that do not change its result:
+    `schema.result_config`, from each field's `affects`) and one of its
     inputs' committed manifests. A checkpoint copied from a run with another seed, config
     or inputs differs in one of them."""
     import hashlib
@@ -69,12 +61,9 @@ def checkpoint_identity(ctx: StageContext) -> dict[str, str]:
     from omegaconf import OmegaConf
 
     from pita.core.paths import TaskPaths, file_sha256
+    from pita.core.schema import result_config
 
-    cfg = OmegaConf.to_container(ctx.cfg, resolve=True)
-    for key in _NOT_COMPUTED:
-        cfg.pop(key, None)
-    for key in _NOT_COMPUTED_SYSTEM:
-        (cfg.get("system") or {}).pop(key, None)
+    cfg = result_config(OmegaConf.to_container(ctx.cfg, resolve=True))  # type: ignore[arg-type]
     inputs: dict[str, str] = {}
     for ref in ctx.task.inputs.values():
         for task_id in ref if isinstance(ref, list) else [ref]:
@@ -92,8 +81,11 @@ def checkpoint_identity(ctx: StageContext) -> dict[str, str]:
     }
 
 
-def checkpointer(ctx: StageContext, *, writer: bool = True) -> Checkpointer:
-    """The task's `Checkpointer` (`writer`: rank 0 of a gang writes, every rank restores)."""
+def checkpointer(
+    ctx: StageContext, *, writer: bool = True, collective: bool = False
+) -> Checkpointer:
+    """The task's `Checkpointer` (`writer`: rank 0 of a gang writes, every rank restores;
+    `collective`: a gang's ranks all build the state when a save is due)."""
     from pita.training.checkpoint import Checkpointer
 
     every, minutes = checkpoint_every(ctx)
@@ -105,6 +97,7 @@ def checkpointer(ctx: StageContext, *, writer: bool = True) -> Checkpointer:
         logger=ctx.logger,
         identity=checkpoint_identity(ctx),
         trust_group=trust_group(ctx),
+        collective=collective,
     )
 
 
@@ -117,7 +110,7 @@ def trl_checkpoint_kwargs(ctx: StageContext) -> dict[str, Any]:
 
 def trust_group(ctx: StageContext) -> bool:
     """`system.trust_group`: a teammate's (same group) checkpoints count as yours."""
-    return bool(ctx.cfg.system.get("trust_group", False))
+    return ctx.system.trust_group
 
 
 def last_trl_checkpoint(
@@ -161,10 +154,9 @@ def precision_for(
     """`choose_precision` from the task's `training.*` keys, logged to its task log."""
     from pita.training.precision import choose_precision
 
-    tr = ctx.cfg.training
     return choose_precision(
-        str(tr.precision_type),
-        bool(tr.mixed_precision),
+        ctx.training.precision_type,
+        ctx.training.mixed_precision,
         device or ctx.device,
         compute_capability,
         logger=ctx.logger,
@@ -194,8 +186,8 @@ def train_step(
         optimizer,
         precision,
         scheduler=scheduler,
-        max_grad_norm=ctx.cfg.training.max_grad_norm,
-        clear_cache_interval=ctx.cfg.system.clear_cache_interval,
+        max_grad_norm=ctx.training.max_grad_norm,
+        clear_cache_interval=ctx.system.clear_cache_interval,
         device=device,
         compile_status=compile_status,
         logger=ctx.logger,

@@ -139,14 +139,19 @@ def execute_task(
     and error.json, is kept as `tasks/<id>.attempt<N>.failed/` and resume ignores it.
     """
 
-    from pita.core.paths import Artifact, TaskPaths, atomic_write_json, non_finite_numbers
+    from pita.core.journal import run_folder_problem
+    from pita.core.paths import Artifact, TaskPaths, atomic_write_json, nan_numbers
     from pita.runtime.context import StageContext, resolve_function
 
     paths = TaskPaths(run_dir, task.id)
     tmp = paths.tmp(os.getpid())
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    logger = _task_logger(task.id, tmp / Artifact.LOG)
+    try:  # an immutable tasks/ folder or a full disk: one line for the run, not a dead worker
+        tmp.mkdir(parents=True)
+        logger = _task_logger(task.id, tmp / Artifact.LOG)
+    except OSError as exc:
+        why = run_folder_problem(exc, run_dir) or f"cannot write {tmp}: {exc.strerror or exc}"
+        return False, "error", why, {}
     t0 = time.time()
     try:
         logger.info(
@@ -159,9 +164,11 @@ def execute_task(
         )
         fn = resolve_function(task.fn)
         reset_peak_memory()
+        cfg, settings = _stage_config(cfg_dict, task)
         ctx = StageContext(
             task=task,
-            cfg=_stage_config(cfg_dict, task),
+            cfg=cfg,
+            settings=settings,
             run_dir=Path(run_dir),
             out_dir=tmp,
             logger=logger,
@@ -173,11 +180,9 @@ def execute_task(
         result = fn(ctx) or {}
         wall = round(time.time() - t0, 3)
         result = {"task_id": task.id, "wall_s": wall, "attempt": attempt, **result}
-        bad = non_finite_numbers(result)
+        bad = nan_numbers(result)
         if bad:  # a NaN metric is a failed task, not a row of the results table
-            raise FloatingPointError(
-                f"non-finite value(s) in the stage's result: {', '.join(bad[:5])}"
-            )
+            raise FloatingPointError(f"NaN value(s) in the stage's result: {', '.join(bad[:5])}")
         peak = peak_memory_mb()
         if peak:
             result["peak_gpu_mb"] = peak
@@ -195,18 +200,24 @@ def execute_task(
             if isinstance(exc, (KeyboardInterrupt, SystemExit))
             else classify_exception(exc)
         )
-        if not logger.handlers:  # the commit itself failed (a declared output is missing)
-            logger = _task_logger(task.id, tmp / Artifact.LOG)
-        logger.error("failed (%s): %s\n%s", failure, exc, traceback.format_exc())
-        _close(logger)
-        (tmp / Artifact.ERROR).write_text(
-            json.dumps({"failure": failure, "message": str(exc), "type": type(exc).__name__})
-        )
-        failed_dir = paths.failed(attempt)
-        shutil.rmtree(failed_dir, ignore_errors=True)
-        os.replace(tmp, failed_dir)
+        run_file = run_folder_problem(exc, run_dir, tmp)
+        try:  # on a full disk these writes fail too: the tmp folder stays, resume removes it
+            if not logger.handlers:  # the commit itself failed (a declared output is missing)
+                logger = _task_logger(task.id, tmp / Artifact.LOG)
+            logger.error("failed (%s): %s\n%s", failure, exc, traceback.format_exc())
+            _close(logger)
+            (tmp / Artifact.ERROR).write_text(
+                json.dumps({"failure": failure, "message": str(exc), "type": type(exc).__name__})
+            )
+            failed_dir = paths.failed(attempt)
+            shutil.rmtree(failed_dir, ignore_errors=True)
+            os.replace(tmp, failed_dir)
+        except OSError:
+            _close(logger)
         if failure == "interrupted" and reraise_interrupt:
             raise  # in-process runs: Ctrl-C inside a stage stops the whole run
+        if run_file is not None:
+            return False, "error", run_file, {}
         message = f"{type(exc).__name__}: {exc}".strip().splitlines()
         return False, failure, (message[0][:500] if message else ""), {}
 
@@ -214,22 +225,28 @@ def execute_task(
 _CONFIG_CACHE: dict = {
     "source": None,
     "by_chain": {},
-}  # last plain dict; its DictConfig per (dataset, family)
+}  # last plain dict; its DictConfig per (dataset, family), its settings per algo too
 
 
 def _stage_config(cfg_dict: dict, task) -> Any:
-    """The config a stage sees: the run's config with `dataset` and `model` replaced by the
-    task's own chain groups (one channel; in a multi-dataset experiment the selected
-    groups would be another chain's). OmegaConf.create on the full config costs ~10 ms and
-    every task of a run sends the same dict, so a worker builds it once per chain."""
-    from pita.runtime.context import chain_config
+    """(config, typed settings) a stage sees: the run's config with `dataset` and `model`
+    replaced by the task's own chain groups (one channel; in a multi-dataset experiment the
+    selected groups would be another chain's), and its groups as schema instances.
+    OmegaConf.create on the full config costs ~10 ms and every task of a run sends the same
+    dict, so a worker builds both once per chain."""
+    from pita.runtime.context import chain_config, stage_settings
 
     if _CONFIG_CACHE["source"] != cfg_dict:
         _CONFIG_CACHE.update(source=cfg_dict, by_chain={})
+    by_chain = _CONFIG_CACHE["by_chain"]
     key = (task.dataset, task.family)
-    if key not in _CONFIG_CACHE["by_chain"]:
-        _CONFIG_CACHE["by_chain"][key] = chain_config(cfg_dict, task)
-    return _CONFIG_CACHE["by_chain"][key]
+    if key not in by_chain:
+        by_chain[key] = chain_config(cfg_dict, task)
+    cfg = by_chain[key]
+    chain = (*key, task.algo, task.algo_schema)
+    if chain not in by_chain:
+        by_chain[chain] = stage_settings(cfg, task)
+    return cfg, by_chain[chain]
 
 
 def run_task_here(
@@ -287,8 +304,9 @@ def inprocess_threads(cfg_dict: dict) -> int:
     """The torch threads a pool worker would get for one task on this host: the CPU slot's
     `system.threads_per_worker`, or on a GPU (one task at a time here) the GPU budget."""
     from pita.core.resources import thread_budget
+    from pita.core.schema import SystemConfig, settings
 
-    per_worker = int((cfg_dict.get("system") or {}).get("threads_per_worker") or 1)
+    per_worker = settings(SystemConfig, cfg_dict.get("system")).threads_per_worker
     kind = "cuda" if os.environ.get("CUDA_VISIBLE_DEVICES") else "cpu"
     return thread_budget(kind, 1, 1, per_worker)
 
@@ -369,6 +387,22 @@ def _close(logger: logging.Logger) -> None:
     logger.handlers.clear()
 
 
+def _warm_ranks(cfg_dict: dict) -> None:
+    """A run that trains on gangs (`training.parallel_strategy` data_parallel / fsdp): start
+    this worker's forkserver now, so it imports torch and transformers while other tasks
+    run and a later gang's ranks fork warm (pita.training.ddp.warm_forkserver; a no-op
+    once it runs)."""
+    from pita.core.schema import TrainingConfig, settings
+
+    if settings(TrainingConfig, cfg_dict.get("training")).parallel_strategy in (
+        "data_parallel",
+        "fsdp",
+    ):
+        from pita.training.ddp import warm_forkserver
+
+        warm_forkserver()
+
+
 class Worker:
     def __init__(self, channel: Channel, worker_id: int, heartbeat_s: float, cache_size: int):
         from pita.runtime.context import ModelCache
@@ -425,6 +459,7 @@ class Worker:
         from pita.core.tasks import TaskSpec
 
         self._setup_torch()
+        _warm_ranks(cfg_dict)
         task = TaskSpec.from_dict(task_dict)
         self.current, self.progress = task.id, ""
         self.channel.send(("started", task.id))

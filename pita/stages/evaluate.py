@@ -7,19 +7,23 @@ docs/ALGORITHMS.md per (η, sampling rule) into `metrics.json`, which the report
 results table.
 
 Sampling rules and KL. Every row names its sampling rule in the `sampling` column
-(`top-k` candidates, temperature, top-p) and its `kl` is the Monte-Carlo
-KL(π ‖ π_ref^rule): π_ref under *that same rule* (top-k of π_ref's logits, renormalised,
-at the same temperature). So two rows with the same `sampling` compare like with like, and
-a policy that is π_ref under its rule has KL exactly 0:
+(`top-k` candidates, temperature, top-p) and carries the three KL columns of
+docs/ALGORITHMS.md ("KL: the three columns"): `kl`, the Monte-Carlo KL(π ‖ π_ref^rule)
+against π_ref under *that same rule* (top-k of π_ref's logits, renormalised, at the same
+temperature), +inf when a sample leaves π_ref^rule's support; `kl_full`, against the
+untruncated π_ref (always finite); `off_support`, the share of samples outside π_ref^rule's
+support. So two rows with the same `sampling` compare like with like, and a policy that is
+π_ref under its rule has KL exactly 0:
 - reference: π_ref under the generation rule (`generation.top_k`, full distribution by
   default), plus one row per guided rule in use (`algos.<guided>.guidance.top_k`): the row
   the guided chains' η = 0 rows are (the same distribution; KL 0 both);
 - PITA / QSharp / QSharp-HF: π_ref's top `guidance.top_k` tokens guided by the round's
   value model at every η of `evaluation.etas`; η = 0 *is* π_ref^rule; for η > 0, log
   π_ref^rule of the samples comes from one teacher-forced forward of π_ref per batch;
-- DPO / GRPO / GRPO-HF: the round's trained policy under the generation rule, KL against
-  π_ref under the generation rule (teacher-forced). With `generation.top_k` > 0 a token
-  outside π_ref's top-k makes that KL infinite, as it is.
+- DPO / RPO / GRPO / GRPO-HF: the round's trained policy under the generation rule, KL
+  against π_ref under the generation rule (teacher-forced). With `generation.top_k` > 0 a
+  token outside π_ref's top-k makes `kl` infinite, as it is; `kl_full` and `off_support`
+  say how far and how often (`tests/test_kl.py`).
 
 Models are loaded through `pita.models.placement.load_stage_lm` (dtype, -8bit / -4bit,
 `model.device_map=auto` sharding over the gang); a sharded model's layer distribution is
@@ -41,8 +45,8 @@ from pita.runtime.context import StageContext
 
 def test_examples(ctx: StageContext, task) -> list:
     examples = task.test_examples()
-    if ctx.cfg.evaluation.max_prompts:
-        examples = examples[: ctx.cfg.evaluation.max_prompts]
+    if ctx.evaluation.max_prompts:
+        examples = examples[: ctx.evaluation.max_prompts]
     return examples
 
 
@@ -80,12 +84,12 @@ class EvalPolicy:
 
 
 def generation_rule(ctx: StageContext) -> SamplingRule:
-    gen = ctx.cfg.generation
+    gen = ctx.generation
     return SamplingRule(int(gen.top_k), float(gen.temperature), float(gen.top_p))
 
 
 def guided_rule(ctx: StageContext, algo: str) -> SamplingRule:
-    gen = ctx.cfg.generation
+    gen = ctx.generation
     return SamplingRule(
         int(ctx.cfg.algos[algo].guidance.top_k), float(gen.temperature), float(gen.top_p)
     )
@@ -121,11 +125,38 @@ def eval_policies(ctx: StageContext, ref) -> list[EvalPolicy]:
                 hook_factory=guided_hook_factory(ctx, guide_dir, float(eta)) if eta > 0 else None,
                 is_reference=not eta > 0,
             )
-            for eta in ctx.cfg.evaluation.etas
+            for eta in ctx.evaluation.etas
         ]
     return [
         EvalPolicy(None, ctx.load_model(ctx.input("policy") / Artifact.MODEL), generation_rule(ctx))
     ]
+
+
+def sample_kls(
+    policy: EvalPolicy, ref, prompts: list[list[int]], out, *, batch_size: int, pad_token_id: int
+) -> list[dict]:
+    """Each sample's KL terms (`pita.eval.metrics.sample_kl`) against π_ref under the row's
+    rule and against the untruncated π_ref. A policy sampled from π_ref's own logits (the
+    reference and guided rows) has π_ref's raw log-probs in `out.base_logprobs`; π_ref^rule
+    is the sampled distribution itself for an unguided reference row, else one
+    teacher-forced forward of π_ref per batch gives both."""
+    from pita.eval.metrics import sample_kl
+    from pita.models.generation import forced_logprobs
+
+    if policy.is_reference:  # sampled from π_ref^rule itself
+        rule_lp, full_lp = out.logprobs, out.base_logprobs
+    else:
+        rule_lp, full_lp = forced_logprobs(
+            ref,
+            prompts,
+            out.responses,
+            batch_size=batch_size,
+            pad_token_id=pad_token_id,
+            **policy.rule.kwargs(),
+        )
+        if policy.model is ref:  # guided: the sampler already read π_ref's raw log-probs
+            full_lp = out.base_logprobs
+    return [sample_kl(a, b, c) for a, b, c in zip(out.logprobs, rule_lp, full_lp)]
 
 
 def evaluate_shard(ctx: StageContext) -> dict:
@@ -133,11 +164,11 @@ def evaluate_shard(ctx: StageContext) -> dict:
 
     Reads: π_ref, the `policy` input (`value_model/` for guided chains, `model/` for DPO /
     GRPO), `evaluation.*`, `generation.*`. Writes: `samples.jsonl` (one record per
-    sample: η, sampling rule, token ids, reward, answer, KL against π_ref under that rule).
+    sample: η, sampling rule, token ids, reward, answer, its KL terms).
     """
     import torch
 
-    from pita.models.generation import generate, sequence_logprobs
+    from pita.models.generation import generate
     from pita.models.placement import placement_lines
 
     ref_dir = ctx.reference_model()
@@ -147,19 +178,21 @@ def evaluate_shard(ctx: StageContext) -> dict:
     all_examples = test_examples(ctx, task)
     part = ctx.shard_slice(len(all_examples))
     indices = list(range(len(all_examples)))[part]
-    k = int(ctx.cfg.evaluation.num_samples)
+    k = int(ctx.evaluation.num_samples)
     prompt_index = [i for i in indices for _ in range(k)]
     prompts = [all_examples[i].prompt_ids for i in prompt_index]
     examples = [all_examples[i] for i in prompt_index]
-    gen = ctx.cfg.generation
+    gen = ctx.generation
     max_new = int(gen.max_new_tokens or task.max_new_tokens)
     bs = generation_batch_size(
-        ctx, ctx.cfg.evaluation.batch_size, model=ref, prompts=prompts, max_new_tokens=max_new
+        ctx, ctx.evaluation.batch_size, model=ref, prompts=prompts, max_new_tokens=max_new
     )
     n_records = 0
     policies = eval_policies(ctx, ref)
+    total = len(policies) * len(prompts)  # prompts generated, every η's
     with open(ctx.out_dir / Artifact.SAMPLES, "w") as f:
-        for policy in policies:
+        for i, policy in enumerate(policies):
+            before = i * len(prompts)
             generator = torch.Generator(device="cpu").manual_seed(ctx.seed)
             out = generate(
                 policy.model,
@@ -171,19 +204,14 @@ def evaluate_shard(ctx: StageContext) -> dict:
                 do_sample=True,
                 generator=generator,
                 offset_hook_factory=policy.hook_factory,
+                on_batch=lambda done, b=before, e=policy.eta: ctx.report_progress(
+                    b + done, total, "prompts", f"eta={e}"
+                ),
                 **policy.rule.kwargs(),
             )
-            if policy.is_reference:  # sampled from π_ref^rule itself
-                ref_lp = out.logprobs
-            else:  # log π_ref^rule of the samples: one teacher-forced forward per batch
-                ref_lp = sequence_logprobs(
-                    ref,
-                    prompts,
-                    out.responses,
-                    batch_size=bs,
-                    pad_token_id=tok.pad_token_id,
-                    **policy.rule.kwargs(),
-                )
+            kls = sample_kls(
+                policy, ref, prompts, out, batch_size=bs, pad_token_id=tok.pad_token_id
+            )
             rewards = task.rewards(examples, out.responses)
             answers = task.answers(examples, out.responses)
             for j in range(len(prompts)):
@@ -196,7 +224,7 @@ def evaluate_shard(ctx: StageContext) -> dict:
                             "response": out.responses[j],
                             "reward": rewards[j],
                             "answer": answers[j],
-                            "kl": sum(out.logprobs[j]) - sum(ref_lp[j]),
+                            **kls[j],
                         }
                     )
                     + "\n"
@@ -209,7 +237,6 @@ def evaluate_shard(ctx: StageContext) -> dict:
                 len(prompts),
                 sum(rewards) / len(rewards),
             )
-            ctx.heartbeat(f"eta={policy.eta} done")
     lines = placement_lines(ref, "reference") + [
         line for p in policies if p.model is not ref for line in placement_lines(p.model, "policy")
     ]
@@ -224,7 +251,7 @@ def evaluate_merge(ctx: StageContext) -> dict:
     maj@k, avg_reward, KL, task-specific columns).
     """
     from pita.datasets import build_task
-    from pita.eval.metrics import maj_at_k, mean, pass_at_1
+    from pita.eval.metrics import kl_columns, maj_at_k, mean, pass_at_1
 
     task = build_task(ctx.cfg.dataset, tokenizer=ctx.reference_model())
     examples = test_examples(ctx, task)
@@ -252,10 +279,10 @@ def evaluate_merge(ctx: StageContext) -> dict:
                 [r["example"] for r in recs],
                 [r["answer"] for r in recs],
                 rewards,
-                seed=int(ctx.cfg.experiment.seed),
+                seed=int(ctx.experiment.seed),
             ),
             "avg_reward": mean(rewards),
-            "kl": mean([r["kl"] for r in recs]),
+            **kl_columns(recs),
             "sampling": sampling,
             "eval_wall_s": round(wall, 2),
         }

@@ -96,15 +96,18 @@ def official_schedule(optim, steps: int):
 def _family_policy(ctx: StageContext, family):
     """(the family's reference as a trainable fp32 causal LM, the task in its tokenizer)."""
     from pita.datasets import build_task
-    from pita.models.loading import load_causal_lm, load_tokenizer
+    from pita.models.loading import load_tokenizer
+    from pita.models.placement import load_stage_lm
 
     tok = load_tokenizer(family.reference, trust_remote_code=family.trust_remote_code)
     task = build_task(ctx.cfg.dataset, tokenizer=tok)
-    model = load_causal_lm(
+    model = load_stage_lm(
         family.reference,
-        dtype="float32",
-        attn_impl=ctx.cfg.system.attn_impl,
-        trust_remote_code=family.trust_remote_code,
+        family=ctx.task.family,
+        family_cfg=ctx.cfg.model,
+        device="cpu",  # moved to the training device by the caller
+        attn_impl=ctx.system.attn_impl,
+        trainable=True,
     )
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tok.pad_token_id
@@ -133,6 +136,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     from pita.datasets import build_task
     from pita.models.catalog import resolve_family
     from pita.models.tiny import build_tiny_llama
+    from pita.runtime.gang import checkpoint_objects
     from pita.runtime.kit import checkpointer, train_step
     from pita.training.ddp import full_state_dict, wrap_model
     from pita.training.loop import (
@@ -145,7 +149,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     from pita.training.precision import training_device
     from pita.training.report import write_training_report
 
-    tr, pcfg = ctx.cfg.training, ctx.cfg.pretrain
+    tr, pcfg = ctx.training, ctx.pretrain
     world = dist.world_size if dist else 1
     # pretrain.batch_size is the effective batch over all ranks; each rank cuts its share
     # into micro-batches whose gradients add up to those of the whole share.
@@ -169,7 +173,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
             pad_token_id=tok.pad_token_id,
             eos_token_id=tok.eos_token_id,
             seed=ctx.seed,
-            attn_impl=ctx.cfg.system.attn_impl,
+            attn_impl=ctx.system.attn_impl,
         )
     else:
         model, task = _family_policy(ctx, family)
@@ -181,20 +185,20 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
             task.name,
         )
     device = torch.device(
-        training_device(ctx.cfg.system.gpu_mode, ctx.device).device
+        training_device(ctx.system.gpu_mode, ctx.device).device
     )  # system.gpu_mode
     model.to(device).train()
     checkpointing = enable_gradient_checkpointing(model, tr.gradient_checkpointing, ctx.logger)
     compiled = compile_model(model, tr.compile, tr.compile_mode, logger=ctx.logger)
     # DDP all-reduces the gradients; FSDP2 shards the model in place (the optimizer comes after)
     net = wrap_model(model, dist)
-    wd = pcfg.get("weight_decay")
+    wd = pcfg.weight_decay
     optim = torch.optim.AdamW(
         model.parameters(), lr=pcfg.lr, weight_decay=tr.weight_decay if wd is None else wd
     )
     sched = (
         official_schedule(optim, pcfg.steps)
-        if pcfg.get("lr_schedule", "cosine") == "official"
+        if pcfg.lr_schedule == "official"
         else get_cosine_schedule_with_warmup(optim, pcfg.warmup_steps, pcfg.steps)
     )
     # Figures are read back every 50 steps (the log interval), not every step: no host sync.
@@ -212,9 +216,10 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     cuda = device.type == "cuda"
 
     # In-task checkpoints (training.checkpoint_every): a retry continues where the dead attempt stopped.
-    ckpt = checkpointer(ctx, writer=dist is None or dist.is_main)
+    ckpt = checkpointer(ctx, writer=dist is None or dist.is_main, collective=dist is not None)
+    saved_model, saved_optim = checkpoint_objects(ctx, model, optim)  # a gang: full state by name
     start, extra = ckpt.restore(
-        model=model, optimizer=optim, scheduler=sched, step=step, max_step=pcfg.steps
+        model=saved_model, optimizer=saved_optim, scheduler=sched, step=step, max_step=pcfg.steps
     )
     if "rng" in extra:
         rng.setstate(extra["rng"])
@@ -238,6 +243,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
             yield ids, mask, labels, counts, n_tokens, n_targets, rng_after
 
     stream = prefetch(batches()) if cuda else batches()
+    detail = ""  # the last logged loss, shown with every step's progress
     for i, (ids, mask, labels, counts, n_tokens, n_targets, rng_after) in enumerate(
         stream, start=start
     ):
@@ -261,10 +267,11 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
             ctx.logger.info(
                 "step %d/%d loss %.4f lr %.2e", i + 1, pcfg.steps, last["loss"], step.lr()
             )
-            ctx.heartbeat(f"step {i + 1}/{pcfg.steps}")
+            detail = f"loss {last['loss']:.4f}"
+        ctx.report_progress(i + 1, pcfg.steps, "step", detail)
         ckpt.maybe_save(
             i + 1,
-            lambda: {"model": model, "optimizer": optim, "scheduler": sched},
+            lambda: {"model": saved_model, "optimizer": saved_optim, "scheduler": sched},
             step=step,
             extra=lambda state=rng_after: {"rng": state},
         )

@@ -262,6 +262,16 @@ def load_state(folder: Path, trust_group: bool = False) -> dict[str, Any]:
     return _decode(json.loads(state), tensors)
 
 
+class _Built:
+    """A state already built (on every rank of a gang) that `save` writes as it is."""
+
+    def __init__(self, state: dict[str, Any]):
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+
 class Checkpointer:
     def __init__(
         self,
@@ -273,8 +283,12 @@ class Checkpointer:
         logger: logging.Logger | None = None,
         identity: dict[str, Any] | None = None,
         trust_group: bool = False,
+        collective: bool = False,
     ):
         self.folder = Path(folder)
+        # a gang: building the objects' state is a collective (FSDP2 gathers its shards), so
+        # every rank builds it when a save is due, and rank 0's clock decides when that is
+        self.collective = collective
         self.trust_group = trust_group  # system.trust_group: a teammate's checkpoints count
         self.every_steps = int(every_steps)
         self.every_s = float(every_minutes) * 60.0
@@ -377,11 +391,39 @@ class Checkpointer:
         step: Any = None,
         extra: Callable[[], dict[str, Any]] | None = None,
     ) -> bool:
-        """Save after optimizer step `n` when due (`objects()` / `extra()` are only built then)."""
+        """Save after optimizer step `n` when due (`objects()` / `extra()` are only built then).
+
+        `collective`: every rank calls this; each builds `objects()`' state when due, the
+        writer saves it."""
+        if self.collective:
+            if not self._due_on_every_rank(n):
+                return False
+            state = {k: v.state_dict() for k, v in objects().items() if v is not None}
+            if not self.writer:
+                return False
+            self.save(
+                n,
+                {k: _Built(v) for k, v in state.items()},
+                step=step,
+                extra=extra() if extra else {},
+            )
+            return True
         if not self.writer or not self.due(n):
             return False
         self.save(n, objects(), step=step, extra=extra() if extra else {})
         return True
+
+    def _due_on_every_rank(self, n: int) -> bool:
+        """`due(n)` as rank 0 sees it (a time-based interval may differ between ranks)."""
+        if self.every_s <= 0:
+            return self.due(n)  # steps only: the same on every rank
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(self.due(n))])
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast(flag, src=0)
+        return bool(flag.item())
 
     def save(
         self,
@@ -644,6 +686,8 @@ def checkpoint_commit_callback(
 
     class CheckpointCommit(TrainerCallback):
         def on_save(self, args, state, control, **kwargs):
+            if not state.is_world_process_zero:  # a gang: rank 0 commits for all
+                return
             folder = Path(args.output_dir)
             current = folder / f"checkpoint-{state.global_step}"
             if not current.is_dir():

@@ -65,15 +65,28 @@ log = logging.getLogger(__name__)
 
 STRATEGIES = ("none", "data_parallel", "fsdp")
 # Imported once in the forkserver: every rank forked from it starts with them loaded.
+# transformers imports its model classes lazily: the families' own are named here, else
+# every rank imports them again. A module that does not import is skipped by the forkserver.
 PRELOAD = (
     "torch",
     "torch.distributed",
     "torch.distributed.fsdp",
+    "torch.distributed.checkpoint.state_dict",
     "torch.nn.parallel",
+    "omegaconf",
+    "safetensors.torch",
     "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.optimization",
     "pita.training.ddp",
     "pita.training.loop",
+    "pita.training.checkpoint",
     "pita.runtime.gang",
+    "pita.runtime.kit",
+    "pita.algos.value_training",
+    "pita.models.value_model",
+    "pita.stages.pretrain",
 )
 _HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
@@ -182,6 +195,46 @@ def full_state_dict(model: torch.nn.Module, dist: DistContext | None) -> dict[st
         k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
         for k, v in model.state_dict().items()
     }
+
+
+class FullState:
+    """A model's (or, with `optimizer`, its optimizer's) state for a `Checkpointer` as full,
+    unsharded tensors keyed by parameter name, whatever the strategy and k: `state_dict`
+    gathers FSDP2's shards (a collective: every rank calls it; rank 0 gets the tensors),
+    `load_state_dict` puts a full state into this rank's shards (or the whole model). So a
+    checkpoint written by k ranks resumes on any k, DDP or FSDP2 or one process.
+
+    Not `torch.distributed.checkpoint`'s sharded files: their `.metadata` is a pickle that
+    DCP loads with `pickle.load`, and a pita checkpoint never unpickles (see
+    pita/training/checkpoint.py). The price: rank 0 holds the whole state while saving."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any = None):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        if self.optimizer is None:
+            return get_model_state_dict(self.model, options=options)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=options)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True)
+        if self.optimizer is None:
+            set_model_state_dict(self.model, state, options=options)
+        else:
+            set_optimizer_state_dict(self.model, self.optimizer, state, options=options)
 
 
 @contextlib.contextmanager
@@ -431,7 +484,3 @@ def _quiet_launcher_logs() -> None:
     """The launcher's INFO lines (rendezvous, agent state) would flood a task log."""
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.WARNING)
-
-
-# The name callers used before the launcher moved to elastic_launch.
-run_data_parallel = launch_ranks

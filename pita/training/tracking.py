@@ -8,11 +8,14 @@
   `tensorboard --logdir outputs/<name>/<timestamp>/logs/tensorboard`.
 - `wandb`: exactly one W&B run per task (`name=<task id>`, `group=<experiment>/<run
   folder>`), `mode=offline` unless `logger.mode=online`: no API key, never a prompt
-  (`wandb sync <run>/logs/wandb/wandb/offline-run-*` uploads later).
+  (`wandb sync <run>/logs/wandb/wandb/offline-run-*` uploads later; a retried task's
+  folders share its run id and disjoint steps, so they sync as one run).
 - `mlflow`: one MLflow run per task in the experiment `experiment.name`; the tracking URI
-  is `logger.tracking_uri`, else a sqlite store `<run>/logs/mlflow/mlflow.db` with its
-  artifacts in `<run>/logs/mlflow/artifacts` (MLflow 3 refuses a plain file store).
-- `csv`: `<run>/logs/csv/<task id>.csv`, one row per logged step (any spreadsheet).
+  is `logger.tracking_uri`, else one sqlite store `outputs/mlflow/mlflow.db` for every run
+  under the outputs folder (one file lock; artifacts in `outputs/mlflow/artifacts`; MLflow 3
+  refuses a plain file store), so `mlflow ui` compares runs; each task's run is tagged
+  with its run folder and group.
+- `csv`: `<run>/logs/csv/<task id>.csv`, one row per logged step, appended (any spreadsheet).
 
 The hand-written loops (pretrain, value training) log through `TrainingMetrics` (every
 optimizer step: loss, accuracy, lr, grad norm, step time); TRL stages open no tracker of
@@ -44,7 +47,10 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
 from pita.core.schema import LOGGER_BACKENDS as BACKENDS
+from pita.core.schema import LoggerConfig, settings
 
 _PACKAGES = {
     "tensorboard": ("tensorboard", "tensorboard"),
@@ -66,14 +72,15 @@ def missing_package(backend: str) -> str | None:
     return None
 
 
-def logger_cfg(cfg: Any) -> Mapping:
-    """`cfg.logger` as a plain mapping (configs built without the group: backend none)."""
+def logger_cfg(cfg: Any) -> LoggerConfig:
+    """`cfg.logger` as its typed settings (a config built without the group: the schema's
+    defaults, backend none)."""
     node = cfg.get("logger") if hasattr(cfg, "get") else None
-    if node is None:
-        return {"backend": "none"}
-    if hasattr(node, "items"):
-        return {k: v for k, v in node.items()}
-    return dict(node)
+    if isinstance(node, LoggerConfig):
+        return node
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_container(node, resolve=True)
+    return settings(LoggerConfig, dict(node or {}))
 
 
 def log_dir(run_dir: str | Path, backend: str) -> Path:
@@ -137,9 +144,9 @@ def flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str | 
     return out
 
 
-def tag_list(lcfg: Mapping) -> list[str]:
+def tag_list(lcfg: LoggerConfig) -> list[str]:
     """`logger.tags` as strings (a W&B tag is at most 64 characters)."""
-    tags = lcfg.get("tags") or []
+    tags: Any = lcfg.tags
     if isinstance(tags, str):
         tags = [tags]
     return [str(t)[:64] for t in tags if str(t)]
@@ -211,38 +218,62 @@ class TensorBoardTracker(Tracker):
 
 
 class CsvTracker(Tracker):
-    """One CSV per task; columns grow as new keys appear (the file is rewritten then)."""
+    """One CSV per task, one row per logged step, *appended* (a long training writes each
+    row once, not the whole file per step). Only when a new key appears is the file
+    rewritten with the wider header (atomically; a handful of times per task). A resumed
+    task drops the dead attempt's rows after its checkpoint once, at its first step; a
+    half-written last row of a killed attempt is dropped then too."""
 
     backend = "csv"
 
     def __init__(self, path: Path):
         super().__init__()
         self.path = path
-        self.rows: list[dict[str, float]] = []
-        self._pruned = False
+        self.columns: list[str] = []
+        self._file: Any = None
 
-    def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        if not self._pruned:  # a resumed task: keep the dead attempt's rows up to the checkpoint
-            self._pruned = True
-            if self.path.is_file():
-                with open(self.path, newline="") as f:
-                    self.rows = [
-                        {k: float(v) for k, v in r.items() if v != ""}
-                        for r in csv.DictReader(f)
-                        if float(r["step"]) <= self.start_step
-                    ]
-        self.rows.append({"step": float(step), **_numeric(metrics)})
-        self._write()
+    def _read(self) -> list[dict[str, float]]:
+        """The rows on disk with a whole, numeric step (a torn last line is left out)."""
+        if not self.path.is_file():
+            return []
+        rows = []
+        with open(self.path, newline="") as f:
+            for r in csv.DictReader(f):
+                try:
+                    rows.append({k: float(v) for k, v in r.items() if k and v not in ("", None)})
+                except ValueError:
+                    continue
+        return [r for r in rows if "step" in r]
 
-    def _write(self) -> None:
+    def _rewrite(self, rows: list[dict[str, float]]) -> None:
         from pita.core.paths import atomic_write_text
 
-        columns = ["step"] + sorted({k for r in self.rows for k in r} - {"step"})
-        lines = [",".join(columns)]
-        lines += [
-            ",".join("" if r.get(c) is None else repr(r[c]) for c in columns) for r in self.rows
-        ]
+        if self._file is not None:
+            self._file.close()
+        lines = [",".join(self.columns)] + [self._line(r) for r in rows]
         atomic_write_text(self.path, "\n".join(lines) + "\n")
+        self._file = open(self.path, "a")
+
+    def _line(self, row: Mapping[str, float]) -> str:
+        return ",".join("" if row.get(c) is None else repr(row[c]) for c in self.columns)
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        row = {"step": float(step), **_numeric(metrics)}
+        if self._file is None:  # first step: keep the earlier attempts' rows up to the checkpoint
+            kept = [r for r in self._read() if r["step"] <= self.start_step]
+            self.columns = ["step"] + sorted({k for r in kept + [row] for k in r} - {"step"})
+            self._rewrite(kept)
+        elif set(row) - set(self.columns):  # a new key: the one case that rewrites
+            self.columns = ["step"] + sorted((set(self.columns) | set(row)) - {"step"})
+            self._file.flush()
+            self._rewrite(self._read())
+        self._file.write(self._line(row) + "\n")
+        self._file.flush()  # a reader (or a killed worker's retry) sees every whole row
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 def wandb_run_id(run_dir: str | Path, name: str) -> str:
@@ -257,7 +288,14 @@ def wandb_run_id(run_dir: str | Path, name: str) -> str:
 class WandbTracker(Tracker):
     """One W&B run. Offline unless `logger.mode=online`: `WANDB_MODE` and the API key are
     never consulted then, so no key is needed and nothing prompts; the console is not
-    captured (the worker's log is ours)."""
+    captured (the worker's log is ours).
+
+    A retried task's attempts log into one run id, offline one `offline-run-*-<id>` folder
+    each, which `wandb sync` replays in start-time order into one run. W&B cannot rewrite
+    history and drops a step at or below the run's last one, so each attempt starts after
+    the earlier attempts' last step: steps the retry re-trains after its checkpoint that a
+    dead attempt had already written to its `.wandb` file are skipped
+    (`pita.training.wandb_log.last_written_step`)."""
 
     backend = "wandb"
 
@@ -266,15 +304,18 @@ class WandbTracker(Tracker):
         folder: Path,
         name: str,
         group: str,
-        cfg: Mapping,
+        cfg: LoggerConfig,
         config: Mapping[str, Any] | None = None,
         run_id: str | None = None,
     ):
         super().__init__()
         import wandb
 
+        from pita.training.wandb_log import last_written_step
+
         folder.mkdir(parents=True, exist_ok=True)
-        mode = str(cfg.get("mode") or "offline")
+        self.written_before = last_written_step(folder, run_id) if run_id else None
+        mode = cfg.mode
         if mode == "online" and not wandb.login(prompt=False, verify=False):  # never a prompt
             raise RuntimeError(
                 "logger.mode=online needs a W&B API key (`wandb login` or WANDB_API_KEY); "
@@ -285,7 +326,7 @@ class WandbTracker(Tracker):
                 console="off", silent=True, disable_git=True, x_disable_stats=True
             )
             self.run = wandb.init(
-                project=str(cfg.get("project") or "pita"),
+                project=cfg.project,
                 name=name,
                 group=group,
                 job_type=name.split(".", 1)[0],
@@ -300,6 +341,8 @@ class WandbTracker(Tracker):
             )
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        if self.written_before is not None and step <= self.written_before:
+            return  # an earlier attempt of this task wrote it: the synced run keeps that one
         self.run.log(_numeric(metrics), step=step)
 
     def close(self) -> None:
@@ -362,8 +405,14 @@ class MlflowTracker(Tracker):
             if found
             else self.client.create_experiment(experiment, artifact_location=artifacts)
         )
-        quoted = name.replace("'", "\\'")
-        earlier = self.client.search_runs([exp_id], f"attributes.run_name = '{quoted}'")
+
+        def quoted(text: str) -> str:
+            return text.replace("'", "\\'")
+
+        run = f" and tags.`pita.run` = '{quoted(tags['pita.run'])}'" if "pita.run" in tags else ""
+        earlier = self.client.search_runs(
+            [exp_id], f"attributes.run_name = '{quoted(name)}'{run}"
+        )  # this run's task only: the store holds every run under outputs/
         if earlier:  # a retry: the same run, not a second one
             self.client.update_run(earlier[0].info.run_id, status="RUNNING")
             return earlier[0].info.run_id
@@ -400,12 +449,24 @@ class MlflowTracker(Tracker):
             self.client.set_terminated(self.run_id)
 
 
-def mlflow_uri(cfg: Mapping, run_dir: str | Path) -> str:
-    """`logger.tracking_uri`, else the run's own sqlite store (MLflow 3 accepts it; a bare
-    file store it refuses)."""
-    if cfg.get("tracking_uri"):
-        return str(cfg["tracking_uri"])
-    return f"sqlite:///{(log_dir(run_dir, 'mlflow') / 'mlflow.db').resolve()}"
+def mlflow_folder(run_dir: str | Path) -> Path:
+    """Where the default MLflow store lives: `<outputs>/mlflow/`, shared by every run under
+    the nearest `outputs` folder above the run (single runs and sweep jobs alike), so
+    `mlflow ui` lists and compares them as MLflow users expect; a run folder outside any
+    `outputs/` (`hydra.run.dir` moved) keeps its own `<run>/logs/mlflow/`."""
+    run = Path(run_dir).resolve()
+    for parent in run.parents:
+        if parent.name == "outputs":
+            return parent / "mlflow"
+    return log_dir(run, "mlflow")
+
+
+def mlflow_uri(cfg: LoggerConfig, run_dir: str | Path) -> str:
+    """`logger.tracking_uri`, else the shared sqlite store of `mlflow_folder` (MLflow 3
+    accepts it; a bare file store it refuses)."""
+    if cfg.tracking_uri:
+        return cfg.tracking_uri
+    return f"sqlite:///{mlflow_folder(run_dir) / 'mlflow.db'}"
 
 
 class SafeTracker(Tracker):
@@ -450,7 +511,7 @@ class SafeTracker(Tracker):
         self._guard("close", self.inner.close)
 
 
-def _backend_tracker(cfg: Any, lcfg: Mapping, backend: str, run_dir: str | Path, name: str):
+def _backend_tracker(cfg: Any, lcfg: LoggerConfig, backend: str, run_dir: str | Path, name: str):
     need = missing_package(backend)
     if need:
         raise RuntimeError(f"logger.backend={backend}: the package is not installed; {need}")
@@ -466,16 +527,21 @@ def _backend_tracker(cfg: Any, lcfg: Mapping, backend: str, run_dir: str | Path,
         folder, run_id = log_dir(run_dir, backend), wandb_run_id(run_dir, name)
         return WandbTracker(folder, name, group, lcfg, config_dict(cfg), run_id)
     if backend == "mlflow":
-        folder = log_dir(run_dir, backend)
-        own_store = not lcfg.get("tracking_uri")
+        folder = mlflow_folder(run_dir)
+        own_store = not lcfg.tracking_uri
         return MlflowTracker(
             mlflow_uri(lcfg, run_dir),
             experiment,
             name,
-            artifacts=(folder / "artifacts").resolve().as_uri() if own_store else None,
-            lock=folder / "mlflow.lock" if own_store else None,
+            artifacts=(folder / "artifacts").as_uri() if own_store else None,
+            lock=folder / "mlflow.lock" if own_store else None,  # one lock per store
             params=params,
-            tags={"pita.group": group, "pita.task": name, **{metric_name(t): "true" for t in tags}},
+            tags={
+                "pita.group": group,
+                "pita.task": name,
+                "pita.run": str(Path(run_dir).resolve()),
+                **{metric_name(t): "true" for t in tags},
+            },
         )
     raise ValueError(f"logger.backend={backend!r}: allowed: {' | '.join(BACKENDS)}")
 
@@ -487,7 +553,7 @@ def open_tracker(
     config as its params and `logger.tags` as its tags. It never raises: a backend that
     cannot open, log or close is a WARNING on `logger` (the task log) and tracks nothing."""
     lcfg = logger_cfg(cfg)
-    backend = str(lcfg.get("backend") or "none")
+    backend = lcfg.backend
     if backend == "none":
         return Tracker()
     try:

@@ -5,15 +5,13 @@ Part of pita.runtime.batch_size (see its docstring for how the probe works).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.metadata
 import json
 import logging
 import os
-import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +48,8 @@ class BatchSizeCache:
       headroom than the entry was found with), and
     * the entry was not limited by a smaller cap than today's.
 
-    Writes take an advisory lock where the OS has one and replace the file atomically.
+    Reads and writes follow pita/core/user_cache.py (the control-file rules, one WARNING
+    for a cache not to be trusted; writes under a `flock`, replaced atomically).
     """
 
     VERSION = 1
@@ -72,14 +71,10 @@ class BatchSizeCache:
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
     def _read(self) -> dict[str, Any]:
-        try:
-            data = json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as exc:
-            self.log.warning("Ignoring unreadable batch size cache %s: %s", self.path, exc)
-            return {}
-        if not isinstance(data, dict) or data.get("version") != self.VERSION:
+        from pita.core import user_cache
+
+        data = user_cache.read_json(self.path, "batch size")
+        if data and data.get("version") != self.VERSION:
             return {}
         entries = data.get("entries")
         return entries if isinstance(entries, dict) else {}
@@ -129,35 +124,18 @@ class BatchSizeCache:
             "method": result.method,
             "created": time.time(),
         }
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._locked():
-            entries = self._read()
-            entries[self.key_id(key)] = entry
-            blob = json.dumps(
-                {"version": self.VERSION, "entries": entries}, indent=1, sort_keys=True, default=str
-            )
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(blob)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+        from pita.core import user_cache
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        try:
-            import fcntl
-        except ImportError:  # not POSIX: atomic replace still keeps the file whole
-            yield
-            return
-        with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        def add(data: dict[str, Any]) -> None:
+            entries = data.get("entries") if data.get("version") == self.VERSION else None
+            entries = entries if isinstance(entries, dict) else {}
+            entries[self.key_id(key)] = entry
+            data.clear()
+            data.update({"version": self.VERSION, "entries": entries})
+
+        user_cache.update_json(
+            self.path,
+            "batch size",
+            add,
+            dump=lambda data: json.dumps(data, indent=1, sort_keys=True, default=str),
+        )

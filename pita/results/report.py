@@ -34,6 +34,8 @@ COLUMNS = [
     "maj@k",
     "avg_reward",
     "kl",
+    "kl_full",
+    "off_support",
     "wall_s",
 ]
 # What each column means: the legend the run's last lines print (one paragraph).
@@ -48,7 +50,10 @@ COLUMN_LEGEND = {
     "pass@1": "mean correctness over all samples",
     "maj@k": "correctness of each prompt's majority answer",
     "avg_reward": "mean reward",
-    "kl": "Monte-Carlo KL(π‖π_ref) per sequence",
+    "kl": "Monte-Carlo KL(π‖π_ref) per sequence, π_ref under the row's sampling rule"
+    " (inf when a sample leaves its support)",
+    "kl_full": "the same against the untruncated π_ref (always finite)",
+    "off_support": "share of samples outside π_ref's support under the rule",
     "wall_s": "the chain's task seconds up to this round",
 }
 SE_COLUMN = "pass@1_se"  # binomial standard error of pass@1: sqrt(p (1 - p) / samples)
@@ -220,7 +225,7 @@ def write_report(cfg, plan: Plan, run_dir: Path) -> list[dict]:
     paths.plots.mkdir(parents=True, exist_ok=True)
     plot_accuracy(rows, paths.plots / "accuracy.png")
     plot_gpu_memory(paths.gpu_monitor, paths.plots / "gpu_memory.png")
-    from pita.experiment.aggregate import plot_frontier
+    from pita.results.aggregate import plot_frontier
 
     for dataset in sorted({r["dataset"] for r in rows}):  # reward–KL / pass@1–KL across η
         plot_frontier(
@@ -230,7 +235,7 @@ def write_report(cfg, plan: Plan, run_dir: Path) -> list[dict]:
         )
     log_results(cfg, rows, run_dir)
     log.info("Results (%s):\n%s", paths.results / "summary.csv", table)
-    from pita.experiment.matched_kl import write_matched_kl
+    from pita.results.matched_kl import write_matched_kl
 
     matched = write_matched_kl(rows, paths.results)
     if matched is not None:
@@ -238,7 +243,7 @@ def write_report(cfg, plan: Plan, run_dir: Path) -> list[dict]:
     return rows
 
 
-RESULT_METRICS = ("pass@1", "maj@k", "avg_reward", "kl")
+RESULT_METRICS = ("pass@1", "maj@k", "avg_reward", "kl", "kl_full", "off_support")
 
 
 def result_tag(row: dict, metric: str) -> str:
@@ -258,7 +263,8 @@ def result_tag(row: dict, metric: str) -> str:
 
 def log_results(cfg, rows: list[dict], run_dir: Path) -> None:
     """The results table to `logger.backend` (tracker "results"): one scalar per
-    (dataset, family, algo, sampling, η, metric) against the round. A tracker that fails
+    (dataset, family, algo, sampling, η, metric) against the round; an infinite `kl` is
+    left out (trackers plot numbers; the summary says inf). A tracker that fails
     is a WARNING in run.log (`open_tracker` never raises): the summary is written anyway."""
     from pita.training.tracking import open_tracker
 
@@ -271,7 +277,7 @@ def log_results(cfg, rows: list[dict], run_dir: Path) -> None:
                 {
                     result_tag(r, m): r[m]
                     for m in RESULT_METRICS
-                    if isinstance(r.get(m), (int, float))
+                    if isinstance(r.get(m), (int, float)) and math.isfinite(r[m])
                 },
                 int(r["round"]),
             )

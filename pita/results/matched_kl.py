@@ -29,9 +29,11 @@ METRIC = "pass@1"
 
 
 def _value(row: dict[str, Any], metric: str) -> float | None:
-    """A single run's `<metric>` or an aggregate's `<metric>_mean`; None when missing."""
+    """A single run's `<metric>` or an aggregate's `<metric>_mean`; None when missing or
+    not finite: a row whose `kl` is +inf (a sample off π_ref's support under the rule;
+    docs/ALGORITHMS.md, "KL: the three columns") is on no curve."""
     v = row.get(f"{metric}_mean", row.get(metric))
-    if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)):
+    if isinstance(v, (int, float)) and math.isfinite(v):
         return float(v)
     return None
 

@@ -1,0 +1,1 @@
+"""My own algorithm (Copycat) and dataset (short_walk) for pita: docs/extending.md."""

@@ -1,0 +1,288 @@
+"""Issue 31 item 2, the TRL stages on a gang: 2 gloo ranks against one process.
+
+The gang's ranks are the accelerate processes TRL expects (pita.algos.trl_common.run_on_gang
+through pita.runtime.gang.run_stage: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* set and the
+process group up), so accelerate runs `MULTI_CPU` (DDP); each rank takes half of every
+batch in the same order, so the loss curve and the final weights match one process up to
+float reduction order (TOLERANCE), and so does what evaluation would make of them.
+
+A 2-rank launch costs most of such a test (each rank imports TRL), so one launch trains
+several stages in turn (`_stages_on_rank`): DPO in the default set; RPO with the reward
+model, and GRPO with GRPO-HF, in slow ones. GRPO does not match one process: TRL seeds each rank's
+sampler differently (`set_seed(seed, device_specific=True)`), so each rank samples other
+completions for its share of the groups; what it shares with one process is the prompts
+of each step, the group structure and the number of steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.test_baselines import GOAL_WALK, _ctx, _run_folder
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("trl")
+
+TOLERANCE = 1e-5  # loss per step and every weight, 2 ranks against 1 (measured: see the note)
+OVERRIDES = [
+    "algos.DPO.steps=4",
+    "algos.DPO.batch_size=8",
+    "algos.DPO.lr=1e-3",
+    "algos.RPO.steps=4",
+    "algos.RPO.batch_size=8",
+    "algos.RPO.lr=1e-3",
+    "algos.RPO.sft_weight=1.0",
+    "algos.GRPO-HF.reward_epochs=1",
+    "algos.GRPO-HF.reward_lr=3e-3",
+    "algos.GRPO-HF.batch_size=8",
+    "algos.GRPO.steps=2",
+    "algos.GRPO.batch_size=8",
+    "algos.GRPO.num_generations=4",
+    "algos.GRPO.lr=1e-2",
+    "algos.GRPO-HF.steps=2",
+    "algos.GRPO-HF.num_generations=4",
+    "algos.GRPO-HF.lr=1e-2",
+]
+# (name, algo, stage, dotted per-rank body, inputs)
+DPO_STAGES = [
+    ("dpo", "DPO", "train", "pita.algos.dpo:_train", {"data": ["collect"]}),
+    ("rpo", "RPO", "train", "pita.algos.dpo:_train", {"data": ["collect"]}),
+    (
+        "rm",
+        "GRPO-HF",
+        "reward_model",
+        "pita.algos.reward_model:_train_reward_model",
+        {"data": ["collect"]},
+    ),
+]
+GRPO_STAGES = [
+    ("grpo", "GRPO", "train", "pita.algos.grpo:_train", {}),
+    ("grpo_hf", "GRPO-HF", "train", "pita.algos.grpo:_train_hf", {"reward_model": "rm"}),
+]
+
+
+def _pairs(run: Path) -> None:
+    """Deterministic preference pairs (chosen ends with node 1, rejected with node 2), one per
+    training prompt: 44, of which the reward model holds 4 out, so its 40 make whole batches
+    of 8 (a last, partial batch is where k ranks differ from one process: accelerate fills
+    it up on every rank by wrapping around, as DistributedSampler does)."""
+    from pita.datasets import build_task
+
+    task = build_task(GOAL_WALK)
+    data = run / "tasks" / "collect"
+    data.mkdir(parents=True)
+    with open(data / "pairs.jsonl", "w") as f:
+        for i, ex in enumerate(task.train_examples()):
+            mid = [i % 8, (i * 3) % 8]
+            record = {
+                "example": i,
+                "prompt": ex.prompt_ids,
+                "chosen": [*mid, 1, task.eos_id],
+                "rejected": [*mid, 2, task.eos_id],
+            }
+            f.write(json.dumps(record) + "\n")
+
+
+def _resolve(dotted: str):
+    import importlib
+
+    module, _, name = dotted.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _stage_ctx(base, name: str, algo: str, stage: str, inputs: dict):
+    """`base` (a rank's context) for one of the stages, with its own task and folder. The
+    task id is the same in both run folders: it seeds the stage (`ctx.seed`)."""
+    from pita.algos.registry import ALGORITHMS
+
+    task = dataclasses.replace(
+        base.task,
+        id=name,
+        algo=algo,
+        algo_schema=ALGORITHMS[algo].schema_path,
+        stage=stage,
+        inputs={"reference": "pretrain", **inputs},
+    )
+    out = base.run_dir / "tasks" / task.id
+    out.mkdir(parents=True, exist_ok=True)
+    return dataclasses.replace(base, task=task, out_dir=out, settings=None)  # typed anew
+
+
+def _stages_on_rank(ctx, dist, stages: list) -> dict:
+    """Each of `stages` in turn on this rank of the gang (one launch for several stages)."""
+    from accelerate.state import PartialState
+
+    results = {}
+    for name, algo, stage, body, inputs in stages:
+        results[name] = _resolve(body)(_stage_ctx(ctx, name, algo, stage, inputs), dist)
+    results["_state"] = str(PartialState().distributed_type.value)
+    return results
+
+
+def _one_process(run: Path, stages: list) -> dict:
+    """The same stages through their stage functions, in this process (no gang)."""
+    results = {}
+    for name, algo, stage, body, inputs in stages:
+        module, _, fn = body.partition(":")
+        base = _ctx(run, algo, stage, {}, OVERRIDES, f"base_{name}")
+        ctx = _stage_ctx(base, name, algo, stage, inputs)
+        results[name] = _resolve(f"{module}:{fn.lstrip('_')}")(ctx)
+    return results
+
+
+def _gang(run: Path, stages: list) -> dict:
+    from pita.runtime.gang import run_stage
+
+    base = _ctx(run, "DPO", "train", {}, OVERRIDES, "gang")
+    return run_stage(base, _stages_on_rank, stages, world_size=2)
+
+
+def _run_folders(tmp_path: Path) -> tuple[Path, Path]:
+    """Two copies of a run folder holding π_ref and the pairs: one for one process, one for
+    the gang (the same task ids in both; each task's checkpoints stay in its own run)."""
+    import shutil
+
+    one = _run_folder(tmp_path / "one", steps=20)
+    _pairs(one)
+    two = tmp_path / "two"
+    shutil.copytree(one, two)
+    return one, two
+
+
+def _losses(folder: Path) -> list[float]:
+    rows = [json.loads(line) for line in (folder / "train_log.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def _weights(folder: Path, reward: bool = False) -> dict:
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    cls = AutoModelForSequenceClassification if reward else AutoModelForCausalLM
+    return cls.from_pretrained(folder).state_dict()
+
+
+def _max_weight_gap(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def _sampled_row(folder: Path) -> tuple[list, float]:
+    """What evaluation makes of a policy: seeded samples of the test prompts, mean reward."""
+    from transformers import AutoModelForCausalLM
+
+    from pita.datasets import build_task
+    from pita.models.generation import generate
+
+    task = build_task(GOAL_WALK)
+    examples = task.test_examples()
+    out = generate(
+        AutoModelForCausalLM.from_pretrained(folder).eval(),
+        [e.prompt_ids for e in examples],
+        max_new_tokens=task.max_new_tokens,
+        batch_size=64,
+        pad_token_id=task.tokenizer.pad_token_id,
+        eos_token_id=task.tokenizer.eos_token_id,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        generator=torch.Generator(device="cpu").manual_seed(0),
+    )
+    rewards = task.rewards(examples, out.responses)
+    return out.responses, sum(rewards) / len(rewards)
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        pytest.param(("dpo",), id="dpo"),  # the default set keeps one launch: DPO
+        pytest.param(("rpo", "rm"), id="rpo-reward_model", marks=pytest.mark.slow),
+    ],
+)
+def test_trl_stages_on_two_ranks_match_one_process(tmp_path, names):
+    stages = [s for s in DPO_STAGES if s[0] in names]
+    run_one, run_two = _run_folders(tmp_path)
+    one = _one_process(run_one, stages)
+    two = _gang(run_two, stages)
+    assert two["_state"] == "MULTI_CPU"  # accelerate's own word for what ran: DDP on CPU
+    start = _weights(run_one / "tasks/pretrain/model")
+    for name, _, _, _, _ in stages:
+        assert one[name]["distributed"] == {"distributed_type": "NO", "num_processes": 1}
+        assert two[name]["distributed"] == {"distributed_type": "MULTI_CPU", "num_processes": 2}
+        assert one[name]["steps"] == two[name]["steps"] >= 1
+        folder_one, folder_two = run_one / "tasks" / name, run_two / "tasks" / name
+        curve_one, curve_two = _losses(folder_one), _losses(folder_two)
+        assert len(curve_one) == len(curve_two) >= 1
+        gap = max(abs(a - b) for a, b in zip(curve_one, curve_two))
+        assert gap <= TOLERANCE, (curve_one, curve_two)
+        reward = name == "rm"
+        artifact = "reward_model" if reward else "model"
+        w_one = _weights(folder_one / artifact, reward)
+        assert _max_weight_gap(w_one, _weights(folder_two / artifact, reward)) <= TOLERANCE
+        if not reward:  # it trained: the weights moved far more than the tolerance
+            assert _max_weight_gap(w_one, start) > 1e-3
+    for name in {"dpo", "rpo"} & set(names):  # the results row: the same samples and reward
+        row_one = _sampled_row(run_one / "tasks" / name / "model")
+        assert row_one == _sampled_row(run_two / "tasks" / name / "model")
+    if "rm" in names:
+        assert one["rm"]["heldout_accuracy"] == two["rm"]["heldout_accuracy"]
+
+
+@pytest.mark.slow
+def test_grpo_and_grpo_hf_run_on_two_accelerate_ranks(tmp_path):
+    """What differs from one process: each rank samples its own completions (TRL seeds the
+    ranks differently), so only the step count and what ran are compared."""
+    import shutil
+
+    run_one, run_two = _run_folders(tmp_path)
+    _one_process(run_one, DPO_STAGES[2:])  # the reward model GRPO-HF scores with: tasks/rm
+    shutil.copytree(run_one / "tasks" / "rm", run_two / "tasks" / "rm")
+    one = _one_process(run_one, GRPO_STAGES)
+    two = _gang(run_two, GRPO_STAGES)
+    assert two["_state"] == "MULTI_CPU"
+    for name, _, _, _, _ in GRPO_STAGES:
+        assert one[name]["distributed"] == {"distributed_type": "NO", "num_processes": 1}
+        assert two[name]["distributed"] == {"distributed_type": "MULTI_CPU", "num_processes": 2}
+        assert one[name]["steps"] == two[name]["steps"] == 2
+        assert (run_two / "tasks" / name / "model" / "config.json").is_file()
+
+
+def _strategy_on_rank(ctx, dist) -> dict:
+    """What a rank of a TRL task's gang is told to run."""
+    return {"strategy": dist.strategy, "world_size": dist.world_size}
+
+
+def test_a_trl_task_under_fsdp_on_cpu_runs_ddp_and_its_log_says_so_in_one_line(tmp_path, caplog):
+    """The planner gave the TRL task strategy ddp (no FSDP on CPU): its ranks are told
+    data_parallel, and the task log has the one line the dry run prints."""
+    import logging
+
+    from pita.algos.trl_common import cpu_fsdp_note, run_on_gang
+
+    ctx = _ctx(tmp_path, "DPO", "train", {}, ["training.parallel_strategy=fsdp"], "dpo_train")
+    ctx.task.gpus, ctx.task.strategy = 2, "ddp"
+    with caplog.at_level(logging.INFO, logger=ctx.logger.name):
+        got = run_on_gang(ctx, _strategy_on_rank)
+    assert got == {"strategy": "data_parallel", "world_size": 2}
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines.count(cpu_fsdp_note("dpo_train")) == 1
+    assert not [ln for ln in lines if "FSDP2" in ln]
+
+
+def test_fsdp2_arguments_reach_a_trl_config_only_for_a_sharded_task_on_cuda(tmp_path):
+    """What only a GPU can run is at least a TrainingArguments transformers accepts."""
+    from trl import DPOConfig
+
+    from pita.algos.trl_common import fsdp_kwargs
+
+    ctx = _ctx(tmp_path, "DPO", "train", {}, [], "dpo_train")
+    assert fsdp_kwargs(ctx, on_cuda=True) == {}  # strategy none
+    ctx.task.strategy = "fsdp"
+    assert fsdp_kwargs(ctx, on_cuda=False) == {}  # never on CPU
+    kwargs = fsdp_kwargs(ctx, on_cuda=True)
+    args = DPOConfig(output_dir=str(tmp_path / "scratch"), use_cpu=True, report_to="none", **kwargs)
+    assert args.fsdp_config["version"] == 2 and args.fsdp_config["reshard_after_forward"]
