@@ -20,15 +20,19 @@ device runs other chains' shards and keeps the one it got); the plan's own event
   `DEFAULT_STARTUP_S`.
 - `Sizer`: the decision. For an elastic task (`TaskSpec.ranks`: a training stage that runs
   data-parallel on 1..k ranks, or a gang forced by memory from its least k up) it simulates
-  the remaining plan with the task on each k of its `ranks` (1, 2, 4, ..., max_ranks) and
-  keeps the k whose simulation ends first (ties: fewer ranks).
-  A k > 1 must gain 2 % of the predicted end (`margin`: each decision simulates the
-  elastic tasks not sized yet at one rank, so a smaller gain is within its own error).
+  the remaining plan once per k of its `ranks` (1, 2, 4, ..., max_ranks). Inside each of
+  those simulations the elastic tasks that become ready later are sized too, cheaply (the
+  k whose gang ends first given when the devices free up, at most the devices idle then):
+  a decision that assumed every later one stays on one rank would see that chain as the
+  end of the plan and give this task too few ranks. It keeps the k with the earliest
+  predicted end; among ends within 2 % of it (`margin`: within the estimates' error) the k
+  whose own chain ends first, so the slack goes to the chain that is not at the end yet.
+  Dispatch priority is the seconds to the end of the plan from the duration cache
+  (`prioritize`), so the chain that holds the run back is placed first.
   Its cost is bounded: on a plan larger than the window, a task whose own path to the end
-  is shorter than the remaining work spread over all devices gets one rank without a
-  simulation (more ranks only add work when alpha > 0); the simulation covers at most `window` tasks
-  (the highest-priority ones, closed under dependencies), each task's path beyond it added
-  to its simulated end.
+  is shorter than the longest one by more than `slack` gets its least k without a
+  simulation; the simulation covers at most `window` tasks (the highest-priority ones,
+  closed under dependencies), each task's path beyond it added to its simulated end.
 """
 
 from __future__ import annotations
@@ -180,7 +184,8 @@ class Sizing:
     predicted: dict[int, float]  # k -> seconds until the plan's end (from the decision)
     gang_start_s: float  # predicted seconds until the gang has its k devices
     cost_s: float
-    simulated: bool  # False: one rank without a simulation (off the critical path)
+    simulated: bool  # False: its least k without a simulation (off the critical path)
+    simulations: int = 0
 
     def journal_fields(self) -> dict[str, Any]:
         return {
@@ -189,6 +194,7 @@ class Sizing:
             "predicted_end_s": {str(k): round(v, 2) for k, v in self.predicted.items()},
             "gang_start_s": round(self.gang_start_s, 2),
             "cost_ms": round(1000 * self.cost_s, 1),
+            "simulations": self.simulations,
         }
 
 
@@ -215,7 +221,8 @@ class Sizer:
         self.key = key
         self.version = version  # changes when the duration estimates do (cached paths)
         self._paths: tuple[Any, dict[str, float]] | None = None
-        self.margin = 0.02  # share of the predicted end a gang must gain
+        self.margin = 0.02  # predicted ends closer than this share count as equal
+        self.slack = 0.1  # big plans: a path this much shorter than the longest: least k
         self.curves = curves
         self.one_rank_s = one_rank_s
         self.simulate = simulate
@@ -272,9 +279,10 @@ class Sizer:
         running ones.
 
         The predicted end of the plan for a k is the latest, over the simulated tasks, of
-        (its simulated end + its path after it): exactly the simulated makespan when the
-        whole plan is simulated, and an estimate that does not ignore what lies beyond a
-        window of the `window` highest-priority tasks on a big plan."""
+        (its simulated end + its path through the tasks outside the simulation): exactly the
+        simulated makespan when the whole plan is simulated, and an estimate that does not
+        ignore what lies beyond a window of the `window` highest-priority tasks on a big
+        plan."""
         t0 = time.perf_counter()
         seconds = {
             tid: running_left[tid] if tid in running_left else self.seconds(t)
@@ -282,43 +290,83 @@ class Sizer:
             if tid != task.id
         }
         one = self.seconds(task, 1)
-        work = one + sum(
-            s * (remaining[tid].gpus if tid in running_left else 1) for tid, s in seconds.items()
-        )
         path_s = self.paths(remaining)
         big = len(remaining) > self.window  # a small plan is simulated whole: milliseconds
-        if not task.elastic or (big and path_s.get(task.id, one) < work / self.n_devices):
+        longest = max(path_s.get(tid, 0.0) for tid in remaining) if big else 0.0
+        if not task.elastic or (big and path_s.get(task.id, one) < (1 - self.slack) * longest):
             least = self.ranks_of(task)[0] if task.elastic else task.gpus
             sizing = Sizing(task.id, least, {}, 0.0, time.perf_counter() - t0, simulated=False)
             self.decisions[task.id] = sizing
             return sizing
         window = priority_window(remaining, self.window, keep=set(running_left) | {task.id})
-        tail = {
-            tid: max(0.0, path_s.get(tid, 0.0) - self.seconds(remaining[tid], 1)) for tid in window
-        }
-        tail[task.id] = max(0.0, path_s.get(task.id, one) - one)
+        # what lies beyond the window after a task of it: its longest path through a
+        # dependant outside the window (0 when the whole plan is simulated)
+        inside = set(window)
+        tail = dict.fromkeys(window, 0.0)
+        for tid, t in remaining.items():
+            if tid not in inside:
+                for d in t.deps:
+                    if d in inside:
+                        tail[d] = max(tail[d], path_s.get(tid, 0.0))
+        base = {tid: remaining[tid] for tid in window}
+        first = list(running_left)  # the others in their priority order, as the runner does
+        fixed = set(running_left) | set(self.decisions)  # started, or sized and waiting
+
+        def later(t: TaskSpec, now: float, ends: dict[str, float], sched: Any) -> float | None:
+            """An elastic task that becomes ready inside the simulation is sized there, cheaply,
+            as its own decision would: the k whose gang ends first given when the devices
+            free up, at most the devices idle then (so no simulated gang waits holding
+            devices; the run shrinks a gang that waits past its prediction)."""
+            if not t.elastic or t.id in fixed or t.id == task.id:
+                return None
+            free_at = sorted(
+                max([now, *(ends.get(x, now) for x in d.running)]) for d in sched.devices
+            )
+            choices = self.ranks_of(t)
+            k = min(choices, key=lambda k: (free_at[k - 1] + self.seconds(t, k), k))
+            idle = sum(1 for at in free_at if at <= now)
+            k = max([c for c in choices if c <= min(k, idle)] or choices[:1])
+            set_ranks(t, k)
+            return self.seconds(t, k)
+
         predicted: dict[int, float] = {}
         starts: dict[int, float] = {}
-        choices = self.ranks_of(task)
-        for k in choices:
-            trial = {tid: remaining[tid] for tid in window}
-            trial[task.id] = resized(task, k)
+        own: dict[int, float] = {}
+        for k in self.ranks_of(task):
+            trial = {**base, task.id: resized(task, k)}
             secs = {tid: seconds[tid] for tid in window if tid != task.id}
             secs[task.id] = self.seconds(task, k)
-            start_at, _ = self.simulate(trial, secs, [*running_left, task.id])
+            start_at, _ = self.simulate(trial, secs, first, later)
             predicted[k] = max(start_at[tid] + secs[tid] + tail[tid] for tid in start_at)
             starts[k] = start_at.get(task.id, 0.0)
-        # more ranks only for a clear gain: each decision simulates the elastic tasks not
-        # sized yet at one rank, so a small predicted gain is within its own error
+            own[k] = starts[k] + secs[task.id] + tail[task.id]
+        # the earliest predicted end; within `margin` of it (a smaller difference is within
+        # the estimates' error) the k whose own chain ends first: when another chain sets
+        # the end, a shorter chain here is time the later decisions can give that one
+        choices = self.ranks_of(task)
         margin = self.margin * predicted[choices[0]]
-        best = min(
-            choices, key=lambda k: (round(predicted[k] + (margin if k > choices[0] else 0), 6), k)
-        )
+        near = [k for k in choices if predicted[k] <= min(predicted.values()) + margin]
+        best = min(near, key=lambda k: (round(own[k], 6), k))
         sizing = Sizing(
-            task.id, best, predicted, starts[best], time.perf_counter() - t0, simulated=True
+            task.id,
+            best,
+            predicted,
+            starts[best],
+            time.perf_counter() - t0,
+            simulated=True,
+            simulations=len(predicted),
         )
         self.decisions[task.id] = sizing
         return sizing
+
+    def prioritize(self, tasks: Mapping[str, TaskSpec]) -> None:
+        """Dispatch priority = the seconds from a task to the end of the plan (its longest
+        path, one-rank estimates of the duration cache), not the planner's work units: the
+        chain that holds the run back is the one the measured durations say."""
+        for tid, p in paths_to_end(
+            tasks, {t: self.seconds(x, 1) for t, x in tasks.items()}
+        ).items():
+            tasks[tid].priority = p
 
 
 def paths_to_end(tasks: Mapping[str, TaskSpec], seconds: Mapping[str, float]) -> dict[str, float]:

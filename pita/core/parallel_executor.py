@@ -300,6 +300,8 @@ class DagRunner:
     def run(self) -> RunSummary:
         t0 = time.time()
         pending = {tid: t for tid, t in self.plan.tasks.items() if tid not in self.done}
+        if self.sizer is not None and self.sizer.enabled:
+            self.sizer.prioritize(pending)  # the chain the measured durations say goes first
         try:
             while pending or self.running:
                 if self.refresh_memory is not None and not self.scheduler.simulated_memory:
@@ -477,10 +479,13 @@ def simulate_window(
     scheduler: Scheduler,
     seconds: dict[str, float],
     first: frozenset[str] | set[str] | list[str] = frozenset(),
+    resize: Callable[[TaskSpec, float, dict[str, float], Scheduler], float | None] | None = None,
 ) -> tuple[dict[str, float], float]:
     """(start of each task, makespan) of `tasks` simulated from now: dependencies outside
     `tasks` are met, the ids in `first` are placed before the others (running tasks hold
-    their devices; the task being sized is at the head of the ready queue)."""
+    their devices). `resize(task, now, ends, scheduler)`, called as each task becomes ready,
+    may give it other ranks (a copy: `tasks` is not changed) and return its new seconds,
+    written into `seconds` (pita/core/elastic.py sizes the later elastic tasks so)."""
     first = set(first)
     sub = {
         tid: replace(
@@ -491,7 +496,17 @@ def simulate_window(
         for tid, t in tasks.items()
     }
     starts: dict[str, float] = {}
-    _, makespan = simulate(Plan(tasks=sub), scheduler, lambda t: seconds[t.id], starts=starts)
+    hook = None
+    if resize is not None:
+
+        def hook(task: TaskSpec, now: float, ends: dict[str, float], _: set[str]) -> None:
+            new = resize(task, now, ends, scheduler)
+            if new is not None:
+                seconds[task.id] = new
+
+    _, makespan = simulate(
+        Plan(tasks=sub), scheduler, lambda t: seconds[t.id], starts=starts, on_ready=hook
+    )
     return starts, makespan
 
 

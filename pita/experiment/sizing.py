@@ -45,8 +45,8 @@ def make_sizer(
             rate_at.update(units=durations.work_units, rate=durations.rate(list(tasks.values())))
         return durations.estimate(task, rate_at["rate"])[0]
 
-    def sim(trial, seconds, first):
-        return simulate_window(trial, fresh_scheduler(scheduler), seconds, first)
+    def sim(trial, seconds, first, resize=None):
+        return simulate_window(trial, fresh_scheduler(scheduler), seconds, first, resize)
 
     return Sizer(
         curves,
@@ -83,6 +83,7 @@ def dry_run_sizing(plan: Plan, scheduler: Scheduler, sizer: Sizer) -> dict[str, 
         calls.append(sizing.cost_s)
 
     t0 = time.perf_counter()
+    sizer.prioritize(plan.tasks)  # as DagRunner does when it has a sizer
     placement, makespan = simulate(
         plan, fresh_scheduler(scheduler), lambda t: sizer.seconds(t), on_ready=on_ready
     )
