@@ -131,7 +131,7 @@ def _policy(one_rank_s: float = 100.0, alpha: float = 0.0, startup: float = 2.0,
     def seconds(task, k: int) -> float:
         return one_rank_s * (1 + alpha * (k - 1)) / k + up(k)
 
-    return GrowthPolicy(seconds=seconds, startup=up, choices=[1, 2, 4, 8], **kw)
+    return GrowthPolicy(seconds=seconds, startup=up, choices=lambda t: [1, 2, 4, 8], **kw)
 
 
 def test_a_task_with_much_left_grows_into_the_idle_devices_and_one_near_its_end_does_not():

@@ -25,8 +25,9 @@ Growth corrects that while it runs:
    within `wait_s`, the task goes back to its old k (journal `task_resized` why=fallback),
    still from the checkpoint.
 
-Torch-free (orchestrator side): the speedup curve and the gang start-up come in as
-callables (`seconds(task, k)`, `startup(k)`: the `Sizer`'s, pita/core/elastic.py).
+Torch-free (orchestrator side): the speedup curve, the gang start-up and the rank choices
+come in as callables (the `Sizer`'s, pita/core/elastic.py: `Grower.for_sizer`). On by
+default where elastic tasks are (`executor.grow_idle_s`, 0 = off).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pita.core.elastic import set_ranks
 from pita.core.errors import STOPPED
 from pita.core.progress import parse_progress, task_left
 from pita.core.tasks import TaskSpec
@@ -83,7 +85,7 @@ class GrowthPolicy:
 
     seconds: Callable[[TaskSpec, int], float]  # expected seconds on k ranks, start-up included
     startup: Callable[[int], float]  # a k-rank gang's start-up beyond one rank
-    choices: list[int]  # the ranks a task may have (1, 2, 4, ... up to the run's cap)
+    choices: Callable[[TaskSpec], list[int]]  # the ranks a task may have (1, 2, 4, ...)
     margin: float = 0.1  # share of its time left a resize must save
     min_gain_s: float = 1.0
     stop_s: list[float] = field(default_factory=list)  # measured request -> stopped
@@ -110,7 +112,7 @@ class GrowthPolicy:
             left = self.left(r)
             if left is None or idle <= 0:
                 continue
-            options = [c for c in self.choices if k < c <= k + idle]
+            options = [c for c in self.choices(r.task) if k < c <= k + idle]
             if not options:
                 continue
             best = min(options, key=lambda c: (self.grown_left(r.task, left, c), c))
@@ -159,6 +161,26 @@ class Grower:
         self.idle_since: dict[int, float] = {}  # device -> idle since
         self.first: dict[str, tuple[float, float]] = {}  # task -> first progress seen
         self.started: dict[str, float] = {}  # task -> when this attempt was dispatched
+
+    @classmethod
+    def for_sizer(
+        cls, sizer: Any, run_dir: Any, progress: Callable[[], Mapping[str, str]], idle_s: float
+    ) -> Grower:
+        """The run's grower: the `Sizer`'s curves, start-up and rank choices; grows the
+        elastic training tasks (`TaskSpec.ranks`)."""
+        policy = GrowthPolicy(
+            seconds=lambda t, k: sizer.seconds(t, k),
+            startup=sizer.curves.startup,
+            choices=sizer.ranks_of,
+        )
+        return cls(
+            policy,
+            run_dir,
+            growable=lambda t: t.elastic,
+            progress=progress,
+            idle_s=idle_s,
+            wait_s=max(10.0, 5 * idle_s),
+        )
 
     # -- the files -----------------------------------------------------------------------
     def _request(self, task_id: str):
@@ -247,7 +269,7 @@ class Grower:
                 ranks=asked.grow.ranks,
                 stop_s=round(self.policy.stop_s[-1], 2),
             )
-            task.gpus = asked.grow.ranks
+            set_ranks(task, asked.grow.ranks)
             pending[task.id] = task
             return True
         old = self.grown.pop(task.id, None)
@@ -271,7 +293,7 @@ class Grower:
             "task_resized", task=task.id, why="fallback", previous=task.gpus, ranks=old, message=why
         )
         log.warning("%s: the %d-rank gang failed (%s): back to %d", task.id, task.gpus, why, old)
-        task.gpus = old
+        set_ranks(task, old)
 
     def _fall_back_waiting(self, runner: Any, now: float) -> None:
         """A grown task still not placed after `wait_s`: its devices were taken; back to the

@@ -504,6 +504,9 @@ class Worker:
                 self.run_task(task_dict, cfg_dict, run_dir, attempt)
 
 
+WARM_FORKSERVER = "PITA_WARM_FORKSERVER"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="pita worker (started by the orchestrator)")
     parser.add_argument("--address", required=True, help="the orchestrator's Unix socket path")
@@ -527,6 +530,13 @@ def main(argv: list[str] | None = None) -> int:
             import transformers  # noqa: F401  - overlap the slow import with planning
         except ImportError:
             pass
+        if os.environ.get(WARM_FORKSERVER) == "1":  # the run has elastic training tasks
+            from pita.training.ddp import warm_forkserver
+
+            try:  # a gang hosted here later forks its ranks from it (pita/core/elastic.py)
+                warm_forkserver()
+            except Exception:  # only a head start: the first gang starts it otherwise
+                pass
     worker.serve()
     return 0
 
