@@ -69,6 +69,7 @@ MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
 STATE = "state.json"
 MAX_STATE_BYTES = 1 << 30  # state.json: metric rows of a long run, never more
+FIRST_STEP = "step {} done"  # logged once per attempt (bench/growth.py times resizes by it)
 
 
 # --- proof: manifests, verification, moving aside -------------------------------------------
@@ -291,6 +292,7 @@ class Checkpointer:
         # (`TaskPaths.stop_request`): checked after each optimizer step, rank 0 decides
         self.stop_file = Path(stop_file) if stop_file is not None else None
         self.max_step: int | None = None  # the schedule's length (from `restore`)
+        self._stepped = False  # maybe_save was called once (an optimizer step was taken)
         # a gang: building the objects' state is a collective (FSDP2 gathers its shards), so
         # every rank builds it when a save is due, and rank 0's clock decides when that is
         self.collective = collective
@@ -407,6 +409,9 @@ class Checkpointer:
         `StoppedAtCheckpoint` (rank 0 decides for the gang, so all stop at the same step)."""
         from pita.core.errors import StoppedAtCheckpoint
 
+        if not self._stepped and self.writer:  # the time a start or a resize costs ends here
+            self.logger.info("%s: the first optimizer step of this attempt", FIRST_STEP.format(n))
+        self._stepped = True
         if self.collective:
             due, stop = self._decide_on_every_rank(n)
             if not (due or stop):
