@@ -290,3 +290,39 @@ def test_a_resize_whose_larger_gang_fails_falls_back_to_the_old_ranks(tmp_path):
     assert whys == [("grow", 1, 2), ("fallback", 2, 1)]
     [failed] = journal.of("task_failed")
     assert failed["failure"] == "killed"
+
+
+def test_only_elastic_tasks_of_pita_s_own_loops_are_grown():
+    from pita.core.growth import growable
+
+    value = _task("v", ranks=[1, 2, 4])
+    value.fn = "pita.algos.qsharp:train"
+    assert growable(value)
+    value.ranks = []  # its k is fixed (not sized at dispatch)
+    assert not growable(value)
+    dpo = _task("d", ranks=[1, 2])
+    dpo.fn = "pita.algos.dpo:train"  # a TRL Trainer: stops when asked, not grown
+    assert not growable(dpo)
+
+
+def test_a_trl_trainer_saves_and_stops_at_the_step_after_the_request(tmp_path):
+    """The TRL stages' TrainerCallback: no request, nothing; with it, save + stop after this
+    step and remember it; at the schedule's last step the task just finishes."""
+    from types import SimpleNamespace
+
+    from pita.training.checkpoint import stop_callback
+
+    request = tmp_path / "t.stop-request"
+    cb = stop_callback(request)
+    state, control = SimpleNamespace(global_step=3, max_steps=10), SimpleNamespace()
+    control.should_save = control.should_training_stop = False
+    cb.on_step_end(None, state, control)
+    assert not control.should_save and cb.stopped_at is None
+    request.write_text("{}")
+    cb.on_step_end(None, state, control)
+    assert control.should_save and control.should_training_stop and cb.stopped_at == 3
+    last, control2 = SimpleNamespace(global_step=10, max_steps=10), SimpleNamespace()
+    control2.should_save = control2.should_training_stop = False
+    fresh = stop_callback(request)
+    fresh.on_step_end(None, last, control2)
+    assert not control2.should_training_stop and fresh.stopped_at is None

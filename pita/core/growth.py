@@ -47,6 +47,22 @@ from pita.core.tasks import TaskSpec
 log = logging.getLogger(__name__)
 
 DEFAULT_STOP_S = 2.0  # request -> stopped outcome until one was measured (a step + a save)
+# The stages whose loops write pita's full-state checkpoints (pita/training/ddp.py
+# `FullState`: resumed on any k with the numbers of an uninterrupted run, tests/test_growth.py):
+# pretrain and the value trainer. A TRL stage honours a stop request too (its Trainer
+# checkpoint, `stop_callback`), but whether its checkpoint resumes on another k with the same
+# numbers is not shown: it is not grown.
+OWN_LOOPS = (
+    "pita.stages.pretrain:",
+    "pita.algos.pita_algo:train",
+    "pita.algos.qsharp:train",
+    "pita.algos.qsharp_hf:train",
+)
+
+
+def growable(task: TaskSpec) -> bool:
+    """An elastic task (ranks chosen at dispatch) whose loop resumes on any k exactly."""
+    return task.elastic and task.fn.startswith(OWN_LOOPS)
 
 
 @dataclass
@@ -167,7 +183,7 @@ class Grower:
         cls, sizer: Any, run_dir: Any, progress: Callable[[], Mapping[str, str]], idle_s: float
     ) -> Grower:
         """The run's grower: the `Sizer`'s curves, start-up and rank choices; grows the
-        elastic training tasks (`TaskSpec.ranks`)."""
+        elastic tasks of pita's own loops (`growable`)."""
         policy = GrowthPolicy(
             seconds=lambda t, k: sizer.seconds(t, k),
             startup=sizer.curves.startup,
@@ -176,7 +192,7 @@ class Grower:
         return cls(
             policy,
             run_dir,
-            growable=lambda t: t.elastic,
+            growable=growable,
             progress=progress,
             idle_s=idle_s,
             wait_s=max(10.0, 5 * idle_s),

@@ -263,6 +263,21 @@ def load_state(folder: Path, trust_group: bool = False) -> dict[str, Any]:
     return _decode(json.loads(state), tensors)
 
 
+def rank_zero_says(*flags: bool) -> tuple[bool, ...]:
+    """`flags` as rank 0 of the process group has them (a broadcast; the flags themselves
+    outside a gang): what every rank decides together, e.g. to stop at a checkpoint."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return tuple(bool(f) for f in flags)
+    packed = torch.tensor([int(f) for f in flags])
+    if dist.get_backend() == "nccl":  # NCCL moves device tensors only
+        packed = packed.to(f"cuda:{torch.cuda.current_device()}")
+    dist.broadcast(packed, src=0)
+    return tuple(bool(v) for v in packed.tolist())
+
+
 class _Built:
     """A state already built (on every rank of a gang) that `save` writes as it is."""
 
@@ -447,15 +462,8 @@ class Checkpointer:
         collective per step; none when the interval counts steps only and no stop can come)."""
         if self.every_s <= 0 and self.stop_file is None:
             return self.due(n), False  # steps only: the same on every rank
-        import torch
-        import torch.distributed as dist
-
-        flags = torch.tensor([int(self.due(n)), int(self._stop_asked(n))])
-        if dist.is_available() and dist.is_initialized():
-            if dist.get_backend() == "nccl":  # NCCL moves device tensors only
-                flags = flags.to(f"cuda:{torch.cuda.current_device()}")
-            dist.broadcast(flags, src=0)
-        return bool(flags[0].item()), bool(flags[1].item())
+        due, stop = rank_zero_says(self.due(n), self._stop_asked(n))
+        return due, stop
 
     def save(
         self,
@@ -755,3 +763,24 @@ def time_checkpoint_callback(minutes: float):
                 self.last = time.monotonic()
 
     return TimeCheckpointCallback()
+
+
+def stop_callback(stop_file: Path | str):
+    """A TrainerCallback honouring the run's request to stop at a checkpoint (the
+    `Checkpointer.stop_file` of the hand-written loops): after a step, when the request
+    exists (rank 0 decides for the gang) and steps remain, the Trainer saves a checkpoint
+    and stops; `stopped_at` is that step (the stage then raises `StoppedAtCheckpoint`)."""
+    from transformers import TrainerCallback
+
+    class StopAtCheckpoint(TrainerCallback):
+        stopped_at: int | None = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            last = state.max_steps > 0 and state.global_step >= state.max_steps
+            (stop,) = rank_zero_says(not last and os.path.exists(stop_file))
+            if stop:
+                control.should_save = True
+                control.should_training_stop = True
+                self.stopped_at = int(state.global_step)
+
+    return StopAtCheckpoint()
