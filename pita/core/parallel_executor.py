@@ -246,6 +246,7 @@ class DagRunner:
         refresh_memory: Callable[[], list[tuple[int, int]]] | None = None,
         estimator: Any = None,
         sizer: Any = None,
+        grower: Any = None,
     ):
         self.plan = plan
         self.executor = executor
@@ -266,6 +267,9 @@ class DagRunner:
         self.sizer = sizer
         self.sized_at: dict[str, float] = {}  # sized task -> when (its wait is bounded)
         self.started: dict[str, float] = {}  # running task -> when it was dispatched
+        # Grows a running training task at a checkpoint into idle devices
+        # (pita.core.growth.Grower); None: a task keeps its ranks until it ends.
+        self.grower = grower
         self.attempts: dict[str, int] = {}
         self.running: dict[Future, TaskSpec] = {}
         self.placement: dict[str, list[int]] = {}
@@ -319,8 +323,12 @@ class DagRunner:
                     self.placement[task.id] = devices
                     self._journal("task_running", task=task.id, devices=devices, attempt=attempt)
                     self.on_event("running", task, devices)
+                    if self.grower is not None:
+                        self.grower.dispatched(task)
                     fut = self.executor.submit(task, devices, self.cfg_dict, self.run_dir, attempt)
                     self.running[fut] = task
+                if self.grower is not None:
+                    self.grower.tick(self)
                 if not self.running:
                     if pending:  # nothing runnable and nothing running: impossible placements
                         for tid in list(pending):
@@ -424,6 +432,8 @@ class DagRunner:
         task = self.running.pop(fut)
         self.scheduler.release(task.id)
         outcome = fut.result()
+        if self.grower is not None and self.grower.handle(self, task, outcome, pending):
+            return  # stopped at a checkpoint to grow (or a failed resize): dispatched again
         if outcome.ok:
             self.done.add(task.id)
             self.summary.done.append(task.id)

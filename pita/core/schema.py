@@ -308,6 +308,16 @@ class ExecutorConfig:
         note="1 = off",
         affects="place",
     )
+    grow_idle_s: float = spec(
+        "Seconds devices stay idle (no ready task wants them) before a running data-parallel "
+        "training task that would end sooner on more ranks is asked to checkpoint and restart "
+        "on a larger gang (pita/core/growth.py).",
+        2.0,
+        ge=0,
+        note="0 = never grow",
+        le=1e6,
+        affects="place",
+    )
     max_shards: int = spec(
         "Upper bound on shards per shardable stage.",
         0,

@@ -504,6 +504,7 @@ def _start_session(
         refresh_memory=lambda: _measured_memory(gpu, executor),
         estimator=estimator,
         sizer=sizer,
+        grower=_grower(cfg, sizer, run_dir, executor),
     )
     log.info(
         "Packing: up to %d task(s) per device while their memory estimates fit (executor.max_tasks_per_gpu=%s)",
@@ -511,6 +512,22 @@ def _start_session(
         cfg.executor.max_tasks_per_gpu,
     )
     return Session(journal, executor, monitor, durations, progress, runner, sizer.curves.one_rank)
+
+
+def _grower(cfg: DictConfig, sizer: Any, run_dir: Path, executor: Any) -> Any:
+    """Growth at a checkpoint (pita/core/growth.py) where tasks are sized at dispatch and
+    `executor.grow_idle_s` > 0; None otherwise."""
+    idle_s = float(cfg.executor.grow_idle_s)
+    if idle_s <= 0 or not sizer.enabled:
+        return None
+    from pita.core.growth import Grower
+
+    def progress() -> dict[str, str]:
+        return {
+            w["task"]: str(w.get("progress") or "") for w in executor.workers() if w.get("task")
+        }
+
+    return Grower.for_sizer(sizer, run_dir, progress, idle_s)
 
 
 def _execute(session: Session) -> tuple[str | RunFileError | None, Any]:

@@ -30,7 +30,9 @@ from pita.core.schema import result_config
 
 log = logging.getLogger("pita.report")
 
-TASK_END = {"task_done": "done", "task_failed": "failed"}
+# an attempt's end; `task_stopped`: it stopped at a checkpoint to grow (pita/core/growth.py)
+TASK_END = {"task_done": "done", "task_failed": "failed", "task_stopped": "stopped"}
+KEPT = ("done", "stopped")  # attempts whose work counts (a stopped one resumes from its checkpoint)
 
 
 # --- durations across runs ------------------------------------------------------------------
@@ -296,7 +298,7 @@ class Span:
     devices: list[int]
     start: float
     end: float
-    outcome: str  # done | failed | running (no end event: interrupted)
+    outcome: str  # done | failed | stopped (to grow) | running (no end event: interrupted)
     attempt: int = 1  # > 1: a retry
     failure: str | None = None  # a failed attempt's class (oom, killed, error, ...)
 
@@ -398,7 +400,7 @@ def time_rows(all_spans: list[Span], wall: float, labels: list[str]) -> list[dic
                     "tasks": len({s.task for s in members}),
                     "seconds": round(seconds, 1),
                     "share_%": round(100 * seconds / task_total, 1),
-                    "failed_s": round(sum(s.seconds for s in members if s.outcome != "done"), 1),
+                    "failed_s": round(sum(s.seconds for s in members if s.outcome not in KEPT), 1),
                 }
             )
     for i, label in enumerate(labels):
@@ -411,7 +413,7 @@ def time_rows(all_spans: list[Span], wall: float, labels: list[str]) -> list[dic
                 "tasks": len({s.task for s in on}),
                 "seconds": round(busy, 1),
                 "share_%": round(100 * busy / wall, 1) if wall > 0 else 0.0,
-                "failed_s": round(sum(s.seconds for s in on if s.outcome != "done"), 1),
+                "failed_s": round(sum(s.seconds for s in on if s.outcome not in KEPT), 1),
             }
         )
     return rows

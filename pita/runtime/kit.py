@@ -85,10 +85,15 @@ def checkpointer(
     ctx: StageContext, *, writer: bool = True, collective: bool = False
 ) -> Checkpointer:
     """The task's `Checkpointer` (`writer`: rank 0 of a gang writes, every rank restores;
-    `collective`: a gang's ranks all build the state when a save is due)."""
+    `collective`: a gang's ranks all build the state when a save is due). A task under a
+    gang strategy (its checkpoints resume on any k) honours the run's request to stop at a
+    checkpoint (`TaskPaths.stop_request`: it restarts on a larger gang, pita/core/growth.py)."""
+    from pita.core.paths import TaskPaths
+    from pita.runtime.gang import GANG_STRATEGIES, parallel_strategy
     from pita.training.checkpoint import Checkpointer
 
     every, minutes = checkpoint_every(ctx)
+    growable = parallel_strategy(ctx) in GANG_STRATEGIES
     return Checkpointer(
         checkpoint_dir(ctx),
         every,
@@ -98,6 +103,7 @@ def checkpointer(
         identity=checkpoint_identity(ctx),
         trust_group=trust_group(ctx),
         collective=collective,
+        stop_file=TaskPaths(ctx.run_dir, ctx.task.id).stop_request if growable else None,
     )
 
 
