@@ -181,7 +181,7 @@ def run_mode(
 ) -> dict:
     """One (devices, mode) run: the plan, its durations (maybe drawn around the measured
     ones), a warm pool, start-up measured, DagRunner with or without the Sizer."""
-    elastic = mode == "dispatch"
+    elastic = mode in ("dispatch", "grow")
     cfg = config(n, n if elastic else 1)
     gpu = make_gpu_manager(cfg)
     plan = elastic_plan(cfg, gpu, elastic)
@@ -211,7 +211,8 @@ def run_mode(
             sizer.curves.startup = GangStartup(
                 {1: 0.0, **{int(k): v["fresh_s"] for k, v in startup.items()}}
             )
-        result = run_dag(plan, pool, scheduler, cfg, actual, alpha, run_dir / "run", sizer)
+        grow = mode == "grow" and sizer is not None
+        result = run_dag(plan, pool, scheduler, cfg, actual, alpha, run_dir / "run", sizer, grow)
     finally:
         pool.shutdown()
     _, critical, total = lower_bound(plan, actual, n)
@@ -230,9 +231,10 @@ def run_mode(
     }
 
 
-def run_dag(plan, pool, scheduler, cfg, actual, alpha, run_dir: Path, sizer) -> dict:
+def run_dag(plan, pool, scheduler, cfg, actual, alpha, run_dir: Path, sizer, grow=False) -> dict:
     run_dir.mkdir(parents=True)
-    (run_dir / "bench_durations.json").write_text(json.dumps({**actual, "_alpha": alpha}))
+    table = {**actual, "_alpha": alpha, **({"_grow": 1} if grow else {})}
+    (run_dir / "bench_durations.json").write_text(json.dumps(table))
     dispatched: dict[str, float] = {}
     ends: list[float] = []
 
@@ -253,19 +255,41 @@ def run_dag(plan, pool, scheduler, cfg, actual, alpha, run_dir: Path, sizer) -> 
         max_retries=0,
         on_event=on_event,
         sizer=sizer,
+        grower=grower(sizer, run_dir) if grow else None,
     )
     summary = runner.run()
     journal.close()
     if not summary.ok:
         raise RuntimeError(f"benchmark run failed: {dict(list(summary.failed.items())[:3])}")
     decisions = list(sizer.decisions.values()) if sizer else []
+    grown = [e for e in journal_events(run_dir) if e.get("why") == "grow"]
     first = next((d for d in decisions if d.predicted), None)  # at the run's start
     return {
         "makespan_s": round(max(ends) - min(dispatched.values()), 3),
         "sizing_decisions": len(decisions),
         "sizing_ms_max": round(1000 * max(d.cost_s for d in decisions), 1) if decisions else 0.0,
         "predicted_makespan_s": round(min(first.predicted.values()), 1) if first else None,
+        "grown": {e["task"]: [e["previous"], e["ranks"]] for e in grown},
     }
+
+
+def grower(sizer, run_dir: Path):
+    """pita/core/growth.py's Grower as a run builds it (`Grower.for_sizer`), for the bench's
+    elastic stand-in tasks (their stage is bench.workload:gang_stage, not pita's loops)."""
+    from pita.core.growth import Grower, GrowthPolicy
+
+    policy = GrowthPolicy(
+        seconds=lambda t, k: sizer.seconds(t, k),
+        startup=sizer.curves.startup,
+        choices=sizer.ranks_of,
+    )
+    return Grower(policy, run_dir, growable=lambda t: t.elastic, idle_s=2.0, wait_s=10.0)
+
+
+def journal_events(run_dir: Path) -> list[dict]:
+    from pita.core.journal import read_events
+
+    return read_events(run_dir / "journal.jsonl")
 
 
 def dry_run_cost() -> dict:
@@ -316,7 +340,7 @@ def dry_run_cost() -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="rigid vs sized at dispatch (prints one JSON)")
     parser.add_argument("--devices", default="2,4,8", help="device counts, e.g. 2,4,8 (none)")
-    parser.add_argument("--modes", default="rigid,dispatch", help="rigid,dispatch")
+    parser.add_argument("--modes", default="rigid,dispatch,grow", help="rigid,dispatch,grow")
     parser.add_argument("--journal", type=Path, help="a default-experiment run's journal.jsonl")
     parser.add_argument("--alpha", type=float, default=0.1, help="s(k) = k / (1 + alpha (k-1))")
     parser.add_argument("--quick", action="store_true", help="120 task-seconds, not full scale")

@@ -214,13 +214,14 @@ class Sizer:
         simulate: Callable[..., tuple[dict[str, float], float]],
         n_devices: int,
         max_ranks: int,
-        window: int = 500,
+        window: int = 250,
         key: Callable[[TaskSpec], str] = lambda t: t.id,
         version: Callable[[], Any] = lambda: 0,
     ):
         self.key = key
         self.version = version  # changes when the duration estimates do (cached paths)
         self._paths: tuple[Any, dict[str, float]] | None = None
+        self._order: tuple[Any, list[str]] | None = None
         self.margin = 0.02  # predicted ends closer than this share count as equal
         self.slack = 0.1  # big plans: a path this much shorter than the longest: least k
         self.curves = curves
@@ -268,6 +269,16 @@ class Sizer:
             self._paths = (stamp, paths_to_end(tasks, seconds))
         return self._paths[1]
 
+    def _by_priority(self, tasks: Mapping[str, TaskSpec]) -> list[str] | None:
+        """Ids by priority, highest first: sorted once per duration estimate on a big plan
+        (the window's choice; priorities do not change while it runs)."""
+        if len(tasks) <= self.window:
+            return None
+        stamp = self.version()
+        if self._order is None or self._order[0] != stamp or len(tasks) > len(self._order[1]):
+            self._order = (stamp, sorted(tasks, key=lambda t: -tasks[t].priority))
+        return self._order[1]
+
     def size(
         self,
         task: TaskSpec,
@@ -284,11 +295,6 @@ class Sizer:
         ignore what lies beyond a window of the `window` highest-priority tasks on a big
         plan."""
         t0 = time.perf_counter()
-        seconds = {
-            tid: running_left[tid] if tid in running_left else self.seconds(t)
-            for tid, t in remaining.items()
-            if tid != task.id
-        }
         one = self.seconds(task, 1)
         path_s = self.paths(remaining)
         big = len(remaining) > self.window  # a small plan is simulated whole: milliseconds
@@ -298,7 +304,14 @@ class Sizer:
             sizing = Sizing(task.id, least, {}, 0.0, time.perf_counter() - t0, simulated=False)
             self.decisions[task.id] = sizing
             return sizing
-        window = priority_window(remaining, self.window, keep=set(running_left) | {task.id})
+        window = priority_window(
+            remaining, self.window, set(running_left) | {task.id}, self._by_priority(remaining)
+        )
+        seconds = {  # what is left of the running tasks, the others' estimates at their k
+            tid: running_left[tid] if tid in running_left else self.seconds(remaining[tid])
+            for tid in window
+            if tid != task.id
+        }
         # what lies beyond the window after a task of it: its longest path through a
         # dependant outside the window (0 when the whole plan is simulated)
         inside = set(window)
@@ -402,13 +415,18 @@ def topological(tasks: Mapping[str, TaskSpec]) -> list[str]:
     return out
 
 
-def priority_window(tasks: Mapping[str, TaskSpec], size: int, keep: set[str]) -> list[str]:
+def priority_window(
+    tasks: Mapping[str, TaskSpec], size: int, keep: set[str], order: list[str] | None = None
+) -> list[str]:
     """At most about `size` of `tasks`: `keep` and the highest-priority others, closed under
-    dependencies (a task is in only with every unfinished dependency), in plan order."""
+    dependencies (a task is in only with every unfinished dependency), in plan order.
+    `order`: ids by priority already sorted (it may hold ids not in `tasks`)."""
     if len(tasks) <= size:
         return list(tasks)
     chosen = set(keep)
-    for tid in sorted(tasks, key=lambda t: -tasks[t].priority):
+    for tid in order if order is not None else sorted(tasks, key=lambda t: -tasks[t].priority):
+        if tid not in tasks:
+            continue
         if len(chosen) >= size:
             break
         stack = [tid]

@@ -37,6 +37,9 @@ from pita.core.journal import RUN_FILE_PREFIX, RunFileError
 from pita.core.tasks import TaskSpec
 
 log = logging.getLogger(__name__)
+# A sized gang still waiting past its predicted start is decided again this often (the
+# prediction was wrong: others ran longer), then shrunk to the devices free.
+REDECIDE = 2
 
 
 def estimate_job_priority(job: TaskSpec, cfg: Any = None) -> float:
@@ -266,6 +269,7 @@ class DagRunner:
         # (pita.core.elastic.Sizer); None: every task keeps its planned devices.
         self.sizer = sizer
         self.sized_at: dict[str, float] = {}  # sized task -> when (its wait is bounded)
+        self.redecided: dict[str, int] = {}  # sized task -> times decided again after a wait
         self.started: dict[str, float] = {}  # running task -> when it was dispatched
         # Grows a running training task at a checkpoint into idle devices
         # (pita.core.growth.Grower); None: a task keeps its ranks until it ends.
@@ -354,37 +358,51 @@ class DagRunner:
 
     def _size(self, ready: list[TaskSpec], pending: dict[str, TaskSpec]) -> None:
         """Choose k for each newly ready elastic task (a simulation of the rest of the plan
-        per candidate k), and shrink a sized gang that has waited past its predicted start
-        to the devices free now: no task waits behind a gang longer than predicted."""
+        per candidate k). A sized gang still waiting past its predicted start is decided
+        again on what the run looks like now (up to `REDECIDE` times), then shrunk to the
+        devices free: no task waits behind a gang much longer than predicted."""
         now = time.time()
         for task in sorted(ready, key=self.scheduler.priority, reverse=True):
             if not task.elastic:
                 continue
             if task.id not in self.sizer.decisions:
-                sizing = self.sizer.size(task, *self._remaining(pending, now))
-                set_ranks(task, sizing.k)
-                self.sized_at[task.id] = now
-                self._journal("task_sized", **sizing.journal_fields())
-                log.info(
-                    "%s: %d rank(s), predicted end %s (%.0f ms)",
-                    task.id,
-                    sizing.k,
-                    ", ".join(f"k={k}: {s:.1f}s" for k, s in sizing.predicted.items()) or "-",
-                    1000 * sizing.cost_s,
-                )
-            elif task.id in self.sized_at and task.gpus > 1:
+                self._decide(task, pending, now)
+            elif task.id in self.sized_at and task.gpus > self.sizer.ranks_of(task)[0]:
                 sizing = self.sizer.decisions[task.id]
                 waited = now - self.sized_at[task.id]
-                if waited > sizing.gang_start_s + max(1.0, 0.25 * sizing.gang_start_s):
+                if waited <= sizing.gang_start_s + max(1.0, 0.25 * sizing.gang_start_s):
+                    continue
+                previous = task.gpus
+                self.redecided[task.id] = self.redecided.get(task.id, 0) + 1
+                if self.redecided[task.id] <= REDECIDE:
+                    k = self._decide(task, pending, now, journal=False)
+                else:
                     k = self._free_ranks(task)
-                    self._journal(
-                        "task_resized", task=task.id, ranks=k, previous=task.gpus, why="waited"
-                    )
-                    log.info(
-                        "%s waited %.1fs for %d devices: %d now", task.id, waited, task.gpus, k
-                    )
                     set_ranks(task, k)
                     del self.sized_at[task.id]
+                if k != previous:
+                    self._journal(
+                        "task_resized", task=task.id, ranks=k, previous=previous, why="waited"
+                    )
+                log.info("%s waited %.1fs for %d devices: %d now", task.id, waited, previous, k)
+
+    def _decide(
+        self, task: TaskSpec, pending: dict[str, TaskSpec], now: float, journal: bool = True
+    ) -> int:
+        """Size `task` now (the Sizer's simulation) and give it that k."""
+        sizing = self.sizer.size(task, *self._remaining(pending, now))
+        set_ranks(task, sizing.k)
+        self.sized_at[task.id] = now
+        if journal:
+            self._journal("task_sized", **sizing.journal_fields())
+        log.info(
+            "%s: %d rank(s), predicted end %s (%.0f ms)",
+            task.id,
+            sizing.k,
+            ", ".join(f"k={k}: {s:.1f}s" for k, s in sizing.predicted.items()) or "-",
+            1000 * sizing.cost_s,
+        )
+        return sizing.k
 
     def _free_ranks(self, task: TaskSpec) -> int:
         """The most ranks of `task`'s choices whose devices are free now (else its least)."""
