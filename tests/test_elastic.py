@@ -162,7 +162,7 @@ def test_dispatch_priority_is_the_seconds_to_the_end_of_the_plan():
     """Work units say the two chains are alike; the duration cache says one is 10x longer:
     it goes first."""
     plan = Plan()
-    for c, s in (("slow", 100.0), ("fast", 10.0)):
+    for c in ("slow", "fast"):
         plan.add(_task(f"{c}.collect", algo=c))
         plan.add(_task(f"{c}.train", "train", deps=[f"{c}.collect"], elastic=True, algo=c))
     critical_path_priorities(plan)
