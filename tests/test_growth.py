@@ -39,6 +39,7 @@ def value_single(run_dir):
 # --- the task side: stop at a checkpoint when asked, resume on more ranks -------------------
 
 
+@pytest.mark.slow  # three value trainings (one process, 1 rank stopped, 2 ranks): ~15-40 s
 def test_a_value_training_task_stops_when_asked_and_resumes_on_two_ranks_with_equal_results(
     run_dir, value_single, tmp_path, monkeypatch
 ):
