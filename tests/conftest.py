@@ -39,9 +39,12 @@ def task_spec(id: str, **fields) -> TaskSpec:
 
 def sleep_overrides(fn: str = "tests.fault_stages:sleep_stage") -> list[str]:
     """Replace every stage with a test stage (the orchestrator is what is under test). A test
-    stage needs no torch, so workers do not import it (executor.preimport=false)."""
+    stage needs no torch, so workers do not import it (executor.preimport=false), and its
+    timeline is not drawn (executor.timeline_plot=false: matplotlib, a second a run; drawn
+    by tests/test_timeline.py and the smoke run)."""
     return [f"+executor.stage_overrides.any.{s}={fn}" for s in STAGES] + [
-        "executor.preimport=false"
+        "executor.preimport=false",
+        "executor.timeline_plot=false",
     ]
 
 

@@ -51,9 +51,12 @@ def test_inprocess_runner_uses_the_worker_thread_budget_and_restores_it(monkeypa
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 def test_inprocess_run_prints_no_progress_bars(tmp_path):
     """A real in-process run (pretrain, DPO through TRL, evaluation) leaves no tqdm bars on
-    the terminal (before: "Loading weights: 100%|...", "Writing model shards ...")."""
+    the terminal (before: "Loading weights: 100%|...", "Writing model shards ..."). Slow:
+    it trains for real; the quick set checks the mechanism (the test above: bars off and
+    the worker's threads while a task runs in-process)."""
     args = [
         "experiment=smoke",
         "system.use_parallel_execution=false",

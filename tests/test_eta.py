@@ -364,6 +364,12 @@ def test_time_table_per_stage_chain_and_device_from_the_journal(tmp_path):
     assert "| train | 2 | 14.0 | 77.8 % | 8.0 |" in table
     assert (tmp_path / "results" / "timeline.png").stat().st_size > 1000
     assert (tmp_path / "results" / "time.csv").is_file()
+    unplotted = tmp_path / "unplotted"  # executor.timeline_plot=false: the table, no picture
+    (unplotted / "results").mkdir(parents=True)
+    _journal(unplotted / "journal.jsonl", events)
+    assert write_time_report(unplotted, plan.tasks, ["GPU 0", "GPU 1"], plot=False) == table
+    assert (unplotted / "results" / "time.csv").is_file()
+    assert not (unplotted / "results" / "timeline.png").exists()
 
 
 def test_busy_time_of_packed_tasks_is_their_union():

@@ -347,3 +347,30 @@ def test_packed_workers_on_a_fake_gpu_share_the_cores(tmp_path):
         running += {"task_running": 1, "task_done": -1}.get(e["event"], 0)
         most = max(most, running)
     assert 2 <= most <= cap
+
+
+def test_a_worker_without_preimport_gives_a_torch_stage_its_thread_budget(tmp_path):
+    """executor.preimport=false on a fake device: the worker skips its own torch set-up (the
+    suite's sleep stages never import torch) and a stage that imports torch itself still
+    runs on the pool's thread budget, from the environment the worker started with."""
+    from pita.core.gpu_manager import GPUManager
+    from pita.core.worker_pool import WorkerPool
+
+    pool = WorkerPool(
+        GPUManager("fake:1"), max_tasks_per_device=2, preimport=False, log_dir=tmp_path / "w"
+    )
+    task = task_spec(
+        id="t",
+        algo="reference",
+        dataset="-",
+        family="-",
+        stage="evaluate",
+        fn="tests.packing_stages:threads_stage",
+    )
+    try:
+        outcome = pool.submit(task, [0], {}, tmp_path).result(timeout=120)
+    finally:
+        pool.shutdown(kill=True)
+    assert outcome.ok, outcome.message
+    budget = thread_budget("fake", 1, 2)  # 1 on a 2-core host, where torch alone would take 2
+    assert outcome.result["omp"] == str(budget) and outcome.result["torch_threads"] == budget

@@ -76,7 +76,7 @@ def test_multirun_job_takes_the_lock_before_hydra_writes_its_folder(tmp_path, ma
     assert "Traceback" not in refused.stderr
     assert not (sweep / "0" / ".hydra").exists()  # Hydra wrote nothing into a folder in use
     env = {"PITA_TEST_MARKERS": str(markers), "PITA_TEST_SLOW_TASK": victim}
-    sweep_run = _start(args, tmp_path, {**env, "PITA_TEST_SLOW_S": "4"})
+    sweep_run = _start(args, tmp_path, {**env, "PITA_TEST_SLOW_S": "2"})
     try:
         started = markers / f"{victim}.started"
         deadline = time.time() + 120

@@ -335,6 +335,12 @@ class ExecutorConfig:
         le=DAY_S,
     )
     progress: bool = spec("Live progress display of tasks per device.", True, affects="record")
+    timeline_plot: bool = spec(
+        "Draw results/timeline.png at the end of a run (matplotlib: about a second; time.md"
+        " and time.csv are written either way).",
+        True,
+        affects="record",
+    )
     preimport: bool = spec(
         "Workers import torch as soon as they start, overlapping planning (false: on CPU and"
         " fake devices only a stage that uses torch imports it).",

@@ -393,7 +393,7 @@ def _run_locked(
     # run_finished is journaled after the report: a report killed midway leaves a run that
     # resume_from=auto finishes (it redoes no task, it writes the report)
     reported = _report(cfg, plan, run_dir)
-    _time_report(run_dir, plan, [d.label for d in gpu.devices], events)
+    _time_report(run_dir, plan, [d.label for d in gpu.devices], events, cfg.executor.timeline_plot)
     journal.append("run_finished", **end, report=reported)
     journal.close()
     return _final_lines(run_dir, paths, plan, session, summary, reported)
@@ -677,12 +677,14 @@ def _record_durations(run_dir: Path, plan: Plan, session: Session, events: list[
         log.debug("recording task durations failed: %s", exc, exc_info=True)
 
 
-def _time_report(run_dir: Path, plan: Plan, labels: list[str], events: list[dict]) -> None:
-    """results/timeline.png and the "where the time went" table, also in run.log."""
+def _time_report(
+    run_dir: Path, plan: Plan, labels: list[str], events: list[dict], plot: bool
+) -> None:
+    """results/timeline.png (`plot`) and the "where the time went" table, also in run.log."""
     from pita.results.timeline import write_time_report
 
     try:
-        table = write_time_report(run_dir, plan.tasks, labels, events=events)
+        table = write_time_report(run_dir, plan.tasks, labels, events=events, plot=plot)
     except Exception as exc:
         log.debug("time report traceback", exc_info=True)
         log.warning("writing the time report failed: %s: %s", type(exc).__name__, exc)

@@ -201,9 +201,11 @@ def write_time_report(
     labels: list[str],
     *,
     events: list[dict[str, Any]] | None = None,
+    plot: bool = True,
 ) -> str | None:
-    """results/timeline.png and results/time.{md,csv}; the table's text (None: no task ran).
-    `events`: the run's journal when the caller has read it already."""
+    """results/timeline.png (unless not `plot`: executor.timeline_plot) and
+    results/time.{md,csv}; the table's text (None: no task ran). `events`: the run's journal
+    when the caller has read it already."""
     paths = RunPaths(run_dir)
     events = read_events(paths.journal) if events is None else events
     all_spans, wall = spans(events, tasks)
@@ -219,6 +221,8 @@ def write_time_report(
     writer.writeheader()
     writer.writerows(rows)
     atomic_write_text(paths.results / "time.csv", buf.getvalue())
+    if not plot:
+        return table
     from pita.results.timeline_plot import draw_timeline, timeline_model
 
     model = timeline_model(all_spans, labels, resize_marks(events))
