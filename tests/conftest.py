@@ -25,14 +25,24 @@ STAGES = TASK_STAGES  # every stage a task can have
 
 def task_spec(id: str, **fields) -> TaskSpec:
     """A TaskSpec for a unit test: a round-0 QSharp train task on goal_walk / tiny with a
-    function nobody runs, unless `fields` says otherwise."""
+    function nobody runs, unless `fields` says otherwise. Its `algo_schema` is the
+    algorithm's registry row's, as the planner sets it, so a context built on it reads
+    `ctx.algo` as that schema (`algo_as` works)."""
+    from pita.algos.registry import ALGORITHMS
+
     defaults = dict(algo="QSharp", dataset="goal_walk", family="tiny", round=0, stage="train")
-    return TaskSpec(id=id, **{**defaults, "fn": "x:y", **fields})
+    spec = {**defaults, "fn": "x:y", **fields}
+    row = ALGORITHMS.get(spec["algo"])
+    spec.setdefault("algo_schema", row.schema_path if row is not None else "")
+    return TaskSpec(id=id, **spec)
 
 
 def sleep_overrides(fn: str = "tests.fault_stages:sleep_stage") -> list[str]:
-    """Replace every stage with a test stage (the orchestrator is what is under test)."""
-    return [f"+executor.stage_overrides.any.{s}={fn}" for s in STAGES]
+    """Replace every stage with a test stage (the orchestrator is what is under test). A test
+    stage needs no torch, so workers do not import it (executor.preimport=false)."""
+    return [f"+executor.stage_overrides.any.{s}={fn}" for s in STAGES] + [
+        "executor.preimport=false"
+    ]
 
 
 def only(*algos: str) -> list[str]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT
 
 
@@ -104,24 +106,32 @@ def reached_by_context(root: Path, start: str) -> set[str]:
     return seen - {start}
 
 
-# the launcher (a context per rank), the recipe's body, and kit's three unpackers
-VALUE_TRAINING_READERS = {
+# the launcher (a context per rank) and kit's three unpackers; then each stage's body
+LAUNCH_AND_UNPACK = {
     "pita.runtime.gang:run_stage",
     "pita.runtime.gang:gang_world_size",
     "pita.runtime.gang:parallel_strategy",
-    "pita.algos.value_training:_train_value_rank",
     "pita.runtime.kit:checkpoint_plan",
     "pita.runtime.kit:checkpoint_identity",
     "pita.runtime.kit:task_tracker",
 }
 
 
-def test_value_training_hands_its_pieces_values_not_the_context():
-    reached = reached_by_context(ROOT, "pita.algos.value_training:train_value")
-    assert reached == VALUE_TRAINING_READERS, (
-        f"these now take the context: {sorted(reached - VALUE_TRAINING_READERS)}; pass them "
-        f"values unpacked in _train_value_rank (no longer reached: "
-        f"{sorted(VALUE_TRAINING_READERS - reached)})"
+@pytest.mark.parametrize(
+    "stage, body",
+    [
+        ("pita.algos.value_training:train_value", "pita.algos.value_training:_train_value_rank"),
+        ("pita.stages.pretrain:pretrain", "pita.stages.pretrain:_pretrain"),
+    ],
+)
+def test_training_loops_hand_their_pieces_values_not_the_context(stage, body):
+    """pita's own training loops (the value trainer, pretrain): 24 and 14 functions were
+    handed `ctx` before (the data, model, probe, optimizer, train step, checkpointer...)."""
+    readers = LAUNCH_AND_UNPACK | {body}
+    reached = reached_by_context(ROOT, stage)
+    assert reached == readers, (
+        f"these now take the context: {sorted(reached - readers)}; pass them values "
+        f"unpacked in {body} (no longer reached: {sorted(readers - reached)})"
     )
 
 

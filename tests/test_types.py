@@ -1,7 +1,6 @@
-"""pita type-checks: `mypy` over the files pyproject.toml's [tool.mypy] lists (the parent side and
-the stage code: core, results, experiment, algos, stages, runtime, training) finds no error, so a
-stage's read of a typed setting (`ctx.training.x`, `ctx.algo_as(Schema).y`) is checked against the
-schema (pita/core/schema.py)."""
+"""pita type-checks: `mypy` over the files pyproject.toml's [tool.mypy] lists (the whole package:
+the parent side and the stage code) finds no error, so a stage's read of a typed setting
+(`ctx.training.x`, `ctx.algo_as(Schema).y`) is checked against the schema (pita/core/schema.py)."""
 
 from __future__ import annotations
 

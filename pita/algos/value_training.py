@@ -4,14 +4,17 @@ A stage turns its records into training items (prompt, response, first trained i
 target, alt) and calls `train_value(ctx, items)`. As in a torchtune recipe, one function
 holds the context (`_train_value_rank`): it unpacks it once into values (a `ValueJob`, the
 task's `CheckpointPlan`, its tracker) and every piece below takes those values, never `ctx`
-(tests/test_stage_settings.py follows `ctx` from `train_value`). Three parts, in plain view:
+(tests/test_builders_take_values.py follows `ctx` from `train_value`). Three parts, in
+plain view:
 
-1. `setup`: the data (`build_targets`: records sharing a (state, action) merged into soft
-   targets over unique sequences; a held-out split when `holdout_fraction` > 0), the model
-   (round k−1's checkpoint, else a fresh guide warm-started from π_ref), the frozen-backbone
-   probe (`probe_steps`), the batch arithmetic (the whole batch, halved by each OOM retry;
-   `auto`: the batch-size probe), AdamW with cosine or `official_schedule`, the `TrainStep`
-   and the in-task checkpoint it resumes from. Everything lives in one `ValueRun`.
+1. `setup`: the data (`split_data` -> `build_targets`: records sharing a (state, action)
+   merged into soft targets over unique sequences; a held-out split when
+   `holdout_fraction` > 0), the model (`build_model`: round k−1's checkpoint, else a fresh
+   guide warm-started from π_ref), the frozen-backbone `probe` (`probe_steps`), the batch
+   arithmetic (the whole batch, halved by each OOM retry; `auto`: the batch-size probe),
+   `build_optimizer` (AdamW with cosine or `official_schedule`); then the `TrainStep` and
+   the in-task checkpoint it resumes from (`_resume`, from the `CheckpointPlan`).
+   Everything lives in one `ValueRun`.
 2. `train_loop`: one optimizer step per batch of unique sequences, drawn from a shuffled
    order kept on the device, a log window every steps/10 (loss, accuracy, the held-out
    accuracy by response position), a checkpoint when due.

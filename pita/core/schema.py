@@ -317,7 +317,10 @@ class ExecutorConfig:
     )
     progress: bool = spec("Live progress display of tasks per device.", True, affects="record")
     preimport: bool = spec(
-        "Workers import torch as soon as they start, overlapping planning.", True, affects="place"
+        "Workers import torch as soon as they start, overlapping planning (false: on CPU and"
+        " fake devices only a stage that uses torch imports it).",
+        True,
+        affects="place",
     )
     stage_overrides: Dict[str, Dict[str, str]] = spec(
         "Replace stage functions: +executor.stage_overrides.QSharp.train=mypkg.mod:fn (algo 'any' = all).",
@@ -933,6 +936,7 @@ def resume_safe_keys() -> tuple[str, ...]:
     return keys_affecting("place") + keys_affecting("record")
 
 
+@functools.cache  # read once per planned task (17k in the largest plan): the schema is fixed
 def memory_keys(schema: type | None = None) -> tuple[str, ...]:
     """The dotted leaf keys of `schema` (PitaConfig unless given) that change a task's
     device-memory peak (`memory=True`): the peak cache's key."""

@@ -195,6 +195,7 @@ def evaluate_shard(ctx: StageContext) -> dict:
     total = len(policies) * len(prompts)  # prompts generated, every η's
     with open(ctx.out_dir / Artifact.SAMPLES, "w") as f:
         for i, policy in enumerate(policies):
+
             def on_batch(done: int, before: int = i * len(prompts), eta: Any = policy.eta) -> None:
                 ctx.report_progress(before + done, total, "prompts", f"eta={eta}")
 

@@ -26,11 +26,15 @@ halves the task's `batch_scale`. With `training.checkpoint_every` the loop check
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from pita.core.paths import Artifact
 from pita.runtime.context import StageContext
+
+if TYPE_CHECKING:
+    from pita.models.catalog import Family
 
 
 def pad_right(rows: list[list[int]], labels: list[list[int]], pad_id: int):
@@ -94,20 +98,28 @@ def official_schedule(optim, steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optim, factor)
 
 
-def _family_policy(ctx: StageContext, family):
-    """(the family's reference as a trainable fp32 causal LM, the task in its tokenizer)."""
+def _family_policy(
+    family: Family,
+    name: str,
+    family_cfg: Mapping[str, Any],
+    dataset_cfg: Mapping[str, Any],
+    attn_impl: str,
+) -> tuple[Any, Any]:
+    """(the family's reference as a trainable fp32 causal LM, the task in its tokenizer):
+    `family` is alias `name` resolved with the chain's `model.*` (`family_cfg`),
+    `dataset_cfg` the chain's `dataset.*`."""
     from pita.datasets import build_task
     from pita.models.loading import load_tokenizer
     from pita.models.placement import load_stage_lm
 
     tok = load_tokenizer(family.reference, trust_remote_code=family.trust_remote_code)
-    task = build_task(ctx.cfg.dataset, tokenizer=tok)
+    task = build_task(dataset_cfg, tokenizer=tok)
     model = load_stage_lm(
         family.reference,
-        family=ctx.task.family,
-        family_cfg=ctx.cfg.model,
+        family=name,
+        family_cfg=family_cfg,
         device="cpu",  # moved to the training device by the caller
-        attn_impl=ctx.system.attn_impl,
+        attn_impl=attn_impl,
         trainable=True,
     )
     if model.config.pad_token_id is None:
@@ -177,7 +189,9 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
             attn_impl=ctx.system.attn_impl,
         )
     else:
-        model, task = _family_policy(ctx, family)
+        model, task = _family_policy(
+            family, ctx.task.family, ctx.cfg.model, ctx.cfg.dataset, ctx.system.attn_impl
+        )
         tok = task.tokenizer
         ctx.logger.info(
             "pretrain: fine-tuning the family's reference %s on %s rendered as text in its "
