@@ -1,53 +1,77 @@
-"""Scaling benchmark: the default experiment's DAG on 1, 2, 4 and 8 devices, against the seed
-guide's claim (~1.8x on 2 GPUs, ~3.5x on 4, ~6.5-7x on 8: docs/guides/gpu_execution.txt).
+"""Scaling benchmark: the default experiment's DAG on fake:1/2/4/8 with training tasks rigid
+(one device each) against sized at dispatch (k chosen by simulating the rest of the plan,
+pita/core/elastic.py), side by side in one run, at full scale.
 
-    python bench/scaling.py                          # measured durations in bench/, ~2-3 min
+    python bench/scaling.py                       # full scale: 765 task-seconds, ~20 min
+    python bench/scaling.py --quick               # 120 task-seconds (start-up not scaled)
+    python bench/scaling.py --sigma 0.4 --seeds 1,2,3   # + durations off by lognormal noise
+    python bench/scaling.py --dry-run-cost        # sizing cost on the 34,292-task dry run
     python bench/scaling.py --journal outputs/goal_walk/<run>/journal.jsonl   # your run's
-    python bench/scaling.py --devices 1,2,4 --total-s 20
 
-Prints ONE JSON object. Everything runs for real, as in bench/scheduler.py: the planner
-builds the default experiment's DAG for `fake:N` (one shard of collect / evaluate per
-device, merges, the shared pretrain), `DagRunner` drives a warm `WorkerPool` of real worker
-processes (one task per device, `executor.max_tasks_per_gpu=1`), and each task sleeps for
-its measured duration (bench/workload.py), scaled down so that the whole DAG's task time is
-`--total-s` seconds on one device. Measured durations: the `task_done` events of a real run
-of the default experiment (`bench/default_task_seconds.json` holds one, with where and when
-it was measured). A sharded stage's measured time (all its shards) is split evenly over the
-N shards of the plan for `fake:N`: a shard's fixed cost (loading the models) is not counted
-again, so the sharded stages scale a little better here than on real devices.
+Prints ONE JSON object. Everything runs for real: the planner builds the default
+experiment's DAG for `fake:N` (one collect / evaluate shard per device, merges, the shared
+pretrain), `DagRunner` drives a warm `WorkerPool` of real worker processes (one task per
+device), and every task sleeps its measured duration (`bench/default_task_seconds.json`:
+the `task_done` seconds of a real default run; a sharded stage's seconds split evenly over
+the plan's N shards). A training task (pretrain, reward_model, train: every training stage,
+as issue 31 item 2 makes them run on a gang) is elastic in the `dispatch` mode: the
+`Sizer` picks its k and it sleeps (one-rank seconds) / s(k), s(k) = k / (1 + alpha (k-1)),
+on each rank of a real gang (`bench.workload:gang_stage` -> pita/runtime/gang.py
+`run_stage` -> torch's `elastic_launch`: k rank processes and their rendezvous), so the
+gang's real start-up (a fresh worker for the gang's device set, its forkserver, the ranks,
+the rendezvous) is inside the makespan. The Sizer knows the measured durations (as the
+duration cache would), alpha, and the start-up measured at the start of the run per k.
 
-- `speedup`: makespan on one device / makespan on N, next to `guide` (the seed guide's claim);
-- `bound_speedup`: the most the DAG allows, total work / max(critical path, total work / N),
-  both from the durations the workers measured in that run; `critical_path_s` is the DAG's
-  longest chain of dependent tasks (pretrain -> collect -> train -> evaluate ... per round);
-- `efficiency`: speedup / bound_speedup (how close the scheduler gets to what the DAG allows).
-Makespans run from the first dispatch to the last completion (worker start-up excluded).
+- `speedup`: makespan on one device / makespan on N; `fake:1` is the sum of its task
+  seconds (one device runs them one after another; dispatch costs ~3 ms a task) unless
+  `--run-baseline`;
+- `rigid_bound`: what no rigid schedule beats, total work / max(critical path, work / N);
+- `startup`: per k, seconds from dispatch to the first step of a k-rank gang hosted by an
+  idle one-device worker whose forkserver has preloaded torch (its ranks forked from it,
+  their rendezvous), twice (`fresh_s`: the first gang of that size, `warm_s`: the next);
+  the Sizer is given `fresh_s`. The first gang of a worker whose forkserver is still
+  preloading waits for it (~10-15 s here under load): the bench warms every worker's first.
+Makespans run from the first dispatch to the last completion.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # bench.workload, bench.scheduler, here and in the workers
+sys.path.insert(0, str(ROOT))  # bench.workload, here and in the workers
 
-from bench.scheduler import STAGES, WORKLOAD, lower_bound, run_dag, warm_up  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from bench.scheduler import lower_bound, warm_up  # noqa: E402
 from pita.core.dag import Plan  # noqa: E402
+from pita.core.elastic import TRAINING_STAGES, GangStartup, rank_choices, resized  # noqa: E402
+from pita.core.journal import Journal  # noqa: E402
+from pita.core.parallel_executor import DagRunner  # noqa: E402
+from pita.core.progress import TaskDurations  # noqa: E402
+from pita.core.tasks import TASK_STAGES, TaskSpec  # noqa: E402
 from pita.core.worker_pool import WorkerPool  # noqa: E402
 from pita.experiment.cli import compose_config  # noqa: E402
 from pita.experiment.config import validate  # noqa: E402
-from pita.experiment.run import build_plan, make_gpu_manager  # noqa: E402
+from pita.experiment.run import build_plan, make_gpu_manager, make_scheduler  # noqa: E402
+from pita.experiment.sizing import make_sizer  # noqa: E402
 
 GUIDE = {1: 1.0, 2: 1.8, 4: 3.5, 8: 6.75}  # docs/guides/gpu_execution.txt (8: "~6.5-7x")
+TARGET = {2: 1.9, 4: 3.5, 8: 5.5}  # issue 32, alpha = 0.1, start-up included
 MEASURED = ROOT / "bench" / "default_task_seconds.json"
 SHARD = re.compile(r"^(?P<base>.+)\.s\d\d$")
+WORKLOAD = "bench.workload:gang_stage"
 
 
 def measured_seconds(journal: Path | None) -> tuple[dict[str, float], str]:
@@ -85,74 +109,305 @@ def durations_for(plan: Plan, measured: dict[str, float], scale: float) -> tuple
     return out, unmatched
 
 
-def config(n: int):
-    cfg = compose_config([f"system.devices='fake:{n}'", "executor.max_tasks_per_gpu=1"])
-    cfg.executor.stage_overrides = {"any": {stage: WORKLOAD for stage in STAGES}}
+def config(n: int, max_ranks: int):
+    cfg = compose_config(
+        [
+            f"system.devices='fake:{n}'",
+            "executor.max_tasks_per_gpu=1",
+            "training.parallel_strategy=data_parallel",
+            f"executor.max_ranks_per_task={max_ranks}",
+        ]
+    )
+    cfg.executor.stage_overrides = {"any": {stage: WORKLOAD for stage in TASK_STAGES}}
     validate(cfg, project_root=ROOT)
     return cfg
 
 
-def run_on(n: int, measured: dict[str, float], scale: float, tmp: Path) -> dict:
-    """The DAG planned for fake:n, run on n warm workers; its makespan and bounds."""
-    cfg = config(n)
-    gpu = make_gpu_manager(cfg)
+def elastic_plan(cfg, gpu, elastic: bool) -> Plan:
+    """The default DAG; every training task elastic (dispatch mode) or on one device."""
     plan = build_plan(cfg, gpu)
-    seconds, unmatched = durations_for(plan, measured, scale)
+    n = len(gpu.devices)
+    for t in plan.tasks.values():
+        t.gpus, t.strategy = 1, "none"
+        t.ranks = rank_choices(n, n) if elastic and t.stage in TRAINING_STAGES else []
+    return plan
+
+
+def gang_task(like: TaskSpec, k: int, i: int) -> TaskSpec:
+    """A 0-second copy of a training task on k ranks (its own id and task folder)."""
+    return replace(resized(like, k), id=f"startup.k{k}.{i}", deps=[], inputs={})
+
+
+def measure_startup(
+    pool, cfg, like: TaskSpec, ks: list[int], run_dir: Path
+) -> dict[str, dict[str, float]]:
+    """Per k: dispatch -> first step of a fresh k-rank gang, and of a second one on the same
+    devices right after (warm worker and forkserver); 0-second tasks."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    table = {gang_task(like, k, i).id: 0.0 for k in ks for i in (0, 1)}
+    (run_dir / "bench_durations.json").write_text(json.dumps(table))
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    n = len(pool.gpu.devices)
+    table.update({f"startup.host{d}": 0.0 for d in range(n)})
+    (run_dir / "bench_durations.json").write_text(json.dumps(table))
+    for d in range(n):  # each worker's forkserver has preloaded torch (as during a real run)
+        host = replace(resized(like, 2), id=f"startup.host{d}", deps=[], inputs={})
+        pool.submit(host, [d, (d + 1) % n], cfg_dict, str(run_dir), 1).result(600)
+    out: dict[str, dict[str, float]] = {}
+    for k in ks:
+        row = {}
+        for i, name in ((0, "fresh_s"), (1, "warm_s")):
+            task = gang_task(like, k, i)
+            t0 = time.time()
+            outcome = pool.submit(task, list(range(k)), cfg_dict, str(run_dir), 1).result(600)
+            if not outcome.ok:
+                raise RuntimeError(f"gang of {k} failed: {outcome.failure}: {outcome.message}")
+            # the stage measured its own start to rank 0's first step; the rest is dispatch
+            in_task = float(outcome.result["gang_startup_s"])
+            row[name] = round(in_task + max(0.0, time.time() - t0 - outcome.wall_s), 3)
+            row[name.replace("_s", "_in_task_s")] = round(in_task, 3)
+        out[str(k)] = row
+    return out
+
+
+def run_mode(
+    n: int,
+    mode: str,
+    measured: dict[str, float],
+    scale: float,
+    alpha: float,
+    tmp: Path,
+    noise: tuple[float, int] | None = None,
+) -> dict:
+    """One (devices, mode) run: the plan, its durations (maybe drawn around the measured
+    ones), a warm pool, start-up measured, DagRunner with or without the Sizer."""
+    elastic = mode in ("dispatch", "grow")
+    cfg = config(n, n if elastic else 1)
+    gpu = make_gpu_manager(cfg)
+    plan = elastic_plan(cfg, gpu, elastic)
+    estimate, unmatched = durations_for(plan, measured, scale)
+    actual = dict(estimate)
+    if noise is not None:
+        sigma, seed = noise
+        rng = random.Random(seed)
+        actual = {tid: round(s * math.exp(rng.gauss(0.0, sigma)), 3) for tid, s in estimate.items()}
+    run_dir = tmp / f"{mode}{n}" / (f"seed{noise[1]}" if noise else "")
     pool = WorkerPool.from_config(gpu, cfg.executor)
+    if elastic:
+        pool.extra_env["PITA_WARM_FORKSERVER"] = "1"  # as run.py does for elastic tasks
+    scheduler = make_scheduler(cfg, gpu)
+    startup: dict[str, dict[str, float]] = {}
+    sizer = None
     try:
-        warm_up(pool, gpu, tmp / f"warmup{n}")
-        dag = run_dag(plan, pool, gpu, cfg, seconds, barrier=False, run_dir=tmp / f"fake{n}")
+        warm_up(pool, gpu, run_dir / "warmup")
+        ks = [k for k in (2, 4, 8) if k <= n] if elastic else []
+        if ks:
+            like = next(t for t in plan.tasks.values() if t.elastic)
+            startup = measure_startup(pool, cfg, like, ks, run_dir / "startup")
+            warm_up(pool, gpu, run_dir / "warmup2")  # one-device workers back for the run
+            durations = TaskDurations(estimate, key=lambda t: t.id)  # the "duration cache"
+            sizer = make_sizer(cfg, plan.tasks, durations, scheduler, history={})
+            sizer.curves.default_alpha = alpha
+            sizer.curves.startup = GangStartup(
+                {1: 0.0, **{int(k): v["fresh_s"] for k, v in startup.items()}}
+            )
+        grow = mode == "grow" and sizer is not None
+        result = run_dag(plan, pool, scheduler, cfg, actual, alpha, run_dir / "run", sizer, grow)
     finally:
         pool.shutdown()
-    _, critical, total = lower_bound(plan, seconds, n)
+    _, critical, total = lower_bound(plan, actual, n)
+    ranks = {
+        tid: t.gpus for tid, t in plan.tasks.items() if t.elastic and t.gpus > 1
+    }  # what the Sizer chose
     return {
         "tasks": len(plan.tasks),
         "unmeasured_tasks": unmatched,
-        "nominal_total_s": round(total, 3),
-        "nominal_critical_path_s": round(critical, 3),
-        **dag,
+        "total_work_s": round(total, 3),
+        "critical_path_s": round(critical, 3),
+        "rigid_bound": round(total / max(critical, total / n), 2),
+        "startup": startup,
+        "ranks_chosen": ranks,
+        **result,
+    }
+
+
+def run_dag(plan, pool, scheduler, cfg, actual, alpha, run_dir: Path, sizer, grow=False) -> dict:
+    run_dir.mkdir(parents=True)
+    table = {**actual, "_alpha": alpha, **({"_grow": 1} if grow else {})}
+    (run_dir / "bench_durations.json").write_text(json.dumps(table))
+    dispatched: dict[str, float] = {}
+    ends: list[float] = []
+
+    def on_event(kind: str, task: TaskSpec, info) -> None:
+        if kind == "running":
+            dispatched.setdefault(task.id, time.perf_counter())
+        elif kind == "done":
+            ends.append(time.perf_counter())
+
+    journal = Journal(run_dir / "journal.jsonl")
+    runner = DagRunner(
+        plan,
+        pool,
+        scheduler,
+        cfg_dict=OmegaConf.to_container(cfg, resolve=True),
+        run_dir=str(run_dir),
+        journal=journal,
+        max_retries=0,
+        on_event=on_event,
+        sizer=sizer,
+        grower=grower(sizer, run_dir) if grow else None,
+    )
+    summary = runner.run()
+    journal.close()
+    if not summary.ok:
+        raise RuntimeError(f"benchmark run failed: {dict(list(summary.failed.items())[:3])}")
+    decisions = list(sizer.decisions.values()) if sizer else []
+    grown = [e for e in journal_events(run_dir) if e.get("why") == "grow"]
+    first = next((d for d in decisions if d.predicted), None)  # at the run's start
+    return {
+        "makespan_s": round(max(ends) - min(dispatched.values()), 3),
+        "sizing_decisions": len(decisions),
+        "sizing_ms_max": round(1000 * max(d.cost_s for d in decisions), 1) if decisions else 0.0,
+        "predicted_makespan_s": round(min(first.predicted.values()), 1) if first else None,
+        "grown": {e["task"]: [e["previous"], e["ranks"]] for e in grown},
+    }
+
+
+def grower(sizer, run_dir: Path):
+    """pita/core/growth.py's Grower as a run builds it (`Grower.for_sizer`), for the bench's
+    elastic stand-in tasks (their stage is bench.workload:gang_stage, not pita's loops)."""
+    from pita.core.growth import Grower, GrowthPolicy
+
+    policy = GrowthPolicy(
+        seconds=lambda t, k: sizer.seconds(t, k),
+        startup=sizer.curves.startup,
+        choices=sizer.ranks_of,
+    )
+    return Grower(policy, run_dir, growable=lambda t: t.elastic, idle_s=2.0, wait_s=10.0)
+
+
+def journal_events(run_dir: Path) -> list[dict]:
+    from pita.core.journal import read_events
+
+    return read_events(run_dir / "journal.jsonl")
+
+
+def dry_run_cost() -> dict:
+    """The sizing cost on the 34,292-task dry run (20 rounds of every algorithm on goal-walk
+    and star graph, fake:64), every training task elastic."""
+    from pita.experiment.run import task_durations
+    from pita.experiment.sizing import dry_run_sizing
+
+    cfg = compose_config(
+        [
+            "rounds_of_training=20",
+            "system.devices=fake:64",
+            "experiment.datasets=[goal_walk,star_graph]",
+            "training.parallel_strategy=data_parallel",
+            "executor.max_ranks_per_task=8",
+        ]
+    )
+    validate(cfg, project_root=ROOT)
+    gpu = make_gpu_manager(cfg)
+    t0 = time.perf_counter()
+    plan = build_plan(cfg, gpu)
+    plan_s = time.perf_counter() - t0
+    for t in plan.tasks.values():
+        t.ranks = rank_choices(8, 64) if t.stage in TRAINING_STAGES else []
+    scheduler = make_scheduler(cfg, gpu)
+    sizer = make_sizer(cfg, plan.tasks, task_durations(cfg, gpu), scheduler, history={})
+    out = dry_run_sizing(plan, scheduler, sizer)
+    simulated = [s for s in sizer.decisions.values() if s.simulated]
+    return {
+        "tasks": len(plan.tasks),
+        "elastic_tasks": sum(t.elastic for t in plan.tasks.values()),
+        "planning_s": round(plan_s, 2),
+        "simulated_decisions": len(simulated),
+        "sizing_s": round(out["sizing_s"], 2),
+        "dry_run_simulation_s": round(out["simulation_s"], 2),
+        "sizing_ms_median": round(1000 * statistics.median(s.cost_s for s in simulated), 1)
+        if simulated
+        else 0.0,
+        "makespan_s": round(out["makespan_s"], 1),
+        "rigid_makespan_s": round(out["rigid_makespan_s"], 1),
+        "ranks": {
+            str(k): sum(1 for t in plan.tasks.values() if t.elastic and t.gpus == k)
+            for k in (1, 2, 4, 8)
+        },
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="scaling on fake:1,2,4,8 (prints one JSON)")
-    parser.add_argument("--devices", default="1,2,4,8", help="device counts, e.g. 1,2,4")
+    parser = argparse.ArgumentParser(description="rigid vs sized at dispatch (prints one JSON)")
+    parser.add_argument("--devices", default="2,4,8", help="device counts, e.g. 2,4,8 (none)")
+    parser.add_argument("--modes", default="rigid,dispatch,grow", help="rigid,dispatch,grow")
     parser.add_argument("--journal", type=Path, help="a default-experiment run's journal.jsonl")
-    parser.add_argument(
-        "--total-s", type=float, default=40.0, help="the DAG's task seconds on one device"
-    )
+    parser.add_argument("--alpha", type=float, default=0.1, help="s(k) = k / (1 + alpha (k-1))")
+    parser.add_argument("--quick", action="store_true", help="120 task-seconds, not full scale")
+    parser.add_argument("--total-s", type=float, default=0.0, help="scale the DAG to this")
+    parser.add_argument("--sigma", type=float, default=0.0, help="lognormal noise on fake:8")
+    parser.add_argument("--seeds", default="1,2,3")
+    parser.add_argument("--run-baseline", action="store_true", help="run fake:1 for real")
+    parser.add_argument("--dry-run-cost", action="store_true")
     args = parser.parse_args(argv)
-    counts = sorted({1, *(int(x) for x in args.devices.split(","))})  # 1: the baseline
+    if args.dry_run_cost:
+        print(json.dumps({"dry_run_cost": dry_run_cost()}, indent=2))
+        return 0
     measured, source = measured_seconds(args.journal)
-    scale = args.total_s / sum(measured.values())
+    total_s = args.total_s or (120.0 if args.quick else sum(measured.values()))
+    scale = total_s / sum(measured.values())
+    counts = sorted(int(x) for x in args.devices.split(",") if x.strip() not in ("", "none"))
+    modes = args.modes.split(",")
     t_start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="pita-scaling-"))
+    runs: dict[str, dict] = {}
     try:
-        runs = {n: run_on(n, measured, scale, tmp) for n in counts}
+        plan1 = elastic_plan(config(1, 1), make_gpu_manager(config(1, 1)), False)
+        base_seconds, _ = durations_for(plan1, measured, scale)
+        if args.run_baseline:
+            base = run_mode(1, "rigid", measured, scale, args.alpha, tmp)["makespan_s"]
+        else:
+            base = round(sum(base_seconds.values()), 3)
+        for n in counts:
+            for mode in modes:
+                r = run_mode(n, mode, measured, scale, args.alpha, tmp)
+                r["speedup"] = round(base / r["makespan_s"], 2)
+                runs[f"{mode}/fake:{n}"] = r
+        noisy = {}
+        if args.sigma > 0:
+            for seed in (int(s) for s in args.seeds.split(",")):
+                for mode in modes:
+                    r = run_mode(8, mode, measured, scale, args.alpha, tmp, (args.sigma, seed))
+                    # the baseline with the same draws: one device runs their sum
+                    r["speedup"] = round(r["total_work_s"] / r["makespan_s"], 2)
+                    noisy[f"{mode}/fake:8/seed{seed}"] = r
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    base = runs[1]["makespan_s"]
-    table = {}
-    for n, r in runs.items():
-        bound = r["total_work_s"] / max(r["critical_path_s"], r["total_work_s"] / n)
-        speedup = base / r["makespan_s"]
-        table[f"fake:{n}"] = {
-            "speedup": round(speedup, 2),
-            "guide": GUIDE.get(n),
-            "bound_speedup": round(bound, 2),
-            "efficiency": round(speedup / bound, 3),
-            **r,
-        }
     report = {
         "measured": source,
-        "measured_task_seconds": round(sum(measured.values()), 1),
-        "scale": round(scale, 5),
-        "guide": "docs/guides/gpu_execution.txt: ~1.8x (2 GPUs), ~3.5x (4), ~6.5-7x (8)",
-        "speedups": {k: v["speedup"] for k, v in table.items()},
-        "bound_speedups": {k: v["bound_speedup"] for k, v in table.items()},
-        "runs": table,
-        "total_wall_s": round(time.perf_counter() - t_start, 1),
+        "task_seconds_one_device": base,
+        "scale": round(scale, 4),
+        "alpha": args.alpha,
+        "speedups": {k: v["speedup"] for k, v in runs.items()},
+        "targets": {f"dispatch/fake:{n}": TARGET[n] for n in counts if n in TARGET},
+        "guide": {f"fake:{n}": GUIDE[n] for n in counts if n in GUIDE},
+        "rigid_bounds": {f"fake:{n}": runs[f"{modes[0]}/fake:{n}"]["rigid_bound"] for n in counts},
+        "runs": runs,
+        "total_wall_s": 0.0,
     }
+    if noisy:
+        report["lognormal"] = {
+            "sigma": args.sigma,
+            "speedups": {k: v["speedup"] for k, v in noisy.items()},
+            "mean": {
+                m: round(
+                    statistics.mean(v["speedup"] for k, v in noisy.items() if k.startswith(m)), 2
+                )
+                for m in modes
+            },
+            "runs": noisy,
+        }
+    report["total_wall_s"] = round(time.perf_counter() - t_start, 1)
     print(json.dumps(report, indent=2))
     return 0
 

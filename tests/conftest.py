@@ -207,8 +207,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """When a selected test reads the smoke run, start it as soon as collection ends: it
     goes on beside the tests before its first reader (a run keeps about one of the two
     cores busy) instead of holding that reader up."""
-    if session.config.option.collectonly:
-        return
+    if session.config.option.collectonly or hasattr(session.config, "workerinput"):
+        return  # nothing to run, or a pytest-xdist worker (it may never get a reader)
     if any("smoke_run" in getattr(item, "fixturenames", ()) for item in session.items):
         _start_smoke_run(session.config)
 

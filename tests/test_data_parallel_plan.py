@@ -1,6 +1,7 @@
-"""training.parallel_strategy=data_parallel plans the training stages on a gang of every
-device (pretrain trains with one DDP rank per device; issue 13: the key
-used to do nothing in a real run)."""
+"""training.parallel_strategy plans the training stages on gangs: under data_parallel each is
+elastic (one device in the plan, 1..executor.max_ranks_per_task DDP ranks chosen at dispatch
+by simulating the plan: pita/core/elastic.py, issue 32); under fsdp a gang of every device
+(issue 13: the key used to do nothing in a real run; issue 31: every training stage)."""
 
 from __future__ import annotations
 
@@ -12,18 +13,22 @@ from tests.conftest import journal, only, run_cli, run_dirs
 
 
 @pytest.mark.parametrize(
-    "overrides, gang",
+    "overrides, gang, ranks",
     [
-        (["training.parallel_strategy=data_parallel"], 4),
-        (["training.parallel_strategy=none"], 1),
-        (["training.parallel_strategy=fsdp"], 4),
-        (["training.parallel_strategy=data_parallel", "system.gpu_mode=single_gpu"], 1),
+        (["training.parallel_strategy=data_parallel"], 1, [1, 2, 4]),
+        (["training.parallel_strategy=none"], 1, []),
+        (["training.parallel_strategy=fsdp"], 4, []),
+        (["training.parallel_strategy=data_parallel", "system.gpu_mode=single_gpu"], 1, []),
+        (["training.parallel_strategy=data_parallel", "executor.max_ranks_per_task=1"], 1, []),
+        (["training.parallel_strategy=data_parallel", "executor.max_ranks_per_task=2"], 1, [1, 2]),
     ],
 )
-def test_training_stages_are_planned_on_a_gang(overrides, gang):
+def test_training_stages_are_planned_on_a_gang(overrides, gang, ranks):
     """Every training stage (pretrain, the value trainer's and the TRL stages' train, the
-    reward model) gets the gang; the others keep one device. The task's `strategy` is what
-    runs: fsdp for pita's own loops, DDP for a TRL stage on these (fake, CPU) devices."""
+    reward model) gets the gang, the others keep one device and are never elastic. Under
+    data_parallel the gang's k is chosen at dispatch among `ranks` (planned on one device);
+    under fsdp the task's `strategy` is what runs: fsdp for pita's own loops, DDP for a TRL
+    stage on these (fake, CPU) devices."""
     cfg = cli.compose_config(
         ["system.devices=fake:4", *only("reference", "QSharp", "GRPO-HF"), *overrides]
     )
@@ -33,7 +38,9 @@ def test_training_stages_are_planned_on_a_gang(overrides, gang):
     }
     assert {"pretrain.goal_walk.tiny", "GRPO-HF.goal_walk.tiny.r0.reward_model"} <= training
     assert {plan.tasks[tid].gpus for tid in training} == {gang}
+    assert {tuple(plan.tasks[tid].ranks) for tid in training} == {tuple(ranks)}
     assert {t.gpus for tid, t in plan.tasks.items() if tid not in training} == {1}
+    assert not any(t.elastic for tid, t in plan.tasks.items() if tid not in training)
     key = overrides[0].split("=")[1]
     for tid in training:
         strategy = plan.tasks[tid].strategy

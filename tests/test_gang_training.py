@@ -73,15 +73,18 @@ def _context(run_dir: Path, strategy: str, task_id: str, gpus: int, name: str, *
     return ctx, lines
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    """A run folder holding a committed tiny π_ref (one process) for the value trainer."""
+def with_pi_ref(run: Path) -> Path:
+    """`run` holding a committed tiny π_ref (one process) for the value trainer."""
     from pita.stages.pretrain import pretrain
 
-    run = tmp_path_factory.mktemp("gang")
     ctx, _ = _context(run, "none", PRETRAIN, 1, f"tasks/{PRETRAIN}")
     pretrain(ctx)
     return run
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    return with_pi_ref(tmp_path_factory.mktemp("gang"))
 
 
 def _items(n: int = 40, seed: int = 0) -> list[tuple]:

@@ -285,11 +285,19 @@ def _train_resumable(ctx: StageContext, trainer: Any, metrics: Any) -> None:
         trainer.add_callback(ck.resume_loop_callback(trainer, resume))
     guard = ck.resume_guard(resume, ctx.logger)
     trainer.add_callback(guard)
+    stop = ck.stop_callback(plan.stop_file)  # the run asks it to checkpoint and stop (growth)
+    if plan.stop_file is not None:
+        trainer.add_callback(stop)
     with scoped_env({"TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"}), guard:
         if resume and max_steps is not None and int(resume.rsplit("-", 1)[-1]) >= max_steps:
             ck.finish_from_checkpoint(trainer, resume)
         else:
             trainer.train(resume_from_checkpoint=resume)
+    if stop.stopped_at is not None:
+        from pita.core.errors import StoppedAtCheckpoint
+
+        ctx.logger.info("stopped at the checkpoint of step %d, as the run asked", stop.stopped_at)
+        raise StoppedAtCheckpoint(stop.stopped_at)
 
 
 def train_and_save(

@@ -12,13 +12,18 @@ DAG runner retries by class (docs/DESIGN.md §3):
 - ``timeout``: the task overran ``executor.task_timeout_s`` — retry on a fresh worker;
 - ``error``: a Python exception in a stage — fail the task and its dependants;
 - ``interrupted``: Ctrl-C / SIGTERM reached the task — the run stops (resumable).
+
+Not a failure: ``stopped`` — the task checkpointed and stopped because the orchestrator
+asked it to (`TaskPaths.stop_request`, pita/core/growth.py: it restarts on a larger gang
+from that checkpoint). It is dispatched again at once and never counts as a retry.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-FailureClass = Literal["oom", "cuda_fault", "killed", "timeout", "error", "interrupted"]
+FailureClass = Literal["oom", "cuda_fault", "killed", "timeout", "error", "interrupted", "stopped"]
+STOPPED = "stopped"  # the outcome of a task that stopped at a checkpoint on request
 # Classes worth another attempt (up to executor.max_retries); the rest fail the task.
 RETRYABLE: tuple[str, ...] = ("oom", "cuda_fault", "killed", "timeout")
 # Classes after which a worker process is replaced rather than reused.
@@ -43,3 +48,13 @@ class ConfigError(PitaError):
 class ExecutorBroken(PitaError):
     """The executor can no longer complete futures (a worker-pool thread stopped): the run
     fails now, exit 1 with the journal written, rather than waiting forever."""
+
+
+class StoppedAtCheckpoint(PitaError):
+    """Raised inside a training loop (on every rank of a gang) once it has written its
+    in-task checkpoint because the orchestrator asked it to stop (`TaskPaths.stop_request`);
+    the worker reports the outcome `stopped`, not a failure."""
+
+    def __init__(self, step: int):
+        self.step = int(step)
+        super().__init__(f"stopped at a checkpoint after step {self.step}, as requested")

@@ -31,11 +31,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pita.core.dag import Plan
+from pita.core.elastic import resized, set_ranks
 from pita.core.errors import RETRYABLE
 from pita.core.journal import RUN_FILE_PREFIX, RunFileError
 from pita.core.tasks import TaskSpec
 
 log = logging.getLogger(__name__)
+# A sized gang still waiting past its predicted start is decided again this often (the
+# prediction was wrong: others ran longer), then shrunk to the devices free.
+REDECIDE = 2
 
 
 def estimate_job_priority(job: TaskSpec, cfg: Any = None) -> float:
@@ -53,6 +57,11 @@ class DeviceState:
     free_mb: int  # as last measured (NVML) or simulated
     running: dict[str, int] = field(default_factory=dict)  # task id -> reserved MB
     allocated_by_ours_mb: int = 0  # NVML: memory our own workers already hold on this device
+
+
+def per_device(task: TaskSpec) -> int:
+    """MB a task needs on each of its devices (`mem_mb` is its gang's total)."""
+    return -(-task.mem_mb // task.gpus)
 
 
 class Scheduler:
@@ -120,7 +129,7 @@ class Scheduler:
         for task in sorted(ready, key=self.priority, reverse=True):
             if all(len(d.running) >= self.max_tasks for d in self.devices):
                 break  # every device is full: the rest wait (a plan of 100k tasks stays fast)
-            per_device_mb = -(-task.mem_mb // task.gpus)
+            per_device_mb = per_device(task)
             candidates = [
                 d
                 for d in self.devices
@@ -155,12 +164,21 @@ class Scheduler:
 
 
 def simulate(
-    plan: Plan, scheduler: Scheduler, duration: Callable[[TaskSpec], float] = lambda t: t.work
+    plan: Plan,
+    scheduler: Scheduler,
+    duration: Callable[[TaskSpec], float] = lambda t: t.work,
+    *,
+    starts: dict[str, float] | None = None,
+    on_ready: Callable[[TaskSpec, float, dict[str, float], set[str]], None] | None = None,
 ) -> tuple[dict[str, list[int]], float]:
     """Event simulation of the schedule (dry run placement): task -> devices, makespan.
 
     Ready tasks are tracked by counting each task's unfinished dependencies, so a plan of
-    tens of thousands of tasks simulates in seconds (the ready list keeps plan order)."""
+    tens of thousands of tasks simulates in seconds (the ready list keeps plan order).
+    `starts` (if given) receives each task's simulated start. `on_ready(task, now, ends,
+    unstarted)` is called once for each task as it becomes ready, before it can be placed,
+    with the running tasks' end times and the ids not started yet: the dry run sizes elastic
+    tasks there (pita/core/elastic.py), as the real run does at dispatch."""
     order = {tid: i for i, tid in enumerate(plan.tasks)}
     waiting_on = {tid: sum(1 for d in t.deps if d in plan.tasks) for tid, t in plan.tasks.items()}
     dependants: dict[str, list[str]] = {}
@@ -170,13 +188,23 @@ def simulate(
     ready_ids = {tid for tid, n in waiting_on.items() if n == 0}
     running: list[tuple[float, str]] = []
     placement: dict[str, list[int]] = {}
+    unstarted = set(plan.tasks)
+    fresh = set(ready_ids)
     now = 0.0
     while ready_ids or running:
+        if on_ready is not None and fresh:
+            ends = {tid: end for end, tid in running}
+            for tid in sorted(fresh, key=order.__getitem__):
+                on_ready(plan.tasks[tid], now, ends, unstarted)
+        fresh = set()
         ready = [plan.tasks[tid] for tid in sorted(ready_ids, key=order.__getitem__)]
         for task, devs in scheduler.place(ready):
             placement[task.id] = devs
+            if starts is not None:
+                starts[task.id] = now
             heapq.heappush(running, (now + duration(task), task.id))
             ready_ids.discard(task.id)
+            unstarted.discard(task.id)
         if not running:
             break  # nothing fits: reported by the caller
         now, tid = heapq.heappop(running)
@@ -185,6 +213,7 @@ def simulate(
             waiting_on[child] -= 1
             if waiting_on[child] == 0:
                 ready_ids.add(child)
+                fresh.add(child)
     return placement, now
 
 
@@ -219,6 +248,8 @@ class DagRunner:
         on_event: Callable[[str, TaskSpec, Any], None] | None = None,
         refresh_memory: Callable[[], list[tuple[int, int]]] | None = None,
         estimator: Any = None,
+        sizer: Any = None,
+        grower: Any = None,
     ):
         self.plan = plan
         self.executor = executor
@@ -234,6 +265,15 @@ class DagRunner:
         # Learns from measured peaks: observe(task, result) -> bool (learned something),
         # refine(task) -> (mem MB, source) | None (pita.experiment.estimates.PeakEstimator).
         self.estimator = estimator
+        # Chooses the ranks of elastic training tasks when they become ready
+        # (pita.core.elastic.Sizer); None: every task keeps its planned devices.
+        self.sizer = sizer
+        self.sized_at: dict[str, float] = {}  # sized task -> when (its wait is bounded)
+        self.redecided: dict[str, int] = {}  # sized task -> times decided again after a wait
+        self.started: dict[str, float] = {}  # running task -> when it was dispatched
+        # Grows a running training task at a checkpoint into idle devices
+        # (pita.core.growth.Grower); None: a task keeps its ranks until it ends.
+        self.grower = grower
         self.attempts: dict[str, int] = {}
         self.running: dict[Future, TaskSpec] = {}
         self.placement: dict[str, list[int]] = {}
@@ -268,20 +308,31 @@ class DagRunner:
     def run(self) -> RunSummary:
         t0 = time.time()
         pending = {tid: t for tid, t in self.plan.tasks.items() if tid not in self.done}
+        if self.sizer is not None and self.sizer.enabled:
+            self.sizer.prioritize(pending)  # the chain the measured durations say goes first
         try:
             while pending or self.running:
                 if self.refresh_memory is not None and not self.scheduler.simulated_memory:
                     for d, (free, ours) in zip(self.scheduler.devices, self.refresh_memory()):
                         d.free_mb, d.allocated_by_ours_mb = free, ours
-                for task, devices in self.scheduler.place(self._ready(pending)):
+                ready = self._ready(pending)
+                if self.sizer is not None and self.sizer.enabled:
+                    self._size(ready, pending)
+                for task, devices in self.scheduler.place(ready):
                     del pending[task.id]
+                    self.started[task.id] = time.time()
+                    self.sized_at.pop(task.id, None)
                     attempt = self.attempts.get(task.id, 0) + 1
                     self.attempts[task.id] = attempt
                     self.placement[task.id] = devices
                     self._journal("task_running", task=task.id, devices=devices, attempt=attempt)
                     self.on_event("running", task, devices)
+                    if self.grower is not None:
+                        self.grower.dispatched(task)
                     fut = self.executor.submit(task, devices, self.cfg_dict, self.run_dir, attempt)
                     self.running[fut] = task
+                if self.grower is not None:
+                    self.grower.tick(self)
                 if not self.running:
                     if pending:  # nothing runnable and nothing running: impossible placements
                         for tid in list(pending):
@@ -305,6 +356,80 @@ class DagRunner:
             self.summary.wall_s = round(time.time() - t0, 3)
         return self.summary
 
+    def _size(self, ready: list[TaskSpec], pending: dict[str, TaskSpec]) -> None:
+        """Choose k for each newly ready elastic task (a simulation of the rest of the plan
+        per candidate k). A sized gang still waiting past its predicted start is decided
+        again on what the run looks like now (up to `REDECIDE` times), then shrunk to the
+        devices free: no task waits behind a gang much longer than predicted."""
+        now = time.time()
+        for task in sorted(ready, key=self.scheduler.priority, reverse=True):
+            if not task.elastic:
+                continue
+            if task.id not in self.sizer.decisions:
+                self._decide(task, pending, now)
+            elif task.id in self.sized_at and task.gpus > self.sizer.ranks_of(task)[0]:
+                sizing = self.sizer.decisions[task.id]
+                waited = now - self.sized_at[task.id]
+                if waited <= sizing.gang_start_s + max(1.0, 0.25 * sizing.gang_start_s):
+                    continue
+                previous = task.gpus
+                self.redecided[task.id] = self.redecided.get(task.id, 0) + 1
+                if self.redecided[task.id] <= REDECIDE:
+                    k = self._decide(task, pending, now, journal=False)
+                else:
+                    k = self._free_ranks(task)
+                    set_ranks(task, k)
+                    del self.sized_at[task.id]
+                if k != previous:
+                    self._journal(
+                        "task_resized", task=task.id, ranks=k, previous=previous, why="waited"
+                    )
+                log.info("%s waited %.1fs for %d devices: %d now", task.id, waited, previous, k)
+
+    def _decide(
+        self, task: TaskSpec, pending: dict[str, TaskSpec], now: float, journal: bool = True
+    ) -> int:
+        """Size `task` now (the Sizer's simulation) and give it that k."""
+        sizing = self.sizer.size(task, *self._remaining(pending, now))
+        set_ranks(task, sizing.k)
+        self.sized_at[task.id] = now
+        if journal:
+            self._journal("task_sized", **sizing.journal_fields())
+        log.info(
+            "%s: %d rank(s), predicted end %s (%.0f ms)",
+            task.id,
+            sizing.k,
+            ", ".join(f"k={k}: {s:.1f}s" for k, s in sizing.predicted.items()) or "-",
+            1000 * sizing.cost_s,
+        )
+        return sizing.k
+
+    def _free_ranks(self, task: TaskSpec) -> int:
+        """The most ranks of `task`'s choices whose devices are free now (else its least)."""
+        choices = self.sizer.ranks_of(task)
+        fit = [
+            c
+            for c in choices
+            if c < task.gpus
+            and sum(
+                self.scheduler._eligible(d, per_device(resized(task, c)))
+                for d in self.scheduler.devices
+            )
+            >= c
+        ]
+        return max(fit or choices[:1])
+
+    def _remaining(
+        self, pending: dict[str, TaskSpec], now: float
+    ) -> tuple[dict[str, TaskSpec], dict[str, float]]:
+        """The unfinished tasks (running ones first) and the seconds left of the running ones."""
+        running = {t.id: t for t in self.running.values()}
+        left = {}
+        for tid, t in running.items():
+            expected = self.sizer.seconds(t)
+            left[tid] = max(0.05 * expected, expected - (now - self.started.get(tid, now)))
+        return {**running, **pending}, left
+
     def _learn(self, task: TaskSpec, result: dict, pending: dict[str, TaskSpec]) -> None:
         """A measured peak arrived: re-estimate the tasks that have not started yet."""
         if self.estimator is None or not self.estimator.observe(task, result):
@@ -325,6 +450,8 @@ class DagRunner:
         task = self.running.pop(fut)
         self.scheduler.release(task.id)
         outcome = fut.result()
+        if self.grower is not None and self.grower.handle(self, task, outcome, pending):
+            return  # stopped at a checkpoint to grow (or a failed resize): dispatched again
         if outcome.ok:
             self.done.add(task.id)
             self.summary.done.append(task.id)
@@ -332,6 +459,8 @@ class DagRunner:
                 "task_done", task=task.id, wall_s=outcome.wall_s, worker_pid=outcome.worker_pid
             )
             self.on_event("done", task, outcome)
+            if self.sizer is not None:
+                self.sizer.observe(task, outcome.wall_s, outcome.result or {})
             self._learn(task, outcome.result or {}, pending)
             return
         attempt = self.attempts[task.id]
@@ -370,16 +499,43 @@ def simulate_remaining(
     event simulation as the dry run: dependencies on finished tasks are met, `running` tasks
     are placed first (they hold their devices now) with what is left of their `seconds`.
     An estimate for the ETA: placement of the real run may differ."""
+    return simulate_window(tasks, scheduler, seconds, running)[1]
+
+
+def simulate_window(
+    tasks: dict[str, TaskSpec],
+    scheduler: Scheduler,
+    seconds: dict[str, float],
+    first: frozenset[str] | set[str] | list[str] = frozenset(),
+    resize: Callable[[TaskSpec, float, dict[str, float], Scheduler], float | None] | None = None,
+) -> tuple[dict[str, float], float]:
+    """(start of each task, makespan) of `tasks` simulated from now: dependencies outside
+    `tasks` are met, the ids in `first` are placed before the others (running tasks hold
+    their devices). `resize(task, now, ends, scheduler)`, called as each task becomes ready,
+    may give it other ranks (a copy: `tasks` is not changed) and return its new seconds,
+    written into `seconds` (pita/core/elastic.py sizes the later elastic tasks so)."""
+    first = set(first)
     sub = {
         tid: replace(
             t,
             deps=[d for d in t.deps if d in tasks],
-            priority=float("inf") if tid in running else t.priority,
+            priority=float("inf") if tid in first else t.priority,
         )
         for tid, t in tasks.items()
     }
-    _, makespan = simulate(Plan(tasks=sub), scheduler, lambda t: seconds[t.id])
-    return makespan
+    starts: dict[str, float] = {}
+    hook = None
+    if resize is not None:
+
+        def hook(task: TaskSpec, now: float, ends: dict[str, float], _: set[str]) -> None:
+            new = resize(task, now, ends, scheduler)
+            if new is not None:
+                seconds[task.id] = new
+
+    _, makespan = simulate(
+        Plan(tasks=sub), scheduler, lambda t: seconds[t.id], starts=starts, on_ready=hook
+    )
+    return starts, makespan
 
 
 def fresh_scheduler(scheduler: Scheduler) -> Scheduler:

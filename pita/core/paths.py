@@ -219,6 +219,12 @@ class TaskPaths:
         return self.run_dir / "tasks" / f"{self.task_id}.checkpoints"
 
     @property
+    def stop_request(self) -> Path:
+        """Written by the orchestrator to ask the running task to checkpoint and stop at
+        its next optimizer step (pita/core/growth.py); removed by it before each dispatch."""
+        return self.run_dir / "tasks" / f"{self.task_id}.stop-request"
+
+    @property
     def log(self) -> Path:
         return self.final / Artifact.LOG
 

@@ -81,8 +81,12 @@ class TaskDurations:
         self.scaled = scaled
         self.by_kind: dict[tuple, list[float]] = {}
         self.work_s = self.work_units = 0.0
+        # (task, wall) -> the seconds it stands for on one rank: a task that ran on a gang
+        # (pita/core/elastic.py) is estimated per rank count from its one-rank figure
+        self.one_rank: Callable[[TaskSpec, float], float] = lambda t, s: s
 
     def observe(self, task: TaskSpec, wall_s: float) -> None:
+        wall_s = self.one_rank(task, float(wall_s))
         self.by_kind.setdefault(task_kind(task), []).append(float(wall_s))
         self.work_s += float(wall_s)
         self.work_units += task.work
@@ -202,6 +206,8 @@ class Eta:
         self.finished = set(finished)  # done, failed or skipped: nothing left to wait for
         self.durations = durations
         self.scheduler = scheduler
+        # (task, one-rank seconds) -> seconds on the task's `gpus` ranks (elastic tasks)
+        self.at_ranks: Callable[[TaskSpec, float], float] = lambda t, s: s
 
     def estimate(
         self,
@@ -218,7 +224,10 @@ class Eta:
         if not left:
             return out
         rate = self.durations.rate(list(self.tasks.values()))
-        expected = {tid: self.durations.estimate(t, rate) for tid, t in left.items()}
+        expected = {}
+        for tid, t in left.items():
+            s, source = self.durations.estimate(t, rate)
+            expected[tid] = (self.at_ranks(t, s), source)
         pace: dict[tuple, float] = {}  # kind -> longest projected total of a running task
         for tid in started:
             if tid not in left:
@@ -322,11 +331,18 @@ class Progress:
             table.add_row(
                 label,
                 str(self.done_per_device[i]),
-                "\n".join(tasks) or "-",
+                "\n".join(self._rank_label(tid, i) for tid in tasks) or "-",
                 "\n".join(self.task_progress(t) for t in tasks),
                 "\n".join(latest.get(t, "") for t in tasks),
             )
         return table
+
+    def _rank_label(self, task_id: str, device: int) -> str:
+        """`id` on one device; `id [rank r/k]` on each device of a k-rank gang."""
+        devs = self.running.get(task_id, [])
+        if len(devs) < 2:
+            return task_id
+        return f"{task_id} [rank {devs.index(device)}/{len(devs)}]"
 
     def task_progress(self, tid: str) -> str:
         """`41 %, 3 min 10 s left` / `past its 2 s estimate, no progress reported` / ``."""

@@ -299,6 +299,25 @@ class ExecutorConfig:
     model_cache_size: int = spec(
         "Models a worker keeps loaded between tasks (LRU).", 2, ge=1, le=64, affects="place"
     )
+    max_ranks_per_task: int = spec(
+        "Most ranks (devices) a data-parallel training task may get; its k in 1, 2, 4, ... is "
+        "chosen when it is dispatched by simulating the rest of the plan (pita/core/elastic.py).",
+        8,
+        ge=1,
+        le=1_024,
+        note="1 = off",
+        affects="place",
+    )
+    grow_idle_s: float = spec(
+        "Seconds devices stay idle (no ready task wants them) before a running data-parallel "
+        "training task that would end sooner on more ranks is asked to checkpoint and restart "
+        "on a larger gang (pita/core/growth.py).",
+        2.0,
+        ge=0,
+        note="0 = never grow",
+        le=1e6,
+        affects="place",
+    )
     max_shards: int = spec(
         "Upper bound on shards per shardable stage.",
         0,
@@ -363,9 +382,10 @@ class TrainingConfig:
     compile_mode: str = spec("torch.compile mode.", "default", choices=COMPILE_MODES)
     parallel_strategy: str = spec(
         "How a training stage uses a gang of devices: data_parallel = DDP (replicated ranks), "
-        "fsdp = FSDP2 (parameters, gradients and optimizer state sharded; a TRL stage runs DDP "
-        "on CPU, where accelerate has no FSDP). A training task too large for one device gets "
-        "the smallest FSDP gang that fits whatever this says.",
+        "1..executor.max_ranks_per_task of them, k chosen at dispatch by simulating the rest of "
+        "the plan; fsdp = FSDP2 on every device (parameters, gradients and optimizer state "
+        "sharded; a TRL stage runs DDP on CPU, where accelerate has no FSDP). A training task "
+        "too large for one device gets the smallest FSDP gang that fits whatever this says.",
         "none",
         choices=PARALLEL_STRATEGIES,
         memory=True,

@@ -51,6 +51,9 @@ class TaskSpec:
     # how a training task uses its gang: "none" (one process), "ddp" (replicated ranks) or
     # "fsdp" (sharded ranks); the planner's choice (pita/experiment/gangs.py), not the key's
     strategy: str = "none"
+    # an elastic training task: the rank counts its gang may have, ascending; `gpus` is
+    # chosen among them when it is dispatched (pita/core/elastic.py). Empty: `gpus` is fixed
+    ranks: list[int] = field(default_factory=list)
     mem_mb: int = 0  # the whole task's, over its gang (per device: mem_mb / gpus)
     mem_source: str = ""  # where mem_mb came from (pita/experiment/estimates.py); shown by dry_run
     preferred_device: int | None = None
@@ -62,6 +65,11 @@ class TaskSpec:
     outputs: list[str] = field(
         default_factory=list
     )  # declared outputs its committed folder must hold
+
+    @property
+    def elastic(self) -> bool:
+        """Whether its ranks are chosen at dispatch (`ranks`)."""
+        return len(self.ranks) > 1
 
     @property
     def chain(self) -> str:

@@ -63,6 +63,7 @@ class _Job:
     future: Future
     message: tuple
     started: float | None = None
+    devices: tuple[int, ...] = ()  # what the task was given (a gang hosted by a one-device worker)
 
 
 class WorkerHandle:
@@ -182,13 +183,17 @@ class WorkerPool:
         """Run `task` on a worker pinned to exactly `devices`; the future never raises."""
         devices = tuple(devices)
         future: Future = Future()
-        job = _Job(task, future, ("run", task.to_dict(), cfg_dict, str(run_dir), attempt))
+        job = _Job(
+            task, future, ("run", task.to_dict(), cfg_dict, str(run_dir), attempt), devices=devices
+        )
         with self._lock:
             if self._closed:
                 raise RuntimeError("pool is shut down")
             if self.broken:
                 raise RuntimeError(self.broken)
-            worker = self._idle_worker(devices) or self._spawn(devices)
+            worker = (
+                self._idle_worker(devices) or self._gang_host(task, devices) or self._spawn(devices)
+            )
             worker.job = job
             if worker.state == "idle":
                 self._send_job(worker)
@@ -281,6 +286,20 @@ class WorkerPool:
                 and w.proc.poll() is None
             ):
                 return w
+        return None
+
+    def _gang_host(self, task: TaskSpec, devices: tuple[int, ...]) -> WorkerHandle | None:
+        """An idle one-device worker on one of a data-parallel gang's devices, off CUDA: its
+        ranks are processes forked from that worker's warm forkserver, and off CUDA nothing
+        pins a process to a device, so no fresh worker (a new process importing torch, a cold
+        forkserver: most of a gang's start-up, bench/README.md) is needed. On CUDA a gang's
+        worker must see its k GPUs (CUDA_VISIBLE_DEVICES is fixed at process start): spawned."""
+        if len(devices) < 2 or not task.elastic or self.gpu.kind == "cuda":
+            return None
+        for d in devices:
+            host = self._idle_worker((d,))
+            if host is not None and host.state == "idle":
+                return host
         return None
 
     def _spawn(self, devices: tuple[int, ...]) -> WorkerHandle:
@@ -405,7 +424,7 @@ class WorkerPool:
         if job is None or job.future.done():
             return
         outcome.worker_pid = w.pid
-        outcome.devices = w.devices
+        outcome.devices = w.devices if job.task.gpus <= len(w.devices) else job.devices
         if not outcome.wall_s and job.started:
             outcome.wall_s = round(time.time() - job.started, 3)
         job.future.set_result(outcome)

@@ -197,6 +197,31 @@ def load_history(path: Path | None = None) -> DurationHistory:
     return DurationHistory({k: v[0] for k, v in parsed.items()}, by_kind)
 
 
+def load_rank_history(path: Path | None = None) -> dict[str, dict[str, Any]]:
+    """Recorded seconds per rank count: key -> {"curve": stage|family, "by_ranks": {k: s}}
+    (what pita/core/elastic.py fits speedup curves from); entries without them are left out."""
+    path = path or durations_cache_path()
+
+    def parse(v: Any) -> dict[str, Any] | None:
+        if not isinstance(v, dict) or not isinstance(v.get("by_ranks"), dict):
+            return None
+        by = {str(int(r)): float(x) for r, x in v["by_ranks"].items()}
+        return {"curve": str(v["curve"]), "by_ranks": by}
+
+    data = user_cache.read_json(path, "durations")
+    parsed = user_cache.entries(data, path, "durations", parse)
+    return {k: v for k, v in parsed.items() if v is not None}
+
+
+def ranks_of(events: list[dict[str, Any]]) -> dict[str, int]:
+    """task id -> how many devices (ranks) its last started attempt had."""
+    return {
+        e["task"]: max(1, len(e.get("devices") or [0]))
+        for e in events
+        if e.get("event") == "task_running"
+    }
+
+
 def record_durations(
     run_dir: Path,
     tasks: Mapping[str, Any],
@@ -204,23 +229,37 @@ def record_durations(
     path: Path | None = None,
     *,
     events: list[dict[str, Any]] | None = None,
+    one_rank: Callable[[Any, float, int], float] | None = None,
 ) -> int:
     """Add this run's finished tasks' durations to the cache; how many were recorded.
-    `events`: the run's journal when the caller has read it already."""
+    `events`: the run's journal when the caller has read it already.
+
+    `wall_s` is what the task stands for on one rank (`one_rank(task, wall, k)` converts a
+    gang's wall time); an elastic task also keeps its raw seconds per rank count
+    (`by_ranks`, across runs) and its curve key, from which speedup curves are fitted."""
+    from pita.core.elastic import curve_key
+
     path = path or durations_cache_path()
     if events is None:
         events = read_events(RunPaths(run_dir).journal)
     walls = done_walls(events)
+    ranks = ranks_of(events)
     if not walls:
         return 0
 
     def add(data: dict[str, Any]) -> None:
         for tid, wall in walls.items():
             if tid in tasks:
-                entry = {"wall_s": round(wall, 3), "run": str(run_dir)}
+                t, k = tasks[tid], ranks.get(tid, 1)
+                one = one_rank(t, wall, k) if one_rank and k > 1 else wall
+                entry: dict[str, Any] = {"wall_s": round(one, 3), "run": str(run_dir)}
                 if isinstance(key, DurationKey):  # kind and size: scaled for another config
-                    entry.update(key.describe(tasks[tid]))
-                data[key(tasks[tid])] = entry
+                    entry.update(key.describe(t))
+                if getattr(t, "elastic", False):
+                    old = data.get(key(t))
+                    by = dict(old.get("by_ranks") or {}) if isinstance(old, dict) else {}
+                    entry.update(curve=curve_key(t), by_ranks={**by, str(k): round(wall, 3)})
+                data[key(t)] = entry
 
     return len(walls) if user_cache.update_json(path, "durations", add) else 0
 

@@ -3,8 +3,9 @@
 `training.parallel_strategy` says how a training stage (pretrain, the proxy reward model, a
 round's train) uses several devices: `data_parallel` (DDP: every rank holds the whole model,
 optimizer state included, and takes 1/k of the batch) or `fsdp` (FSDP2: parameters, gradients
-and optimizer state sharded over the ranks). Under either, a training task gets a gang of
-every device of the run, one rank per device (`none`: one device).
+and optimizer state sharded over the ranks). Under `fsdp` a training task gets a gang of
+every device of the run, one rank per device; under `data_parallel` its k is chosen at
+dispatch (below); under `none` it gets one device.
 
 Whatever the key says, a training task whose estimate does not fit one device gets the
 smallest FSDP gang that fits (`pita.experiment.estimates.TrainingMemory.per_rank_mb`), and a
@@ -22,6 +23,12 @@ so the global batch does not depend on k.
 
 The decision is stored on the task (`gpus`, `strategy`, `mem_mb` = the gang's total, i.e.
 per-rank × k, which the scheduler divides back per device).
+
+Under `data_parallel` the training stages are elastic instead (pita/experiment/plan.py
+`Planner.elastic_ranks`, pita/core/elastic.py): planned on one device, their k chosen at
+dispatch among `task.ranks`, which this module trims to the k whose ranks fit and share the
+batch. A task too large for one device keeps the smallest FSDP gang that fits as its least
+k (and may be given more at dispatch).
 """
 
 from __future__ import annotations
@@ -83,6 +90,20 @@ class _PerRank:
         return -(-mb // k) if strategy == "fsdp" else mb
 
 
+def _elastic_ranks(task: Any, cfg: Any, per_rank: _PerRank, best: list[int]) -> list[int]:
+    """The rank counts an elastic task may be given at dispatch: those of `task.ranks` whose
+    DDP ranks each fit a device of the k largest and that share a TRL stage's batch (one
+    count left: not elastic)."""
+    ranks = [
+        k
+        for k in task.ranks
+        if k <= len(best)
+        and per_rank("ddp" if k > 1 else "none", k) <= best[k - 1]
+        and _shares_batch(task, cfg, k)
+    ]
+    return ranks if len(ranks) > 1 else []
+
+
 def _refusal(task: Any, one_mb: int, kind: str, largest: int, per_rank: int, why: str) -> str:
     lora = f" or a LoRA adapter (algos.{task.algo}.peft)" if task.stage != "pretrain" else ""
     return (
@@ -110,6 +131,8 @@ def size_training_gangs(
             continue
         analytic = t.mem_source.startswith("size:")
         per_rank = _PerRank(t, training_memory(t, plain, sizes) if analytic else None)
+        if t.ranks:  # elastic (data_parallel): the k its batch and the devices allow
+            t.ranks = _elastic_ranks(t, plain, per_rank, best)
         strategy = ran_strategy(t, key, device_kind) if t.gpus > 1 else "none"
         while not _shares_batch(t, plain, t.gpus):  # the largest gang that shares the batch
             t.gpus -= 1
@@ -135,6 +158,9 @@ def size_training_gangs(
             if per_rank("fsdp", k) <= best[k - 1] and _shares_batch(t, plain, k):
                 t.gpus, t.strategy, t.mem_mb = k, "fsdp", per_rank("fsdp", k) * k
                 t.mem_source += f"; too large for one device: FSDP over {k}"
+                # elastic: sized at dispatch from this gang up (FSDP: the states divide by k)
+                larger = [r for r in t.ranks if r > k and per_rank("fsdp", r) <= best[r - 1]]
+                t.ranks = [k, *larger] if larger else []
                 break
         else:
             raise ConfigError(

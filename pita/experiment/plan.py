@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pita.algos.registry import ALGORITHMS, ANY, is_importable, lookup, stage_outputs
 from pita.core.dag import Plan, critical_path_priorities
+from pita.core.elastic import rank_choices
 from pita.core.errors import ConfigError
 from pita.core.schema import ModelConfig, settings
 from pita.core.tasks import SHARDABLE, TaskSpec, task_id
@@ -146,6 +147,7 @@ class Planner:
                 stage="pretrain",
                 fn=self.function(ANY, "pretrain"),
                 gpus=self.data_parallel_gang(),
+                ranks=self.elastic_ranks(),
                 mem_mb=mem_mb,
                 work=STAGE_WORK["pretrain"],
                 **common,
@@ -153,16 +155,30 @@ class Planner:
         )
         return tid
 
+    def gang_key(self) -> str:
+        """training.parallel_strategy, or "none" where a run has no gangs (cpu, single_gpu)."""
+        if str(self.cfg.system.gpu_mode) in ("cpu", "single_gpu"):
+            return "none"
+        return str(self.cfg.training.parallel_strategy)
+
+    def elastic_ranks(self) -> list[int]:
+        """training.parallel_strategy=data_parallel: a training stage (pretrain, an
+        algorithm's `gang_stages`) is planned on one device and gets 1, 2, 4, ... up to
+        executor.max_ranks_per_task devices, one DDP rank each, its k chosen when it is
+        dispatched by simulating the rest of the plan (pita/core/elastic.py). pita/experiment/
+        gangs.py then drops the k a TRL stage's batch or the memory rules out. [] otherwise."""
+        if self.gang_key() != "data_parallel":
+            return []
+        top = min(self.n_devices, self.largest_gang or self.n_devices)
+        ranks = rank_choices(int(self.cfg.executor.max_ranks_per_task), top)
+        return ranks if len(ranks) > 1 else []
+
     def data_parallel_gang(self) -> int:
-        """training.parallel_strategy=data_parallel | fsdp: the stages that train with pita's
-        own loop on a gang (pretrain, an algorithm's `gang_stages`: pita/runtime/gang.py
-        run_stage) get a gang of every device of the run, one rank per device; other stages
+        """training.parallel_strategy=fsdp: the training stages get a gang of every device of
+        the run, one rank per device (FSDP2 divides the model's states by k: not sized at
+        dispatch); other stages, and every stage under data_parallel (`elastic_ranks`),
         keep one device (or model.gpus_per_task for sharding)."""
-        strategy = str(self.cfg.training.parallel_strategy)
-        if strategy not in ("data_parallel", "fsdp") or str(self.cfg.system.gpu_mode) in (
-            "cpu",
-            "single_gpu",
-        ):
+        if self.gang_key() != "fsdp":
             return 1
         return max(1, min(self.n_devices, self.largest_gang or self.n_devices))
 
@@ -234,7 +250,8 @@ class Planner:
             chain.produced = {}
             for stage in spec_algo.round_stages:
                 inputs = stage_inputs(stage, chain, base_inputs)
-                k = max(gpus, self.data_parallel_gang()) if stage in spec_algo.gang_stages else gpus
+                gang = stage in spec_algo.gang_stages
+                k = max(gpus, self.data_parallel_gang()) if gang else gpus
                 spec = dict(
                     algo=algo,
                     algo_schema=spec_algo.schema_path,
@@ -244,6 +261,7 @@ class Planner:
                     mem_mb=mem_mb(stage),
                     **common,
                 )
+                spec["ranks"] = self.elastic_ranks() if gang and k == 1 else []
                 chain.produced[stage] = self.add_stage(stage, spec, _deps_of(inputs))
             if "collect" in chain.produced:
                 chain.collected.append(chain.produced["collect"])
@@ -328,6 +346,7 @@ def size_gangs(plan: Plan, device_mb: list[int]) -> None:
         if t.family_cfg.get("device_map") == "auto" and t.mem_mb > max(device_mb):
             try:
                 t.gpus = max(t.gpus, gpus_needed(t.mem_mb, device_mb, overhead=1.0))
+                t.ranks = t.ranks if t.gpus == 1 else []  # sharded over its gang: fixed
             except ValueError:
                 pass  # not even the whole machine: check_resources reports it
 

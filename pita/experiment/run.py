@@ -127,7 +127,11 @@ def task_durations(cfg: DictConfig, gpu: GPUManager) -> TaskDurations:
 
 def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
     scheduler = make_scheduler(cfg, gpu)
-    placement, makespan = simulate(plan, scheduler)
+    durations = task_durations(cfg, gpu)
+    sized = _dry_run_sizing(plan, cfg, gpu, durations)
+    placement, makespan = (
+        (sized["placement"], sized["makespan_s"]) if sized else simulate(plan, scheduler)
+    )
     print(
         f"Plan: {len(plan.tasks)} tasks on {len(gpu.devices)} device(s) "
         f"({gpu.kind}, up to {scheduler.max_tasks} task(s) per device while memory allows); "
@@ -148,12 +152,28 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
             f"{t.mem_mb / max(1, t.gpus) / 1024:7.2f} {t.priority:6.1f}  "
             f"{t.mem_source[:40]:40s} {deps}"
         )
+    if sized:
+        print(
+            f"Elastic training tasks (executor.max_ranks_per_task="
+            f"{cfg.executor.max_ranks_per_task}), ranks chosen at dispatch by simulating the "
+            f"rest of the plan:"
+        )
+        for t in plan.tasks.values():
+            if t.elastic:
+                print(f"  {t.id:58s} k={t.gpus}")
+        print(
+            f"Predicted makespan: ~{format_duration(sized['makespan_s'])} with these ranks, "
+            f"~{format_duration(sized['rigid_makespan_s'])} with the least ranks each "
+            f"({sized['sized']} tasks sized in {sized['sizing_s']:.2f} s)."
+        )
     for line in gang_notes(plan, cfg):
         print(line)
-    durations = task_durations(cfg, gpu)
-    seconds, source = Eta(plan.tasks, set(), durations, make_scheduler(cfg, gpu)).remaining(
-        {}, time.time()
-    )
+    eta = Eta(plan.tasks, set(), durations, make_scheduler(cfg, gpu))
+    if sized:
+        from pita.experiment.sizing import wire_eta
+
+        eta = wire_eta(eta, sized["sizer"])
+    seconds, source = eta.remaining({}, time.time())
     print(f"Estimated wall time: ~{format_duration(seconds)} ({source}).")
     print(history_line(plan, durations))
 
@@ -179,6 +199,21 @@ def gang_notes(plan: Plan, cfg: DictConfig) -> list[str]:
     if str(cfg.training.parallel_strategy) != "fsdp":
         return []
     return [cpu_fsdp_note(t.id) for t in plan.tasks.values() if is_trl(t) and t.strategy == "ddp"]
+
+
+def _dry_run_sizing(
+    plan: Plan, cfg: DictConfig, gpu: GPUManager, durations: TaskDurations
+) -> dict | None:
+    """The dry run's simulation with elastic tasks sized at their simulated dispatch."""
+    if not any(t.elastic for t in plan.tasks.values()):
+        return None
+    from pita.experiment.sizing import dry_run_sizing, make_sizer
+
+    scheduler = make_scheduler(cfg, gpu)
+    sizer = make_sizer(cfg, plan.tasks, durations, scheduler)
+    if not sizer.enabled:
+        return None
+    return {**dry_run_sizing(plan, scheduler, sizer), "sizer": sizer}
 
 
 def lock_run_folder(cfg: DictConfig, run_dir: Path, share: bool = False) -> RunLock:
@@ -319,6 +354,7 @@ class Session:
     durations: TaskDurations
     progress: Any
     runner: DagRunner
+    one_rank: Any = None  # (task, wall s, k) -> its one-rank seconds (the speedup curves)
     t0: float = field(default_factory=time.time)
 
 
@@ -343,7 +379,7 @@ def _run_locked(
     session = _start_session(cfg, paths, gpu, plan, done, journal)
     stop, summary = _execute(session)
     events = _final_events(paths)  # the journal, read once at the run's end
-    _record_durations(run_dir, plan, session.durations.key, events)
+    _record_durations(run_dir, plan, session, events)
     end = {
         "done": len(session.runner.done),
         "failed": len(summary.failed),
@@ -426,6 +462,8 @@ def _start_session(
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(cfg_dict, dict)
     executor = make_executor(cfg, gpu, run_dir)
+    if any(t.elastic for t in plan.tasks.values()) and hasattr(executor, "extra_env"):
+        executor.extra_env["PITA_WARM_FORKSERVER"] = "1"  # gangs fork ranks from warm workers
     executor.warm_up([(d.index,) for d in gpu.devices][: len(plan.tasks) - len(done)])
     scheduler = make_scheduler(cfg, gpu)
     monitor = Monitor(
@@ -440,13 +478,16 @@ def _start_session(
         for tid, wall in done_walls(read_events(paths.journal)).items():
             if tid in done:
                 durations.observe(plan.tasks[tid], wall)
+    from pita.experiment.sizing import make_sizer, wire_eta
+
+    sizer = make_sizer(cfg, plan.tasks, durations, scheduler)
     progress = Progress(
         len(plan.tasks),
         [d.label for d in gpu.devices],
         len(done),
         worker_info=executor.workers,
         live=None if cfg.executor.progress else False,
-        eta=Eta(plan.tasks, done, durations, scheduler),
+        eta=wire_eta(Eta(plan.tasks, done, durations, scheduler), sizer),
     )
     estimator = PeakEstimator(cfg, peaks_cache_path() if gpu.kind == "cuda" else None)
     estimator.learn_from_run(run_dir, plan.tasks, done)
@@ -462,13 +503,31 @@ def _start_session(
         on_event=progress.event,
         refresh_memory=lambda: _measured_memory(gpu, executor),
         estimator=estimator,
+        sizer=sizer,
+        grower=_grower(cfg, sizer, run_dir, executor),
     )
     log.info(
         "Packing: up to %d task(s) per device while their memory estimates fit (executor.max_tasks_per_gpu=%s)",
         scheduler.max_tasks,
         cfg.executor.max_tasks_per_gpu,
     )
-    return Session(journal, executor, monitor, durations, progress, runner)
+    return Session(journal, executor, monitor, durations, progress, runner, sizer.curves.one_rank)
+
+
+def _grower(cfg: DictConfig, sizer: Any, run_dir: Path, executor: Any) -> Any:
+    """Growth at a checkpoint (pita/core/growth.py) where tasks are sized at dispatch and
+    `executor.grow_idle_s` > 0; None otherwise."""
+    idle_s = float(cfg.executor.grow_idle_s)
+    if idle_s <= 0 or not sizer.enabled:
+        return None
+    from pita.core.growth import Grower
+
+    def progress() -> dict[str, str]:
+        return {
+            w["task"]: str(w.get("progress") or "") for w in executor.workers() if w.get("task")
+        }
+
+    return Grower.for_sizer(sizer, run_dir, progress, idle_s)
 
 
 def _execute(session: Session) -> tuple[str | RunFileError | None, Any]:
@@ -606,12 +665,14 @@ def resume_command(run_dir: Path | str) -> str:
     return f"{user_command()} resume_from={run_dir}"
 
 
-def _record_durations(run_dir: Path, plan: Plan, key, events: list[dict]) -> None:
-    """Keep this run's task durations for the next run's ETA (never fails the run)."""
+def _record_durations(run_dir: Path, plan: Plan, session: Session, events: list[dict]) -> None:
+    """Keep this run's task durations for the next run's ETA and speedup curves (never
+    fails the run)."""
     from pita.experiment.durations import record_durations
 
+    key = session.durations.key
     try:
-        record_durations(run_dir, plan.tasks, key, events=events)
+        record_durations(run_dir, plan.tasks, key, events=events, one_rank=session.one_rank)
     except Exception as exc:
         log.debug("recording task durations failed: %s", exc, exc_info=True)
 

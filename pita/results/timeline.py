@@ -22,7 +22,9 @@ from pita.core.paths import RunPaths, atomic_write_text
 
 log = logging.getLogger("pita.report")
 
-TASK_END = {"task_done": "done", "task_failed": "failed"}
+# an attempt's end; `task_stopped`: it stopped at a checkpoint to grow (pita/core/growth.py)
+TASK_END = {"task_done": "done", "task_failed": "failed", "task_stopped": "stopped"}
+KEPT = ("done", "stopped")  # attempts whose work counts (a stopped one resumes from its checkpoint)
 
 
 # --- the run's history ------------------------------------------------------------------------
@@ -38,7 +40,7 @@ class Span:
     devices: list[int]
     start: float
     end: float
-    outcome: str  # done | failed | running (no end event: interrupted)
+    outcome: str  # done | failed | stopped (to grow) | running (no end event: interrupted)
     attempt: int = 1  # > 1: a retry
     failure: str | None = None  # a failed attempt's class (oom, killed, error, ...)
 
@@ -140,7 +142,7 @@ def time_rows(all_spans: list[Span], wall: float, labels: list[str]) -> list[dic
                     "tasks": len({s.task for s in members}),
                     "seconds": round(seconds, 1),
                     "share_%": round(100 * seconds / task_total, 1),
-                    "failed_s": round(sum(s.seconds for s in members if s.outcome != "done"), 1),
+                    "failed_s": round(sum(s.seconds for s in members if s.outcome not in KEPT), 1),
                 }
             )
     for i, label in enumerate(labels):
@@ -153,7 +155,7 @@ def time_rows(all_spans: list[Span], wall: float, labels: list[str]) -> list[dic
                 "tasks": len({s.task for s in on}),
                 "seconds": round(busy, 1),
                 "share_%": round(100 * busy / wall, 1) if wall > 0 else 0.0,
-                "failed_s": round(sum(s.seconds for s in on if s.outcome != "done"), 1),
+                "failed_s": round(sum(s.seconds for s in on if s.outcome not in KEPT), 1),
             }
         )
     return rows
@@ -180,6 +182,19 @@ def time_markdown(rows: list[dict[str, Any]], wall: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+def resize_marks(events: list[dict[str, Any]]) -> list[tuple[float, str, int]]:
+    """(seconds since the first start, task, new k) of each journaled resize of a gang."""
+    starts = [e["ts"] for e in events if e.get("event") == "task_running"]
+    if not starts:
+        return []
+    t0 = min(starts)
+    return [
+        (float(e["ts"]) - t0, str(e["task"]), int(e.get("ranks", 1)))
+        for e in events
+        if e.get("event") == "task_resized" and "ts" in e
+    ]
+
+
 def write_time_report(
     run_dir: Path,
     tasks: Mapping[str, Any],
@@ -192,7 +207,8 @@ def write_time_report(
     results/time.{md,csv}; the table's text (None: no task ran). `events`: the run's journal
     when the caller has read it already."""
     paths = RunPaths(run_dir)
-    all_spans, wall = spans(read_events(paths.journal) if events is None else events, tasks)
+    events = read_events(paths.journal) if events is None else events
+    all_spans, wall = spans(events, tasks)
     if not all_spans:
         return None
     n_devices = max([len(labels)] + [d + 1 for s in all_spans for d in s.devices])
@@ -209,5 +225,6 @@ def write_time_report(
         return table
     from pita.results.timeline_plot import draw_timeline, timeline_model
 
-    draw_timeline(timeline_model(all_spans, labels), paths.results / "timeline.png")
+    model = timeline_model(all_spans, labels, resize_marks(events))
+    draw_timeline(model, paths.results / "timeline.png")
     return table

@@ -11,7 +11,8 @@ and `draw_timeline` draws them with matplotlib. What the model says:
 - colour by stage; a long bar is labelled with its task (`PITA.goal_walk.tiny.r0.train`, or
   `PITA r0 train` when the full id does not fit): which train is PITA's;
 - a failed attempt is hatched with a red edge and a `failed` marker at its end naming the
-  failure class (`oom`, `killed`, ...); a retried attempt has a `retry` marker at its start.
+  failure class (`oom`, `killed`, ...); a retried attempt has a `retry` marker at its start;
+  a gang resized (journal `task_resized`, pita/core/elastic.py) has a `resize` marker.
   A new kind of event is a new `Marker.kind` with its entry in `MARKER_STYLE`.
 """
 
@@ -46,7 +47,7 @@ class Bar:
 class Marker:
     """A point event on the timeline: `kind` picks its style (MARKER_STYLE)."""
 
-    kind: str  # failed | retry
+    kind: str  # failed | retry | resize
     task: str
     x: float
     rows: tuple[int, int]
@@ -96,8 +97,11 @@ def bar_label(span: Any, width: float, x_max: float) -> str | None:
     return None
 
 
-def timeline_model(spans: Sequence[Any], rows: Sequence[str]) -> Timeline:
-    """The bars, labels and markers of the attempts `spans` (timeline.Span) on `rows`."""
+def timeline_model(
+    spans: Sequence[Any], rows: Sequence[str], resizes: Sequence[tuple[float, str, int]] = ()
+) -> Timeline:
+    """The bars, labels and markers of the attempts `spans` (timeline.Span) on `rows`, and a
+    `resize` marker for each (seconds, task, new k) of `resizes` (timeline.resize_marks)."""
     x_max = max([s.end for s in spans] + [0.0])
     model = Timeline(list(rows), x_max)
     for s in spans:
@@ -125,12 +129,17 @@ def timeline_model(spans: Sequence[Any], rows: Sequence[str]) -> Timeline:
             model.markers.append(Marker("failed", s.task, s.end, whole, s.failure or "failed"))
         if s.attempt > 1:
             model.markers.append(Marker("retry", s.task, s.start, whole, f"attempt {s.attempt}"))
+    for at, task, k in resizes:  # on the rows of the attempt that started after it
+        after = [s for s in spans if s.task == task and s.start >= at - 1e-6]
+        runs = device_runs(after[0].devices) if after and after[0].devices else [(0, 0)]
+        model.markers.append(Marker("resize", task, at, (runs[0][0], runs[-1][1]), f"{k} ranks"))
     return model
 
 
 MARKER_STYLE: dict[str, dict[str, Any]] = {
     "failed": {"marker": "X", "color": "red", "size": 40},
     "retry": {"marker": ">", "color": "black", "size": 30},
+    "resize": {"marker": "v", "color": "purple", "size": 30},
 }
 
 

@@ -69,6 +69,9 @@ def gang_world_size(ctx: StageContext) -> int:
     return max(1, int(ctx.task.gpus))
 
 
+_STOPPED = "__pita_stopped_at_step__"  # a rank's return value: it stopped at a checkpoint
+
+
 class _QueueLogHandler(logging.Handler):
     """A rank's log records, sent to the caller (rank 0 unprefixed, the others tagged)."""
 
@@ -109,7 +112,12 @@ def _stage_rank(dist: Any, body: Callable[..., Any], snapshot: dict[str, Any], a
         models=ModelCache(1),
         heartbeat=heartbeat,
     )
-    return body(ctx, dist, *args)
+    from pita.core.errors import StoppedAtCheckpoint
+
+    try:
+        return body(ctx, dist, *args)
+    except StoppedAtCheckpoint as stop:  # every rank stops at the same step: not a failure
+        return {_STOPPED: stop.step}
 
 
 def run_stage(
@@ -153,7 +161,7 @@ def run_stage(
             ctx.heartbeat(payload)
 
     try:
-        return launch_ranks(
+        result = launch_ranks(
             _stage_rank,
             world,
             args=(body, snapshot, tuple(args)),
@@ -163,3 +171,8 @@ def run_stage(
     except DataParallelError:
         ctx.logger.error("k-rank task failed:\n%s", traceback.format_exc(limit=3))
         raise
+    if isinstance(result, dict) and _STOPPED in result:  # the gang stopped at a checkpoint
+        from pita.core.errors import StoppedAtCheckpoint
+
+        raise StoppedAtCheckpoint(result[_STOPPED])
+    return result

@@ -9,7 +9,8 @@ config sections, never the whole config:
 - `checkpoint_plan(ctx)`: a `CheckpointPlan` (pita/training/checkpoint.py): the task's
   `tasks/<id>.checkpoints/` folder (seen by every attempt), `training.checkpoint_every`
   steps / `checkpoint_every_minutes`, the identity its checkpoints carry, `system.trust_group`
-  and the state's format (by parameter name under a gang strategy). A loop builds its
+  and the state's format (by parameter name under a gang strategy; then also the run's stop
+  request, `TaskPaths.stop_request`). A loop builds its
   `Checkpointer` from it, a TRL Trainer its arguments and the checkpoint it resumes from.
 - `checkpoint_identity(ctx)`: what a checkpoint must have been written by (task id, hashes
   of the resolved config and of the inputs' manifests): one from another run is refused.
@@ -45,13 +46,17 @@ def checkpoint_plan(ctx: StageContext) -> CheckpointPlan:
     from pita.runtime.gang import GANG_STRATEGIES, parallel_strategy
     from pita.training.checkpoint import CheckpointPlan
 
+    by_name = parallel_strategy(ctx) in GANG_STRATEGIES
     return CheckpointPlan(
         TaskPaths(ctx.run_dir, ctx.task.id).checkpoints,
         ctx.training.checkpoint_every,
         ctx.training.checkpoint_every_minutes,
         identity=checkpoint_identity(ctx),
         trust_group=ctx.system.trust_group,
-        by_name=parallel_strategy(ctx) in GANG_STRATEGIES,
+        by_name=by_name,
+        # a gang strategy's task (its checkpoints resume on any k) honours the run's request
+        # to stop at a checkpoint (it restarts on a larger gang, pita/core/growth.py)
+        stop_file=TaskPaths(ctx.run_dir, ctx.task.id).stop_request if by_name else None,
     )
 
 

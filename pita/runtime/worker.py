@@ -18,6 +18,7 @@ Messages (tuples over a `multiprocessing.connection`):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import logging
@@ -32,7 +33,7 @@ from multiprocessing.connection import Client
 from pathlib import Path
 from typing import Any
 
-from pita.core.errors import RECYCLE_WORKER
+from pita.core.errors import RECYCLE_WORKER, STOPPED, StoppedAtCheckpoint
 from pita.runtime.oom import classify_exception
 
 
@@ -194,6 +195,14 @@ def execute_task(
             paths.checkpoints, ignore_errors=True
         )  # in-task checkpoints: no longer needed
         return True, None, "", result
+    except StoppedAtCheckpoint as stop:  # asked to stop (a resize): not a failure
+        logger.info("stopped at the checkpoint of step %d after %.2fs", stop.step, time.time() - t0)
+        _close(logger)
+        kept = paths.run_dir / "tasks" / f"{task.id}.attempt{attempt}.stopped-at-{stop.step}"
+        shutil.rmtree(kept, ignore_errors=True)
+        with contextlib.suppress(OSError):  # its log, kept beside the other attempts'
+            os.replace(tmp, kept)
+        return False, STOPPED, str(stop), {"stopped_at_step": stop.step}
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, classified
         failure = (
             "interrupted"
@@ -509,6 +518,9 @@ class Worker:
                 self.run_task(task_dict, cfg_dict, run_dir, attempt)
 
 
+WARM_FORKSERVER = "PITA_WARM_FORKSERVER"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="pita worker (started by the orchestrator)")
     parser.add_argument("--address", required=True, help="the orchestrator's Unix socket path")
@@ -532,6 +544,13 @@ def main(argv: list[str] | None = None) -> int:
             import transformers  # noqa: F401  - overlap the slow import with planning
         except ImportError:
             pass
+        if os.environ.get(WARM_FORKSERVER) == "1":  # the run has elastic training tasks
+            from pita.training.ddp import warm_forkserver
+
+            try:  # a gang hosted here later forks its ranks from it (pita/core/elastic.py)
+                warm_forkserver()
+            except Exception:  # only a head start: the first gang starts it otherwise
+                pass
     worker.serve()
     return 0
 

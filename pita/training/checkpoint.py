@@ -71,6 +71,7 @@ MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
 STATE = "state.json"
 MAX_STATE_BYTES = 1 << 30  # state.json: metric rows of a long run, never more
+FIRST_STEP = "step {} done"  # logged once per attempt (bench/growth.py times resizes by it)
 
 
 # --- proof: manifests, verification, moving aside -------------------------------------------
@@ -264,6 +265,21 @@ def load_state(folder: Path, trust_group: bool = False) -> dict[str, Any]:
     return _decode(json.loads(state), tensors)
 
 
+def rank_zero_says(*flags: bool) -> tuple[bool, ...]:
+    """`flags` as rank 0 of the process group has them (a broadcast; the flags themselves
+    outside a gang): what every rank decides together, e.g. to stop at a checkpoint."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return tuple(bool(f) for f in flags)
+    packed = torch.tensor([int(f) for f in flags])
+    if dist.get_backend() == "nccl":  # NCCL moves device tensors only
+        packed = packed.to(f"cuda:{torch.cuda.current_device()}")
+    dist.broadcast(packed, src=0)
+    return tuple(bool(v) for v in packed.tolist())
+
+
 class _Built:
     """A state already built (on every rank of a gang) that `save` writes as it is."""
 
@@ -286,8 +302,14 @@ class Checkpointer:
         identity: dict[str, Any] | None = None,
         trust_group: bool = False,
         collective: bool = False,
+        stop_file: Path | str | None = None,
     ):
         self.folder = Path(folder)
+        # the orchestrator asks the task to checkpoint and stop by creating this file
+        # (`TaskPaths.stop_request`): checked after each optimizer step, rank 0 decides
+        self.stop_file = Path(stop_file) if stop_file is not None else None
+        self.max_step: int | None = None  # the schedule's length (from `restore`)
+        self._stepped = False  # maybe_save was called once (an optimizer step was taken)
         # a gang: building the objects' state is a collective (FSDP2 gathers its shards), so
         # every rank builds it when a save is due, and rank 0's clock decides when that is
         self.collective = collective
@@ -333,8 +355,11 @@ class Checkpointer:
     ) -> tuple[int, dict[str, Any]]:
         """Load the newest good checkpoint into `objects` (anything with `load_state_dict`)
         and the TrainStep `step`; -> (optimizer steps done, the loop's extra state).
-        (0, {}) if none, or when checkpointing is off. `max_step`: the schedule's length."""
-        if not self.enabled:
+        (0, {}) if none, or when checkpointing is off and the task cannot be asked to stop
+        (a stopped task resumes from the checkpoint it stopped at whatever the interval).
+        `max_step`: the schedule's length."""
+        self.max_step = max_step
+        if not self.enabled and self.stop_file is None:
             return 0, {}
         latest = self.latest(max_step)
         if latest is None:
@@ -396,36 +421,51 @@ class Checkpointer:
         """Save after optimizer step `n` when due (`objects()` / `extra()` are only built then).
 
         `collective`: every rank calls this; each builds `objects()`' state when due, the
-        writer saves it."""
+        writer saves it. When the orchestrator asked the task to stop (`stop_file`) and
+        steps remain, the checkpoint is written whether due or not and every rank raises
+        `StoppedAtCheckpoint` (rank 0 decides for the gang, so all stop at the same step)."""
+        from pita.core.errors import StoppedAtCheckpoint
+
+        if not self._stepped and self.writer:  # the time a start or a resize costs ends here
+            self.logger.info("%s: the first optimizer step of this attempt", FIRST_STEP.format(n))
+        self._stepped = True
         if self.collective:
-            if not self._due_on_every_rank(n):
+            due, stop = self._decide_on_every_rank(n)
+            if not (due or stop):
                 return False
             state = {k: v.state_dict() for k, v in objects().items() if v is not None}
-            if not self.writer:
+            if self.writer:
+                self.save(
+                    n,
+                    {k: _Built(v) for k, v in state.items()},
+                    step=step,
+                    extra=extra() if extra else {},
+                )
+        else:
+            due, stop = self.due(n), self._stop_asked(n)
+            if not self.writer or not (due or stop):
                 return False
-            self.save(
-                n,
-                {k: _Built(v) for k, v in state.items()},
-                step=step,
-                extra=extra() if extra else {},
-            )
-            return True
-        if not self.writer or not self.due(n):
+            self.save(n, objects(), step=step, extra=extra() if extra else {})
+        if stop:
+            self.logger.info("stopping at the checkpoint of step %d, as the run asked", n)
+            raise StoppedAtCheckpoint(n)
+        return self.writer
+
+    def _stop_asked(self, n: int) -> bool:
+        """The stop request exists and step `n` is not the schedule's last (a finished
+        schedule just finishes)."""
+        if self.stop_file is None or (self.max_step is not None and n >= self.max_step):
             return False
-        self.save(n, objects(), step=step, extra=extra() if extra else {})
-        return True
+        return os.path.exists(self.stop_file)
 
-    def _due_on_every_rank(self, n: int) -> bool:
-        """`due(n)` as rank 0 sees it (a time-based interval may differ between ranks)."""
-        if self.every_s <= 0:
-            return self.due(n)  # steps only: the same on every rank
-        import torch
-        import torch.distributed as dist
-
-        flag = torch.tensor([int(self.due(n))])
-        if dist.is_available() and dist.is_initialized():
-            dist.broadcast(flag, src=0)
-        return bool(flag.item())
+    def _decide_on_every_rank(self, n: int) -> tuple[bool, bool]:
+        """(`due(n)`, stop asked) as rank 0 sees them: a time-based interval or the stop
+        request may differ between ranks, so rank 0's answer is broadcast (one tiny
+        collective per step; none when the interval counts steps only and no stop can come)."""
+        if self.every_s <= 0 and self.stop_file is None:
+            return self.due(n), False  # steps only: the same on every rank
+        due, stop = rank_zero_says(self.due(n), self._stop_asked(n))
+        return due, stop
 
     def save(
         self,
@@ -507,6 +547,7 @@ class CheckpointPlan:
     identity: Mapping[str, str] = field(default_factory=dict)
     trust_group: bool = False
     by_name: bool = False
+    stop_file: Path | None = None  # the run asks the task to checkpoint and stop (growth)
 
     def checkpointer(
         self, logger: logging.Logger | None = None, *, writer: bool = True, collective: bool = False
@@ -522,6 +563,7 @@ class CheckpointPlan:
             identity=dict(self.identity),
             trust_group=self.trust_group,
             collective=collective,
+            stop_file=self.stop_file,
         )
 
     def objects(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
@@ -779,3 +821,25 @@ def time_checkpoint_callback(minutes: float):
                 self.last = time.monotonic()
 
     return TimeCheckpointCallback()
+
+
+def stop_callback(stop_file: Path | str | None):
+    """A TrainerCallback honouring the run's request to stop at a checkpoint (the
+    `Checkpointer.stop_file` of the hand-written loops): after a step, when the request
+    exists (rank 0 decides for the gang) and steps remain, the Trainer saves a checkpoint
+    and stops; `stopped_at` is that step (the stage then raises `StoppedAtCheckpoint`)."""
+    from transformers import TrainerCallback
+
+    class StopAtCheckpoint(TrainerCallback):
+        stopped_at: int | None = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            last = state.max_steps > 0 and state.global_step >= state.max_steps
+            asked = stop_file is not None and os.path.exists(stop_file)
+            (stop,) = rank_zero_says(not last and asked)
+            if stop:
+                control.should_save = True
+                control.should_training_stop = True
+                self.stopped_at = int(state.global_step)
+
+    return StopAtCheckpoint()
