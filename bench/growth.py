@@ -58,14 +58,6 @@ from pita.experiment.run import build_plan, make_gpu_manager, make_scheduler  # 
 FIRST_STEP_LINE = re.compile(r"^\[([\d-]+ [\d:,]+)\]\[INFO\] step (\d+) done: the first optim")
 
 
-class WhenTraining(GrowthPolicy):
-    """Asks only once the task reported progress (a step taken), so the request lands
-    mid-training, not during its start-up."""
-
-    def left(self, r):
-        return super().left(r) if r.fraction else None
-
-
 def config(k: int, steps: int):
     cfg = compose_config(
         [
@@ -138,8 +130,11 @@ def measure(k: int, steps: int, tmp: Path) -> dict:
             dispatch.append(first - ts(events, "task_running"))
         # resize: on 1 rank, grown to k once it trains (progress seen) and the others idle 1 s
         set_ranks(like, 1)
-        policy = WhenTraining(
-            seconds=lambda t, r: 1000.0 / r, startup=lambda r: 0.0, choices=lambda t: [1, k]
+        policy = GrowthPolicy(
+            seconds=lambda t, r: 1000.0 / r,
+            startup=lambda r: 0.0,
+            choices=lambda t: [1, k],
+            needs_progress=True,  # the request lands mid-training, not in its start-up
         )
         run_dir = tmp / f"resize{k}"
 

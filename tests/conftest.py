@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,14 +25,24 @@ STAGES = TASK_STAGES  # every stage a task can have
 
 def task_spec(id: str, **fields) -> TaskSpec:
     """A TaskSpec for a unit test: a round-0 QSharp train task on goal_walk / tiny with a
-    function nobody runs, unless `fields` says otherwise."""
+    function nobody runs, unless `fields` says otherwise. Its `algo_schema` is the
+    algorithm's registry row's, as the planner sets it, so a context built on it reads
+    `ctx.algo` as that schema (`algo_as` works)."""
+    from pita.algos.registry import ALGORITHMS
+
     defaults = dict(algo="QSharp", dataset="goal_walk", family="tiny", round=0, stage="train")
-    return TaskSpec(id=id, **{**defaults, "fn": "x:y", **fields})
+    spec = {**defaults, "fn": "x:y", **fields}
+    row = ALGORITHMS.get(spec["algo"])
+    spec.setdefault("algo_schema", row.schema_path if row is not None else "")
+    return TaskSpec(id=id, **spec)
 
 
 def sleep_overrides(fn: str = "tests.fault_stages:sleep_stage") -> list[str]:
-    """Replace every stage with a test stage (the orchestrator is what is under test)."""
-    return [f"+executor.stage_overrides.any.{s}={fn}" for s in STAGES]
+    """Replace every stage with a test stage (the orchestrator is what is under test). A test
+    stage needs no torch, so workers do not import it (executor.preimport=false)."""
+    return [f"+executor.stage_overrides.any.{s}={fn}" for s in STAGES] + [
+        "executor.preimport=false"
+    ]
 
 
 def only(*algos: str) -> list[str]:
@@ -44,7 +57,10 @@ def run_cli(
     timeout: float = 180,
     script: str = "run_parallel.py",
 ) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    """The command line run to its end; `env` adds to this process's environment (a value
+    of None removes that variable)."""
+    merged = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    full_env = {k: v for k, v in merged.items() if v is not None}
     return subprocess.run(
         [sys.executable, str(ROOT / script), *args],
         cwd=cwd,
@@ -92,6 +108,17 @@ def run_ok(args: list[str], cwd: Path, name: str, **kwargs) -> Path:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [run_dir] = run_dirs(cwd, name)
     return run_dir
+
+
+def run_cli_later(args: list[str], cwd: Path, **kwargs) -> Future[subprocess.CompletedProcess]:
+    """`run_cli` in a thread of its own: a run that does not depend on what the test does
+    meanwhile (the uninterrupted reference beside a run being killed, another backend's run)
+    goes on beside it. One run keeps about one core of this 2-core machine busy, so two at
+    once take the wall time of the longer one. `.result()` is the CompletedProcess."""
+    pool = ThreadPoolExecutor(max_workers=1)
+    future = pool.submit(run_cli, args, cwd, **kwargs)
+    pool.shutdown(wait=False)
+    return future
 
 
 def run_dirs(cwd: Path, name: str) -> list[Path]:
@@ -152,14 +179,48 @@ SMOKE_ARGS = [
 ]
 
 
+_SMOKE_RUN = pytest.StashKey[tuple[Path, Future[subprocess.CompletedProcess]]]()
+
+
+def _start_smoke_run(config: pytest.Config) -> tuple[Path, Future[subprocess.CompletedProcess]]:
+    """Start the smoke run in its own folder (removed when the session ends)."""
+    cwd = Path(tempfile.mkdtemp(prefix="pita-smoke-run-"))
+    future = run_cli_later(SMOKE_ARGS, cwd, env=_smoke_env(cwd), timeout=900)
+
+    def remove() -> None:
+        future.exception()  # wait for the run (a session stopped early)
+        shutil.rmtree(cwd, ignore_errors=True)
+
+    config.add_cleanup(remove)
+    config.stash[_SMOKE_RUN] = (cwd, future)
+    return cwd, future
+
+
+def _smoke_env(cwd: Path) -> dict[str, str]:
+    return {"PITA_CACHE_DIR": str(cwd / "cache")}  # its own duration cache
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """When a selected test reads the smoke run, start it as soon as collection ends: it
+    goes on beside the tests before its first reader (a run keeps about one of the two
+    cores busy) instead of holding that reader up."""
+    if session.config.option.collectonly:
+        return
+    if any("smoke_run" in getattr(item, "fixturenames", ()) for item in session.items):
+        _start_smoke_run(session.config)
+
+
 @pytest.fixture(scope="session")
-def smoke_run(tmp_path_factory) -> SmokeRun:
+def smoke_run(pytestconfig) -> SmokeRun:
     """The session's one smoke run: every algorithm's chain trained for real on two fake
-    devices, with its own duration cache so the ETA starts from work units. A test that
-    changes the folder (a resume) must leave what the others read in place."""
-    cwd = tmp_path_factory.mktemp("smoke_run")
-    env = {"PITA_CACHE_DIR": str(cwd / "cache")}
-    proc = run_cli(SMOKE_ARGS, cwd, env=env, timeout=900)
+    devices, with its own duration cache so the ETA starts from work units. Started when
+    collection ended (`pytest_collection_finish`); a test that changes the folder (a resume)
+    must leave what the others read in place."""
+    if _SMOKE_RUN in pytestconfig.stash:
+        cwd, future = pytestconfig.stash[_SMOKE_RUN]
+    else:
+        cwd, future = _start_smoke_run(pytestconfig)
+    proc = future.result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [run_dir] = run_dirs(cwd, "smoke")
-    return SmokeRun(cwd, list(SMOKE_ARGS), env, proc, run_dir)
+    return SmokeRun(cwd, list(SMOKE_ARGS), _smoke_env(cwd), proc, run_dir)

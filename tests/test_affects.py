@@ -18,9 +18,9 @@ from pita.algos.registry import ALGORITHMS
 from pita.core import schema as S
 from pita.core.paths import RunPaths
 from pita.experiment import cli
+from pita.experiment.durations import duration_key
 from pita.experiment.estimates import peak_key
 from pita.experiment.plan import plan_experiment
-from pita.results.timeline import duration_key
 from pita.runtime.context import StageContext
 from pita.runtime.kit import checkpoint_identity
 from tests.conftest import ROOT

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import only, run_cli, run_dirs
+from tests.conftest import only, run_cli, run_dirs, task_spec
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
@@ -160,19 +160,13 @@ def _run_folder(tmp_path: Path, steps: int = 60) -> Path:
 
 
 def _ctx(run_dir: Path, algo: str, stage: str, inputs: dict, overrides: list[str], name: str):
-    from pita.algos.registry import ALGORITHMS
-    from pita.core.tasks import TaskSpec
     from pita.experiment.cli import compose_config
     from pita.runtime.context import StageContext
 
     cfg = compose_config([f"algos.{algo}.enabled=true", *overrides])
-    task = TaskSpec(
-        id=name,
+    task = task_spec(
+        name,
         algo=algo,
-        algo_schema=ALGORITHMS[algo].schema_path,
-        dataset="goal_walk",
-        family="tiny",
-        round=0,
         stage=stage,
         fn="-",
         inputs={"reference": "pretrain", **inputs},

@@ -6,20 +6,19 @@ import json
 import os
 import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from pita.training.checkpoint import COMPLETE
-from tests.conftest import only, run_cli, run_dirs, start_cli
+from tests.conftest import only, run_cli_later, run_dirs, start_cli
 
 PRETRAIN = "pretrain.goal_walk.tiny"
 ARGS = [
     "experiment=smoke",
     *only("reference"),
-    "pretrain.steps=300",
+    "pretrain.steps=120",
     "training.checkpoint_every=20",
     "executor.progress=false",
     "executor.max_retries=2",
@@ -64,18 +63,19 @@ def test_sigkilled_pretrain_retries_from_its_checkpoint_and_matches_an_uninterru
     killed_cwd, clean_cwd = tmp_path / "killed", tmp_path / "clean"
     killed_cwd.mkdir()
     clean_cwd.mkdir()
-    pid = _kill_pretrain_after_checkpoint(killed_cwd, min_step=60)
+    clean_run = run_cli_later(ARGS, cwd=clean_cwd)  # the uninterrupted one, at the same time
+    pid = _kill_pretrain_after_checkpoint(killed_cwd, min_step=40)
     run = run_dirs(killed_cwd, "smoke")[0]
     tasks = run / "tasks"
     assert (tasks / f".tmp-{PRETRAIN}-{pid}").is_dir()  # the dead attempt's folder, never committed
     log = (tasks / PRETRAIN / "log.txt").read_text()
     m = re.search(r"resumed from checkpoint \S+ \(step (\d+)\)", log)
-    assert m and int(m.group(1)) >= 60, log[:2000]
+    assert m and int(m.group(1)) >= 40, log[:2000]
     result = json.loads((tasks / PRETRAIN / "result.json").read_text())
-    assert result["attempt"] == 2 and result["steps"] == 300
+    assert result["attempt"] == 2 and result["steps"] == 120
     assert not (tasks / f"{PRETRAIN}.checkpoints").exists()  # removed once the task committed
 
-    done = run_cli(ARGS, cwd=clean_cwd)
+    done = clean_run.result()
     assert done.returncode == 0, done.stderr[-2000:]
     clean = run_dirs(clean_cwd, "smoke")[0]
     a, b = _weights(run), _weights(clean)
@@ -146,7 +146,7 @@ def test_sigkilled_grpo_retry_resumes_from_the_last_committed_trainer_checkpoint
     args = [
         "experiment=smoke",
         "algos=[GRPO]",
-        "algos.GRPO.steps=30",
+        "algos.GRPO.steps=20",
         "training.checkpoint_every=5",
         "executor.progress=false",
     ]
@@ -174,27 +174,28 @@ def test_sigkilled_grpo_retry_resumes_from_the_last_committed_trainer_checkpoint
         m and int(m.group(1)) >= killed_at
     )  # the newest committed one (a later half-written one is dropped)
     result = json.loads((task / "result.json").read_text())
-    assert result["attempt"] == 2 and result["steps"] == 30
+    assert result["attempt"] == 2 and result["steps"] == 20
     logged = [json.loads(line) for line in (task / "train_log.jsonl").read_text().splitlines()]
-    # every step is logged once: the lines up to the checkpoint are replayed from it, the
-    # retry trained (and logged) only the remaining steps
-    assert [r["step"] for r in logged if "kl" in r] == list(range(2, 31, 2))
+    # every step is logged once (logging_steps=0.05: each of the 20): the lines up to the
+    # checkpoint are replayed from it, the retry trained (and logged) only the remaining steps
+    assert [r["step"] for r in logged if "kl" in r] == list(range(1, 21))
     assert not (task.parent / f"{GRPO_TRAIN}.checkpoints").exists()
 
 
 # --- faithful TRL resume: killed after every checkpoint boundary ---------------------------
 
+# three steps each: a kill after the first, a middle and the last checkpoint
 TRL_ARGS = {
-    "GRPO": ["algos.GRPO.steps=4"],
-    "DPO": [],  # one epoch of the smoke's pairs
+    "GRPO": ["algos.GRPO.steps=3", "pretrain.steps=20"],  # pretrain checkpoints every step too
+    "DPO": ["data_collection.max_examples=24"],  # one epoch of the pairs: 3 batches of 64
 }
 # values of a run that are times, not results (TRL's and pita's own clocks)
 _CLOCKS = ("elapsed_s", "runtime", "per_second", "time", "wall_s", "performance", "attempt")
 _PATHS = ("start",)  # where the run folder is
 
 
-def _trl_run(algo: str, cwd: Path) -> subprocess.Popen:
-    args = [
+def _trl_args(algo: str) -> list[str]:
+    return [
         "experiment=smoke",
         f"algos=[{algo}]",
         *TRL_ARGS[algo],
@@ -202,7 +203,6 @@ def _trl_run(algo: str, cwd: Path) -> subprocess.Popen:
         "executor.progress=false",
         "executor.max_retries=12",
     ]
-    return start_cli(args, cwd)
 
 
 def _alive(pid: int) -> bool:
@@ -217,7 +217,7 @@ def _kill_at_every_boundary(algo: str, cwd: Path, timeout: float = 420) -> list[
     """Run `algo`'s chain; each time a new Trainer checkpoint is committed, SIGKILL the
     worker training it (the retry resumes from that checkpoint). -> the steps killed at."""
     task = f"{algo}.goal_walk.tiny.r0.train"
-    proc = _trl_run(algo, cwd)
+    proc = start_cli(_trl_args(algo), cwd)
     killed: list[int] = []
     pids: set[int] = set()
     deadline = time.time() + timeout
@@ -282,14 +282,14 @@ def test_trl_stage_killed_after_every_checkpoint_resumes_faithfully(tmp_path, al
     killed_cwd, clean_cwd = tmp_path / "killed", tmp_path / "clean"
     killed_cwd.mkdir()
     clean_cwd.mkdir()
+    clean_run = run_cli_later(_trl_args(algo), clean_cwd, timeout=420)  # meanwhile
     killed = _kill_at_every_boundary(algo, killed_cwd)
-    clean_proc = _trl_run(algo, clean_cwd)
-    out, _ = clean_proc.communicate(timeout=420)
-    assert clean_proc.returncode == 0, out[-3000:]
+    done = clean_run.result()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run, clean = run_dirs(killed_cwd, "smoke")[0], run_dirs(clean_cwd, "smoke")[0]
     task = f"{algo}.goal_walk.tiny.r0.train"
     steps = json.loads((clean / "tasks" / task / "result.json").read_text())["steps"]
-    assert killed == list(range(1, steps + 1)), f"killed at {killed}, {steps} steps"
+    assert steps == 3 and killed == [1, 2, 3], f"killed at {killed}, {steps} steps"
     result = json.loads((run / "tasks" / task / "result.json").read_text())
     assert result["attempt"] == steps + 1 and result["steps"] == steps
     log = (run / "tasks" / task / "log.txt").read_text()
@@ -360,6 +360,7 @@ def test_sigkilled_value_training_resumes_from_its_checkpoint_like_an_uninterrup
     killed_cwd, clean_cwd = tmp_path / "killed", tmp_path / "clean"
     killed_cwd.mkdir()
     clean_cwd.mkdir()
+    clean_run = run_cli_later(VALUE_ARGS, cwd=clean_cwd)  # the uninterrupted one, meanwhile
     proc = start_cli(VALUE_ARGS, killed_cwd)
     killed, deadline = None, time.time() + 240
     while killed is None and proc.poll() is None and time.time() < deadline:
@@ -374,7 +375,7 @@ def test_sigkilled_value_training_resumes_from_its_checkpoint_like_an_uninterrup
     out, _ = proc.communicate(timeout=240)
     assert killed is not None, out[-2000:]
     assert proc.returncode == 0, out[-3000:]
-    done = run_cli(VALUE_ARGS, cwd=clean_cwd)
+    done = clean_run.result()
     assert done.returncode == 0, done.stderr[-2000:]
     run, clean = run_dirs(killed_cwd, "smoke")[0], run_dirs(clean_cwd, "smoke")[0]
     task = run / "tasks" / VALUE_TRAIN

@@ -127,10 +127,9 @@ def test_resume_from_auto_starts_then_finishes_the_unfinished_run(tmp_path):
         and "3 already done (resumed)" in again.stdout
     )
     assert len(run_dirs(tmp_path, "smoke")) == 1
-    other = run_cli(
-        [a for a in args if a != "pretrain.steps=5"], cwd=tmp_path
-    )  # finished: a new run
+    other = run_cli(args, cwd=tmp_path)  # the same command once its run finished: a new run
     assert other.returncode == 0 and len(run_dirs(tmp_path, "smoke")) == 2
+    assert "starting a new one" in other.stdout
 
 
 @pytest.mark.slow

@@ -308,7 +308,7 @@ def test_a_gang_waiting_past_its_predicted_start_shrinks_to_the_free_devices():
 
 
 def test_seconds_per_rank_count_go_into_the_duration_cache_and_back(tmp_path):
-    from pita.results.timeline import load_history, load_rank_history, record_durations
+    from pita.experiment.durations import load_history, load_rank_history, record_durations
 
     train = _task("a.train", "train", elastic=True)
     other = _task("a.collect")

@@ -286,9 +286,9 @@ def test_the_dry_run_scales_earlier_durations_by_task_size_and_names_those_witho
     from pita.core.gpu_manager import GPUManager
     from pita.core.progress import SCALED
     from pita.experiment.cli import compose_config
+    from pita.experiment.durations import duration_key, record_durations
     from pita.experiment.plan import plan_experiment
     from pita.experiment.run import history_line, task_durations
-    from pita.results.timeline import duration_key, record_durations
 
     monkeypatch.setenv("PITA_CACHE_DIR", str(tmp_path / "cache"))
     gpu = GPUManager("fake:1")
@@ -465,7 +465,7 @@ def test_frontier_axis_turns_symlog_when_an_outlier_squashes_the_rest(tmp_path):
 def test_durations_are_recorded_per_task_and_config_and_read_back(tmp_path):
     from omegaconf import OmegaConf
 
-    from pita.results.timeline import duration_key, load_history, record_durations
+    from pita.experiment.durations import duration_key, load_history, record_durations
 
     plan = Plan()
     plan.add(_task("DPO.goal_walk.tiny.r0.train"))

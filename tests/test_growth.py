@@ -39,6 +39,7 @@ def value_single(run_dir):
 # --- the task side: stop at a checkpoint when asked, resume on more ranks -------------------
 
 
+@pytest.mark.slow  # three value trainings (one process, 1 rank stopped, 2 ranks): ~15-40 s
 def test_a_value_training_task_stops_when_asked_and_resumes_on_two_ranks_with_equal_results(
     run_dir, value_single, tmp_path, monkeypatch
 ):
@@ -326,3 +327,75 @@ def test_a_trl_trainer_saves_and_stops_at_the_step_after_the_request(tmp_path):
     fresh = stop_callback(request)
     fresh.on_step_end(None, last, control2)
     assert not control2.should_training_stop and fresh.stopped_at is None
+
+
+@pytest.mark.slow
+def test_a_real_run_grows_pretrain_from_one_rank_to_two_with_the_numbers_of_an_uninterrupted_run(
+    tmp_path,
+):
+    """Through the real pool (worker processes on fake:2, the gang launcher): pretrain starts
+    on one rank, device 1 stays idle, the Grower asks it to stop once it trains, it stops at
+    a checkpoint (attempt kept as `.stopped-at-N`) and finishes on 2 ranks; its results row
+    and model equal one process' uninterrupted run; the journal has the resize."""
+    from omegaconf import OmegaConf
+
+    from pita.core.dag import Plan
+    from pita.core.elastic import set_ranks
+    from pita.core.growth import Grower, GrowthPolicy
+    from pita.core.journal import Journal, read_events
+    from pita.core.parallel_executor import DagRunner
+    from pita.core.worker_pool import WorkerPool
+    from pita.experiment.run import make_gpu_manager, make_scheduler
+    from pita.stages.pretrain import pretrain
+    from tests.test_gang_training import _plan, _row
+
+    steps = ("pretrain.steps=120", "executor.max_tasks_per_gpu=1")
+    cfg, plan = _plan("data_parallel", *steps)
+    task = plan.tasks[PRETRAIN]
+    task.ranks = [1, 2]
+    set_ranks(task, 1)
+    gpu = make_gpu_manager(cfg)
+    pool = WorkerPool.from_config(gpu, cfg.executor)
+    run = tmp_path / "run"
+    policy = GrowthPolicy(
+        seconds=lambda t, k: 1000.0 / k,  # the estimate says growing pays
+        startup=lambda k: 0.0,
+        choices=lambda t: [1, 2],
+        needs_progress=True,
+    )
+
+    def progress() -> dict[str, str]:
+        return {w["task"]: str(w.get("progress") or "") for w in pool.workers() if w["task"]}
+
+    journal = Journal(run / "journal.jsonl")
+    try:
+        summary = DagRunner(
+            Plan(tasks={task.id: task}),
+            pool,
+            make_scheduler(cfg, gpu),
+            cfg_dict=OmegaConf.to_container(cfg, resolve=True),
+            run_dir=str(run),
+            journal=journal,
+            max_retries=0,
+            grower=Grower(policy, run, growable=lambda t: True, progress=progress, idle_s=0.5),
+        ).run()
+    finally:
+        journal.close()
+        pool.shutdown()
+    assert summary.ok, summary.failed
+    events = read_events(run / "journal.jsonl")
+    [resized] = [e for e in events if e["event"] == "task_resized"]
+    assert (resized["why"], resized["previous"], resized["ranks"]) == ("grow", 1, 2)
+    running = [(e["devices"], e["attempt"]) for e in events if e["event"] == "task_running"]
+    assert running == [([0], 1), ([0, 1], 1)]
+    [stopped] = (run / "tasks").glob(f"{PRETRAIN}.attempt1.stopped-at-*")
+    assert 0 < int(stopped.name.rsplit("-", 1)[1]) < 120
+    grown = json.loads((run / "tasks" / PRETRAIN / "result.json").read_text())
+    ctx, _ = _context(tmp_path / "single", "none", PRETRAIN, 1, "out", *steps)
+    single = pretrain(ctx)
+    assert _row(single) == pytest.approx({k: grown[k] for k in _row(single)}, abs=1e-5)
+    from tests.test_gang_training import _weights
+
+    a = _weights(ctx.out_dir / "model" / "model.safetensors")
+    b = _weights(run / "tasks" / PRETRAIN / "model" / "model.safetensors")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5

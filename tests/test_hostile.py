@@ -21,13 +21,22 @@ from pita.core.safe_files import UnsafeFile, check_folder, read_control
 from tests.conftest import journal, run_cli, run_dirs, sleep_overrides, slow_env
 from tests.test_faults import BASE, REF
 
+FINISHED_ARGS = [
+    "experiment=smoke",
+    "algos=[reference]",
+    "executor.progress=false",
+    *[o for o in sleep_overrides() if ".evaluate_merge=" not in o],
+    "+executor.stage_overrides.any.evaluate_merge=tests.fault_stages:scored_merge_stage",
+]
+
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    """One finished reference-only run of the smoke experiment (real stages, ~10 s)."""
+    """One finished reference-only run of the smoke experiment. Its stages are the sleep
+    stages and a merge that writes one summary row (tests/fault_stages.py): what these tests
+    plant and resume is the run folder and its report, not what the stages computed."""
     cwd = tmp_path_factory.mktemp("hostile")
-    args = ["experiment=smoke", "algos=[reference]", "executor.progress=false"]
-    done = run_cli([*args, "experiment.name=hostile"], cwd)
+    done = run_cli([*FINISHED_ARGS, "experiment.name=hostile"], cwd)
     assert done.returncode == 0, done.stdout + done.stderr
     [run_dir] = run_dirs(cwd, "hostile")
     return cwd, run_dir
@@ -221,11 +230,7 @@ def test_report_killed_after_run_finished_is_finished_by_resume_auto(finished_ru
     assert json.loads(lines[-1])["event"] == "run_finished"
     (run_dir / "journal.jsonl").write_text("\n".join(lines[:-1]) + "\n")  # killed mid-report
     shutil.rmtree(run_dir / "results")
-    proc = run_cli(
-        ["experiment=smoke", "algos=[reference]", "executor.progress=false", "resume_from=auto"]
-        + ["experiment.name=hostile"],
-        tmp_path,
-    )
+    proc = run_cli([*FINISHED_ARGS, "resume_from=auto", "experiment.name=hostile"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert run_dirs(tmp_path, "hostile") == [run_dir]  # no new run started
     assert (run_dir / "results" / "summary.csv").is_file()
@@ -394,6 +399,7 @@ def test_resume_auto_with_a_relative_dataset_path_finds_its_own_run(tmp_path, mo
 
 def test_overridden_stage_that_writes_nothing_fails_its_task(tmp_path):
     args = ["experiment=smoke", "algos=[reference]", "executor.progress=false"]
+    args += [o for o in sleep_overrides() if ".evaluate_merge=" not in o]  # the others sleep
     args += ["+executor.stage_overrides.any.evaluate_merge=tests.fault_stages:forgetful_stage"]
     proc = run_cli(args, tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr

@@ -278,6 +278,7 @@ GRPO_ARGS = [
     "experiment=smoke",
     "algos=[GRPO]",
     "algos.GRPO.steps=4",
+    "pretrain.steps=20",  # checkpointed every step too: a short one
     "training.checkpoint_every=1",
     "executor.progress=false",
 ]
@@ -287,14 +288,15 @@ def _start(args: list[str], cwd: Path) -> subprocess.Popen:
     return start_cli(args, cwd)
 
 
-def _runs_with_snapshots(jobs: list[tuple[list[str], Path, int, Path]]) -> None:
-    """Run each (args, cwd, step, snapshot) to the end; when its GRPO task commits the
+def _runs_with_snapshots(jobs: list[tuple[list[str], Path, int, Path, bool]]) -> None:
+    """Run each (args, cwd, step, snapshot, finish) at once; when its GRPO task commits the
     Trainer checkpoint of `step`, stop the worker (SIGSTOP), copy the checkpoint to
-    `snapshot`, let it go on. The runs go on unharmed."""
-    procs = [(_start(args, cwd), cwd, step, snap) for args, cwd, step, snap in jobs]
+    `snapshot`, let it go on. The runs go on unharmed: to the end, or, without `finish`,
+    until Ctrl-C (SIGINT) stops the run once its snapshot is taken."""
+    procs = [(_start(args, cwd), cwd, step, snap, fin) for args, cwd, step, snap, fin in jobs]
     deadline = time.time() + 420
     while any(p.poll() is None for p, *_ in procs) and time.time() < deadline:
-        for _, cwd, step, snap in procs:
+        for proc, cwd, step, snap, finish in procs:
             pattern = f"outputs/smoke/*/tasks/{GRPO_TASK}.checkpoints/checkpoint-{step}/{COMPLETE}"
             for marker in [] if snap.exists() else cwd.glob(pattern):
                 (tmp,) = marker.parents[2].glob(f".tmp-{GRPO_TASK}-*")
@@ -304,10 +306,12 @@ def _runs_with_snapshots(jobs: list[tuple[list[str], Path, int, Path]]) -> None:
                     shutil.copytree(marker.parent, snap)
                 finally:
                     os.kill(pid, signal.SIGCONT)
+                if not finish:
+                    proc.send_signal(signal.SIGINT)
         time.sleep(0.005)
-    for proc, cwd, _, snap in procs:
+    for proc, cwd, _, snap, finish in procs:
         out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0, out[-3000:]
+        assert proc.returncode == (0 if finish else 130), out[-3000:]
         assert snap.is_dir(), f"no checkpoint was seen in {cwd}"
 
 
@@ -365,8 +369,8 @@ def test_trl_checkpoints_foreign_flipped_truncated_future_or_pickled_are_all_mov
     snaps = tmp_path / "snapshots"
     _runs_with_snapshots(
         [
-            (GRPO_ARGS, own, 2, snaps / "own-2"),
-            ([*GRPO_ARGS, "experiment.seed=1"], other, 3, snaps / "other-3"),
+            (GRPO_ARGS, own, 2, snaps / "own-2", True),
+            ([*GRPO_ARGS, "experiment.seed=1"], other, 3, snaps / "other-3", False),
         ]
     )
     run = run_dirs(own, "smoke")[0]

@@ -8,7 +8,7 @@ Layers, lowest first (a package may import itself and any package of a lower lay
     training                  the shared training stack; takes values (a model, a folder, a
                               logger config), knows no task and no StageContext
     runtime                   worker side: worker main, StageContext, OOM classes, batch size,
-                              training objects from a context (kit), per-rank DDP glue (gang)
+                              a context unpacked into values (kit), per-rank DDP glue (gang)
     algos                     the algorithm table, PITA / Q# / DPO / GRPO stages, roll-outs
     stages                    stages every chain shares: pretrain, evaluate, collect_merge
     results                   what a run leaves: report, matched-KL, aggregate, timeline

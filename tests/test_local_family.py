@@ -8,10 +8,12 @@ import csv
 import dataclasses
 import math
 import random
+from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import ALGOS, run_cli, run_dirs
+from tests.conftest import ALGOS, run_cli_later, run_dirs
 
 
 def _trl_args(config_cls, tmp_path, **extra):
@@ -185,21 +187,30 @@ def local_run_args(family, *extra: str, dataset: str = "gsm8k") -> list[str]:
     return [*family.overrides(dataset), *sizes, *per_algo, *extra]
 
 
+@pytest.fixture(scope="module")
+def every_algorithm_runs(local_family, tmp_path_factory) -> dict[str, tuple[Path, Future]]:
+    """Every algorithm on each dataset of the local family, both runs started together (a
+    run seldom keeps both cores busy): {dataset: (cwd, the finished run's future)}."""
+    runs = {}
+    for dataset in ("gsm8k", "imdb"):
+        cwd = tmp_path_factory.mktemp(f"local_{dataset}")
+        args = local_run_args(local_family, "model.device_map=auto", dataset=dataset)
+        runs[dataset] = (cwd, run_cli_later(args, cwd, timeout=600))
+    return runs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dataset", ["gsm8k", "imdb"])
-def test_every_algorithm_runs_on_the_local_family(local_family, tmp_path, dataset):
+def test_every_algorithm_runs_on_the_local_family(every_algorithm_runs, dataset):
     """All eight algorithms (DPO and RPO are two rows) through run_parallel.py on CPU with a BPE tokenizer and
     save_pretrained checkpoints, on GSM8K-format data (verifier reward) and IMDB-format data
     (scored by the family's sequence-classification reward model): every expected row
     exists, every number is finite, and the rows are comparable (the η = 0 guided rows are
     π_ref under the guided rule: KL 0, with a reference row under the same rule)."""
-    proc = run_cli(
-        local_run_args(local_family, "model.device_map=auto", dataset=dataset),
-        tmp_path,
-        timeout=600,
-    )
+    cwd, future = every_algorithm_runs[dataset]
+    proc = future.result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    [run_dir] = run_dirs(tmp_path, "local")
+    [run_dir] = run_dirs(cwd, "local")
     rows = _summary(run_dir)
     got = {(r["algo"], r["eta"], r["sampling"]) for r in rows}
     guided = "top-2, T=1"

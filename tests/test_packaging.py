@@ -32,6 +32,7 @@ def test_wheel_installs_and_runs_python_m_pita_and_the_pita_command_outside_the_
             "__pycache__",
             ".pytest_cache",
             ".ruff_cache",
+            ".mypy_cache",  # tens of MB once tests/test_types.py ran
         ),
     )
     subprocess.run(

@@ -34,7 +34,8 @@ def _chattr(flag: str, path: Path) -> None:
 
 
 def test_journal_line_of_the_wrong_shape_is_one_warning_and_skipped(tmp_path, caplog):
-    from pita.results.timeline import done_walls, spans
+    from pita.experiment.durations import done_walls
+    from pita.results.timeline import spans
 
     path = tmp_path / "journal.jsonl"
     good = {"ts": 1.0, "event": "task_done", "task": "a", "wall_s": 2.0}

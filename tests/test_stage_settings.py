@@ -159,3 +159,39 @@ def test_no_module_restates_a_schema_default():
         if (str(path.relative_to(ROOT)), key) not in NOT_CONFIG
     ]
     assert not found, "\n".join(found)
+
+
+@pytest.mark.slow  # one mypy run over the stage's imports: tens of seconds cold
+def test_mypy_checks_a_stage_against_the_schema(tmp_path):
+    """A stage's reads of its typed settings are checked (the mypy test's files include the
+    stage code, tests/test_types.py): a misspelt key, a key of the wrong group and a value of
+    the wrong type are each an error before anything runs; the right reads are none."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("mypy") is None:
+        pytest.skip("mypy is not installed (pip install -e '.[dev]')")
+    stage = tmp_path / "stage.py"
+    stage.write_text(
+        "from pita.core.schema import ValueGuidedConfig\n"
+        "from pita.runtime.context import StageContext\n\n\n"
+        "def good(ctx: StageContext) -> float:\n"
+        "    return ctx.training.micro_batch_size * ctx.algo_as(ValueGuidedConfig).lr\n\n\n"
+        "def bad(ctx: StageContext) -> None:\n"
+        "    ctx.training.micro_batch_sise\n"  # misspelt
+        "    ctx.system.micro_batch_size\n"  # another group's key
+        "    ctx.algo_as(ValueGuidedConfig).guidance.top_k.upper()\n"  # an int, not a str
+        "    ctx.input('data').name\n"  # one folder: fine
+        "    ctx.inputs('data').name\n"  # a list of folders
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), str(stage)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    errors = [ln for ln in proc.stdout.splitlines() if ": error:" in ln]
+    lines = sorted(int(ln.split(":")[1]) for ln in errors)
+    assert lines == [10, 11, 12, 14], proc.stdout

@@ -252,7 +252,7 @@ class _ScriptedCollector:
         class Scripted(RolloutCollector):
             calls: list[int] = []
 
-            def _generate(self, prompts, *, top_k, hook_factory, generator):
+            def _generate(self, prompts, *, top_k, hook_factory, seeds):
                 self.calls.append(len(prompts))
                 out = []
                 for p in prompts:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import os
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import only, run_cli, run_dirs
+from tests.conftest import only, run_cli, run_cli_later, run_dirs
 
 SMOKE = [  # a pita-native training (pretrain, Q# value model) and a TRL one (GRPO), results
     "experiment=smoke",
@@ -103,21 +105,39 @@ def _mlflow(run: Path) -> dict[str, dict[str, list[float]]]:
 READ_BACK = {"tensorboard": _tensorboard, "wandb": _wandb, "mlflow": _mlflow}
 
 
+BACKENDS = ["tensorboard", "wandb", "mlflow"]
+
+
+@pytest.fixture(scope="module")
+def logger_runs(tmp_path_factory) -> dict[str, tuple[Path, Future]]:
+    """The smoke run under each installed backend, all started together (a run keeps about
+    one core busy): {backend: (cwd, the finished run's future)}. No W&B API key reaches
+    them, and WANDB_MODE=online is exported to the W&B one (logger.mode=offline wins)."""
+    runs = {}
+    for backend in BACKENDS:
+        if importlib.util.find_spec(backend) is None:
+            continue
+        cwd = tmp_path_factory.mktemp(f"logger_{backend}")
+        env = {"WANDB_API_KEY": None, **({"WANDB_MODE": "online"} if backend == "wandb" else {})}
+        runs[backend] = (
+            cwd,
+            run_cli_later([*SMOKE, f"logger={backend}"], cwd, env=env, timeout=600),
+        )
+    return runs
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["tensorboard", "wandb", "mlflow"])
-def test_smoke_under_each_logger_reads_pretrain_value_grpo_and_results_back(
-    tmp_path, monkeypatch, backend
-):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_smoke_under_each_logger_reads_pretrain_value_grpo_and_results_back(logger_runs, backend):
     """`experiment=smoke` under each tracker, with the current releases: no failed task,
     one tracked run per task (W&B offline with no API key, even with WANDB_MODE=online
     exported; MLflow 3 on the run's own sqlite store), each with the config and the tags,
     and every training step and result read back through the backend's own reader."""
     pytest.importorskip(backend)
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    env = {"WANDB_MODE": "online"} if backend == "wandb" else {}  # logger.mode=offline wins
-    done = run_cli([*SMOKE, f"logger={backend}"], cwd=tmp_path, env=env)
+    cwd, future = logger_runs[backend]
+    done = future.result()
     assert done.returncode == 0, done.stderr[-2000:]
-    run = run_dirs(tmp_path, "smoke")[0]
+    run = run_dirs(cwd, "smoke")[0]
     logs = (run / "run.log").read_text() + "".join(
         p.read_text() for p in run.glob("tasks/*/log.txt")
     )

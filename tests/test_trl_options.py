@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from tests.conftest import ALGOS, only, run_cli, run_dirs, run_ok
+from tests.conftest import ALGOS, only, run_cli, run_dirs, run_ok, task_spec
 
 # --- the parent-side check (fast, no torch) ---------------------------------------------------
 
@@ -303,22 +303,12 @@ def _stage_ctx(tmp_path, algo: str, stage: str, overrides: list[str]):
     """A StageContext for one of `algo`'s TRL stages, composed from the real config."""
     import logging
 
-    from pita.algos.registry import ALGORITHMS
-    from pita.core.tasks import TaskSpec
     from pita.experiment.cli import compose_config
     from pita.runtime.context import StageContext
 
     cfg = compose_config([f"algos.{algo}.enabled=true", *overrides])
-    task = TaskSpec(
-        id=f"{algo}.{stage}",
-        algo=algo,
-        algo_schema=ALGORITHMS[algo].schema_path,
-        dataset="goal_walk",
-        family="tiny",
-        round=0,
-        stage=stage,
-        fn="-",
-        inputs={"reference": "pretrain"},
+    task = task_spec(
+        f"{algo}.{stage}", algo=algo, stage=stage, fn="-", inputs={"reference": "pretrain"}
     )
     out = tmp_path / "tasks" / task.id
     out.mkdir(parents=True)

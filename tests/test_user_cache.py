@@ -13,8 +13,8 @@ import threading
 import pytest
 
 from pita.core import user_cache
+from pita.experiment.durations import load_history, record_durations
 from pita.experiment.estimates import PeakEstimator
-from pita.results.timeline import load_history, record_durations
 from pita.runtime.batch_size.cache import BatchSizeCache
 from pita.runtime.batch_size.search import SearchResult
 

@@ -33,6 +33,11 @@ reward (the ground truth is preferred to the wrong sample) and `original` is the
 arm: PITA's BCE preference classifier is then Q#'s classifier, as in the official code.
 The roll-in policy plays no part (one offline round, as in the paper).
 
+Every draw of a record (roll-in tokens, cut, roll-out tokens, Bradley–Terry label; a
+recipe try) is seeded by the example's global index and the sample's number under the
+stage's seed (pita/models/seeds.py), so a record is the same whichever shard collects it
+and whatever else shares its batch: results do not depend on the number of devices.
+
 Records are token ids (never decoded text), one JSON object per line:
 `{"example", "prompt", "prefix", "rollout", "reward", "roll_in"}` (+ `"original"`,
 `"reward_original"`, `"label"`, `"pref_prob"` with pairs). `roll_in` is "reference" when
@@ -47,9 +52,12 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pita.core.schema import ValueGuidedConfig
+
+if TYPE_CHECKING:  # torch-heavy; imported only for type hints
+    from pita.algos.guidance import HookFactory
 
 
 def score_in_batches(
@@ -115,9 +123,10 @@ class RolloutCollector:
         *,
         top_k: int,
         hook_factory: Callable | None,
-        generator,
+        seeds: list[int],
         on_batch: Callable[[int], None] | None = None,
     ):
+        """Sample every prompt, row i from its own stream `seeds[i]` (pita/models/seeds.py)."""
         from pita.models.generation import generate
 
         return generate(
@@ -131,10 +140,16 @@ class RolloutCollector:
             temperature=self.temperature,
             top_k=top_k,
             top_p=self.top_p,
-            generator=generator,
+            row_seeds=seeds,
             offset_hook_factory=hook_factory,
             on_batch=on_batch,
         )
+
+    def row_seed(self, what: str, example: int, sample: int) -> int:
+        """The seed of one draw about (`example`, `sample`): its global index, not the shard's."""
+        from pita.models.seeds import example_seed
+
+        return example_seed(self.seed, what, example, sample)
 
     def collect(
         self,
@@ -145,11 +160,10 @@ class RolloutCollector:
         pairs: bool = False,
         bradley_terry_beta: float = 10.0,
     ) -> list[dict]:
-        """Records for `examples` (their ids in the task's training list are `indices`)."""
-        import torch
-
-        rng = random.Random(self.seed)
-        generator = torch.Generator(device="cpu").manual_seed(self.seed)
+        """Records for `examples` (their ids in the task's training list are `indices`).
+        Every draw of a record (roll-in, cut, roll-out, label) is seeded by its example's
+        global index and sample number, so a record is the same whichever shard collects it."""
+        keys = [(i, j) for i in indices for j in range(samples_per_example)]
         rows = [(i, ex) for i, ex in zip(indices, examples) for _ in range(samples_per_example)]
         if not rows:
             return []
@@ -162,18 +176,21 @@ class RolloutCollector:
             prompts,
             top_k=self.roll_in_top_k,
             hook_factory=self.hook_factory,
-            generator=generator,
+            seeds=[self.row_seed("roll-in", *key) for key in keys],
             on_batch=lambda done: self.report(done, total, "prompts", "roll-in"),
         ).responses
         # 2. cut: keep c = h − 1 tokens, h ~ U{1..|y|−1} (c = 0 when |y| < 2)
-        cuts = [rng.randint(0, max(0, len(y) - 2)) for y in roll_in]
+        cuts = [
+            random.Random(self.row_seed("cut", *key)).randint(0, max(0, len(y) - 2))
+            for key, y in zip(keys, roll_in)
+        ]
         prefixes = [y[:c] for y, c in zip(roll_in, cuts)]
         # 3. roll-out with π_ref from x + y_<h, each row cut to its own remaining budget
         cont = self._generate(
             [p + pre for p, pre in zip(prompts, prefixes)],
             top_k=self.rollout_top_k,
             hook_factory=None,
-            generator=generator,
+            seeds=[self.row_seed("roll-out", *key) for key in keys],
             on_batch=lambda done: self.report(len(rows) + done, total, "prompts", "roll-out"),
         ).responses
         rollouts = [r[: self.max_new_tokens - c] for r, c in zip(cont, cuts)]
@@ -194,7 +211,8 @@ class RolloutCollector:
         ]
         if pairs:  # 5. the roll-in's own continuation, and the preference label
             originals = score_in_batches(self.task, row_examples, roll_in, self.reward_batch_size)
-            for rec, y, c, r_old in zip(records, roll_in, cuts, originals):
+            for rec, key, y, c, r_old in zip(records, keys, roll_in, cuts, originals):
+                rng = random.Random(self.row_seed("label", *key))
                 label, prob = preference_label(rec["reward"], r_old, bradley_terry_beta, rng)
                 rec.update(original=y[c:], reward_original=r_old, label=label, pref_prob=prob)
         return records
@@ -211,34 +229,33 @@ def ground_truth_pairs(
     """Records of the `ground_truth_vs_first_wrong` recipe (module docstring): per example
     the ground truth (reward 1) and π_ref's first wrong sample (reward 0). Sampling is
     batched: each round draws, for every prompt still without a wrong sample, enough copies
-    to fill about one generation batch (never more than its remaining tries). Returns
-    (records, number of examples dropped for lack of a wrong sample)."""
-    import torch
-
+    to fill about one generation batch (never more than its remaining tries). Try t of an
+    example is seeded by (example, t), and its first wrong sample is the one with the
+    smallest t, so the records do not depend on how the tries were batched (nor on the
+    shard). Returns (records, number of examples dropped for lack of a wrong sample)."""
     if any(ex.target_ids is None for ex in examples):
         raise ValueError(
             "data_collection.recipe=ground_truth_vs_first_wrong needs a task with a known answer "
             f"(target_ids); {type(collector.task).__name__} has none: use recipe=rollouts"
         )
-    generator = torch.Generator(device="cpu").manual_seed(collector.seed)
     wrong: dict[int, list[int]] = {}
     tries = [0] * len(examples)
     pending = list(range(len(examples)))
     while pending:
         reps = max(1, collector.batch_size // len(pending))
-        rows = [j for j in pending for _ in range(min(reps, max_tries - tries[j]))]
+        rows = [(j, tries[j] + t) for j in pending for t in range(min(reps, max_tries - tries[j]))]
         out = collector._generate(
-            [list(examples[j].prompt_ids) for j in rows],
+            [list(examples[j].prompt_ids) for j, _ in rows],
             top_k=collector.rollout_top_k,
             hook_factory=None,
-            generator=generator,
+            seeds=[collector.row_seed("try", indices[j], t) for j, t in rows],
         ).responses
         rewards = score_in_batches(
-            collector.task, [examples[j] for j in rows], out, collector.reward_batch_size
+            collector.task, [examples[j] for j, _ in rows], out, collector.reward_batch_size
         )
-        for j, y, r in zip(rows, out, rewards):
+        for (j, _), y, r in zip(rows, out, rewards):
             tries[j] += 1
-            if r < 1.0 and j not in wrong:
+            if r < 1.0 and j not in wrong:  # rows of j come in try order: the first wrong
                 wrong[j] = list(y)
         pending = [j for j in pending if j not in wrong and tries[j] < max_tries]
         collector.report(len(wrong), len(examples), "pairs", f"{len(pending)} pending")
@@ -302,7 +319,8 @@ def collect_shard(ctx: Any, *, pairs: bool) -> tuple[list[dict], dict]:
         examples = examples[: dc.max_examples]
     part = ctx.shard_slice(len(examples))
     indices = list(range(len(examples)))[part]
-    hook, roll_in_top_k = None, int(gen.top_k)
+    hook: HookFactory | None = None
+    roll_in_top_k = int(gen.top_k)
     if ctx.has_input("guide") and float(algo.guidance.eta) != 0:  # round k > 0: π^k = guided π_ref
         from pita.algos.guidance import guided_hook_factory
 
@@ -312,7 +330,7 @@ def collect_shard(ctx: Any, *, pairs: bool) -> tuple[list[dict], dict]:
     # The probe measures on the task's device with the models collect really holds: π_ref
     # on the shard's longest prompt and full max_new_tokens, plus the guide when guided.
     # (Without the model it had nothing to measure and logged "no CUDA device" on GPUs.)
-    guide = [hook.model] if getattr(hook, "model", None) is not None else []
+    guide = [hook.model] if hook is not None else []
     batch = generation_batch_size(
         ctx,
         gen.batch_size,

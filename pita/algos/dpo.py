@@ -102,7 +102,7 @@ def preference_pairs(
     ):  # one reward per distinct response (the verifier is deterministic)
         best.setdefault(tuple(r), float(x))
     ranked = sorted(best.items(), key=lambda kv: -kv[1])
-    pairs = []
+    pairs: list[tuple[list[int], list[int]]] = []
     for i in range(len(ranked) // 2):
         (hi, r_hi), (lo, r_lo) = ranked[i], ranked[-1 - i]
         if r_hi <= r_lo or len(pairs) == max_pairs:
@@ -121,9 +121,8 @@ def collect(ctx: StageContext) -> dict:
     response is chosen, ties give no pair). Shared by DPO and GRPO-HF (whose reward model
     learns from the same pairs). Assumes the task's rewards tell responses apart.
     """
-    import torch
-
     from pita.models.generation import generate
+    from pita.models.seeds import example_seed
     from pita.runtime.batching import generation_batch_size
 
     # The task (its tokenizer and verifier) and the policy that samples this round.
@@ -156,7 +155,8 @@ def collect(ctx: StageContext) -> dict:
         temperature=gen.temperature,
         top_k=gen.top_k,
         top_p=gen.top_p,
-        generator=torch.Generator(device="cpu").manual_seed(ctx.seed),
+        # sample s of prompt i from its own stream: the same on any shard (pita/models/seeds.py)
+        row_seeds=[example_seed(ctx.seed, "sample", i, s) for i in indices for s in range(k)],
         on_batch=lambda done: ctx.report_progress(done, len(prompts), "prompts", "sampling"),
     )
 
@@ -323,7 +323,7 @@ def _train(ctx: StageContext, dist: object = None) -> dict:
 
     algo = ctx.algo_as(PreferenceConfig)
     # Data first (fail before loading models): the pairs of every round so far, shuffled.
-    records = read_pairs(ctx.input("data"))
+    records = read_pairs(ctx.inputs("data"))
     if not records:
         raise RuntimeError(
             "no preference pairs were collected (every prompt's samples were all right or all "
@@ -373,7 +373,7 @@ def _train(ctx: StageContext, dist: object = None) -> dict:
     ctx.logger.info(
         "DPO on %d pairs from %d round(s); policy from %s, reference %s",
         len(records),
-        len(ctx.input("data")),
+        len(ctx.inputs("data")),
         start_dir,
         ref_dir,
     )

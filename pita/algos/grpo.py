@@ -215,7 +215,7 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
             "true_reward",
         ),
     )
-    first = next((r for r in trainer.state.log_history if "reward" in r), {})
+    first: dict[str, Any] = next((r for r in trainer.state.log_history if "reward" in r), {})
     return {
         "prompts": len(examples),
         "start": start_dir,

@@ -42,8 +42,7 @@ reports their ratio).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +226,34 @@ class CandidateGuidanceHook:
         return off.to(logits.device)
 
 
+@dataclass
+class HookFactory:
+    """A factory for `generate(offset_hook_factory=...)`: a fresh hook per generate call.
+    `stats` counts the work of all its hooks; `model` is the guide (the batch-size probe
+    counts it as resident)."""
+
+    model: ValueModel
+    eta: float
+    mode: str
+    top_k: int = 0
+    generation_top_k: int | None = None
+    stats: HookStats = field(default_factory=HookStats)
+
+    def __call__(self) -> ValueGuidanceHook | CandidateGuidanceHook | None:
+        if self.eta == 0:
+            return None
+        if self.model.head_type == "v":
+            return CandidateGuidanceHook(
+                self.model,
+                self.eta,
+                self.mode,
+                self.top_k,
+                self.stats,
+                generation_top_k=self.generation_top_k,
+            )
+        return ValueGuidanceHook(self.model, self.eta, self.mode, self.stats)
+
+
 def hook_factory(
     model: ValueModel,
     eta: float,
@@ -234,7 +261,7 @@ def hook_factory(
     top_k: int = 0,
     *,
     generation_top_k: int | None = None,
-) -> Callable[[], Any]:
+) -> HookFactory:
     """A factory for `generate(offset_hook_factory=...)`; `factory.stats` counts its work.
     η = 0 returns no hook at all, so sampling is exactly π_ref's. `top_k`: the candidates a
     V-type head scores (the generator's top-k; 0 = the whole vocabulary).
@@ -242,23 +269,10 @@ def hook_factory(
     (lets the V-type hook skip a per-token host check; see CandidateGuidanceHook)."""
     if mode not in MODES:
         raise ValueError(f"guidance.mode={mode!r}: allowed: {', '.join(MODES)}")
-    stats = HookStats()
-
-    def factory() -> ValueGuidanceHook | CandidateGuidanceHook | None:
-        if eta == 0:
-            return None
-        if model.head_type == "v":
-            return CandidateGuidanceHook(
-                model, eta, mode, top_k, stats, generation_top_k=generation_top_k
-            )
-        return ValueGuidanceHook(model, eta, mode, stats)
-
-    factory.stats = stats  # type: ignore[attr-defined]
-    factory.model = model  # type: ignore[attr-defined]  # the batch-size probe counts it as resident
-    return factory
+    return HookFactory(model, eta, mode, top_k, generation_top_k)
 
 
-def guided_hook_factory(ctx: Any, guide_dir: str | Path, eta: float) -> Callable[[], Any]:
+def guided_hook_factory(ctx: Any, guide_dir: str | Path, eta: float) -> HookFactory:
     """The offset-hook factory of a chain's guide (a train folder with `value_model/`) at
     strength η, with the mode of `algos.<NAME>.guidance.mode`; the value model comes
     through the worker's model LRU (`ctx.models`). Its callers (evaluate, collect) sample

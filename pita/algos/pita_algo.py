@@ -87,7 +87,7 @@ def train(ctx: StageContext) -> dict:
     warm start), `algos.PITA.*`. Writes: `value_model/`, training_metrics.png,
     performance_summary.txt (see `pita.algos.value_training.train_value`).
     """
-    records = read_jsonl(ctx.input("data"), Artifact.RECORDS)
+    records = read_jsonl(ctx.inputs("data"), Artifact.RECORDS)
     return train_value(
         ctx, preference_items(records, str(ctx.algo_as(ValueGuidedConfig).loss_type))
     )

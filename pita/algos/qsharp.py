@@ -101,7 +101,7 @@ def train(ctx: StageContext) -> dict:
     warm start), `algos.QSharp.*`, `training.*`. Writes: `value_model/`,
     training_metrics.png, performance_summary.txt. Assumes rewards in [V_min, V_max].
     """
-    records = read_jsonl(ctx.input("data"), Artifact.RECORDS)
+    records = read_jsonl(ctx.inputs("data"), Artifact.RECORDS)
     targets = reward_targets(
         [r["reward"] for r in records], ctx.algo_as(ValueGuidedConfig), ctx.task.algo
     )

@@ -34,7 +34,8 @@ def collect(ctx: StageContext) -> dict:
     Reads: as `pita_algo.collect`. Writes: `records.jsonl` and `pairs.jsonl` (token ids).
     """
     records, stats = collect_shard(ctx, pairs=True)
-    cap, per_example = int(ctx.algo_as(ValueGuidedHFConfig).pairs_per_example), {}
+    cap = int(ctx.algo_as(ValueGuidedHFConfig).pairs_per_example)
+    per_example: dict[int, int] = {}
     pairs = []  # at most `pairs_per_example` per training prompt (the labelling budget)
     for pair in preference_pairs(records):
         per_example[pair["example"]] = per_example.get(pair["example"], 0) + 1
@@ -71,7 +72,7 @@ def train(ctx: StageContext) -> dict:
         raise ValueError(
             f"algos.QSharp-HF.loss_type={algo.loss_type!r}: Q#-HF trains mle (or bce | mse)"
         )
-    records = read_jsonl(ctx.input("data"), Artifact.RECORDS)
+    records = read_jsonl(ctx.inputs("data"), Artifact.RECORDS)
     scorer = load_reward_scorer(ctx, ctx.input("reward_model"))
     scores = scorer.score(
         [r["prompt"] for r in records], [r["prefix"] + r["rollout"] for r in records]

@@ -2,7 +2,7 @@
 
 `train_reward_model` (stage `reward_model`) fits r_φ(x, y) with TRL's `RewardTrainer`,
 loss −log σ(r_φ(x, y_chosen) − r_φ(x, y_rejected)), on the `pairs.jsonl` records of every
-collect folder in `ctx.input("data")` (rounds 0..k). The data is handed to TRL already
+collect folder in `ctx.inputs("data")` (rounds 0..k). The data is handed to TRL already
 tokenized (`chosen_ids` / `rejected_ids` = prompt + response ids), so no text round trip.
 
 Model: `AutoModelForSequenceClassification` with one output, warm-started from π_ref's
@@ -116,7 +116,7 @@ def _train_reward_model(ctx: StageContext, dist: object = None) -> dict:
 
     algo = ctx.algo_as(RewardModelMixin)
     # Data: every round's pairs, split by prompt into train / held-out.
-    records = read_pairs(ctx.input("data"))
+    records = read_pairs(ctx.inputs("data"))
     train_pairs, heldout = split_by_prompt(records, HELDOUT_FRACTION, ctx.seed)
     if not train_pairs:
         raise RuntimeError(
@@ -162,7 +162,7 @@ def _train_reward_model(ctx: StageContext, dist: object = None) -> dict:
         "reward model on %d pairs (%d held out) from %d round(s), backbone %s",
         len(train_pairs),
         len(heldout),
-        len(ctx.input("data")),
+        len(ctx.inputs("data")),
         ref_dir,
     )
     model, end = train_and_save(

@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pita.core.paths import Artifact, TaskPaths
+from pita.core.paths import Artifact
 from pita.core.schema import GRPOConfig, PreferenceConfig, TrainedConfig
 from pita.runtime.context import StageContext
 
@@ -226,9 +226,10 @@ def precision_flags(ctx: StageContext) -> dict[str, bool]:
 def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
     """trainer.train(), then the task's training_metrics.png and performance_summary.txt
     (the same report as the hand-written training loops); returns the summary."""
-    from pita.runtime.kit import precision_for, task_tracker
+    from pita.runtime.kit import task_tracker
     from pita.training.checkpoint import time_checkpoint_callback
     from pita.training.loop import TrainingMetrics
+    from pita.training.precision import training_precision
     from pita.training.report import trainer_metrics_callback, write_training_report
     from pita.training.tracking import trl_callback
 
@@ -252,7 +253,7 @@ def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
         accumulation_steps=args.gradient_accumulation_steps,
         world_size=world,
         gradient_checkpointing=ctx.training.gradient_checkpointing,
-        precision=precision_for(ctx),
+        precision=training_precision(ctx.training, ctx.device, logger=ctx.logger),
         title=ctx.task.id,
     )
 
@@ -264,7 +265,7 @@ def _train_resumable(ctx: StageContext, trainer: Any, metrics: Any) -> None:
     checkpoint at the last step is loaded, not trained from: the Trainer would run one step
     past `max_steps`. Every torch.load of the Trainer is forced to `weights_only` (no
     pickle of a run folder runs code)."""
-    from pita.runtime.kit import checkpoint_identity, last_trl_checkpoint
+    from pita.runtime.kit import checkpoint_plan
     from pita.training import checkpoint as ck
     from pita.training.tracking import scoped_env
 
@@ -273,18 +274,20 @@ def _train_resumable(ctx: StageContext, trainer: Any, metrics: Any) -> None:
         trainer.train()
         return
     train_log = ctx.out_dir / Artifact.TRAIN_LOG
-    identity = checkpoint_identity(ctx)
+    plan = checkpoint_plan(ctx)
+    identity = dict(plan.identity)
     trainer.add_callback(ck.checkpoint_commit_callback(identity, train_log, metrics, trainer))
     max_steps = int(args.max_steps) if int(args.max_steps) > 0 else None
-    resume = last_trl_checkpoint(ctx, max_steps, identity)
+    resume = plan.last_trl(max_steps, ctx.logger)
     if resume:
         ctx.logger.info("resumed from checkpoint %s (step %s)", resume, resume.rsplit("-", 1)[-1])
         ck.restore_trl_logs(resume, train_log, metrics)
         trainer.add_callback(ck.resume_loop_callback(trainer, resume))
     guard = ck.resume_guard(resume, ctx.logger)
     trainer.add_callback(guard)
-    stop = ck.stop_callback(TaskPaths(ctx.run_dir, ctx.task.id).stop_request)
-    trainer.add_callback(stop)  # the run asks it to checkpoint and stop (pita/core/growth.py)
+    stop = ck.stop_callback(plan.stop_file)  # the run asks it to checkpoint and stop (growth)
+    if plan.stop_file is not None:
+        trainer.add_callback(stop)
     with scoped_env({"TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"}), guard:
         if resume and max_steps is not None and int(resume.rsplit("-", 1)[-1]) >= max_steps:
             ck.finish_from_checkpoint(trainer, resume)
@@ -364,7 +367,7 @@ def lora_config(ctx: StageContext):
     lora = {k: spec.get(k, default) for k, (default, _) in PEFT_KEYS.items()}
     return LoraConfig(
         r=int(lora["r"]),
-        lora_alpha=float(lora["alpha"]),
+        lora_alpha=float(lora["alpha"]),  # type: ignore[arg-type]  # peft hints int; alpha / r takes a float
         lora_dropout=float(lora["dropout"]),
         target_modules=lora["target_modules"],
         task_type="CAUSAL_LM",
@@ -432,7 +435,7 @@ def training_args(
     """
     import torch
 
-    from pita.runtime.kit import trl_checkpoint_kwargs
+    from pita.runtime.kit import checkpoint_plan
     from pita.training.loop import dataloader_kwargs
 
     offline()
@@ -461,7 +464,7 @@ def training_args(
 
     saving = {
         "output_dir": str(ctx.out_dir / Artifact.TRAINER_SCRATCH),
-        **trl_checkpoint_kwargs(ctx),
+        **checkpoint_plan(ctx).trl_kwargs(),
     }
     if world > 1 and not int(tr.checkpoint_every or 0):
         # time-based saves are decided by each rank's own clock: ranks that disagree on

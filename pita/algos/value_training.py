@@ -1,15 +1,20 @@
 """The value-model trainer that PITA, Q# and Q#-HF share (`train_value`), as a recipe.
 
 A stage turns its records into training items (prompt, response, first trained index,
-target, alt) and calls `train_value(ctx, items)`, which runs three parts in plain view, as
-a torchtune recipe does:
+target, alt) and calls `train_value(ctx, items)`. As in a torchtune recipe, one function
+holds the context (`_train_value_rank`): it unpacks it once into values (a `ValueJob`, the
+task's `CheckpointPlan`, its tracker) and every piece below takes those values, never `ctx`
+(tests/test_builders_take_values.py follows `ctx` from `train_value`). Three parts, in
+plain view:
 
-1. `setup`: the data (`build_targets`: records sharing a (state, action) merged into soft
-   targets over unique sequences; a held-out split when `holdout_fraction` > 0), the model
-   (round k−1's checkpoint, else a fresh guide warm-started from π_ref), the frozen-backbone
-   probe (`probe_steps`), the batch arithmetic (the whole batch, halved by each OOM retry;
-   `auto`: the batch-size probe), AdamW with cosine or `official_schedule`, the `TrainStep`
-   and the in-task checkpoint it resumes from. Everything lives in one `ValueRun`.
+1. `setup`: the data (`split_data` -> `build_targets`: records sharing a (state, action)
+   merged into soft targets over unique sequences; a held-out split when
+   `holdout_fraction` > 0), the model (`build_model`: round k−1's checkpoint, else a fresh
+   guide warm-started from π_ref), the frozen-backbone `probe` (`probe_steps`), the batch
+   arithmetic (the whole batch, halved by each OOM retry; `auto`: the batch-size probe),
+   `build_optimizer` (AdamW with cosine or `official_schedule`); then the `TrainStep` and
+   the in-task checkpoint it resumes from (`_resume`, from the `CheckpointPlan`).
+   Everything lives in one `ValueRun`.
 2. `train_loop`: one optimizer step per batch of unique sequences, drawn from a shuffled
    order kept on the device, a log window every steps/10 (loss, accuracy, the held-out
    accuracy by response position), a checkpoint when due.
@@ -30,15 +35,21 @@ the same order, so the same RNG streams): tests/test_value_chains.py and friends
 
 from __future__ import annotations
 
+import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pita.core.paths import Artifact
-from pita.core.schema import ValueGuidedConfig
+from pita.core.schema import TrainingConfig, ValueGuidedConfig
 from pita.runtime.context import StageContext
+
+if TYPE_CHECKING:  # torch-heavy; imported only for type hints
+    from pita.training.checkpoint import CheckpointPlan
+    from pita.training.tracking import Tracker
 
 
 def build_targets(items: Sequence[tuple], pad_id: int) -> dict:
@@ -64,7 +75,7 @@ def build_targets(items: Sequence[tuple], pad_id: int) -> dict:
         node = -1 - len(
             prompt
         )  # one root per prompt length: the prompt/response boundary is part of the key
-        out = []
+        out: list[tuple[int, int | None]] = []
         for i, tok in enumerate([*prompt, *response]):
             node = trie.setdefault((node, int(tok)), len(trie))
             if i >= len(prompt):
@@ -155,12 +166,31 @@ def official_schedule(optim: Any, steps: int) -> Any:
 # --- the recipe ------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ValueJob:
+    """What one value-training run reads, unpacked from the stage's context once
+    (`_train_value_rank`): the pieces of the recipe take these values, never the context."""
+
+    task_id: str
+    algo: ValueGuidedConfig  # algos.<NAME>
+    training: TrainingConfig  # training.*
+    seed: int  # the task's seed (StageContext.seed)
+    device: Any  # torch.device the run trains on (system.gpu_mode)
+    attn_impl: str  # system.attn_impl
+    clear_cache_interval: int  # system.clear_cache_interval
+    family: Mapping[str, Any]  # the chain's model.* (a fresh guide's architecture and init)
+    previous: Path | None  # round k−1's train folder (its value_model/), None in round 0
+    batch_scale: float  # the task's batch scale (< 1 after an OOM retry)
+    safety_margin: float  # batch_size_safety_margin of the `auto` micro-batch probe
+    probe_key: Mapping[str, str]  # the batch-size cache's key for this stage
+    logger: logging.Logger  # the task log
+
+
 @dataclass
 class ValueRun:
     """What `setup` builds and `train_loop` / `finish` use: one value-training run."""
 
-    algo: Any  # algos.<NAME>
-    device: Any  # torch.device
+    job: ValueJob
     data: dict  # build_targets of the training items
     held: dict | None  # build_targets of the held-out items, if any
     model: Any  # the ValueModel being trained
@@ -177,6 +207,7 @@ class ValueRun:
     sched: Any = None
     trainer: Any = None  # pita.training.loop.TrainStep
     ckpt: Any = None  # pita.training.checkpoint.Checkpointer
+    saved: tuple = ()  # (model, optimizer) as the checkpointer saves them (CheckpointPlan.objects)
     start: int = 0  # optimizer steps already done (a resumed attempt)
     gen: Any = None  # the torch.Generator of the shuffles
     order: Any = None  # this epoch's shuffled order (on the device)
@@ -184,6 +215,14 @@ class ValueRun:
     diagnostics: dict = field(default_factory=dict)
     dist: Any = None  # pita.training.ddp.DistContext of a gang's rank, None on one process
     net: Any = None  # what the loss runs through: the read-out, DDP- or FSDP2-wrapped on a gang
+
+    @property
+    def algo(self) -> ValueGuidedConfig:
+        return self.job.algo
+
+    @property
+    def device(self) -> Any:
+        return self.job.device
 
     @property
     def world(self) -> int:
@@ -210,11 +249,41 @@ def train_value(ctx: StageContext, items: Sequence[tuple]) -> dict:
 
 
 def _train_value_rank(ctx: StageContext, dist: Any, items: Sequence[tuple]) -> dict:
-    """`train_value` on one process (`dist` None) or on one rank of the task's gang."""
+    """`train_value` on one process (`dist` None) or on one rank of the task's gang: the
+    recipe's one reader of the context. It unpacks it once (the job, the π_ref it starts
+    from, the tracker, the checkpoint plan, the progress callback, the output folder) and
+    runs the pieces on those values, in the order the RNG streams expect."""
+    import torch
+
+    from pita.runtime.kit import checkpoint_plan, task_tracker
+    from pita.training.precision import training_device
+
     t0 = time.perf_counter()
-    run = setup(ctx, items, dist)
-    train_loop(ctx, run)
-    return finish(ctx, run, t0)
+    algo = ctx.algo_as(ValueGuidedConfig)
+    if not items:
+        raise ValueError(f"{ctx.task.id}: no training records in {ctx.inputs('data')}")
+    job = ValueJob(
+        task_id=ctx.task.id,
+        algo=algo,
+        training=ctx.training,
+        seed=ctx.seed,
+        device=torch.device(training_device(ctx.system.gpu_mode, ctx.device).device),
+        attn_impl=ctx.system.attn_impl,
+        clear_cache_interval=ctx.system.clear_cache_interval,
+        family=ctx.cfg.model,
+        previous=ctx.input("previous") if ctx.has_input("previous") else None,
+        batch_scale=ctx.task.batch_scale,
+        safety_margin=float(ctx.cfg.batch_size_safety_margin),
+        probe_key={"stage": ctx.task.stage, "algo": ctx.task.algo},
+        logger=ctx.logger,
+    )
+    torch.manual_seed(job.seed)
+    reference = ctx.load_model(ctx.reference_model())
+    run = setup(job, items, reference, dist)
+    run.trainer = _train_step(run, task_tracker(ctx))
+    _resume(run, checkpoint_plan(ctx))
+    train_loop(run, ctx.report_progress)
+    return finish(run, ctx.out_dir, t0)
 
 
 def _readout(model: Any) -> Any:
@@ -233,32 +302,33 @@ def _readout(model: Any) -> Any:
     return ValueReadout(model)
 
 
-def setup(ctx: StageContext, items: Sequence[tuple], dist: Any = None) -> ValueRun:
-    """Data, model, probe, batch arithmetic, optimizer, TrainStep and the checkpoint to
-    resume from, in the order the RNG streams expect."""
-    import torch
-
+def setup(job: ValueJob, items: Sequence[tuple], reference: Any, dist: Any = None) -> ValueRun:
+    """Data, model, probe, batch arithmetic and optimizer, in the order the RNG streams
+    expect (the caller seeded torch and loaded π_ref, `reference`)."""
     from pita.training.loop import enable_gradient_checkpointing
-    from pita.training.precision import training_device
 
-    algo = ctx.algo_as(ValueGuidedConfig)
-    if not items:
-        raise ValueError(f"{ctx.task.id}: no training records in {ctx.input('data')}")
-    torch.manual_seed(ctx.seed)
-    device = torch.device(training_device(ctx.system.gpu_mode, ctx.device).device)
-    reference = ctx.load_model(ctx.reference_model())
-    data, held = _data(ctx, items, reference)
-    model, init = _model(ctx, reference)
-    model.to(device).train()
-    diagnostics = _probe(ctx, model, data, held, device)
+    algo, log = job.algo, job.logger
+    pad_id = int(reference.config.pad_token_id if reference.config.pad_token_id is not None else 0)
+    data, held = split_data(items, pad_id, algo.holdout_fraction, job.seed, log)
+    model, init = build_model(
+        reference,
+        algo,
+        job.family,
+        job.previous,
+        seed=job.seed,
+        attn_impl=job.attn_impl,
+        logger=log,
+        task_id=job.task_id,
+    )
+    model.to(job.device).train()
+    diagnostics = probe(model, data, held, job.device, algo.probe_steps, job.seed, log)
     checkpointing = enable_gradient_checkpointing(
-        model.backbone, ctx.training.gradient_checkpointing, ctx.logger
+        model.backbone, job.training.gradient_checkpointing, log
     )
     n = data["unique"]
     auto = not isinstance(algo.batch_size, int)  # auto: the probe picks the micro-batch
     run = ValueRun(
-        algo,
-        device,
+        job,
         data,
         held,
         model,
@@ -268,23 +338,27 @@ def setup(ctx: StageContext, items: Sequence[tuple], dist: Any = None) -> ValueR
         diagnostics=diagnostics,
     )
     run.dist = dist
-    _batching(ctx, run, auto)
-    _optimizer(ctx, run)
-    _resume(ctx, run)
+    _batching(run, auto)
+    run.optim, run.sched = build_optimizer(
+        run.model.parameters(), algo, job.training, run.steps, job.device
+    )
     return run
 
 
-def _data(ctx: StageContext, items: Sequence[tuple], reference: Any) -> tuple[dict, dict | None]:
+def split_data(
+    items: Sequence[tuple],
+    pad_id: int,
+    holdout_fraction: float,
+    seed: int,
+    logger: logging.Logger,
+) -> tuple[dict, dict | None]:
     """(training targets, held-out targets or None) in π_ref's padding."""
     from pita.algos import value_diagnostics
 
-    pad_id = int(reference.config.pad_token_id if reference.config.pad_token_id is not None else 0)
-    items, held_items = value_diagnostics.split_holdout(
-        items, ctx.algo_as(ValueGuidedConfig).holdout_fraction, ctx.seed
-    )
+    items, held_items = value_diagnostics.split_holdout(items, holdout_fraction, seed)
     data = build_targets(items, pad_id)
     held = build_targets(held_items, pad_id) if held_items else None
-    ctx.logger.info(
+    logger.info(
         "training data: %d records -> %d unique sequences, %d (state, action) targets%s",
         data["records"],
         data["unique"],
@@ -294,65 +368,80 @@ def _data(ctx: StageContext, items: Sequence[tuple], reference: Any) -> tuple[di
     return data, held
 
 
-def _model(ctx: StageContext, reference: Any) -> tuple[Any, str]:
-    """(the model, its init): round k−1's checkpoint, else a fresh guide (warm-started from
-    π_ref); its head must be the one the config trains."""
+def build_model(
+    reference: Any,
+    algo: ValueGuidedConfig,
+    family: Mapping[str, Any],
+    previous: Path | None,
+    *,
+    seed: int,
+    attn_impl: str,
+    logger: logging.Logger,
+    task_id: str,
+) -> tuple[Any, str]:
+    """(the model, its init): round k−1's checkpoint (`previous`, its train folder), else a
+    fresh guide (warm-started from π_ref); its head must be the one the config trains."""
     from pita.models.value_model import ValueModel, build_value_model, head_atoms, value_init
 
-    algo = ctx.algo_as(ValueGuidedConfig)
-    if ctx.has_input("previous"):
-        prev = ctx.input("previous") / Artifact.VALUE_MODEL
-        model = ValueModel.load(prev, device="cpu", attn_impl=ctx.system.attn_impl)
-        ctx.logger.info("warm start from the previous round's checkpoint %s", prev)
-        init = f"previous:{ctx.input('previous').name}"
+    if previous is not None:
+        prev = previous / Artifact.VALUE_MODEL
+        model = ValueModel.load(prev, device="cpu", attn_impl=attn_impl)
+        logger.info("warm start from the previous round's checkpoint %s", prev)
+        init = f"previous:{previous.name}"
     else:
         model = build_value_model(
             reference,
-            ctx.cfg.model,
+            family,
             algo,
             vocab_size=reference.config.vocab_size,
-            seed=ctx.seed,
-            attn_impl=ctx.system.attn_impl,
-            logger=ctx.logger,
+            seed=seed,
+            attn_impl=attn_impl,
+            logger=logger,
         )
-        init = value_init(algo, ctx.cfg.model)  # reference | base | scratch (issue 23)
+        init = value_init(algo, family)  # reference | base | scratch (issue 23)
     if model.num_outputs != head_atoms(algo.loss_type, algo.num_atoms):
         raise ValueError(
-            f"{ctx.task.id}: checkpoint has {model.num_outputs} outputs per token but "
+            f"{task_id}: checkpoint has {model.num_outputs} outputs per token but "
             f"loss_type={algo.loss_type} needs {head_atoms(algo.loss_type, algo.num_atoms)}"
         )
     if model.head_type != algo.value_head:
         raise ValueError(
-            f"{ctx.task.id}: checkpoint has value_head={model.head_type}, config says "
-            f"{algo.value_head}"
+            f"{task_id}: checkpoint has value_head={model.head_type}, config says {algo.value_head}"
         )
     return model, init
 
 
-def _probe(ctx: StageContext, model: Any, data: dict, held: dict | None, device: Any) -> dict:
+def probe(
+    model: Any,
+    data: dict,
+    held: dict | None,
+    device: Any,
+    steps: int,
+    seed: int,
+    logger: logging.Logger,
+) -> dict:
     """The frozen-backbone linear probe before any training step (`probe_steps` > 0 with a
     hold-out): its held-out accuracy, and a warning when the run looks set to plateau."""
     from pita.algos import value_diagnostics
 
-    algo = ctx.algo_as(ValueGuidedConfig)
-    if held is None or algo.probe_steps <= 0:
+    if held is None or steps <= 0:
         return {}
-    probe = value_diagnostics.linear_probe(
-        model, data, held, device, steps=int(algo.probe_steps), seed=ctx.seed
+    accuracy = value_diagnostics.linear_probe(
+        model, data, held, device, steps=int(steps), seed=seed
     )
-    ctx.logger.info(
+    logger.info(
         "frozen-backbone linear probe (%d steps), held-out balanced accuracy by response "
         "position: %s",
-        int(algo.probe_steps),
-        value_diagnostics.format_positions(probe),
+        int(steps),
+        value_diagnostics.format_positions(accuracy),
     )
-    warning = value_diagnostics.plateau_warning(probe)
+    warning = value_diagnostics.plateau_warning(accuracy)
     if warning:
-        ctx.logger.warning(warning)
-    return {"probe_heldout_acc": probe}
+        logger.warning(warning)
+    return {"probe_heldout_acc": accuracy}
 
 
-def _batching(ctx: StageContext, run: ValueRun, auto: bool) -> None:
+def _batching(run: ValueRun, auto: bool) -> None:
     """The training set on the device, the loss, the micro-batch (the whole batch, halved by
     each OOM retry; `auto`: the probe's) and the steps."""
     import torch
@@ -361,9 +450,9 @@ def _batching(ctx: StageContext, run: ValueRun, auto: bool) -> None:
     from pita.training.ddp import wrap_model
     from pita.training.loop import accumulation_plan, micro_batch_plan
 
-    tr, algo, n, device = ctx.training, run.algo, run.n, run.device
+    job, algo, n, device = run.job, run.algo, run.n, run.device
     share = -(-run.batch // run.world)  # the largest rank's share of a step's batch
-    micro, _ = micro_batch_plan(share, tr, ctx.task.batch_scale, whole_batch=True)
+    micro, _ = micro_batch_plan(share, job.training, job.batch_scale, whole_batch=True)
     # The whole training set lives on the device (pre-tensorised, copied once): a step only
     # indexes it, so there is no per-step collation and no host<->device copy in the loop.
     run.tensors = tuple(_to_device(run.data[k], device) for k in ("ids", "alt", "target", "weight"))
@@ -371,16 +460,19 @@ def _batching(ctx: StageContext, run: ValueRun, auto: bool) -> None:
     if auto:  # worst case: the longest sequences, >= 2 optimizer steps, before the real optimizer
         loss_fn = run.loss_fn
         micro = training_micro_batch(
-            ctx,
             model=run.model,
             batch=run.batch,
             seq_tokens=int(run.tensors[0].shape[1]),
             make_batch=lambda b: {"m": torch.arange(b, device=device) % n},
             loss_fn=lambda _model, mb: loss_fn(mb["m"])[0],
             fallback=micro,
+            cache_key=dict(job.probe_key),
+            safety_margin=job.safety_margin,
+            batch_scale=job.batch_scale,
+            logger=job.logger,
         )
         micro = _smallest_over_ranks(min(micro, share), run.dist)
-    run.micro, run.n_micro = accumulation_plan(share, micro, tr.accumulation_steps)
+    run.micro, run.n_micro = accumulation_plan(share, micro, job.training.accumulation_steps)
     if run.dist is not None:  # DDP / FSDP2 run their hooks on a module's forward
         run.net = wrap_model(_readout(run.model), run.dist)
         run.loss_fn = value_loss(run.model, run.tensors, str(algo.loss_type), forward=run.net)
@@ -436,44 +528,50 @@ def value_loss(
     return loss_fn
 
 
-def _optimizer(ctx: StageContext, run: ValueRun) -> None:
-    """AdamW (fused on CUDA), the schedule (cosine with warmup, or `official`), TrainStep."""
+def build_optimizer(
+    params: Any, algo: ValueGuidedConfig, training: TrainingConfig, steps: int, device: Any
+) -> tuple[Any, Any]:
+    """(AdamW, fused on CUDA; its schedule: cosine with warmup, or `official`) over `steps`
+    optimizer steps; `algos.<NAME>.weight_decay` unset falls back to `training.weight_decay`."""
     import torch
     from transformers import get_cosine_schedule_with_warmup
 
-    from pita.runtime.kit import train_step
-
-    algo, steps = run.algo, run.steps
-    wd = ctx.training.weight_decay if algo.weight_decay is None else algo.weight_decay
-    run.optim = torch.optim.AdamW(
-        run.model.parameters(), lr=float(algo.lr), weight_decay=wd, **_fused_adamw(run.device)
-    )
+    wd = training.weight_decay if algo.weight_decay is None else algo.weight_decay
+    optim = torch.optim.AdamW(params, lr=float(algo.lr), weight_decay=wd, **_fused_adamw(device))
     if algo.lr_schedule == "official":  # the Q# star-graph classifier's
-        run.sched = official_schedule(run.optim, steps)
-    else:
-        run.sched = get_cosine_schedule_with_warmup(run.optim, min(100, steps // 10), steps)
-    # figures are read back once per logging window, not every step (no host sync per step)
-    run.trainer = train_step(
-        ctx,
+        return optim, official_schedule(optim, steps)
+    return optim, get_cosine_schedule_with_warmup(optim, min(100, steps // 10), steps)
+
+
+def _train_step(run: ValueRun, tracker: Tracker) -> Any:
+    """The TrainStep of `training.*` (precision, clipping), its metrics also to `tracker`;
+    figures are read back once per logging window, not every step (no host sync per step)."""
+    from pita.training.loop import TrainStep
+    from pita.training.precision import training_precision
+
+    job = run.job
+    return TrainStep(
         run.net if run.net is not None else run.model,  # DDP: its no_sync while accumulating
         run.optim,
+        training_precision(job.training, run.device, logger=job.logger),
         scheduler=run.sched,
+        max_grad_norm=job.training.max_grad_norm,
+        clear_cache_interval=job.clear_cache_interval,
         device=run.device,
+        logger=job.logger,
         sync_every=min(run.log_every, 50),
+        tracker=tracker,
     )
 
 
-def _resume(ctx: StageContext, run: ValueRun) -> None:
-    """The first shuffle, the start line, and the newest in-task checkpoint if any
+def _resume(run: ValueRun, plan: CheckpointPlan) -> None:
+    """The first shuffle, the start line, and the newest in-task checkpoint of `plan` if any
     (`training.checkpoint_every`: a retry continues from there)."""
     import torch
 
-    from pita.runtime.gang import checkpoint_objects
-    from pita.runtime.kit import checkpointer
-
-    run.gen = torch.Generator().manual_seed(ctx.seed)
+    run.gen = torch.Generator().manual_seed(run.job.seed)
     run.order, run.cursor = torch.randperm(run.n, generator=run.gen).to(run.device), 0
-    ctx.logger.info(
+    run.job.logger.info(
         "training %s: %d steps, batch %d = micro %d x %d, lr %g, %s, init %s",
         str(run.algo.loss_type),
         run.steps,
@@ -484,10 +582,13 @@ def _resume(ctx: StageContext, run: ValueRun) -> None:
         run.trainer.precision.name,
         run.init,
     )
-    run.ckpt = checkpointer(
-        ctx, writer=run.dist is None or run.dist.is_main, collective=run.dist is not None
+    run.ckpt = plan.checkpointer(
+        run.job.logger,
+        writer=run.dist is None or run.dist.is_main,
+        collective=run.dist is not None,
     )
-    model, optim = checkpoint_objects(ctx, run.model, run.optim)
+    run.saved = plan.objects(run.model, run.optim)
+    model, optim = run.saved
     run.start, extra = run.ckpt.restore(
         model=model,
         optimizer=optim,
@@ -500,16 +601,15 @@ def _resume(ctx: StageContext, run: ValueRun) -> None:
         run.gen.set_state(extra["gen"])
 
 
-def train_loop(ctx: StageContext, run: ValueRun) -> None:
+def train_loop(run: ValueRun, report_progress: Callable[..., None]) -> None:
     """Optimizer steps `start`..`steps`: a batch of unique sequences from the shuffled order
     (a fresh shuffle each epoch), micro-batches weighted by their share of the batch's
-    weight, a log window every `log_every` steps, a checkpoint when due."""
+    weight, a log window every `log_every` steps, a checkpoint when due.
+    `report_progress(done, total, unit, detail)`: the task's progress line."""
     import torch
 
-    from pita.runtime.gang import checkpoint_objects
-
     n, batch, weight = run.n, run.batch, run.tensors[3]
-    model, optim = checkpoint_objects(ctx, run.model, run.optim)
+    model, optim = run.saved
     sched, gen = run.sched, run.gen
     detail = ""  # the last log window's loss, shown with every step's progress
     for step in range(run.start, run.steps):
@@ -520,8 +620,8 @@ def train_loop(ctx: StageContext, run: ValueRun) -> None:
         parts, shares = _micro_batches(run, idx, weight)
         run.trainer.run(parts, run.loss_fn, weights=shares, samples=len(idx))
         if (step + 1) % run.log_every == 0 or step + 1 == run.steps:
-            detail = _log_window(ctx, run, step + 1)
-        ctx.report_progress(step + 1, run.steps, "step", detail)
+            detail = _log_window(run, step + 1)
+        report_progress(step + 1, run.steps, "step", detail)
         run.ckpt.maybe_save(
             step + 1,
             lambda: {"model": model, "optimizer": optim, "scheduler": sched},
@@ -567,14 +667,15 @@ def _recent_means(run: ValueRun) -> tuple[list[dict], float, float]:
     return recent, mean_loss, mean_acc
 
 
-def _log_window(ctx: StageContext, run: ValueRun, done: int) -> str:
+def _log_window(run: ValueRun, done: int) -> str:
     """Log the window's mean loss / accuracy and the held-out accuracy by response position
     (where learning stops); returns the detail the progress line shows until the next."""
     from pita.algos import value_diagnostics
     from pita.training.ddp import gathered
 
     recent, mean_loss, mean_acc = _recent_means(run)
-    ctx.logger.info(
+    log = run.job.logger
+    log.info(
         "step %d/%d (epoch %.1f) loss %.4f acc %.3f lr %.2e",
         done,
         run.steps,
@@ -588,16 +689,16 @@ def _log_window(ctx: StageContext, run: ValueRun, done: int) -> str:
             acc = value_diagnostics.heldout_accuracy(run.model, run.held, run.device)
         run.diagnostics["heldout_acc"] = acc
         recent[-1].update({f"heldout_pos{j}": a for j, a in acc.items()})
-        ctx.logger.info(
+        log.info(
             "held-out balanced accuracy by response position: %s",
             value_diagnostics.format_positions(acc),
         )
     return f"loss {recent[-1]['loss']:.4f}"
 
 
-def finish(ctx: StageContext, run: ValueRun, t0: float) -> dict:
-    """Save `value_model/`, write the training report, return the stage's result (the last
-    window's means: its rows survive a resume, they are in the checkpoint)."""
+def finish(run: ValueRun, out_dir: Path, t0: float) -> dict:
+    """Save `value_model/` into `out_dir`, write the training report, return the stage's
+    result (the last window's means: its rows survive a resume, they are in the checkpoint)."""
     from pita.training.ddp import full_state_dict
     from pita.training.report import write_training_report
 
@@ -605,15 +706,15 @@ def finish(ctx: StageContext, run: ValueRun, t0: float) -> dict:
     state = full_state_dict(run.model, run.dist)  # every rank takes part (FSDP2 gathers)
     if run.dist is not None and not run.dist.is_main:
         return {}  # rank 0 writes the model, the report and the result
-    run.model.eval().save(ctx.out_dir / Artifact.VALUE_MODEL, state=state)
+    run.model.eval().save(out_dir / Artifact.VALUE_MODEL, state=state)
     perf = write_training_report(
-        ctx.out_dir,
+        out_dir,
         run.trainer,
         micro_batch=run.micro,
         accumulation_steps=run.n_micro,
         world_size=run.world,
         gradient_checkpointing=run.checkpointing,
-        title=ctx.task.id,
+        title=run.job.task_id,
     )
     return {
         "steps": run.steps,

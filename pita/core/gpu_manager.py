@@ -318,6 +318,7 @@ class GPUManager:
             env[var] = threads
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        env.setdefault("TRANSFORMERS_VERBOSITY", "error")  # as Worker._setup_torch sets it
         env.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
         return env
 

@@ -105,12 +105,17 @@ class GrowthPolicy:
     margin: float = 0.1  # share of its time left a resize must save
     min_gain_s: float = 1.0
     stop_s: list[float] = field(default_factory=list)  # measured request -> stopped
+    # ask only once the task reported progress: its pace is known and a request does not
+    # land in its start-up (a stop there would waste the start-up it paid)
+    needs_progress: bool = False
 
     def stop_cost(self) -> float:
         return sum(self.stop_s) / len(self.stop_s) if self.stop_s else DEFAULT_STOP_S
 
     def left(self, r: RunningTask) -> float | None:
         """Seconds `r` has left on its current ranks (None: nothing can say)."""
+        if self.needs_progress and not r.fraction:
+            return None
         return task_left(self.seconds(r.task, r.task.gpus), r.elapsed_s, r.fraction, r.first)
 
     def grown_left(self, task: TaskSpec, left: float, k: int) -> float:
@@ -188,6 +193,7 @@ class Grower:
             seconds=lambda t, k: sizer.seconds(t, k),
             startup=sizer.curves.startup,
             choices=sizer.ranks_of,
+            needs_progress=True,
         )
         return cls(
             policy,

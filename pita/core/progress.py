@@ -63,9 +63,9 @@ class TaskDurations:
 
     1. this run: the mean wall time of finished tasks of the same kind (`task_kind`);
     2. earlier runs: `earlier[key(task)]`, recorded durations of the same task in earlier
-       runs of the same experiment (pita/results/timeline.py keeps them);
+       runs of the same experiment (pita/experiment/durations.py keeps them);
     3. earlier runs of the same kind with another size (more steps, examples, a larger
-       model): `scaled(task)`, their seconds scaled by the task's size (timeline.py);
+       model): `scaled(task)`, their seconds scaled by the task's size (durations.py);
     4. work units: `task.work` x seconds per unit, measured on this run's finished tasks,
        else on the earlier runs' ones, else NOMINAL_S_PER_WORK: no history of its own.
     """

@@ -150,7 +150,7 @@ class Rule:
 
 # What changing a key changes (`spec(affects=...)`); four lists are derived from it: the keys a
 # resume may change (and the CLI's refusal text), what a checkpoint's identity leaves out, the
-# duration cache's key (pita/results/timeline.py) and, with `memory=True`, the peak cache's.
+# duration cache's key (pita/experiment/durations.py) and, with `memory=True`, the peak cache's.
 AFFECTS = (
     "result",  # what a task computes (and so how long it works)
     "place",  # where and how fast it runs, never what: devices, workers, timeouts
@@ -336,7 +336,10 @@ class ExecutorConfig:
     )
     progress: bool = spec("Live progress display of tasks per device.", True, affects="record")
     preimport: bool = spec(
-        "Workers import torch as soon as they start, overlapping planning.", True, affects="place"
+        "Workers import torch as soon as they start, overlapping planning (false: on CPU and"
+        " fake devices only a stage that uses torch imports it).",
+        True,
+        affects="place",
     )
     stage_overrides: Dict[str, Dict[str, str]] = spec(
         "Replace stage functions: +executor.stage_overrides.QSharp.train=mypkg.mod:fn (algo 'any' = all).",
@@ -953,6 +956,7 @@ def resume_safe_keys() -> tuple[str, ...]:
     return keys_affecting("place") + keys_affecting("record")
 
 
+@functools.cache  # read once per planned task (17k in the largest plan): the schema is fixed
 def memory_keys(schema: type | None = None) -> tuple[str, ...]:
     """The dotted leaf keys of `schema` (PitaConfig unless given) that change a task's
     device-memory peak (`memory=True`): the peak cache's key."""

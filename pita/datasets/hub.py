@@ -591,13 +591,15 @@ class HubTask:
         self, rng: random.Random, batch_size: int
     ) -> list[tuple[list[int], list[int]]]:
         """Training prompts with their reference responses (SFT pairs), drawn with `rng`."""
-        pool = [e for e in self.train_examples() if e.target_ids is not None]
+        pool = [
+            (e.prompt_ids, e.target_ids) for e in self.train_examples() if e.target_ids is not None
+        ]
         if not pool:
             raise ValueError(
                 f"dataset {self.name} has no reference responses to train on; the reference "
                 "policy of a hub task is the pretrained model itself"
             )
-        return [(list(e.prompt_ids), list(e.target_ids)) for e in rng.choices(pool, k=batch_size)]
+        return [(list(p), list(t)) for p, t in rng.choices(pool, k=batch_size)]
 
     # --- verifier -----------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ Text form: tokens separated by single spaces, e.g. "START 3 GOAL 7 =".
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedTokenizerFast
@@ -45,7 +45,7 @@ def build_tokenizer(
             raise ValueError(f"token {t!r} is empty, contains whitespace or is a special token")
     vocab = {t: i for i, t in enumerate([*tokens, *SPECIALS])}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    steps = [pre_tokenizers.WhitespaceSplit()]
+    steps: list[Any] = [pre_tokenizers.WhitespaceSplit()]
     if drop:
         steps.append(pre_tokenizers.Split(Regex(f"[{re.escape(drop)}]"), "removed"))
     if isolate:

@@ -29,6 +29,7 @@ process holds that `max_memory_reserved` does not count but NVML does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -602,6 +603,7 @@ class PeakEstimator:
         )
 
 
+@functools.cache  # read once per planned task (17k in the largest plan); the file is the repo's
 def family_file_memory_gb(name: str) -> float:
     """`memory_gb` of conf/model/<name>.yaml (the schema default when there is no file)."""
     path = Path(__file__).resolve().parents[2] / "conf" / "model" / f"{name}.yaml"

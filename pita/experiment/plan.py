@@ -98,7 +98,7 @@ INPUT_RULES: tuple[tuple[str, tuple[str, ...], Callable[[ChainRound], Any]], ...
 
 
 def stage_inputs(stage: str, chain: ChainRound, base: dict[str, Any]) -> dict[str, Any]:
-    """The inputs of `stage` by logical name (what `ctx.input(name)` returns in the stage)."""
+    """The inputs of `stage` by logical name (what `ctx.input(name)` / `ctx.inputs(name)` return in the stage)."""
     inputs = dict(base)
     for name, readers, source in INPUT_RULES:
         if stage in readers and (value := source(chain)):

@@ -116,10 +116,10 @@ def build_plan(cfg: DictConfig, gpu: GPUManager) -> Plan:
 
 
 def task_durations(cfg: DictConfig, gpu: GPUManager) -> TaskDurations:
-    """Expected task durations: earlier runs' recorded ones (pita/results/timeline.py),
+    """Expected task durations: earlier runs' recorded ones (pita/experiment/durations.py),
     exact or of the same kind scaled by size, then work units; the run adds its own
     finished tasks as they come."""
-    from pita.results.timeline import duration_key, load_history
+    from pita.experiment.durations import duration_key, load_history
 
     key, history = duration_key(cfg, gpu.kind), load_history()
     return TaskDurations(history.exact, key, lambda t: history.scaled(t, key))
@@ -455,8 +455,8 @@ def _start_session(
     (earlier runs' durations and this run's finished tasks) and the DAG runner."""
     from pita.core.monitor import Monitor
     from pita.core.progress import Progress
+    from pita.experiment.durations import done_walls
     from pita.experiment.estimates import PeakEstimator, peaks_cache_path
-    from pita.results.timeline import done_walls
 
     run_dir = paths.root
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
@@ -668,7 +668,7 @@ def resume_command(run_dir: Path | str) -> str:
 def _record_durations(run_dir: Path, plan: Plan, session: Session, events: list[dict]) -> None:
     """Keep this run's task durations for the next run's ETA and speedup curves (never
     fails the run)."""
-    from pita.results.timeline import record_durations
+    from pita.experiment.durations import record_durations
 
     key = session.durations.key
     try:

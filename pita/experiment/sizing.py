@@ -32,7 +32,7 @@ def make_sizer(
 ) -> Sizer:
     """A Sizer over the run's devices; `durations` and an `Eta` built on them then count a
     gang's wall time per rank (`one_rank`, `at_ranks`, see `wire_eta`)."""
-    from pita.results.timeline import load_rank_history
+    from pita.experiment.durations import load_rank_history
 
     curves = SpeedupCurves(
         history=load_rank_history() if history is None else history, startup=GangStartup()

@@ -22,7 +22,11 @@ How a batch is decoded:
      temperature, so the effective guidance strength is η / T);
   3. temperature: divide by ``temperature``;
   4. nucleus: keep the smallest set of tokens whose probability reaches ``top_p``;
-  5. sample with the generator (inverse CDF on uniform draws), or argmax when greedy;
+  5. sample (inverse CDF on one uniform draw per row), or argmax when greedy; the draws
+     come from ``generator`` (one stream for the whole call) or, with ``row_seeds``, from
+     each row's own stream (``row_uniforms``): a row's tokens then depend only on its
+     prompt and seed, never on which other prompts share the call or its batch (how a
+     sharded stage's results stay the same on any number of devices, pita/models/seeds.py);
 
 - a row that emits EOS is finished: it receives ``pad_token_id`` afterwards, its response
   is cut after the EOS (EOS included), and the loop stops once every row is finished
@@ -130,20 +134,37 @@ def _top_p_mask(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     return remove_sorted.scatter(-1, sorted_idx, remove_sorted)
 
 
-def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row by inverse CDF; the generator may live on another device than
-    ``probs`` (only B uniforms cross), which keeps a CPU generator reproducible on GPU."""
-    rand_device = generator.device if generator is not None else probs.device
-    crosses = rand_device.type == "cpu" and probs.device.type == "cuda"
-    # a pinned source lets the copy run asynchronously: no host round trip per token
-    u = torch.rand(
-        probs.shape[0],
-        1,
-        generator=generator,
-        device=rand_device,
-        dtype=torch.float64,
-        pin_memory=crosses,
-    ).to(probs.device, non_blocking=crosses)
+def row_uniforms(seeds: Sequence[int], steps: int, device: torch.device) -> torch.Tensor:
+    """[B, steps] float64 uniforms in [0, 1), row b drawn from its own CPU generator seeded
+    with ``seeds[b]``: step t of a row uses column t whatever else is in its batch. Drawn
+    once per batch and moved to ``device`` in one copy."""
+    out = torch.empty(len(seeds), steps, dtype=torch.float64)
+    gen = torch.Generator(device="cpu")
+    for b, seed in enumerate(seeds):
+        gen.manual_seed(int(seed))
+        torch.rand(steps, generator=gen, dtype=torch.float64, out=out[b])
+    crosses = device.type == "cuda"
+    return (out.pin_memory() if crosses else out).to(device, non_blocking=crosses)
+
+
+def _sample(
+    probs: torch.Tensor, generator: torch.Generator | None, u: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One draw per row by inverse CDF, on the uniforms ``u`` [B, 1] when given, else from
+    ``generator``; the generator may live on another device than ``probs`` (only B
+    uniforms cross), which keeps a CPU generator reproducible on GPU."""
+    if u is None:
+        rand_device = generator.device if generator is not None else probs.device
+        crosses = rand_device.type == "cpu" and probs.device.type == "cuda"
+        # a pinned source lets the copy run asynchronously: no host round trip per token
+        u = torch.rand(
+            probs.shape[0],
+            1,
+            generator=generator,
+            device=rand_device,
+            dtype=torch.float64,
+            pin_memory=crosses,
+        ).to(probs.device, non_blocking=crosses)
     cdf = probs.double().cumsum(dim=-1)
     total = cdf[:, -1:]
     # u < 1, but u * total may round up to total; stay strictly below so the draw lands on
@@ -185,13 +206,15 @@ def select_tokens(
     top_k: int,
     top_p: float,
     generator: torch.Generator | None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token, log-prob under the processed distribution, log-prob under raw logits), each
-    [B], from raw fp32 logits [B, V]; see the module docstring for the order of steps."""
+    [B], from raw fp32 logits [B, V]; see the module docstring for the order of steps.
+    ``uniforms`` [B, 1]: this step's draw per row (instead of ``generator``)."""
     base_logp = logits.log_softmax(dim=-1)
     scores = rule_scores(logits, offsets, temperature=temperature, top_k=top_k, top_p=top_p)
     logp = scores.log_softmax(dim=-1)
-    tok = _sample(logp.exp(), generator) if do_sample else scores.argmax(dim=-1)
+    tok = _sample(logp.exp(), generator, uniforms) if do_sample else scores.argmax(dim=-1)
     idx = tok.unsqueeze(-1)
     return tok, logp.gather(-1, idx).squeeze(-1), base_logp.gather(-1, idx).squeeze(-1)
 
@@ -239,6 +262,7 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    row_seeds: Sequence[int] | None = None,
     offset_hook_factory: Callable[[], OffsetHook] | None = None,
     force_full_length: bool = False,
     on_batch: Callable[[int], None] | None = None,
@@ -246,7 +270,9 @@ def generate(
     """Generate a continuation for every prompt (token ids in, token ids out).
 
     ``eos_token_id`` may be a list (e.g. Llama 3's several end tokens). Sampling draws
-    from ``generator`` (seed it for reproducible samples). ``offset_hook_factory`` is
+    from ``generator`` (seed it for reproducible samples), or with ``row_seeds`` (one per
+    prompt) from each prompt's own stream, so a prompt's sample does not depend on the
+    other prompts of the call (:func:`row_uniforms`). ``offset_hook_factory`` is
     called once per batch; see :class:`OffsetHook`. ``on_batch(done)`` is called after
     each batch with the number of prompts done (a stage's progress report).
     """
@@ -262,6 +288,10 @@ def generate(
         raise ValueError(f"top_p={top_p}: must be in (0, 1]")
     _check_prompts(prompts)
     n = len(prompts)
+    if row_seeds is not None and (generator is not None or len(row_seeds) != n):
+        raise ValueError(
+            f"row_seeds: one seed per prompt ({len(row_seeds)} for {n}), and no generator"
+        )
     out = GenerationOutput([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)])
     if n == 0 or max_new_tokens == 0:
         return out
@@ -279,6 +309,11 @@ def generate(
             for start in range(0, n, batch_size):
                 idx = order[start : start + batch_size]
                 hook = offset_hook_factory() if offset_hook_factory is not None else None
+                uniforms = (
+                    row_uniforms([row_seeds[i] for i in idx], max_new_tokens, device)
+                    if row_seeds is not None and do_sample
+                    else None
+                )
                 tokens, lps, blps, lengths = _generate_batch(
                     model,
                     [prompts[i] for i in idx],
@@ -292,6 +327,7 @@ def generate(
                     top_k=top_k,
                     top_p=top_p,
                     generator=generator,
+                    uniforms=uniforms,
                     force_full_length=force_full_length,
                 )
                 for b, i in enumerate(idx):
@@ -320,9 +356,11 @@ def _generate_batch(
     top_k: int,
     top_p: float,
     generator: torch.Generator | None,
+    uniforms: torch.Tensor | None,
     force_full_length: bool,
 ) -> tuple[list[list[int]], list[list[float]], list[list[float]], list[int]]:
-    """Decode one left-padded batch; returns per-row tokens, log-probs and lengths."""
+    """Decode one left-padded batch; returns per-row tokens, log-probs and lengths.
+    ``uniforms`` [B, max_new_tokens]: the rows' own draws (column t at step t)."""
     device = eos.device
     check_every = eos_check_every(device)
     step_ids, attn = _left_pad(rows, pad_token_id, device)
@@ -355,6 +393,7 @@ def _generate_batch(
             top_k=top_k,
             top_p=top_p,
             generator=generator,
+            uniforms=uniforms[:, t : t + 1] if uniforms is not None else None,
         )
         tok = torch.where(finished, pad, tok)
         tokens.append(tok)

@@ -460,7 +460,7 @@ def load_stage_lm(
             attn_impl=attn_impl,
             trust_remote_code=spec.trust_remote_code,
         )
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         dtype=spec.dtype,  # model.dtype over the catalog's
         quantization=spec.quantization,
         attn_impl=attn_impl,

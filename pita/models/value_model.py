@@ -322,7 +322,7 @@ def build_value_model(
     family = resolve_family(family_cfg["name"], family_cfg)
     init = value_init(algo_cfg, family_cfg)
     n_out = head_atoms(algo_cfg.loss_type, algo_cfg.num_atoms)
-    kw = dict(
+    kw: dict[str, Any] = dict(
         num_atoms=n_out,
         v_min=algo_cfg.V_min,
         v_max=algo_cfg.V_max,
@@ -356,7 +356,9 @@ def build_value_model(
     return vm
 
 
-def _tiny_backbone(reference: nn.Module, family_cfg: dict, vocab_size: int, attn_impl: str):
+def _tiny_backbone(
+    reference: nn.Module, family_cfg: Mapping[str, Any], vocab_size: int, attn_impl: str
+):
     """A fresh Llama of the tiny family's `guide_arch` sizes (random weights)."""
     from transformers import LlamaModel
 

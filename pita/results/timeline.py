@@ -1,288 +1,30 @@
-"""Where the time went: task durations across runs (for the ETA), and at the end of a run
-`results/timeline.png` (a Gantt per device: pita/results/timeline_plot.py) and the time
-table `results/time.{md,csv}`.
+"""Where the time went, at the end of a run: `results/timeline.png` (a Gantt per device:
+pita/results/timeline_plot.py) and the time table `results/time.{md,csv}`.
 
 Everything here reads the journal (`task_running` / `task_done` / `task_failed` events, with
 their timestamps and devices): it is the run's history, resumed sessions included. The
-durations of finished tasks are kept per user in `$PITA_CACHE_DIR/task_durations.json`
-(next to the peaks cache of pita/experiment/estimates.py), keyed by the task id, its
-sharding, the device kind and a fingerprint of the config that changes a task's work, so a
-later run of the same experiment starts with an ETA from measured durations.
+durations kept across runs for the ETA are pita/experiment/durations.py.
 """
 
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
-import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pita.algos.registry import ANY
-from pita.core import user_cache
 from pita.core.journal import read_events
-from pita.core.paths import RunPaths, atomic_write_text, pita_cache_dir
-from pita.core.schema import result_config
+from pita.core.paths import RunPaths, atomic_write_text
 
 log = logging.getLogger("pita.report")
 
 # an attempt's end; `task_stopped`: it stopped at a checkpoint to grow (pita/core/growth.py)
 TASK_END = {"task_done": "done", "task_failed": "failed", "task_stopped": "stopped"}
 KEPT = ("done", "stopped")  # attempts whose work counts (a stopped one resumes from its checkpoint)
-
-
-# --- durations across runs ------------------------------------------------------------------
-
-
-def durations_cache_path() -> Path:
-    return pita_cache_dir() / "task_durations.json"
-
-
-def _node(cfg: Any, dotted: str) -> Any:
-    node = cfg
-    for part in dotted.split("."):
-        try:
-            node = node[part]
-        except (KeyError, TypeError, AttributeError, IndexError):
-            return None
-    return node
-
-
-def _num(cfg: Any, dotted: str, default: float = 0.0) -> float:
-    node = _node(cfg, dotted)
-    try:
-        return float(node) if node is not None else default
-    except (TypeError, ValueError):
-        return default
-
-
-def task_size(task: Any, cfg: Any) -> dict[str, float]:
-    """What a task's duration grows with, per stage: optimizer steps x batch for training
-    (epochs x examples when steps are derived), prompts x samples for generation, and the
-    model's size (`memory_gb`). Tasks of one kind differ by these; seconds scale with their
-    product (`DurationHistory.scaled`). A missing amount counts as 1."""
-    algo = f"algos.{task.algo}"
-    examples = (
-        _num(cfg, "data_collection.max_examples")
-        or _num(task.dataset_cfg, "train_size")
-        or _num(cfg, "dataset.train_size", 1.0)
-    )
-    stage = task.stage.removesuffix("_merge")
-    if stage == "pretrain":
-        size = {
-            "steps": _num(cfg, "pretrain.steps", 1),
-            "batch": _num(cfg, "pretrain.batch_size", 1),
-        }
-    elif stage == "train":
-        steps = _num(cfg, f"{algo}.steps")
-        size = (
-            {"steps": steps, "batch": _num(cfg, f"{algo}.batch_size", 1)}
-            if steps > 0
-            else {"epochs": _num(cfg, f"{algo}.epochs", 1), "examples": examples}
-        )
-    elif stage == "collect":
-        samples = _num(cfg, f"{algo}.samples_per_example") or _num(
-            cfg, f"{algo}.pairs_per_example", 1
-        )
-        size = {"examples": examples / task.num_shards, "samples": samples}
-    elif stage == "reward_model":
-        size = {"epochs": _num(cfg, f"{algo}.reward_epochs", 1), "examples": examples}
-    elif stage == "evaluate":
-        test = _num(task.dataset_cfg, "test_size") or _num(cfg, "dataset.test_size", 1.0)
-        etas = _node(cfg, "evaluation.etas")
-        size = {
-            "examples": test / task.num_shards,
-            "samples": _num(cfg, "evaluation.num_samples", 1),
-            "etas": float(len(etas) if isinstance(etas, (list, tuple)) and etas else 1),
-        }
-    else:
-        size = {}
-    size["model_gb"] = _num(task.family_cfg, "memory_gb") or _num(cfg, "model.memory_gb", 1.0)
-    return {k: max(v, 1e-9) for k, v in size.items()}
-
-
-def _product(size: Mapping[str, float]) -> float:
-    out = 1.0
-    for v in size.values():
-        out *= float(v)
-    return out
-
-
-class DurationKey:
-    """task -> cache key (task id, shard count, stage function, device kind, config print);
-    `describe(task)` adds what a later run with another config compares by: the task's kind
-    and size (`task_size`)."""
-
-    def __init__(self, cfg: Any, device_kind: str):
-        from omegaconf import OmegaConf
-
-        try:
-            resolved = OmegaConf.to_container(cfg, resolve=True)
-        except Exception:  # a partial config in a unit test: no print, ids still distinguish
-            resolved = {}
-        work: dict[str, Any] = (
-            {str(k): v for k, v in resolved.items()} if isinstance(resolved, dict) else {}
-        )
-        self.cfg = work
-        # what a task computes changes how long it works; where it runs and what is recorded
-        # do not (the device kind is in the key itself): `schema.result_config`
-        work = result_config(work)
-        if isinstance(work.get("experiment"), dict):  # seeds of a sweep take as long
-            work["experiment"] = {k: v for k, v in work["experiment"].items() if k != "seed"}
-        blob = json.dumps(work, sort_keys=True, default=str)
-        self.print = hashlib.sha256(blob.encode()).hexdigest()[:12]
-        self.device_kind = device_kind
-
-    def __call__(self, t: Any) -> str:
-        return f"{t.id}|{t.num_shards}|{t.fn}|{self.device_kind}|{self.print}"
-
-    def kind(self, t: Any) -> str:
-        """Tasks that differ only by size: algo, stage, dataset, family, shards, device kind."""
-        return f"{t.algo}|{t.stage}|{t.dataset}|{t.family}|{t.num_shards}|{t.fn}|{self.device_kind}"
-
-    def describe(self, t: Any) -> dict[str, Any]:
-        return {"kind": self.kind(t), "size": task_size(t, self.cfg)}
-
-
-def duration_key(cfg: Any, device_kind: str) -> DurationKey:
-    return DurationKey(cfg, device_kind)
-
-
-@dataclass
-class DurationHistory:
-    """The durations cache as read: exact keys, and each kind's (seconds, size) records."""
-
-    exact: dict[str, float]
-    by_kind: dict[str, list[tuple[float, float]]]
-
-    def scaled(self, task: Any, key: DurationKey) -> float | None:
-        """Seconds of `task` from earlier tasks of its kind: with two sizes or more, a line
-        through them (a fixed start-up plus seconds per unit of size, `fit_line`); with one,
-        in proportion to size (the start-up scales too: an over-estimate for a larger task)."""
-        seen = self.by_kind.get(key.kind(task))
-        if not seen:
-            return None
-        size = _product(task_size(task, key.cfg))
-        line = fit_line(seen)
-        if line is not None:
-            return line[0] + line[1] * size
-        return sum(wall * size / old for wall, old in seen) / len(seen)
-
-
-def fit_line(points: list[tuple[float, float]]) -> tuple[float, float] | None:
-    """(start-up s, s per unit) by least squares over (seconds, size) points, both kept
-    non-negative; None with fewer than two distinct sizes."""
-    if len({size for _, size in points}) < 2:
-        return None
-    n = len(points)
-    mx = sum(s for _, s in points) / n
-    my = sum(w for w, _ in points) / n
-    var = sum((s - mx) ** 2 for _, s in points)
-    slope = max(0.0, sum((s - mx) * (w - my) for w, s in points) / var)
-    start = my - slope * mx
-    if start < 0:  # through the origin instead
-        return 0.0, sum(w * s for w, s in points) / sum(s * s for _, s in points)
-    return start, slope
-
-
-def _entry(value: Any) -> tuple[float, str | None, float | None]:
-    wall = float(value["wall_s"])
-    if not wall >= 0:
-        raise ValueError("wall_s")
-    kind, size = value.get("kind"), value.get("size")
-    if not isinstance(kind, str) or not isinstance(size, dict):
-        return wall, None, None  # an entry of an older pita: exact key only
-    product = _product({k: float(v) for k, v in size.items()})
-    return wall, kind, product if product > 0 else None
-
-
-def load_history(path: Path | None = None) -> DurationHistory:
-    """The durations cache ({} when there is no trustworthy cache: pita/core/user_cache.py)."""
-    path = path or durations_cache_path()
-    parsed = user_cache.entries(user_cache.read_json(path, "durations"), path, "durations", _entry)
-    by_kind: dict[str, list[tuple[float, float]]] = {}
-    for wall, kind, size in parsed.values():
-        if kind is not None and size is not None:
-            by_kind.setdefault(kind, []).append((wall, size))
-    return DurationHistory({k: v[0] for k, v in parsed.items()}, by_kind)
-
-
-def load_rank_history(path: Path | None = None) -> dict[str, dict[str, Any]]:
-    """Recorded seconds per rank count: key -> {"curve": stage|family, "by_ranks": {k: s}}
-    (what pita/core/elastic.py fits speedup curves from); entries without them are left out."""
-    path = path or durations_cache_path()
-
-    def parse(v: Any) -> dict[str, Any] | None:
-        if not isinstance(v, dict) or not isinstance(v.get("by_ranks"), dict):
-            return None
-        by = {str(int(r)): float(x) for r, x in v["by_ranks"].items()}
-        return {"curve": str(v["curve"]), "by_ranks": by}
-
-    data = user_cache.read_json(path, "durations")
-    parsed = user_cache.entries(data, path, "durations", parse)
-    return {k: v for k, v in parsed.items() if v is not None}
-
-
-def ranks_of(events: list[dict[str, Any]]) -> dict[str, int]:
-    """task id -> how many devices (ranks) its last started attempt had."""
-    return {
-        e["task"]: max(1, len(e.get("devices") or [0]))
-        for e in events
-        if e.get("event") == "task_running"
-    }
-
-
-def record_durations(
-    run_dir: Path,
-    tasks: Mapping[str, Any],
-    key: Callable[[Any], str],
-    path: Path | None = None,
-    *,
-    events: list[dict[str, Any]] | None = None,
-    one_rank: Callable[[Any, float, int], float] | None = None,
-) -> int:
-    """Add this run's finished tasks' durations to the cache; how many were recorded.
-    `events`: the run's journal when the caller has read it already.
-
-    `wall_s` is what the task stands for on one rank (`one_rank(task, wall, k)` converts a
-    gang's wall time); an elastic task also keeps its raw seconds per rank count
-    (`by_ranks`, across runs) and its curve key, from which speedup curves are fitted."""
-    from pita.core.elastic import curve_key
-
-    path = path or durations_cache_path()
-    if events is None:
-        events = read_events(RunPaths(run_dir).journal)
-    walls = done_walls(events)
-    ranks = ranks_of(events)
-    if not walls:
-        return 0
-
-    def add(data: dict[str, Any]) -> None:
-        for tid, wall in walls.items():
-            if tid in tasks:
-                t, k = tasks[tid], ranks.get(tid, 1)
-                one = one_rank(t, wall, k) if one_rank and k > 1 else wall
-                entry: dict[str, Any] = {"wall_s": round(one, 3), "run": str(run_dir)}
-                if isinstance(key, DurationKey):  # kind and size: scaled for another config
-                    entry.update(key.describe(t))
-                if getattr(t, "elastic", False):
-                    old = data.get(key(t))
-                    by = dict(old.get("by_ranks") or {}) if isinstance(old, dict) else {}
-                    entry.update(curve=curve_key(t), by_ranks={**by, str(k): round(wall, 3)})
-                data[key(t)] = entry
-
-    return len(walls) if user_cache.update_json(path, "durations", add) else 0
-
-
-def done_walls(events: list[dict[str, Any]]) -> dict[str, float]:
-    """task id -> wall_s of its (last) task_done event."""
-    return {
-        e["task"]: float(e.get("wall_s") or 0.0) for e in events if e.get("event") == "task_done"
-    }
 
 
 # --- the run's history ------------------------------------------------------------------------

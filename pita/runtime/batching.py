@@ -9,6 +9,8 @@ to measure and uses the fallback.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,19 +64,31 @@ def generation_batch_size(
 
 
 def training_micro_batch(
-    ctx: StageContext, *, model, batch: int, seq_tokens: int, make_batch, loss_fn, fallback: int
+    *,
+    model: Any,
+    batch: int,
+    seq_tokens: int,
+    make_batch: Callable[[int], Any],
+    loss_fn: Callable[[Any, Any], Any],
+    fallback: int,
+    cache_key: dict[str, Any],
+    safety_margin: float,
+    batch_scale: float = 1.0,
+    logger: logging.Logger | None = None,
 ) -> int:
     """Micro-batch of a training stage whose `algos.<NAME>.batch_size` is auto.
 
     The effective batch is an algorithm setting; memory limits the micro-batch, so the
     probe measures >= 2 optimizer steps (forward, backward, AdamW state) at candidate
     micro-batches on the worst-case sequence length. Call it before the real optimizer
-    exists. On CPU: the fallback, logged.
+    exists. On CPU: the fallback, logged. Values, not a context: `cache_key` names the
+    stage in the batch-size cache, `safety_margin` is `batch_size_safety_margin`,
+    `batch_scale` the task's (< 1 after an OOM retry).
     """
     from pita.runtime.batch_size import resolve_batch_size, training_probe
 
     factory = training_probe(
-        model, make_batch=make_batch, seq_tokens=seq_tokens, loss_fn=loss_fn, logger=ctx.logger
+        model, make_batch=make_batch, seq_tokens=seq_tokens, loss_fn=loss_fn, logger=logger
     )
     size = resolve_batch_size(
         "auto",
@@ -82,9 +96,9 @@ def training_micro_batch(
         fallback=fallback,
         measure_fn_factory=factory,
         cache_path=cache_path(),
-        cache_key={"stage": ctx.task.stage, "algo": ctx.task.algo},
-        safety_margin=ctx.cfg.batch_size_safety_margin,
+        cache_key=cache_key,
+        safety_margin=safety_margin,
         cap=batch,
-        logger=ctx.logger,
+        logger=logger,
     )
-    return max(1, min(batch, int(size * ctx.task.batch_scale)))
+    return max(1, min(batch, int(size * batch_scale)))

@@ -11,7 +11,7 @@ read-only DictConfig, stays for what is not a schema group (`executor.stage_over
 the dataset's own keys). The worker has already put the chain's own dataset and model
 family into the config, so a stage of a multi-dataset experiment never sees another
 chain's groups. A stage gets its inputs through
-`ctx.input(...)`, loads models through `ctx.load_model(...)` (the worker's LRU, so shards
+`ctx.input(name)` (one folder) or `ctx.inputs(name)` (a list: rounds' data, shards), loads models through `ctx.load_model(...)` (the worker's LRU, so shards
 of one stage do not reload weights), writes artifacts under `ctx.out_dir` (a temporary
 folder committed atomically when the function returns) and returns a small JSON-able
 dict that becomes `result.json`.
@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from pita.core import schema as S
 from pita.core.paths import Artifact, RunPaths
 from pita.core.progress import progress_line
-from pita.core.tasks import TaskSpec
+from pita.core.tasks import TaskSpec, task_id
 
 T = TypeVar("T")
 
@@ -147,7 +147,7 @@ class StageContext:
         if not isinstance(self.algo, schema):
             raise TypeError(
                 f"algos.{self.task.algo} is a {type(self.algo).__name__}; this stage needs a "
-                f"{schema.__name__}"  # type: ignore[attr-defined]
+                f"{schema.__name__}"
             )
         return self.algo
 
@@ -163,11 +163,25 @@ class StageContext:
         self._reported_at = now
         self.heartbeat(progress_line(done, total, unit, detail))
 
-    def input(self, name: str) -> Path | list[Path]:
-        """The committed folder(s) of the task(s) this task consumes under `name`."""
+    def input(self, name: str) -> Path:
+        """The committed folder of the one task this task consumes under `name` (`policy`,
+        `previous`, `guide`, `reference`, `reward_model`); a list-valued input is refused:
+        read it with `inputs`."""
+        ref = self.task.inputs[name]
+        if isinstance(ref, list):
+            raise TypeError(
+                f"{self.task.id}: input {name!r} names {len(ref)} tasks; read it with "
+                f"ctx.inputs({name!r})"
+            )
+        return RunPaths(self.run_dir).task(ref).final
+
+    def inputs(self, name: str) -> list[Path]:
+        """The committed folders of the tasks this task consumes under `name`, in order
+        (`data`: the collect folders of rounds 0..k; `shards`: a stage's shards); a single
+        task is a list of one."""
         ref = self.task.inputs[name]
         run = RunPaths(self.run_dir)
-        return [run.task(r).final for r in ref] if isinstance(ref, list) else run.task(ref).final
+        return [run.task(r).final for r in (ref if isinstance(ref, list) else [ref])]
 
     def reference_model(self) -> str:
         """π_ref: `<pretrain>/model` for families built in the run (tiny), else the hub id
@@ -215,23 +229,26 @@ class StageContext:
         model (IMDB, TL;DR) gets the family's `model.reward` as its scorer (in the LRU)."""
         from pita.datasets import build_task
 
-        task = build_task(self.cfg.dataset, tokenizer=self.reference_model())
-        if getattr(task, "kind", None) != "rm":
+        task: Any = build_task(self.cfg.dataset, tokenizer=self.reference_model())
+        if (
+            getattr(task, "kind", None) != "rm"
+        ):  # a reward-model task (datasets/hub.py) has a scorer
             return task
         from pita.models.catalog import resolve_family
         from pita.models.reward_scorer import load_text_scorer
 
         family = resolve_family(self.task.family, self.cfg.model)
-        if not family.reward:
+        reward = family.reward
+        if not reward:
             raise ValueError(
                 f"dataset {task.name} is scored by a reward model: set model.reward=<a "
                 f"sequence-classification checkpoint> (family {self.task.family} has none)"
             )
         batch = self.data_collection.reward_batch_size
         task.scorer = self.models.get(
-            f"rm-text:{family.reward}",
+            f"rm-text:{reward}",
             lambda: load_text_scorer(
-                family.reward,
+                reward,
                 device=self.device,
                 dtype=self.model.dtype,
                 batch_size=batch if isinstance(batch, int) else 32,
@@ -250,10 +267,16 @@ class StageContext:
 
     @property
     def seed(self) -> int:
-        """A per-task seed: the run seed mixed with the task id (stable across resumes)."""
+        """A per-stage seed: the run seed mixed with the task id (stable across resumes).
+        The shards of a sharded stage share it (their merge's id): they draw per example
+        from it (pita/models/seeds.py), so no number depends on how many shards there are."""
         import zlib
 
-        return (int(self.experiment.seed) * 1_000_003 + zlib.crc32(self.task.id.encode())) % (2**31)
+        t = self.task
+        stage_id = (
+            t.id if t.shard is None else task_id(t.algo, t.dataset, t.family, t.round, t.stage)
+        )
+        return (int(self.experiment.seed) * 1_000_003 + zlib.crc32(stage_id.encode())) % (2**31)
 
 
 def write_stand_in_outputs(ctx: StageContext) -> None:
@@ -277,7 +300,9 @@ def chain_config(cfg: DictConfig | dict, task: TaskSpec) -> DictConfig:
     task's own chain groups. One channel: in a multi-dataset experiment the selected
     groups (`cfg.dataset` of the command line) belong to another chain. Read-only, since a
     worker shares it between the tasks of a chain."""
-    merged = dict(cfg) if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
+    plain = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(plain, dict), "a run's config is a mapping"
+    merged: dict[str, Any] = {str(k): v for k, v in plain.items()}
     if task.dataset_cfg:
         merged["dataset"] = task.dataset_cfg
     if task.family_cfg:

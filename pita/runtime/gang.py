@@ -69,18 +69,6 @@ def gang_world_size(ctx: StageContext) -> int:
     return max(1, int(ctx.task.gpus))
 
 
-def checkpoint_objects(ctx: StageContext, model: Any, optimizer: Any) -> tuple[Any, Any]:
-    """What a loop's `Checkpointer` saves and restores for its model and optimizer: under a
-    gang strategy (whatever k, 1 included) their full state keyed by parameter name
-    (`pita.training.ddp.FullState`), so a checkpoint of k ranks resumes on any k; under
-    `none` the objects themselves (the format of a one-process task)."""
-    if parallel_strategy(ctx) not in GANG_STRATEGIES:
-        return model, optimizer
-    from pita.training.ddp import FullState
-
-    return FullState(model), FullState(model, optimizer)
-
-
 _STOPPED = "__pita_stopped_at_step__"  # a rank's return value: it stopped at a checkpoint
 
 

@@ -24,7 +24,7 @@ def collect_merge(ctx: StageContext) -> dict:
     totals: dict[str, float] = {}
     handles = {}
     try:
-        for shard in ctx.input("shards"):
+        for shard in ctx.inputs("shards"):
             for src in sorted(shard.glob("*.jsonl")):
                 if src.name not in handles:
                     handles[src.name] = open(ctx.out_dir / src.name, "w")
@@ -44,5 +44,5 @@ def collect_merge(ctx: StageContext) -> dict:
         for h in handles.values():
             h.close()
     (ctx.out_dir / Artifact.STATS).write_text(json.dumps({"records": counts, **totals}, indent=2))
-    ctx.logger.info("merged %d shards: %s", len(ctx.input("shards")), counts)
+    ctx.logger.info("merged %d shards: %s", len(ctx.inputs("shards")), counts)
     return {"records": counts}

@@ -1,7 +1,8 @@
 """evaluate: sample the test prompts with a round's policy at every η, then score them.
 
 `evaluate_shard` generates `evaluation.num_samples` samples for its slice of the test
-prompts and writes one record per sample (token ids, reward, answer, log-probs) to
+prompts (sample s of prompt i seeded by (i, s), not by the shard: the rows do not depend on
+the number of devices, tests/test_shard_invariance.py) and writes one record per sample (token ids, reward, answer, log-probs) to
 `samples.jsonl`; `evaluate_merge` reads every shard and computes the metrics of
 docs/ALGORITHMS.md per (η, sampling rule) into `metrics.json`, which the report turns into the
 results table.
@@ -166,10 +167,9 @@ def evaluate_shard(ctx: StageContext) -> dict:
     GRPO), `evaluation.*`, `generation.*`. Writes: `samples.jsonl` (one record per
     sample: η, sampling rule, token ids, reward, answer, its KL terms).
     """
-    import torch
-
     from pita.models.generation import generate
     from pita.models.placement import placement_lines
+    from pita.models.seeds import example_seed
 
     ref_dir = ctx.reference_model()
     ref = ctx.load_model(ref_dir)
@@ -180,6 +180,9 @@ def evaluate_shard(ctx: StageContext) -> dict:
     indices = list(range(len(all_examples)))[part]
     k = int(ctx.evaluation.num_samples)
     prompt_index = [i for i in indices for _ in range(k)]
+    # sample s of test prompt i draws from its own stream, the same at every η (common
+    # random numbers across the rows) and on any number of shards (pita/models/seeds.py)
+    seeds = [example_seed(ctx.seed, "evaluate", i, s) for i in indices for s in range(k)]
     prompts = [all_examples[i].prompt_ids for i in prompt_index]
     examples = [all_examples[i] for i in prompt_index]
     gen = ctx.generation
@@ -192,8 +195,10 @@ def evaluate_shard(ctx: StageContext) -> dict:
     total = len(policies) * len(prompts)  # prompts generated, every η's
     with open(ctx.out_dir / Artifact.SAMPLES, "w") as f:
         for i, policy in enumerate(policies):
-            before = i * len(prompts)
-            generator = torch.Generator(device="cpu").manual_seed(ctx.seed)
+
+            def on_batch(done: int, before: int = i * len(prompts), eta: Any = policy.eta) -> None:
+                ctx.report_progress(before + done, total, "prompts", f"eta={eta}")
+
             out = generate(
                 policy.model,
                 prompts,
@@ -202,11 +207,9 @@ def evaluate_shard(ctx: StageContext) -> dict:
                 pad_token_id=tok.pad_token_id,
                 eos_token_id=tok.eos_token_id,
                 do_sample=True,
-                generator=generator,
+                row_seeds=seeds,
                 offset_hook_factory=policy.hook_factory,
-                on_batch=lambda done, b=before, e=policy.eta: ctx.report_progress(
-                    b + done, total, "prompts", f"eta={e}"
-                ),
+                on_batch=on_batch,
                 **policy.rule.kwargs(),
             )
             kls = sample_kls(
@@ -257,7 +260,7 @@ def evaluate_merge(ctx: StageContext) -> dict:
     examples = test_examples(ctx, task)
     by_row: dict[Any, list[dict]] = {}
     wall = 0.0
-    for shard in ctx.input("shards"):
+    for shard in ctx.inputs("shards"):
         wall += json.loads((shard / Artifact.RESULT).read_text()).get("wall_s", 0.0)
         for line in (shard / Artifact.SAMPLES).read_text().splitlines():
             rec = json.loads(line)

@@ -26,10 +26,15 @@ halves the task's `batch_scale`. With `training.checkpoint_every` the loop check
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from pita.core.paths import Artifact
 from pita.runtime.context import StageContext
+
+if TYPE_CHECKING:
+    from pita.models.catalog import Family
 
 
 def pad_right(rows: list[list[int]], labels: list[list[int]], pad_id: int):
@@ -93,20 +98,28 @@ def official_schedule(optim, steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optim, factor)
 
 
-def _family_policy(ctx: StageContext, family):
-    """(the family's reference as a trainable fp32 causal LM, the task in its tokenizer)."""
+def _family_policy(
+    family: Family,
+    name: str,
+    family_cfg: Mapping[str, Any],
+    dataset_cfg: Mapping[str, Any],
+    attn_impl: str,
+) -> tuple[Any, Any]:
+    """(the family's reference as a trainable fp32 causal LM, the task in its tokenizer):
+    `family` is alias `name` resolved with the chain's `model.*` (`family_cfg`),
+    `dataset_cfg` the chain's `dataset.*`."""
     from pita.datasets import build_task
     from pita.models.loading import load_tokenizer
     from pita.models.placement import load_stage_lm
 
     tok = load_tokenizer(family.reference, trust_remote_code=family.trust_remote_code)
-    task = build_task(ctx.cfg.dataset, tokenizer=tok)
+    task = build_task(dataset_cfg, tokenizer=tok)
     model = load_stage_lm(
         family.reference,
-        family=ctx.task.family,
-        family_cfg=ctx.cfg.model,
+        family=name,
+        family_cfg=family_cfg,
         device="cpu",  # moved to the training device by the caller
-        attn_impl=ctx.system.attn_impl,
+        attn_impl=attn_impl,
         trainable=True,
     )
     if model.config.pad_token_id is None:
@@ -136,17 +149,17 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     from pita.datasets import build_task
     from pita.models.catalog import resolve_family
     from pita.models.tiny import build_tiny_llama
-    from pita.runtime.gang import checkpoint_objects
-    from pita.runtime.kit import checkpointer, train_step
+    from pita.runtime.kit import checkpoint_plan, task_tracker
     from pita.training.ddp import full_state_dict, wrap_model
     from pita.training.loop import (
+        TrainStep,
         compile_model,
         enable_gradient_checkpointing,
         micro_batch_plan,
         split_batch,
         token_weights,
     )
-    from pita.training.precision import training_device
+    from pita.training.precision import training_device, training_precision
     from pita.training.report import write_training_report
 
     tr, pcfg = ctx.training, ctx.pretrain
@@ -176,7 +189,9 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
             attn_impl=ctx.system.attn_impl,
         )
     else:
-        model, task = _family_policy(ctx, family)
+        model, task = _family_policy(
+            family, ctx.task.family, ctx.cfg.model, ctx.cfg.dataset, ctx.system.attn_impl
+        )
         tok = task.tokenizer
         ctx.logger.info(
             "pretrain: fine-tuning the family's reference %s on %s rendered as text in its "
@@ -202,8 +217,18 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
         else get_cosine_schedule_with_warmup(optim, pcfg.warmup_steps, pcfg.steps)
     )
     # Figures are read back every 50 steps (the log interval), not every step: no host sync.
-    step = train_step(
-        ctx, net, optim, scheduler=sched, device=device, compile_status=compiled, sync_every=50
+    step = TrainStep(
+        net,
+        optim,
+        training_precision(tr, device, logger=ctx.logger),
+        scheduler=sched,
+        max_grad_norm=tr.max_grad_norm,
+        clear_cache_interval=ctx.system.clear_cache_interval,
+        device=device,
+        compile_status=compiled,
+        logger=ctx.logger,
+        sync_every=50,
+        tracker=task_tracker(ctx),  # a tracker that writes nothing off rank 0
     )
     ctx.logger.info(
         "pretrain: effective batch %d = micro %d x %d accumulation x %d rank(s), %s",
@@ -216,8 +241,11 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     cuda = device.type == "cuda"
 
     # In-task checkpoints (training.checkpoint_every): a retry continues where the dead attempt stopped.
-    ckpt = checkpointer(ctx, writer=dist is None or dist.is_main, collective=dist is not None)
-    saved_model, saved_optim = checkpoint_objects(ctx, model, optim)  # a gang: full state by name
+    plan = checkpoint_plan(ctx)
+    ckpt = plan.checkpointer(
+        ctx.logger, writer=dist is None or dist.is_main, collective=dist is not None
+    )
+    saved_model, saved_optim = plan.objects(model, optim)  # a gang: full state by name
     start, extra = ckpt.restore(
         model=saved_model, optimizer=saved_optim, scheduler=sched, step=step, max_step=pcfg.steps
     )
@@ -273,7 +301,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
             i + 1,
             lambda: {"model": saved_model, "optimizer": saved_optim, "scheduler": sched},
             step=step,
-            extra=lambda state=rng_after: {"rng": state},
+            extra=partial(dict, rng=rng_after),  # the data RNG's state after this step
         )
 
     state = full_state_dict(model, dist) if dist is not None else None  # FSDP2: gathered

@@ -12,9 +12,10 @@
 - `checkpoint`: in-task checkpoints in a folder (`Checkpointer`, the TRL Trainer's).
 - `tracking`: the `logger` group's backends (`open_tracker`, `trl_callback`).
 
-These modules take values (a model, a folder, a logger config, a run dir, a name) and know
-no task: what builds them from a stage's context is `pita/runtime/kit.py`, the per-rank
-DDP glue `pita/runtime/gang.py` (the layer test keeps training below runtime).
+These modules take values (a model, a folder, a logger config, a run dir, a name, a
+`training.*` settings instance, a `CheckpointPlan`) and know no task: a stage unpacks its
+context into those values (`pita/runtime/kit.py`: the checkpoint plan, the tracker); the
+per-rank DDP glue is `pita/runtime/gang.py` (the layer test keeps training below runtime).
 
 Import the modules themselves (`from pita.training.loop import TrainStep`); this package
 imports nothing, so importing it costs no torch.

@@ -4,9 +4,10 @@ A dead attempt's temporary folder is renamed `tasks/<id>.attemptN.failed/`, so t
 checkpoints live beside it, in `tasks/<id>.checkpoints/` (`TaskPaths.checkpoints`), which
 every attempt of the task sees; the worker removes it once the task is committed.
 
-Hand-written loops (pretrain, value training) use `Checkpointer` (a stage builds it from
-its context with `pita.runtime.kit.checkpointer(ctx)`: the task's folder,
-`training.checkpoint_every*` and the task's identity):
+Hand-written loops (pretrain, value training) use `Checkpointer`. A stage unpacks its
+context once into a `CheckpointPlan` (`pita.runtime.kit.checkpoint_plan(ctx)`: the task's
+folder, `training.checkpoint_every*`, the task's identity, the state's format) and builds
+from that value (`plan.checkpointer(logger)`, `plan.objects(model, optim)`):
 
     ckpt = Checkpointer(folder, every_steps, every_minutes, logger=log, identity=identity)
     start, extra = ckpt.restore(model=model, optimizer=optim, step=train_step, max_step=steps)
@@ -56,7 +57,8 @@ import re
 import shutil
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -531,6 +533,62 @@ _NOT_KEPT = ("training_args.bin",)  # a full pickle pita never loads: not kept i
 _PICKLES = (".pt", ".pth", ".bin")
 
 
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """How a task checkpoints, as values: its folder, how often (steps, minutes; 0 = off),
+    what its checkpoints must carry (`identity`), whose files count as its own
+    (`trust_group`) and the state's format (`by_name`: a gang strategy's full state keyed by
+    parameter name, so k ranks resume on any k). A stage builds it once from its context
+    (`pita.runtime.kit.checkpoint_plan`); its loop and its Trainer take it from there."""
+
+    folder: Path
+    every_steps: int = 0
+    every_minutes: float = 0.0
+    identity: Mapping[str, str] = field(default_factory=dict)
+    trust_group: bool = False
+    by_name: bool = False
+    stop_file: Path | None = None  # the run asks the task to checkpoint and stop (growth)
+
+    def checkpointer(
+        self, logger: logging.Logger | None = None, *, writer: bool = True, collective: bool = False
+    ) -> Checkpointer:
+        """A hand-written loop's `Checkpointer` (`writer`: rank 0 of a gang writes, every
+        rank restores; `collective`: a gang's ranks all build the state when a save is due)."""
+        return Checkpointer(
+            self.folder,
+            self.every_steps,
+            self.every_minutes,
+            writer=writer,
+            logger=logger,
+            identity=dict(self.identity),
+            trust_group=self.trust_group,
+            collective=collective,
+            stop_file=self.stop_file,
+        )
+
+    def objects(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
+        """What the `Checkpointer` saves and restores for a model and its optimizer: their
+        full state by parameter name (`pita.training.ddp.FullState`) under a gang strategy,
+        whatever k (1 included), else the objects themselves (a one-process task's format)."""
+        if not self.by_name:
+            return model, optimizer
+        from pita.training.ddp import FullState
+
+        return FullState(model), FullState(model, optimizer)
+
+    def trl_kwargs(self) -> dict[str, Any]:
+        """TrainingArguments checkpoint fields (`trl_checkpoint_kwargs`)."""
+        return trl_checkpoint_kwargs(self.folder, self.every_steps, self.every_minutes)
+
+    def last_trl(
+        self, max_step: int | None = None, logger: logging.Logger | None = None
+    ) -> str | None:
+        """The newest Trainer checkpoint whose proof verifies (`last_trl_checkpoint`)."""
+        return last_trl_checkpoint(
+            self.folder, dict(self.identity), max_step, logger, trust_group=self.trust_group
+        )
+
+
 def trl_checkpoint_kwargs(folder: Path | str, every: int, minutes: float) -> dict[str, Any]:
     """TrainingArguments fields for checkpoints every `every` steps (or `minutes`) into
     `folder`; none when both are off. The Trainer keeps every checkpoint
@@ -765,7 +823,7 @@ def time_checkpoint_callback(minutes: float):
     return TimeCheckpointCallback()
 
 
-def stop_callback(stop_file: Path | str):
+def stop_callback(stop_file: Path | str | None):
     """A TrainerCallback honouring the run's request to stop at a checkpoint (the
     `Checkpointer.stop_file` of the hand-written loops): after a step, when the request
     exists (rank 0 decides for the gang) and steps remain, the Trainer saves a checkpoint
@@ -777,7 +835,8 @@ def stop_callback(stop_file: Path | str):
 
         def on_step_end(self, args, state, control, **kwargs):
             last = state.max_steps > 0 and state.global_step >= state.max_steps
-            (stop,) = rank_zero_says(not last and os.path.exists(stop_file))
+            asked = stop_file is not None and os.path.exists(stop_file)
+            (stop,) = rank_zero_says(not last and asked)
             if stop:
                 control.should_save = True
                 control.should_training_stop = True

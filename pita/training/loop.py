@@ -4,7 +4,7 @@ A stage keeps its loop in plain view and hands the mechanics of one optimizer st
 `TrainStep`:
 
     micro, n_micro = accumulation_plan(batch, micro_batch_size, accumulation_steps, batch_scale)
-    step = TrainStep(model, optim, precision, scheduler=sched)  # or pita.runtime.kit.train_step
+    step = TrainStep(model, optim, precision, scheduler=sched)
     for _ in range(steps):
         batch = next_batch()
         step.run(split_batch(batch, micro), lambda mb: model(**mb).loss, samples=len(batch))
@@ -94,9 +94,9 @@ def split_batch(batch: Any, micro: int) -> list[Any]:
     if isinstance(batch, torch.Tensor):
         return list(batch.split(micro))
     if isinstance(batch, dict):
-        parts = {k: split_batch(v, micro) for k, v in batch.items()}
-        n = len(next(iter(parts.values())))
-        return [{k: v[i] for k, v in parts.items()} for i in range(n)]
+        by_key = {k: split_batch(v, micro) for k, v in batch.items()}
+        n = len(next(iter(by_key.values())))
+        return [{k: v[i] for k, v in by_key.items()} for i in range(n)]
     if isinstance(batch, tuple):
         parts = [split_batch(v, micro) for v in batch]
         return [tuple(p[i] for p in parts) for i in range(len(parts[0]))]
@@ -150,9 +150,9 @@ def _one_line(exc: BaseException) -> str:
         first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
         return f"{type(e).__name__}: {first[:200]}".rstrip(": ")
 
-    root, seen = exc, {id(exc)}
-    while getattr(root, "inner_exception", None) or root.__cause__:
-        nxt = getattr(root, "inner_exception", None) or root.__cause__
+    root: BaseException = exc
+    seen = {id(exc)}
+    while (nxt := getattr(root, "inner_exception", None) or root.__cause__) is not None:
         if id(nxt) in seen:
             break
         root = nxt
@@ -325,7 +325,7 @@ class TrainingMetrics:
         except Exception:  # noqa: BLE001 - psutil missing: no RSS figure
             pass
 
-    def record(self, **row: float) -> None:
+    def record(self, **row: float | None) -> None:
         self.rows.append({k: float(v) for k, v in row.items() if v is not None})
         if not self.cuda:
             self._sample_rss()

@@ -131,6 +131,23 @@ def choose_precision(
     return p
 
 
+def training_precision(
+    training_cfg: Any,
+    device: str | torch.device,
+    compute_capability: Any = None,
+    logger: logging.Logger | None = None,
+) -> Precision:
+    """`choose_precision` from a task's `training.*` settings (`precision_type`,
+    `mixed_precision`), logged to `logger` (the task log)."""
+    return choose_precision(
+        str(training_cfg.precision_type),
+        bool(training_cfg.mixed_precision),
+        device,
+        compute_capability,
+        logger=logger,
+    )
+
+
 def trl_precision_kwargs(
     training_cfg: Any,
     device: str | torch.device,
@@ -142,14 +159,7 @@ def trl_precision_kwargs(
     Always pass both explicitly: TRL's configs default to bf16=True, which must be False on
     the CPU (and on GPUs older than compute capability 8.0).
     """
-    p = choose_precision(
-        str(training_cfg.precision_type),
-        bool(training_cfg.mixed_precision),
-        device,
-        compute_capability,
-        logger=logger,
-    )
-    return p.trl_kwargs()
+    return training_precision(training_cfg, device, compute_capability, logger).trl_kwargs()
 
 
 class DeviceChoice(NamedTuple):

@@ -78,9 +78,10 @@ def logger_cfg(cfg: Any) -> LoggerConfig:
     node = cfg.get("logger") if hasattr(cfg, "get") else None
     if isinstance(node, LoggerConfig):
         return node
-    if isinstance(node, DictConfig):
-        node = OmegaConf.to_container(node, resolve=True)
-    return settings(LoggerConfig, dict(node or {}))
+    plain = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+    return settings(
+        LoggerConfig, {str(k): v for k, v in plain.items()} if isinstance(plain, Mapping) else {}
+    )
 
 
 def log_dir(run_dir: str | Path, backend: str) -> Path:
@@ -189,7 +190,7 @@ class TensorBoardTracker(Tracker):
         self.folder = folder
         self.params = dict(params or {})
         self.tags = list(tags or [])
-        self._writer = None
+        self._writer: Any = None  # torch's SummaryWriter, opened by the first log
 
     def _open(self) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -480,7 +481,7 @@ class SafeTracker(Tracker):
         self.logger = logger or _log
         self.failed = False
 
-    @property  # type: ignore[override]
+    @property
     def start_step(self) -> int:
         return self.inner.start_step
 
@@ -577,7 +578,8 @@ class scoped_env:
     """Set environment variables for a block (the worker runs one task at a time)."""
 
     def __init__(self, env: Mapping[str, str]):
-        self.env, self.saved = dict(env), {}
+        self.env = dict(env)
+        self.saved: dict[str, str | None] = {}
 
     def __enter__(self) -> scoped_env:
         for key, value in self.env.items():
