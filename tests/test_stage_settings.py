@@ -142,6 +142,8 @@ NOT_CONFIG = {
     ("pita/core/monitor.py", "devices"): "a worker's info, not system.devices",
     ("pita/core/progress.py", "progress"): "a worker's info, not executor.progress",
     ("pita/results/timeline.py", "devices"): "a journal event, not system.devices",
+    ("pita/experiment/durations.py", "devices"): "a journal event, not system.devices",
+    ("pita/experiment/run.py", "progress"): "a worker's info, not executor.progress",
     ("pita/models/placement.py", "trust_remote_code"): "from_pretrained's keyword arguments",
     ("pita/models/value_model.py", "loss_type"): "a saved value model's own config file",
 }

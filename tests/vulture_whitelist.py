@@ -16,6 +16,7 @@ evaluate_merge  # pita/algos/registry.py: "pita.stages.evaluate:evaluate_merge"
 train_hf  # pita/algos/registry.py: "pita.algos.grpo:train_hf" (GRPO-HF)
 train_reward_model  # pita/algos/registry.py: "pita.algos.reward_model:train_reward_model"
 timed_stage  # bench/scheduler.py: executor.stage_overrides to "bench.workload:timed_stage"
+gang_stage  # bench/scaling.py and bench/growth.py: executor.stage_overrides to "bench.workload:gang_stage"
 
 # --- called by Hydra -------------------------------------------------------------------------
 AggregateCallback  # conf/config.yaml: hydra.callbacks ... _target_

@@ -53,7 +53,6 @@ DEFAULT_ALPHA = 0.25
 # launcher of pita/training/ddp.py (bench/scaling.py's `startup` figures); replaced by the
 # run's own measurements (`GangStartup.observe`).
 DEFAULT_STARTUP_S = {1: 0.0, 2: 3.0, 4: 5.0, 8: 9.0}
-MIN_LEFT = 0.05  # a running task has at least this share of its estimate left
 
 
 def speedup(k: int, alpha: float) -> float:

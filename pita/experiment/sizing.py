@@ -53,7 +53,7 @@ def make_sizer(
         one_rank_s,
         sim,
         n_devices=len(scheduler.devices),
-        max_ranks=int(cfg.executor.get("max_ranks_per_task", 1)),
+        max_ranks=int(cfg.executor.max_ranks_per_task),
         key=durations.key,
         version=lambda: durations.work_units,
     )
