@@ -384,8 +384,8 @@ def test_results_do_not_depend_on_the_ranks_a_task_got(tmp_path):
     Sizer chose (pretrain and Q#'s train on k > 1): every results row is the same, up to
     float reduction order (measured: 7e-5 relative on one KL, the rest identical).
 
-    Both runs have 4 collect / evaluate shards: fake:1 against fake:4 also changes the
-    sharding, which today changes the rows (see the issue 32 note), not the ranks."""
+    Both runs have 4 collect / evaluate shards, so only the ranks differ (that the shard
+    count changes no row either: tests/test_shard_invariance.py)."""
     from tests.conftest import journal, run_dirs
 
     base = [

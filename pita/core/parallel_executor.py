@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 # A sized gang still waiting past its predicted start is decided again this often (the
 # prediction was wrong: others ran longer), then shrunk to the devices free.
 REDECIDE = 2
+# While nothing runs, a sized gang waits for its workers to start (a run's first seconds:
+# each worker imports torch), not behind another task: shrinking it then would put the
+# run's first training task (pretrain, on the critical path) on one rank for no gain.
+WORKER_START_GRACE_S = 60.0
 
 
 def estimate_job_priority(job: TaskSpec, cfg: Any = None) -> float:
@@ -372,6 +376,8 @@ class DagRunner:
                 waited = now - self.sized_at[task.id]
                 if waited <= sizing.gang_start_s + max(1.0, 0.25 * sizing.gang_start_s):
                     continue
+                if not self.running and waited < WORKER_START_GRACE_S:
+                    continue  # waiting for workers to come up, not behind another task
                 previous = task.gpus
                 self.redecided[task.id] = self.redecided.get(task.id, 0) + 1
                 if self.redecided[task.id] <= REDECIDE:
