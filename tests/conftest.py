@@ -203,6 +203,18 @@ def _smoke_env(cwd: Path) -> dict[str, str]:
     return {"PITA_CACHE_DIR": str(cwd / "cache")}  # its own duration cache
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Every run a test starts measures into a cache of this session, never the user's
+    (`~/.cache/pita`: the suite wrote thousands of entries there, and a learned speedup
+    from an earlier test's run changed the ranks a later test's run was given). A test
+    that needs a fresh cache passes its own `PITA_CACHE_DIR`."""
+    if hasattr(config, "workerinput"):
+        return  # a pytest-xdist worker inherits the controller's
+    cache = Path(tempfile.mkdtemp(prefix="pita-test-cache-"))
+    os.environ["PITA_CACHE_DIR"] = str(cache)
+    config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """When a selected test reads the smoke run, start it as soon as collection ends: it
     goes on beside the tests before its first reader (a run keeps about one of the two

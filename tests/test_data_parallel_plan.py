@@ -64,7 +64,8 @@ def test_data_parallel_run_trains_pretrain_with_ddp_over_the_gang(tmp_path):
         "dataset.test_size=8",
         *only("reference"),
     ]
-    proc = run_cli(args, tmp_path, timeout=300)
+    # a fresh duration cache: the Sizer gives pretrain both devices from work units alone
+    proc = run_cli(args, tmp_path, env={"PITA_CACHE_DIR": str(tmp_path / "cache")}, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [run_dir] = run_dirs(tmp_path, "dp")
     running = [

@@ -400,7 +400,9 @@ def test_results_do_not_depend_on_the_ranks_a_task_got(tmp_path):
     rows = {}
     for name, ranks in (("rigid", 1), ("sized", 8)):
         args = [*base, f"executor.max_ranks_per_task={ranks}", f"experiment.name={name}"]
-        proc = run_cli(args, tmp_path, timeout=900)
+        # a fresh duration cache: the Sizer decides from work units, not a learned curve
+        env = {"PITA_CACHE_DIR": str(tmp_path / f"cache-{name}")}
+        proc = run_cli(args, tmp_path, env=env, timeout=900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         [run_dir] = run_dirs(tmp_path, name)
         rows[name] = _rows(run_dir)
