@@ -36,12 +36,11 @@ from tests.conftest import only, run_cli
 
 
 def _task(tid, stage="collect", deps=(), elastic=False, work=1.0, algo="PITA") -> TaskSpec:
-    return TaskSpec(
-        id=tid,
+    from tests.conftest import task_spec
+
+    return task_spec(
+        tid,
         algo=algo,
-        dataset="goal_walk",
-        family="tiny",
-        round=0,
         stage=stage,
         fn="-",
         deps=list(deps),
