@@ -225,3 +225,19 @@ def test_a_saved_auto_is_compared_as_what_the_resumed_run_resolved(tmp_path, cud
     resolved.training.parallel_strategy = "none"
     change = plan_change(resolved, tmp_path, plan, lambda c: build_plan(c, gpu), resume_safe)
     assert change is not None and "training.parallel_strategy" in change.keys
+
+
+def test_the_dry_run_plans_with_the_resolved_value(tmp_path, capsys, caplog, cuda):
+    """On 4 CUDA GPUs the dry run lists the elastic tasks with their k; on fake:4 none."""
+    caplog.set_level("INFO", logger="pita")
+    for devices, elastic in (("auto", True), ("fake:4", False)):
+        cuda(4)
+        cfg = cli.compose_config([*CHAINS, f"system.devices={devices}", "dry_run=true"])
+        assert run_module.run(cfg, tmp_path / devices) == 0
+        out = capsys.readouterr().out
+        assert ("Elastic training tasks" in out) == elastic
+        assert any(
+            r.getMessage().startswith("training.parallel_strategy=auto -> ") for r in caplog.records
+        )
+        caplog.clear()
+    assert not (tmp_path / "auto").exists()  # a dry run writes nothing
