@@ -101,6 +101,9 @@ def test_on_several_cuda_devices_auto_plans_elastic_training_tasks(cuda):
     cuda(4)  # an explicit value is kept
     assert not any(t.ranks for t in _plan(["training.parallel_strategy=none"]).tasks.values())
     assert not any(t.ranks for t in _plan(["system.gpu_mode=single_gpu"]).tasks.values())
+    # debugging in this process: no rank processes (a breakpoint stops in the stage)
+    for debug in ("executor.backend=inprocess", "system.use_parallel_execution=false"):
+        assert not any(t.ranks for t in _plan([debug]).tasks.values())
 
 
 @pytest.mark.parametrize("devices", ["fake:4", "cpu"])

@@ -23,7 +23,7 @@ AUTO = "auto"
 
 
 def resolve_parallel_strategy(
-    key: str, gpu_mode: str, device_kind: str, n_devices: int
+    key: str, gpu_mode: str, device_kind: str, n_devices: int, in_process: bool = False
 ) -> tuple[str, str]:
     """(the strategy, why) for `training.parallel_strategy=key` on this run's devices.
 
@@ -36,12 +36,17 @@ def resolve_parallel_strategy(
       so k ranks do not run k times faster (the 2-rank gloo bench, bench/ddp.py, measures
       s(2) = 1.38, alpha = 0.45 on this 2-core machine: bench/README.md), and the cores a
       gang takes are the ones the other chains' tasks would use;
-    - `none` with one device (`system.gpu_mode=single_gpu` or cpu, or one GPU): no gang.
+    - `none` with one device (`system.gpu_mode=single_gpu` or cpu, or one GPU): no gang;
+    - `none` when tasks run in the orchestrator's process (`executor.backend=inprocess`,
+      `system.use_parallel_execution=false`: debugging), so a breakpoint in a training
+      stage still stops there rather than in k rank processes.
     """
     if key != AUTO:
         return key, "explicit"
     if gpu_mode in ("cpu", "single_gpu"):
         return "none", f"system.gpu_mode={gpu_mode}: one device per task"
+    if in_process:
+        return "none", "tasks run in this process"
     if device_kind == "cuda" and n_devices > 1:
         return "data_parallel", f"{n_devices} CUDA devices"
     if device_kind == "cuda":
@@ -57,7 +62,10 @@ def resolved_config(cfg: Any, device_kind: str, n_devices: int) -> tuple[Any, st
     key = str(cfg.training.parallel_strategy)
     if key != AUTO:
         return cfg, None
-    value, why = resolve_parallel_strategy(key, str(cfg.system.gpu_mode), device_kind, n_devices)
+    in_process = cfg.executor.backend == "inprocess" or not cfg.system.use_parallel_execution
+    value, why = resolve_parallel_strategy(
+        key, str(cfg.system.gpu_mode), device_kind, n_devices, in_process
+    )
     out = copy.deepcopy(cfg)
     out.training.parallel_strategy = value
     return out, f"training.parallel_strategy=auto -> {value} ({why})"
