@@ -16,7 +16,7 @@ the default, neither changes what finished tasks were computed with nor is refus
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 AUTO = "auto"
@@ -77,7 +77,7 @@ def keep_run_strategy(cfg: Any, run: Any) -> None:
     that value; one that stopped before writing it still holds `auto`, and then the
     resumed run's value is taken for it)."""
     training, other = cfg.get("training"), run.get("training")
-    if not (isinstance(training, Mapping) and isinstance(other, Mapping)):
+    if not (isinstance(training, MutableMapping) and isinstance(other, Mapping)):
         return  # a saved config without the group: the resumed run resolves `auto` itself
     value = other.get("parallel_strategy")
     if training.get("parallel_strategy") == AUTO and value is not None:
