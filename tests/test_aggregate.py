@@ -97,6 +97,7 @@ def test_real_seed_sweep_ends_with_one_aggregate_table(tmp_path):
             "pretrain.steps=5",
             "dataset.seed=0,1",
             "executor.progress=false",
+            "executor.cpu_workers=1",  # one worker per job importing torch, not one per core
         ],
         cwd=tmp_path,
         timeout=300,

@@ -322,6 +322,7 @@ def test_dpo_grpo_and_grpo_hf_chains_through_the_command_line(tmp_path):
             *only("DPO", "GRPO", "GRPO-HF"),
             f"experiment.name={name}",
             "executor.progress=false",
+            "executor.cpu_workers=1",  # one worker importing torch, not one per core
             "pretrain.steps=30",
             "pretrain.batch_size=64",
             "evaluation.max_prompts=20",

@@ -64,6 +64,7 @@ def test_default_reference_matches_analytic_pass_at_1(tmp_path):
         "evaluation.max_prompts=400",
         "experiment.name=ref",
         "executor.progress=false",
+        "executor.cpu_workers=1",  # one worker importing torch, not one per core
     ]
     proc = run_cli(args, tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

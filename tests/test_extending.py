@@ -44,7 +44,10 @@ def test_without_the_package_each_name_is_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_own_algorithm_and_dataset_run_end_to_end(tmp_path):
-    proc = _run(["executor.progress=false", "pretrain.steps=20"], tmp_path)
+    # one worker importing torch, not one per core
+    proc = _run(
+        ["executor.progress=false", "pretrain.steps=20", "executor.cpu_workers=1"], tmp_path
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [run] = list((tmp_path / "outputs" / "mine").iterdir())
     with open(run / "results" / "summary.csv", newline="") as f:

@@ -194,7 +194,10 @@ def every_algorithm_runs(local_family, tmp_path_factory) -> dict[str, tuple[Path
     runs = {}
     for dataset in ("gsm8k", "imdb"):
         cwd = tmp_path_factory.mktemp(f"local_{dataset}")
-        args = local_run_args(local_family, "model.device_map=auto", dataset=dataset)
+        # one worker each (both runs go on at once; each worker imports torch)
+        args = local_run_args(
+            local_family, "model.device_map=auto", "executor.cpu_workers=1", dataset=dataset
+        )
         runs[dataset] = (cwd, run_cli_later(args, cwd, timeout=600))
     return runs
 

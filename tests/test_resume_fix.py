@@ -129,6 +129,7 @@ def test_the_printed_advice_after_a_failed_task_finishes_the_run(tmp_path):
     the run folder."""
     env = {"HF_TOKEN": TOKEN, "WANDB_API_KEY": TOKEN[::-1]}
     args = ["experiment=smoke", *only("GRPO"), "experiment.name=fix", "pretrain.steps=20"]
+    args += ["executor.cpu_workers=1"]  # one worker importing torch, not one per core
     first = run_cli([*args, "algos.GRPO.trl.generation_batch_size=3"], tmp_path, env, timeout=900)
     assert first.returncode == 1, first.stdout + first.stderr
     advice = re.search(

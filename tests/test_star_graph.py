@@ -365,6 +365,7 @@ def test_star_graph_paper_config_runs_at_toy_size(tmp_path):
         "experiment=star_graph_paper",
         "experiment.name=paper_toy",
         "executor.progress=false",
+        "executor.cpu_workers=1",  # one worker importing torch, not one per core
         "model.memory_gb=0.5",
         "experiment.datasets=[star_graph]",
         "dataset.num_nodes=20",

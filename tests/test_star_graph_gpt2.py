@@ -226,6 +226,7 @@ def test_star_graph_gpt2_runs_end_to_end_on_a_local_gpt2_family(gpt2_family, tmp
         ],
         "algos.GRPO-HF.reward_epochs=1",
         "executor.progress=false",
+        "executor.cpu_workers=1",  # one worker importing torch, not one per core
         "experiment.name=sg_gpt2",
     ]
     run_dir = run_ok(args, tmp_path, "sg_gpt2", timeout=900)

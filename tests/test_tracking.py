@@ -18,6 +18,7 @@ SMOKE = [  # a pita-native training (pretrain, Q# value model) and a TRL one (GR
     "executor.progress=false",
     "pretrain.steps=30",
     "logger.tags=[smoke_test,ci]",
+    "executor.cpu_workers=1",  # one worker importing torch (and the tracker), not one per core
 ]
 
 

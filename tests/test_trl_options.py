@@ -247,6 +247,7 @@ def test_trl_options_and_lora_reach_the_trainers(local_family, tmp_path):
         "data_collection.samples_per_example=4",
         "data_collection.max_examples=8",
         "executor.progress=false",
+        "executor.cpu_workers=1",  # one worker importing torch, not one per core
         "experiment.name=trlopt",
         "algos.DPO.samples_per_example=4",
         "algos.DPO.epochs=1",

@@ -178,6 +178,7 @@ def test_two_round_chain_through_run_parallel(tmp_path):
         "experiment=smoke",
         "experiment.name=chain",
         "executor.progress=false",
+        "executor.cpu_workers=1",  # one worker importing torch, not one per core
         "rounds_of_training=2",
         *only("reference", "QSharp", "PITA"),
         "pretrain.steps=30",

@@ -274,6 +274,7 @@ def _head_args(head: str) -> list[str]:
         "experiment=smoke",
         f"experiment.name=vhead_{head}",
         "executor.progress=false",
+        "executor.cpu_workers=1",  # one worker importing torch, not one per core
         *only("reference", "QSharp"),
         *(learn if head == "v" else []),
         "evaluation.etas=[0,10]",
