@@ -32,7 +32,7 @@ from pita.core.parallel_executor import (
     simulate_window,
 )
 from pita.core.tasks import TaskSpec
-from tests.conftest import only, run_cli
+from tests.conftest import only, run_cli, run_cli_later
 
 
 def _task(tid, stage="collect", deps=(), elastic=False, work=1.0, algo="PITA") -> TaskSpec:
@@ -384,24 +384,30 @@ def test_results_do_not_depend_on_the_ranks_a_task_got(tmp_path):
     float reduction order (measured: 7e-5 relative on one KL, the rest identical).
 
     Both runs have 4 collect / evaluate shards, so only the ranks differ (that the shard
-    count changes no row either: tests/test_shard_invariance.py)."""
+    count changes no row either: tests/test_shard_invariance.py). The one-rank run says
+    `none`: a task on one rank runs the same code under data_parallel (no gang below 2
+    ranks, pita/runtime/gang.py), but a data_parallel run's workers would each start a
+    forkserver for gangs that never come."""
     from tests.conftest import journal, run_dirs
 
     base = [
         "experiment=smoke",
         "executor.progress=false",
         "system.devices=fake:4",
-        "training.parallel_strategy=data_parallel",
         "pretrain.steps=8",
         "dataset.test_size=8",
         *only("reference", "QSharp"),
     ]
-    rows = {}
-    for name, ranks in (("rigid", 1), ("sized", 8)):
-        args = [*base, f"executor.max_ranks_per_task={ranks}", f"experiment.name={name}"]
+    rows, runs = {}, {}
+    # both at once: they share nothing
+    for name, ranks, strategy in (("rigid", 1, "none"), ("sized", 8, "data_parallel")):
+        args = [*base, f"training.parallel_strategy={strategy}"]
+        args += [f"executor.max_ranks_per_task={ranks}", f"experiment.name={name}"]
         # a fresh duration cache: the Sizer decides from work units, not a learned curve
         env = {"PITA_CACHE_DIR": str(tmp_path / f"cache-{name}")}
-        proc = run_cli(args, tmp_path, env=env, timeout=900)
+        runs[name] = run_cli_later(args, tmp_path, env=env, timeout=900)
+    for name, future in runs.items():
+        proc = future.result()
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         [run_dir] = run_dirs(tmp_path, name)
         rows[name] = _rows(run_dir)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli, run_dirs
+from tests.conftest import run_cli_later, run_dirs
 
 torch = pytest.importorskip("torch")
 
@@ -298,8 +298,8 @@ def test_evaluate_samples_and_rows_are_the_same_on_one_and_four_shards(run_folde
 def test_an_experiment_gives_the_same_rows_on_one_and_four_devices(tmp_path):
     """experiment=smoke with the reference and Q# (collect sharded, value training, guided
     evaluation sharded) on fake:1 and fake:4: every row of results/summary.csv equal."""
-    rows = {}
-    for n in (1, 4):
+    rows, runs = {}, {}
+    for n in (1, 4):  # both at once: they share nothing
         cwd = tmp_path / f"fake{n}"
         cwd.mkdir()
         args = [
@@ -311,7 +311,12 @@ def test_an_experiment_gives_the_same_rows_on_one_and_four_devices(tmp_path):
             f"system.devices=fake:{n}",
             "executor.progress=false",
         ]
-        proc = run_cli(args, cwd, env={"PITA_CACHE_DIR": str(cwd / "cache")}, timeout=600)
+        runs[n] = (
+            cwd,
+            run_cli_later(args, cwd, env={"PITA_CACHE_DIR": str(cwd / "cache")}, timeout=600),
+        )
+    for n, (cwd, future) in runs.items():
+        proc = future.result()
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         [run_dir] = run_dirs(cwd, "smoke")
         plan = json.loads((run_dir / "plan.json").read_text())
