@@ -278,9 +278,15 @@ GRPO_ARGS = [
     "experiment=smoke",
     "algos=[GRPO]",
     "algos.GRPO.steps=4",
-    "pretrain.steps=20",  # checkpointed every step too: a short one
+    # checkpointed every step too: a short one, but long enough that GRPO's groups hold both
+    # rewards (at 20 steps every sample failed: zero advantage, the weights never moved)
+    "pretrain.steps=40",
     "training.checkpoint_every=1",
     "executor.progress=false",
+    # one CPU worker (not one per core: each imports torch) and 8 test prompts: what is
+    # checked is the train task's checkpoints, not the evaluation
+    "executor.cpu_workers=1",
+    "dataset.test_size=8",
 ]
 
 
