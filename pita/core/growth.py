@@ -14,10 +14,12 @@ Growth corrects that while it runs:
    start-up on k', `startup(k')`) plus the same work on k' ranks. It must gain `margin` of
    its time left and at least `min_gain_s`. Highest-priority tasks first; never shrinks.
 2. **How.** The run writes `tasks/<id>.stop-request` (`TaskPaths.stop_request`); the task's
-   `Checkpointer` sees it after its next optimizer step (rank 0, broadcast to the gang),
-   writes its checkpoint and stops: outcome `stopped` (pita/core/errors.py), not a failure.
+   `Checkpointer` (a TRL stage: its Trainer's `stop_callback`) sees it after its next
+   optimizer step (rank 0, broadcast to the gang), writes its checkpoint and stops: outcome
+   `stopped` (pita/core/errors.py), not a failure.
 3. **Then.** The task is dispatched again at once on k' ranks and resumes from that
-   checkpoint (a full-state checkpoint resumes on any k, pita/training/ddp.py `FullState`);
+   checkpoint (a full-state checkpoint resumes on any k, pita/training/ddp.py `FullState`;
+   DPO's Trainer checkpoint too, see `TRL_STAGES`);
    the attempt is not counted as a retry. Journal: `task_grow_requested` when asked;
    `task_stopped` (the attempt's end) and `task_resized` (why=grow, previous, ranks) when
    it stopped.
