@@ -19,7 +19,7 @@ Growth corrects that while it runs:
    `stopped` (pita/core/errors.py), not a failure.
 3. **Then.** The task is dispatched again at once on k' ranks and resumes from that
    checkpoint (a full-state checkpoint resumes on any k, pita/training/ddp.py `FullState`;
-   DPO's Trainer checkpoint too, see `TRL_STAGES`);
+   the Trainer checkpoint of the TRL stages in `TRL_STAGES` too);
    the attempt is not counted as a retry. Journal: `task_grow_requested` when asked;
    `task_stopped` (the attempt's end) and `task_resized` (why=grow, previous, ranks) when
    it stopped.
@@ -52,16 +52,18 @@ DEFAULT_STOP_S = 2.0  # request -> stopped outcome until one was measured (a ste
 # The stages whose checkpoints resume on any k with the numbers of an uninterrupted run:
 # - pita's own loops (pretrain, the value trainer): full-state checkpoints (pita/training/ddp.py
 #   `FullState`; tests/test_growth.py);
-# - DPO and RPO (`pita.algos.dpo:train`), from the Trainer's own checkpoint
-#   (`resume_from_checkpoint`: model, optimizer, step). accelerate's seedable sampler deals the
-#   same batches at any k and the Trainer skips the seen ones; DPO draws no random numbers
-#   (TRL's `disable_dropout`, its default), so the per-rank RNG files a checkpoint of another
-#   k lacks do not matter. pita adds the gang's loss sums and TRL's unlogged metrics to the
-#   checkpoint and logs the last step (pita/algos/trl_common.py). Measured: stopped on 1 rank,
-#   resumed on 2, then on 2 again, every logged value, the result and the weights within
-#   1.2e-7 of one process' run; without those additions the first log after a stop was off
-#   (loss by 2.6e-3, TRL's reward accuracy by 0.25) and so was train_loss (1.4e-3):
-#   tests/test_trl_gang.py::test_dpo_stopped_at_checkpoints_and_resumed_on_other_ranks_matches_an_uninterrupted_run
+# - DPO / RPO training and the proxy reward model of the -HF variants (`TRL_STAGES`), from
+#   the Trainer's own checkpoint (`resume_from_checkpoint`: model, optimizer, step).
+#   accelerate's seedable sampler deals the same batches at any k and the Trainer skips the
+#   seen ones; they draw no random numbers (TRL's `disable_dropout`), so the per-rank RNG
+#   files a checkpoint of another k lacks do not matter. pita adds the gang's loss sums and
+#   TRL's unlogged metrics to the checkpoint and logs the last step (pita/algos/trl_common.py).
+#   Measured (DPO and the reward model, 1 rank stopped, resumed on 2 and stopped, resumed on
+#   2): every logged value, the result and the weights within 1.2e-7 of one process' run;
+#   without those additions DPO's first log after a stop was off (loss by 2.6e-3, TRL's reward
+#   accuracy by 0.25) and so was train_loss (1.4e-3):
+#   tests/test_trl_gang.py::test_trl_stages_stopped_and_resumed_on_other_ranks_match_an_uninterrupted_run
+#   (RPO is DPO's stage with an SFT term: not run separately).
 # Not grown:
 # - GRPO / GRPO-HF: TRL seeds each rank with `set_seed(seed, device_specific=True)` (seed +
 #   rank) and samples completions from the process's global RNG, so k ranks sample other
@@ -72,14 +74,13 @@ DEFAULT_STOP_S = 2.0  # request -> stopped outcome until one was measured (a ste
 #   logged KL 1.49 against 1.14; resumed on the same k it is exact. Growing it would take
 #   TRL generating with seeds per prompt and step (as pita's `generate(row_seeds=...)`), not
 #   per process.
-# - the proxy reward model of the -HF variants (TRL's RewardTrainer): not measured.
 OWN_LOOPS = (
     "pita.stages.pretrain:",
     "pita.algos.pita_algo:train",
     "pita.algos.qsharp:train",
     "pita.algos.qsharp_hf:train",
 )
-TRL_STAGES = ("pita.algos.dpo:train",)
+TRL_STAGES = ("pita.algos.dpo:train", "pita.algos.reward_model:train_reward_model")
 
 
 def growable(task: TaskSpec) -> bool:
