@@ -19,6 +19,8 @@ SMOKE = [  # a pita-native training (pretrain, Q# value model) and a TRL one (GR
     "pretrain.steps=30",
     "logger.tags=[smoke_test,ci]",
     "executor.cpu_workers=1",  # one worker importing torch (and the tracker), not one per core
+    "dataset.test_size=8",  # what is read back is that results are tracked, not their size
+    "data_collection.max_examples=16",
 ]
 
 
