@@ -13,7 +13,7 @@ not be divided exactly, multiplied by its own ratio). That multiplies each task'
 costs (process work before the first step, model load and save, trainer set-up) too. With
 `--fixed-journal`, a second run with the data counts divided by `--fixed-ratio` more, each
 task's fixed seconds are estimated from the two points (t = a + b x, x the data count:
-a = (r t_small - t) / (r - 1), clipped to [0, t_small]) and the file also carries
+a = (r t_small - t) / (r - 1), clipped to [0, min(t, t_small)]) and the file also carries
 `fixed_s` per task, `task_seconds_fixed_once` (a + factor (t - a)) and how much the plain
 multiplication overstates the total; `--fixed-set PATTERN=S` gives the fixed seconds of
 tasks whose work the second run did not change (a step count already at 1), read from
@@ -51,14 +51,15 @@ def fixed_seconds(
     large: dict[str, float], small: dict[str, float], ratio: float, given: dict[str, float]
 ) -> dict:
     """Per task, the seconds that do not scale with the data: the intercept of a line
-    through (1, large) and (1 / ratio, small), kept within [0, small]; `given` wins."""
+    through (1, large) and (1 / ratio, small), kept within [0, min(large, small)];
+    `given` wins."""
     out = {}
     for tid, t in large.items():
         if tid in given:
             out[tid] = given[tid]
         elif tid in small:
             a = (ratio * small[tid] - t) / (ratio - 1.0)
-            out[tid] = round(min(max(a, 0.0), small[tid]), 3)
+            out[tid] = round(min(max(a, 0.0), small[tid], t), 3)
     return out
 
 
