@@ -7,6 +7,7 @@ pita/core/elastic.py), side by side in one run, at full scale.
     python bench/scaling.py --sigma 0.4 --seeds 1,2,3   # + durations off by lognormal noise
     python bench/scaling.py --dry-run-cost        # sizing cost on the 34,292-task dry run
     python bench/scaling.py --journal outputs/goal_walk/<run>/journal.jsonl   # your run's
+    python bench/scaling.py --profile star_graph_paper --total-s 765   # the paper profile
 
 Prints ONE JSON object. Everything runs for real: the planner builds the default
 experiment's DAG for `fake:N` (one collect / evaluate shard per device, merges, the shared
@@ -32,6 +33,12 @@ duration cache would), alpha, and the start-up measured at the start of the run 
   the Sizer is given `fresh_s`. The first gang of a worker whose forkserver is still
   preloading waits for it (~10-15 s here under load): the bench warms every worker's first.
 Makespans run from the first dispatch to the last completion.
+
+`--profile star_graph_paper` runs the same modes on the plan of `experiment=star_graph_paper
+'experiment.datasets=[star_graph_d2_l5]'` (the planner's DAG for fake:N, 32 tasks on one
+device) with the durations of `bench/star_graph_task_seconds.json` (a real run of that
+profile scaled down by one factor, its task seconds multiplied back: see the file's `how`).
+Its full scale is days of CPU time: pass `--total-s` to compress it.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,15 +76,31 @@ from pita.experiment.sizing import make_sizer  # noqa: E402
 
 GUIDE = {1: 1.0, 2: 1.8, 4: 3.5, 8: 6.75}  # docs/guides/gpu_execution.txt (8: "~6.5-7x")
 TARGET = {2: 1.9, 4: 3.5, 8: 5.5}  # issue 32, alpha = 0.1, start-up included
-MEASURED = ROOT / "bench" / "default_task_seconds.json"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """An experiment the bench plans (Hydra overrides) and the measured seconds of its tasks."""
+
+    overrides: tuple[str, ...]
+    measured: Path
+
+
+PROFILES = {
+    "default": Profile((), ROOT / "bench" / "default_task_seconds.json"),
+    "star_graph_paper": Profile(
+        ("experiment=star_graph_paper", "experiment.datasets=[star_graph_d2_l5]"),
+        ROOT / "bench" / "star_graph_task_seconds.json",
+    ),
+}
 SHARD = re.compile(r"^(?P<base>.+)\.s\d\d$")
 WORKLOAD = "bench.workload:gang_stage"
 
 
-def measured_seconds(journal: Path | None) -> tuple[dict[str, float], str]:
-    """Task id -> seconds of a real run of the default experiment, and where they come from."""
+def measured_seconds(journal: Path | None, profile: Profile) -> tuple[dict[str, float], str]:
+    """Task id -> seconds of a real run of the profile's experiment, and where they come from."""
     if journal is None:
-        data = json.loads(MEASURED.read_text())
+        data = json.loads(profile.measured.read_text())
         return {k: float(v) for k, v in data["task_seconds"].items()}, data["measured"]
     seconds = {}
     for line in Path(journal).read_text().splitlines():
@@ -109,9 +132,10 @@ def durations_for(plan: Plan, measured: dict[str, float], scale: float) -> tuple
     return out, unmatched
 
 
-def config(n: int, max_ranks: int):
+def config(n: int, max_ranks: int, profile: Profile = PROFILES["default"]):
     cfg = compose_config(
         [
+            *profile.overrides,
             f"system.devices='fake:{n}'",
             "executor.max_tasks_per_gpu=1",
             "training.parallel_strategy=data_parallel",
@@ -178,11 +202,12 @@ def run_mode(
     alpha: float,
     tmp: Path,
     noise: tuple[float, int] | None = None,
+    profile: Profile = PROFILES["default"],
 ) -> dict:
     """One (devices, mode) run: the plan, its durations (maybe drawn around the measured
     ones), a warm pool, start-up measured, DagRunner with or without the Sizer."""
     elastic = mode in ("dispatch", "grow")
-    cfg = config(n, n if elastic else 1)
+    cfg = config(n, n if elastic else 1, profile)
     gpu = make_gpu_manager(cfg)
     plan = elastic_plan(cfg, gpu, elastic)
     estimate, unmatched = durations_for(plan, measured, scale)
@@ -341,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="rigid vs sized at dispatch (prints one JSON)")
     parser.add_argument("--devices", default="2,4,8", help="device counts, e.g. 2,4,8 (none)")
     parser.add_argument("--modes", default="rigid,dispatch,grow", help="rigid,dispatch,grow")
-    parser.add_argument("--journal", type=Path, help="a default-experiment run's journal.jsonl")
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="default")
+    parser.add_argument("--journal", type=Path, help="a run of the profile: its journal.jsonl")
     parser.add_argument("--alpha", type=float, default=0.1, help="s(k) = k / (1 + alpha (k-1))")
     parser.add_argument("--quick", action="store_true", help="120 task-seconds, not full scale")
     parser.add_argument("--total-s", type=float, default=0.0, help="scale the DAG to this")
@@ -353,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run_cost:
         print(json.dumps({"dry_run_cost": dry_run_cost()}, indent=2))
         return 0
-    measured, source = measured_seconds(args.journal)
+    profile = PROFILES[args.profile]
+    measured, source = measured_seconds(args.journal, profile)
     total_s = args.total_s or (120.0 if args.quick else sum(measured.values()))
     scale = total_s / sum(measured.values())
     counts = sorted(int(x) for x in args.devices.split(",") if x.strip() not in ("", "none"))
@@ -362,28 +389,32 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="pita-scaling-"))
     runs: dict[str, dict] = {}
     try:
-        plan1 = elastic_plan(config(1, 1), make_gpu_manager(config(1, 1)), False)
+        cfg1 = config(1, 1, profile)
+        plan1 = elastic_plan(cfg1, make_gpu_manager(cfg1), False)
         base_seconds, _ = durations_for(plan1, measured, scale)
         if args.run_baseline:
-            base = run_mode(1, "rigid", measured, scale, args.alpha, tmp)["makespan_s"]
+            base = run_mode(1, "rigid", measured, scale, args.alpha, tmp, profile=profile)
+            base = base["makespan_s"]
         else:
             base = round(sum(base_seconds.values()), 3)
         for n in counts:
             for mode in modes:
-                r = run_mode(n, mode, measured, scale, args.alpha, tmp)
+                r = run_mode(n, mode, measured, scale, args.alpha, tmp, profile=profile)
                 r["speedup"] = round(base / r["makespan_s"], 2)
                 runs[f"{mode}/fake:{n}"] = r
         noisy = {}
         if args.sigma > 0:
             for seed in (int(s) for s in args.seeds.split(",")):
                 for mode in modes:
-                    r = run_mode(8, mode, measured, scale, args.alpha, tmp, (args.sigma, seed))
+                    noise = (args.sigma, seed)
+                    r = run_mode(8, mode, measured, scale, args.alpha, tmp, noise, profile)
                     # the baseline with the same draws: one device runs their sum
                     r["speedup"] = round(r["total_work_s"] / r["makespan_s"], 2)
                     noisy[f"{mode}/fake:8/seed{seed}"] = r
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     report = {
+        "profile": args.profile,
         "measured": source,
         "task_seconds_one_device": base,
         "scale": round(scale, 4),
