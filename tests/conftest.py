@@ -12,7 +12,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,22 +187,51 @@ SMOKE_ARGS = [
 ]
 
 
-_SMOKE_DIR_ENV = "PITA_TEST_SMOKE_DIR"  # the session's smoke-run folder, shared by its workers
+_SESSION_DIR_ENV = "PITA_TEST_SESSION_DIR"  # the session's folder, shared by its xdist workers
 
 
-def _smoke_dir() -> Path:
-    return Path(os.environ[_SMOKE_DIR_ENV])
+def _session_dir() -> Path:
+    return Path(os.environ[_SESSION_DIR_ENV])
+
+
+_HELD: set[str] = set()  # the session locks this process holds
+
+
+@contextmanager
+def session_lock(name: str) -> Iterator[None]:
+    """Held by one process of this pytest session at a time (pytest-xdist runs test files
+    in several): for what two tests must not do at once on one machine. Re-entrant: a test
+    inside a module fixture that holds it goes on."""
+    if name in _HELD:
+        yield
+        return
+    with open(_session_dir() / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        _HELD.add(name)
+        try:
+            yield
+        finally:
+            _HELD.discard(name)
+
+
+@pytest.fixture
+def one_ray_cluster_at_a_time() -> Iterator[None]:
+    """For a test that starts a Ray cluster or looks for one: Ray's `auto` address finds
+    any cluster running on the machine (it looks for their processes), so one started by
+    another worker's test must not be running meanwhile (tests/test_ray_*.py)."""
+    with session_lock("ray"):
+        yield
 
 
 def _start_smoke_run(config: pytest.Config) -> None:
     """Start the session's one smoke run, unless a process of this session already did.
 
     Under pytest-xdist every worker collects the same tests and may want it: the first to
-    create `claimed` in the session's folder runs it (in a thread; this process ends after
-    it), then writes `result.json` (exit code and output) whole; a reader waits for that."""
-    folder = _smoke_dir()
+    create `smoke-claimed` in the session's folder runs it (in a thread; this process ends after
+    it), then writes `smoke-result.json` (exit code and output) whole; a reader waits for that."""
+    folder = _session_dir()
     try:
-        os.close(os.open(folder / "claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        os.close(os.open(folder / "smoke-claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         return  # another worker started it
     runner = threading.Thread(target=_run_smoke, args=(folder,), name="smoke-run")
@@ -211,7 +242,7 @@ def _start_smoke_run(config: pytest.Config) -> None:
 def _run_smoke(folder: Path) -> None:
     from pita.core.paths import atomic_write_text
 
-    cwd = folder / "run"
+    cwd = folder / "smoke"
     cwd.mkdir()
     try:
         proc = run_cli(SMOKE_ARGS, cwd, env=_smoke_env(cwd), timeout=900)
@@ -220,13 +251,13 @@ def _run_smoke(folder: Path) -> None:
         record = {"returncode": None, "stdout": "", "stderr": f"did not finish: {error}"}
     # the run's folder, taken now: a reader's dry run may add one under outputs/smoke later
     record["run_dirs"] = [str(d) for d in run_dirs(cwd, "smoke")]
-    atomic_write_text(folder / "result.json", json.dumps(record))
+    atomic_write_text(folder / "smoke-result.json", json.dumps(record))
 
 
 def _smoke_result(timeout: float = 1000) -> tuple[subprocess.CompletedProcess, list[Path]]:
-    """The smoke run's outcome and run folders, once `result.json` is there (whichever
+    """The smoke run's outcome and run folders, once `smoke-result.json` is there (whichever
     worker ran it)."""
-    path = _smoke_dir() / "result.json"
+    path = _session_dir() / "smoke-result.json"
     deadline = time.monotonic() + timeout
     while not path.exists():
         assert time.monotonic() < deadline, f"no {path} after {timeout:.0f} s"
@@ -254,11 +285,12 @@ def pytest_configure(config: pytest.Config) -> None:
     pytest-xdist worker has its own, so what one learns never reaches another's runs. A
     test that needs a fresh cache passes its own `PITA_CACHE_DIR`.
 
-    The session (the controller, under xdist) also makes the smoke run's folder here,
-    before any worker starts: workers inherit its path, and it is removed after the last."""
+    The session (the controller, under xdist) also makes its folder here (the smoke run,
+    the locks of `session_lock`) before any worker starts: workers inherit its path, and
+    it is removed after the last."""
     os.environ["PITA_CACHE_DIR"] = str(_temp_folder(config, "pita-test-cache-"))
     if not hasattr(config, "workerinput"):
-        os.environ[_SMOKE_DIR_ENV] = str(_temp_folder(config, "pita-smoke-run-"))
+        os.environ[_SESSION_DIR_ENV] = str(_temp_folder(config, "pita-test-session-"))
 
 
 def _reads_smoke_run(item: pytest.Item) -> bool:
@@ -286,7 +318,7 @@ def smoke_run(pytestconfig) -> SmokeRun:
     _start_smoke_run(pytestconfig)  # a no-op once started
     proc, folders = _smoke_result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    cwd = _smoke_dir() / "run"
+    cwd = _session_dir() / "smoke"
     [run_dir] = folders
     return SmokeRun(cwd, list(SMOKE_ARGS), _smoke_env(cwd), proc, run_dir)
 
@@ -299,6 +331,5 @@ def _one_smoke_reader_at_a_time(request):
     if "smoke_run" not in request.fixturenames:
         yield
         return
-    with open(_smoke_dir() / "readers.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    with session_lock("smoke-readers"):
         yield
