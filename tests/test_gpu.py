@@ -75,7 +75,13 @@ def test_smoke_experiment_on_cuda(tmp_path):
         "GRPO-HF",
     }
     assert all(math.isfinite(float(r["pass@1"])) for r in rows)
-    assert "GPU" in (run_dir / "run.log").read_text()
+    log = (run_dir / "run.log").read_text()
+    assert "GPU" in log
+    import torch  # the default strategy: sizing and growth on several GPUs (issue 32)
+
+    n = torch.cuda.device_count()
+    resolved = f"data_parallel ({n} CUDA devices)" if n > 1 else "none (one CUDA device)"
+    assert f"training.parallel_strategy=auto -> {resolved}" in log
 
 
 def test_local_family_in_bf16_with_automatic_batch_sizes(local_family, tmp_path):

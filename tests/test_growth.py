@@ -293,7 +293,9 @@ def test_a_resize_whose_larger_gang_fails_falls_back_to_the_old_ranks(tmp_path):
     assert failed["failure"] == "killed"
 
 
-def test_only_elastic_tasks_of_pita_s_own_loops_are_grown():
+def test_only_elastic_tasks_whose_checkpoints_resume_on_any_k_are_grown():
+    """pita's own loops, DPO / RPO and the reward model (tests/test_trl_gang.py shows their
+    resume on another k); not GRPO (TRL samples per rank: another k samples others)."""
     from pita.core.growth import growable
 
     value = _task("v", ranks=[1, 2, 4])
@@ -302,13 +304,32 @@ def test_only_elastic_tasks_of_pita_s_own_loops_are_grown():
     value.ranks = []  # its k is fixed (not sized at dispatch)
     assert not growable(value)
     dpo = _task("d", ranks=[1, 2])
-    dpo.fn = "pita.algos.dpo:train"  # a TRL Trainer: stops when asked, not grown
-    assert not growable(dpo)
+    for fn in ("pita.algos.dpo:train", "pita.algos.reward_model:train_reward_model"):
+        dpo.fn = fn
+        assert growable(dpo), fn
+    for fn in ("pita.algos.grpo:train", "pita.algos.grpo:train_hf", "pita.algos.dpo:collect"):
+        dpo.fn = fn
+        assert not growable(dpo), fn
+
+
+def test_a_trl_task_with_checkpoints_off_still_saves_when_the_run_asks(tmp_path):
+    """A stop channel (a gang strategy's task) keeps the Trainer's saving on with checkpoints
+    off, so a TRL task the run may grow can stop at a checkpoint; without one: no saves."""
+    from pita.training.checkpoint import CheckpointPlan
+
+    plan = CheckpointPlan(tmp_path / "ck", 0, 0.0, stop_file=tmp_path / "t.stop-request")
+    kwargs = plan.trl_kwargs()
+    assert kwargs["save_strategy"] == "steps" and kwargs["save_steps"] == 10**9
+    assert kwargs["output_dir"] == str(tmp_path / "ck") and plan.on_request_only
+    assert CheckpointPlan(tmp_path / "ck").trl_kwargs() == {"save_strategy": "no"}
+    timed = CheckpointPlan(tmp_path / "ck", 0, 10.0, stop_file=tmp_path / "t.stop-request")
+    assert not timed.on_request_only  # its Trainer saves by time and at the last step
 
 
 def test_a_trl_trainer_saves_and_stops_at_the_step_after_the_request(tmp_path):
     """The TRL stages' TrainerCallback: no request, nothing; with it, save + stop after this
-    step and remember it; at the schedule's last step the task just finishes."""
+    step and remember it; at the schedule's last step the task just finishes (with
+    checkpoints off it saves only when asked: not the Trainer's save at the last step)."""
     from types import SimpleNamespace
 
     from pita.training.checkpoint import stop_callback
@@ -327,6 +348,9 @@ def test_a_trl_trainer_saves_and_stops_at_the_step_after_the_request(tmp_path):
     fresh = stop_callback(request)
     fresh.on_step_end(None, last, control2)
     assert not control2.should_training_stop and fresh.stopped_at is None
+    control2.should_save = True  # the Trainer's own save at the last step
+    stop_callback(request, on_request_only=True).on_step_end(None, last, control2)
+    assert not control2.should_save
 
 
 @pytest.mark.slow

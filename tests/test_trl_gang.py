@@ -232,6 +232,126 @@ def test_trl_stages_on_two_ranks_match_one_process(tmp_path, names):
         assert one["rm"]["heldout_accuracy"] == two["rm"]["heldout_accuracy"]
 
 
+# a task the run may grow (a stop channel: data_parallel), checkpoints off (saved only when
+# the run asks); 5 steps of 8 pairs stay in the first epoch (44 pairs: a partial last batch
+# is where k ranks differ, `_pairs`; the reward model's 40: one epoch); a log every 4 steps,
+# so the stops below land between two logs and the last step after the last
+GROWN = [
+    "training.parallel_strategy=data_parallel",
+    "training.checkpoint_every=0",
+    "training.checkpoint_every_minutes=0",
+    "algos.DPO.steps=5",
+    "algos.DPO.trl={logging_steps:4}",
+    "algos.GRPO-HF.reward_trl={logging_steps:4}",
+]
+_CLOCK_KEYS = ("elapsed", "runtime", "per_second", "time")
+
+
+def _stopping(ctx, dist, stages: list) -> dict:
+    """Each of `stages` in turn on this rank (one launch for several stages, as
+    `_stages_on_rank`): its result, or the step it stopped at when the run asked."""
+    from pita.core.errors import StoppedAtCheckpoint
+
+    results: dict = {}
+    for name, algo, stage, body, inputs in stages:
+        try:
+            results[name] = _resolve(body)(_stage_ctx(ctx, name, algo, stage, inputs), dist)
+        except StoppedAtCheckpoint as stopped:
+            results[name] = stopped.step
+    return results
+
+
+def _attempt(run: Path, stages: list, k: int, tag: str, stop_at: int | None = None) -> dict:
+    """One attempt of each of `stages` (DPO_STAGES) on k ranks, each resuming from its newest
+    checkpoint in a fresh folder, as the worker gives each attempt: its result, or the step
+    it stopped at. `stop_at`: the run asks each to stop at a checkpoint
+    (`TaskPaths.stop_request`) once it reports that step (one process), or before it starts
+    (a gang: after its first step)."""
+    import shutil
+
+    from pita.core.paths import TaskPaths
+    from pita.runtime.gang import run_stage
+
+    base = _ctx(run, "DPO", "train", {}, [*OVERRIDES, *GROWN], tag)
+    requests = [TaskPaths(run, s[0]).stop_request for s in stages]
+    for name, *_ in stages:
+        shutil.rmtree(run / "tasks" / name, ignore_errors=True)
+    try:
+        if k > 1:
+            for request in requests if stop_at is not None else []:
+                request.write_text("{}")
+            return run_stage(base, _stopping, stages, world_size=k)
+        if stop_at is None:
+            return _stopping(base, None, stages)
+        ask, out = f"step {stop_at}/", {}
+        for stage, request in zip(stages, requests):
+
+            def heartbeat(line: str, request: Path = request) -> None:
+                if line.startswith(ask):
+                    request.write_text("{}")
+
+            out.update(_stopping(dataclasses.replace(base, heartbeat=heartbeat), None, [stage]))
+        return out
+    finally:
+        for request in requests:  # the run removes its request before the next dispatch
+            request.unlink(missing_ok=True)
+
+
+def _logged(folder: Path) -> list[dict]:
+    """train_log.jsonl without its clocks."""
+    rows = (folder / "train_log.jsonl").read_text().splitlines()
+    return [
+        {k: v for k, v in json.loads(r).items() if not any(c in k for c in _CLOCK_KEYS)}
+        for r in rows
+    ]
+
+
+@pytest.mark.slow  # each stage on one process twice, two 2-rank launches: ~30-90 s here
+def test_trl_stages_stopped_and_resumed_on_other_ranks_match_an_uninterrupted_run(
+    tmp_path, monkeypatch
+):
+    """Growth's premise for the TRL stages it grows (pita/core/growth.py `TRL_STAGES`): DPO
+    and the reward model, each asked to stop at step 2 on one process, resumed on 2 ranks
+    (a resize) and asked to stop after step 3, resumed on 2 ranks to the end (a retry, or a
+    fallback to the old gang), each from the Trainer's own checkpoint
+    (`resume_from_checkpoint`), log every row and end with the result and the weights of an
+    uninterrupted one-process run, within TOLERANCE. Both stops land between two logs (each
+    rank holds its share of the loss not logged yet, TRL its per-step metrics:
+    `checkpoint._loop_state` keeps the gang's), the last step after the last log
+    (`trl_common.last_step_logged`: else `train_loss` takes rank 0's share)."""
+    from pita.runtime import context
+
+    monkeypatch.setattr(context, "PROGRESS_EVERY_S", 0.0)  # every step's progress line
+    stages = [s for s in DPO_STAGES if s[0] in ("dpo", "rm")]
+    run_one, run_two = _run_folders(tmp_path)
+    whole = _attempt(run_one, stages, 1, "whole")
+    assert _attempt(run_two, stages, 1, "first", stop_at=2) == {"dpo": 2, "rm": 2}
+    assert _attempt(run_two, stages, 2, "second", stop_at=3) == {"dpo": 3, "rm": 3}
+    grown = _attempt(run_two, stages, 2, "third")
+    start = _weights(run_one / "tasks" / "pretrain" / "model")
+    for name, artifact in (("dpo", "model"), ("rm", "reward_model")):
+        one, two = whole[name], grown[name]
+        assert two["distributed"] == {"distributed_type": "MULTI_CPU", "num_processes": 2}
+        assert one["steps"] == two["steps"] == 5
+        rows_one, rows_two = _logged(run_one / "tasks" / name), _logged(run_two / "tasks" / name)
+        assert [r["step"] for r in rows_one] == [r["step"] for r in rows_two] == [4, 5, 5]
+        for a, b in zip(rows_one, rows_two):
+            assert a.keys() == b.keys()
+            off = [k for k in a if a[k] != pytest.approx(b[k], rel=TOLERANCE, abs=TOLERANCE)]
+            assert not off, (off, a, b)
+        for key, value in one.items():
+            if isinstance(value, float):
+                assert two[key] == pytest.approx(value, rel=TOLERANCE, abs=TOLERANCE), key
+        reward = name == "rm"
+        w_one = _weights(run_one / "tasks" / name / artifact, reward)
+        w_two = _weights(run_two / "tasks" / name / artifact, reward)
+        assert _max_weight_gap(w_one, w_two) <= TOLERANCE
+        saved = {p.name for p in (run_two / "tasks" / f"{name}.checkpoints").glob("checkpoint-*")}
+        assert saved == {"checkpoint-3"}  # only where asked: no save at the last step
+        if not reward:  # it trained: the weights moved far more than the tolerance
+            assert _max_weight_gap(w_one, start) > 1e-3
+
+
 @pytest.mark.slow
 def test_grpo_and_grpo_hf_run_on_two_accelerate_ranks(tmp_path):
     """What differs from one process: each rank samples its own completions (TRL seeds the

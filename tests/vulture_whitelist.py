@@ -34,6 +34,7 @@ _.on_step_end  # TrainerCallback hook (pita/training/report.py, checkpoint.py)
 _.on_train_end  # TrainerCallback hook (pita/training/tracking.py)
 _.should_save  # TrainerControl flag the Trainer reads after on_step_end
 _.should_training_stop  # TrainerControl flag (checkpoint.py stop_callback: stop to grow)
+_.should_log  # TrainerControl flag (trl_common.py last_step_logged: the last step is logged)
 _._tokenize_prompts  # GRPOTrainer method override (pita/algos/grpo.py)
 completions  # TRL passes reward functions completions=... by keyword
 _.emit  # logging.Handler.emit (pita/training/ddp.py)

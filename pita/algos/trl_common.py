@@ -7,10 +7,13 @@
   `training.precision_type` say, gradient checkpointing only when
   `training.gradient_checkpointing` is on, `use_cpu` on CPU, `report_to="none"` (TRL's logs
   go to the task's tracker, pita/training/tracking.py), no hub, Trainer checkpoints only every
-  `training.checkpoint_every` steps / `checkpoint_every_minutes` into the task's
-  `tasks/<id>.checkpoints/` (a retry resumes from the newest whose proof verifies and
-  runs exactly the remaining steps, `_train_resumable`; the stage itself saves the final
-  model with `save_pretrained`),
+  `training.checkpoint_every` steps / `checkpoint_every_minutes` (a gang: by rank 0's
+  clock) or when the run asks the task to stop at one (growth, pita/core/growth.py) into
+  the task's `tasks/<id>.checkpoints/` (a retry, or the task on a larger gang, resumes from
+  the newest whose proof verifies and runs exactly the remaining steps, `_train_resumable`,
+  with the numbers of an uninterrupted run on any k: the Trainer's loss sums and TRL's
+  unlogged metrics go into the checkpoint as the gang's, and the last step is logged,
+  `last_step_logged`; the stage itself saves the final model with `save_pretrained`),
   and a constant learning rate without warmup (so a learning-rate sweep means what it says).
 - The effective batch `algos.<NAME>.batch_size` is kept; it is cut into micro-batches with
   gradient accumulation (`micro_batches`: `training.micro_batch_size` × the task's
@@ -243,6 +246,7 @@ def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
     minutes = ctx.training.checkpoint_every_minutes
     if args.save_strategy != "no" and minutes > 0:
         trainer.add_callback(time_checkpoint_callback(minutes))
+    trainer.add_callback(last_step_logged())
     _train_resumable(ctx, trainer, metrics)
     if not trainer.is_world_process_zero():
         return {}
@@ -256,6 +260,22 @@ def train_with_report(ctx: StageContext, trainer: Any) -> dict[str, Any]:
         precision=training_precision(ctx.training, ctx.device, logger=ctx.logger),
         title=ctx.task.id,
     )
+
+
+def last_step_logged():
+    """A TrainerCallback that logs the schedule's last step (the Trainer logs every
+    `logging_steps`). Unlogged, the last steps' loss enters `train_loss` as rank 0's own
+    share (transformers adds its running loss, not reduced over the gang, at the end), so a
+    gang's `train_loss` would differ from one process' and from a run that grew; logged, it
+    is the gang's mean like every other logged loss, whatever k ran which step."""
+    from transformers import TrainerCallback
+
+    class LogLastStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.max_steps > 0 and state.global_step >= state.max_steps:
+                control.should_log = True
+
+    return LogLastStep()
 
 
 def _train_resumable(ctx: StageContext, trainer: Any, metrics: Any) -> None:
@@ -285,7 +305,8 @@ def _train_resumable(ctx: StageContext, trainer: Any, metrics: Any) -> None:
         trainer.add_callback(ck.resume_loop_callback(trainer, resume))
     guard = ck.resume_guard(resume, ctx.logger)
     trainer.add_callback(guard)
-    stop = ck.stop_callback(plan.stop_file)  # the run asks it to checkpoint and stop (growth)
+    # the run asks it to checkpoint and stop (growth)
+    stop = ck.stop_callback(plan.stop_file, plan.on_request_only)
     if plan.stop_file is not None:
         trainer.add_callback(stop)
     with scoped_env({"TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"}), guard:
@@ -462,14 +483,11 @@ def training_args(
     sharding = fsdp_kwargs(ctx, on_cuda)
     extra = {checkpointing: bool(tr.gradient_checkpointing) and not sharding, **extra}
 
+    # a gang saves by time too: rank 0's clock decides for every rank (time_checkpoint_callback)
     saving = {
         "output_dir": str(ctx.out_dir / Artifact.TRAINER_SCRATCH),
         **checkpoint_plan(ctx).trl_kwargs(),
     }
-    if world > 1 and not int(tr.checkpoint_every or 0):
-        # time-based saves are decided by each rank's own clock: ranks that disagree on
-        # whether to save would wait for each other forever; a gang saves by steps only
-        saving = {"output_dir": saving["output_dir"], "save_strategy": "no"}
     kwargs = dict(
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=accum,

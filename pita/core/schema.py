@@ -38,7 +38,7 @@ ATTN_IMPLS = ("eager", "sdpa", "flash_attention_2")
 EXECUTOR_BACKENDS = ("local", "inprocess", "ray")
 PRECISION_TYPES = ("auto", "fp16", "bf16", "fp32")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
-PARALLEL_STRATEGIES = ("none", "data_parallel", "fsdp")
+PARALLEL_STRATEGIES = ("auto", "none", "data_parallel", "fsdp")
 LOGGER_BACKENDS = ("none", "tensorboard", "wandb", "mlflow", "csv")
 WANDB_MODES = ("offline", "online", "disabled")
 RECIPES = ("rollouts", "ground_truth_vs_first_wrong")
@@ -383,10 +383,13 @@ class TrainingConfig:
     parallel_strategy: str = spec(
         "How a training stage uses a gang of devices: data_parallel = DDP (replicated ranks), "
         "1..executor.max_ranks_per_task of them, k chosen at dispatch by simulating the rest of "
-        "the plan; fsdp = FSDP2 on every device (parameters, gradients and optimizer state "
-        "sharded; a TRL stage runs DDP on CPU, where accelerate has no FSDP). A training task "
-        "too large for one device gets the smallest FSDP gang that fits whatever this says.",
-        "none",
+        "the plan and grown at a checkpoint; fsdp = FSDP2 on every device (parameters, "
+        "gradients and optimizer state sharded; a TRL stage runs DDP on CPU, where accelerate "
+        "has no FSDP); none = one device. auto = data_parallel on more than one CUDA GPU, none "
+        "on CPU and fake: devices (their ranks share the CPU cores), resolved once when the run "
+        "starts (a resume keeps it). A training task too large for one device gets the "
+        "smallest FSDP gang that fits whatever this says.",
+        "auto",
         choices=PARALLEL_STRATEGIES,
         memory=True,
     )

@@ -274,6 +274,9 @@ def load_resume_config(resume_dir: str, overrides: list[str]) -> tuple[DictConfi
         ) from None
     assert isinstance(cfg, DictConfig)
     cfg = apply_resume_overrides(cfg, overrides)
+    from pita.experiment.strategy import keep_run_strategy
+
+    keep_run_strategy(cfg, saved)  # `training.parallel_strategy=auto`: what the run resolved
     cfg.resume_from = str(run_dir)
     return cfg, run_dir
 
@@ -522,6 +525,9 @@ def _same_run_overrides(run_dir: str, overrides: list[str], args) -> list[str]:
     loaded = load_saved_config(RunPaths(run_dir).saved_config)
     assert isinstance(loaded, DictConfig)  # a run's saved config is a mapping
     saved = drop_retired_algo_keys(loaded)
+    from pita.experiment.strategy import keep_run_strategy
+
+    keep_run_strategy(composed, saved)  # the default `auto` is what the run resolved it to
     diff = config_differences(saved, composed, resume_safe)
     if diff:
         raise ConfigError(

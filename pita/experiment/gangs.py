@@ -5,7 +5,9 @@ round's train) uses several devices: `data_parallel` (DDP: every rank holds the 
 optimizer state included, and takes 1/k of the batch) or `fsdp` (FSDP2: parameters, gradients
 and optimizer state sharded over the ranks). Under `fsdp` a training task gets a gang of
 every device of the run, one rank per device; under `data_parallel` its k is chosen at
-dispatch (below); under `none` it gets one device.
+dispatch (below); under `none` it gets one device. The default `auto` is one of those by
+the time a plan is built (pita/experiment/strategy.py: data_parallel on several CUDA GPUs,
+none on CPU and `fake:` devices).
 
 Whatever the key says, a training task whose estimate does not fit one device gets the
 smallest FSDP gang that fits (`pita.experiment.estimates.TrainingMemory.per_rank_mb`), and a

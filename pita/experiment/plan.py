@@ -156,7 +156,8 @@ class Planner:
         return tid
 
     def gang_key(self) -> str:
-        """training.parallel_strategy, or "none" where a run has no gangs (cpu, single_gpu)."""
+        """training.parallel_strategy (never `auto`: `plan_experiment` resolved it), or
+        "none" where a run has no gangs (cpu, single_gpu)."""
         if str(self.cfg.system.gpu_mode) in ("cpu", "single_gpu"):
             return "none"
         return str(self.cfg.training.parallel_strategy)
@@ -279,7 +280,12 @@ def plan_experiment(
 ) -> Plan:
     """Build the task DAG. `distribute(n_parts)` gives shard fractions weighted by device;
     `device_kind` ("cuda" | "fake" | "cpu") says whether a TRL stage can shard (FSDP);
-    `largest_gang`: the most devices one task may hold (a Ray cluster's largest node)."""
+    `largest_gang`: the most devices one task may hold (a Ray cluster's largest node).
+    `training.parallel_strategy=auto` is resolved for these devices first (a no-op in a
+    run: `run()` resolved it already, for the workers too: pita/experiment/strategy.py)."""
+    from pita.experiment.strategy import resolved_config
+
+    cfg, _ = resolved_config(cfg, device_kind, n_devices)
     n_shards = (
         n_devices if cfg.executor.max_shards == 0 else min(n_devices, cfg.executor.max_shards)
     )

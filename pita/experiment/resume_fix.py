@@ -164,6 +164,9 @@ def plan_change(
     # over the schema, as the command line loads it: a key a newer pita added is a default
     # on both sides, not a change
     before = OmegaConf.merge(OmegaConf.structured(PitaConfig), drop_retired_algo_keys(saved))
+    from pita.experiment.strategy import keep_run_strategy
+
+    keep_run_strategy(before, cfg)  # a saved `auto` (never resolved) is what this run resolved
     try:
         old_values = OmegaConf.to_container(before, resolve=True)
         new = OmegaConf.to_container(cfg, resolve=True)

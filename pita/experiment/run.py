@@ -104,6 +104,14 @@ def compute_kind(cfg: DictConfig, gpu: GPUManager) -> str:
     return gpu.kind
 
 
+def resolve_strategy(cfg: DictConfig, gpu: GPUManager) -> tuple[DictConfig, str | None]:
+    """`cfg` with `training.parallel_strategy=auto` resolved for these devices (a copy; cfg
+    itself when the key is explicit) and the run log's line (pita/experiment/strategy.py)."""
+    from pita.experiment.strategy import resolved_config
+
+    return resolved_config(cfg, compute_kind(cfg, gpu), len(gpu.devices))
+
+
 def build_plan(cfg: DictConfig, gpu: GPUManager) -> Plan:
     return plan_experiment(
         cfg,
@@ -280,6 +288,9 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
     run_dir = Path(run_dir)
     paths = RunPaths(run_dir)
     gpu = make_gpu_manager(cfg)
+    cfg, strategy_line = resolve_strategy(cfg, gpu)  # once per run, before anything plans
+    if strategy_line:
+        log.info(strategy_line)
     plan = Plan.load(paths.plan) if resumed else build_plan(cfg, gpu)
     change = resume_change(cfg, run_dir, gpu, plan) if resumed else None
     if change is not None:
@@ -299,7 +310,8 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
                 from pita.experiment.resume_fix import apply_change
 
                 apply_change(cfg, run_dir, change)
-            return _run_locked(cfg, run_dir, paths, gpu, plan, resumed, absolutized)
+            rewrite = bool(absolutized) or strategy_line is not None  # the saved config
+            return _run_locked(cfg, run_dir, paths, gpu, plan, resumed, rewrite)
         except RunFileError as exc:  # the journal cannot be opened: immutable, read-only
             return run_files_failed(run_dir, exc)
         except OSError as exc:  # plan.json, run_info.json on a full disk, before any task
@@ -365,11 +377,11 @@ def _run_locked(
     gpu: GPUManager,
     plan: Plan,
     resumed: bool,
-    absolutized: list[str],
+    rewrite_config: bool,
 ) -> int:
     """One run session in a locked folder: write what the run starts from, start the pool,
     the monitor and the DAG runner, run to the end (or a stop), then record and report."""
-    _write_run_files(cfg, paths, gpu, plan, resumed, bool(absolutized))
+    _write_run_files(cfg, paths, gpu, plan, resumed, rewrite_config)
     done = completed_tasks(plan, run_dir) if resumed else set()
     journal = Journal(paths.journal)
     journal.append(
@@ -410,21 +422,22 @@ def _final_events(paths: RunPaths) -> list[dict]:
 
 
 def _write_run_files(
-    cfg: DictConfig, paths: RunPaths, gpu: GPUManager, plan: Plan, resumed: bool, absolute: bool
+    cfg: DictConfig, paths: RunPaths, gpu: GPUManager, plan: Plan, resumed: bool, rewrite: bool
 ) -> None:
-    """plan.json and the saved config of a new run (Hydra writes the config; tests and a config
-    with absolutized paths get it here), stale temporary folders of a resumed one gone, and
-    run_info.json (git commit, packages, devices, command)."""
+    """plan.json and the saved config of a new run (Hydra writes the config; tests get it
+    here, and a config whose paths were absolutized or whose `auto` strategy was resolved
+    is written again: a resume reads what the run ran with), stale temporary folders of a
+    resumed one gone, and run_info.json (git commit, packages, devices, strategy, command)."""
     from pita.experiment import run_info
 
     if resumed:
         remove_stale_tmp(paths.root)
     else:
         atomic_write_json(paths.plan, plan.to_json())
-        if absolute or not paths.saved_config.exists():
+        if rewrite or not paths.saved_config.exists():
             paths.saved_config.parent.mkdir(parents=True, exist_ok=True)
             paths.saved_config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    run_info.write(paths.root, gpu, resumed=resumed)
+    run_info.write(paths.root, gpu, resumed=resumed, strategy=str(cfg.training.parallel_strategy))
 
 
 def _log_start(

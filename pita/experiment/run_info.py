@@ -96,7 +96,9 @@ def _typed_command() -> list[str]:
         return list(sys.argv)
 
 
-def collect(gpu: Any = None, argv: list[str] | None = None) -> dict[str, Any]:
+def collect(
+    gpu: Any = None, argv: list[str] | None = None, strategy: str | None = None
+) -> dict[str, Any]:
     info: dict[str, Any] = {
         "time": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": [Path(sys.executable).name, *(argv or _typed_command())],
@@ -114,13 +116,17 @@ def collect(gpu: Any = None, argv: list[str] | None = None) -> dict[str, Any]:
             "count": len(gpu.devices),
             "inventory": list(gpu.describe()),
         }
+    if strategy is not None:  # training.parallel_strategy as the run resolved it (never auto)
+        info["parallel_strategy"] = strategy
     return info
 
 
-def write(run_dir: Path | str, gpu: Any = None, *, resumed: bool = False) -> Path:
+def write(
+    run_dir: Path | str, gpu: Any = None, *, resumed: bool = False, strategy: str | None = None
+) -> Path:
     """Record this start (or resume) of the run in `<run_dir>/run_info.json`."""
     path = RunPaths(run_dir).run_info
-    info = collect(gpu)
+    info = collect(gpu, strategy=strategy)
     if resumed and path.is_file():
         try:
             previous = json.loads(path.read_text())

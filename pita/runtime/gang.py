@@ -43,7 +43,8 @@ def parallel_strategy(ctx: StageContext) -> str:
     """How the task uses its gang: the planner's `task.strategy` (pita/experiment/gangs.py:
     a TRL stage under fsdp on CPU runs ddp, a task too large for one device fsdp whatever the
     key says), else `training.parallel_strategy` ("none" when the key is absent; a plan
-    written before tasks carried a strategy)."""
+    written before tasks carried a strategy). A run sends its workers the key resolved,
+    never `auto` (pita/experiment/strategy.py); an unresolved `auto` here means one rank."""
     planned = TASK_STRATEGIES.get(str(getattr(ctx.task, "strategy", "none")))
     if planned is not None:
         return planned

@@ -577,8 +577,16 @@ class CheckpointPlan:
         return FullState(model), FullState(model, optimizer)
 
     def trl_kwargs(self) -> dict[str, Any]:
-        """TrainingArguments checkpoint fields (`trl_checkpoint_kwargs`)."""
-        return trl_checkpoint_kwargs(self.folder, self.every_steps, self.every_minutes)
+        """TrainingArguments checkpoint fields (`trl_checkpoint_kwargs`); with a stop channel
+        the Trainer can save when asked even with checkpoints off (`stop_callback`)."""
+        return trl_checkpoint_kwargs(
+            self.folder, self.every_steps, self.every_minutes, on_request=self.stop_file is not None
+        )
+
+    @property
+    def on_request_only(self) -> bool:
+        """Checkpoints off, but the run may ask the task to stop at one (growth)."""
+        return self.stop_file is not None and self.every_steps <= 0 and self.every_minutes <= 0
 
     def last_trl(
         self, max_step: int | None = None, logger: logging.Logger | None = None
@@ -589,12 +597,14 @@ class CheckpointPlan:
         )
 
 
-def trl_checkpoint_kwargs(folder: Path | str, every: int, minutes: float) -> dict[str, Any]:
-    """TrainingArguments fields for checkpoints every `every` steps (or `minutes`) into
-    `folder`; none when both are off. The Trainer keeps every checkpoint
-    (`save_total_limit=None`): `checkpoint_commit_callback` marks a finished one and only
-    then deletes the older ones, so a kill mid-save leaves a usable checkpoint."""
-    if every <= 0 and minutes <= 0:
+def trl_checkpoint_kwargs(
+    folder: Path | str, every: int, minutes: float, on_request: bool = False
+) -> dict[str, Any]:
+    """TrainingArguments fields for checkpoints every `every` steps (or `minutes`, or only
+    when the run asks: `on_request`) into `folder`; none when all are off. The Trainer keeps
+    every checkpoint (`save_total_limit=None`): `checkpoint_commit_callback` marks a finished
+    one and only then deletes the older ones, so a kill mid-save leaves a usable checkpoint."""
+    if every <= 0 and minutes <= 0 and not on_request:
         return {"save_strategy": "no"}
     kwargs: dict[str, Any] = {
         "output_dir": str(folder),
@@ -603,7 +613,7 @@ def trl_checkpoint_kwargs(folder: Path | str, every: int, minutes: float) -> dic
     }
     if every > 0:
         kwargs.update(save_strategy="steps", save_steps=every)
-    else:  # time only: TimeCheckpointCallback asks for the saves
+    else:  # time or request only: TimeCheckpointCallback / StopAtCheckpoint ask for the saves
         kwargs.update(save_strategy="steps", save_steps=10**9)
     return kwargs
 
@@ -683,24 +693,34 @@ _COUNTERS = ("_total_train_tokens",)
 
 
 def _loop_state(trainer: Any) -> dict[str, Any] | None:
-    """The Trainer's running loss sums, which `train()` resets and a checkpoint lacks: the
-    sum behind `train_loss`, the loss not logged yet and the step of the last log."""
+    """The Trainer's running sums, which `train()` resets and a checkpoint lacks, as the
+    gang's (so a resume on any k logs what the uninterrupted run logs): the sum behind
+    `train_loss`; the loss not logged yet, averaged over the ranks as the Trainer's own log
+    does (each rank holds its share's: rank 0's alone is not the gang's); the step of the
+    last log; TRL's per-step metrics not logged yet (`_metrics["train"]`, each already the
+    gang's: TRL gathers them), which the next log averages. Called on every rank of a gang
+    (the mean is a collective)."""
     try:
+        from transformers.trainer_pt_utils import nested_gather
+
+        pending = nested_gather(trainer._tr_loss.detach().clone(), trainer.args.parallel_mode)
         state = {
             "total_loss_scalar": float(trainer._total_loss_scalar),
-            "tr_loss": float(trainer._tr_loss.item()),
+            "tr_loss": float(pending.mean().item()),
             "globalstep_last_logged": int(trainer._globalstep_last_logged),
         }
-    except AttributeError:  # another transformers: train_loss covers the resumed part only
+    except (AttributeError, ImportError):  # another transformers: resumed part only
         return None
     counters = {k: getattr(trainer, k) for k in _COUNTERS if hasattr(trainer, k)}
-    return {**state, "counters": counters}
+    metrics = getattr(trainer, "_metrics", None)
+    unlogged = metrics.get("train", {}) if isinstance(metrics, dict) else {}
+    return {**state, "counters": counters, "metrics": {k: list(v) for k, v in unlogged.items()}}
 
 
 def resume_loop_callback(trainer: Any, checkpoint: Path | str):
-    """A TrainerCallback giving a resumed `train()` the loss sums of the checkpoint (it
-    starts them from zero), so `train_loss` and the first logged loss after the resume are
-    those of the uninterrupted run, over every step."""
+    """A TrainerCallback giving a resumed `train()` the loss sums and TRL's unlogged
+    metrics of the checkpoint (it starts them from zero), so `train_loss` and the first log
+    after the resume are those of the uninterrupted run, over every step, on any k."""
     import torch
     from transformers import TrainerCallback
 
@@ -718,6 +738,9 @@ def resume_loop_callback(trainer: Any, checkpoint: Path | str):
             for key, value in (saved.get("counters") or {}).items():
                 if key in _COUNTERS:
                     setattr(trainer, key, value)
+            metrics = getattr(trainer, "_metrics", None)
+            if isinstance(metrics, dict) and "train" in metrics:  # TRL's, not logged yet
+                metrics["train"].update({k: list(v) for k, v in saved.get("metrics", {}).items()})
 
     return ResumeLoop()
 
@@ -775,7 +798,8 @@ def checkpoint_commit_callback(
     trainer: Any = None,
 ):
     """A TrainerCallback: after the Trainer finished writing checkpoint-N, add the task's
-    train log, metric rows and the Trainer's loss sums so far, drop `training_args.bin` (a
+    train log, metric rows and the Trainer's loss sums so far (`_loop_state`: every rank
+    takes part, so every rank must save at the same steps), drop `training_args.bin` (a
     pickle), write the proof atomically, then delete every older checkpoint (only the
     newest complete one is kept)."""
     from transformers import TrainerCallback
@@ -784,6 +808,8 @@ def checkpoint_commit_callback(
 
     class CheckpointCommit(TrainerCallback):
         def on_save(self, args, state, control, **kwargs):
+            # every rank: the gang's mean of the loss not logged yet is a collective
+            loop = _loop_state(trainer) if trainer is not None else None
             if not state.is_world_process_zero:  # a gang: rank 0 commits for all
                 return
             folder = Path(args.output_dir)
@@ -796,7 +822,6 @@ def checkpoint_commit_callback(
                 shutil.copyfile(train_log, current / TRAIN_LOG)
             if metrics is not None:
                 atomic_write_json(current / METRIC_ROWS, metrics.rows)
-            loop = _loop_state(trainer) if trainer is not None else None
             if loop is not None:
                 atomic_write_json(current / LOOP_STATE, loop)
             follow_umask(current)
@@ -809,25 +834,30 @@ def checkpoint_commit_callback(
 
 
 def time_checkpoint_callback(minutes: float):
-    """A TrainerCallback that requests a save when `minutes` passed since the last one."""
+    """A TrainerCallback that requests a save when `minutes` passed since the last one, by
+    rank 0's clock on a gang (broadcast: the ranks' clocks differ, and every rank takes part
+    in a save, `checkpoint_commit_callback`)."""
     from transformers import TrainerCallback
 
     class TimeCheckpointCallback(TrainerCallback):
         last = time.monotonic()
 
         def on_step_end(self, args, state, control, **kwargs):
-            if minutes > 0 and time.monotonic() - self.last >= minutes * 60:
+            (due,) = rank_zero_says(minutes > 0 and time.monotonic() - self.last >= minutes * 60)
+            if due:
                 control.should_save = True
                 self.last = time.monotonic()
 
     return TimeCheckpointCallback()
 
 
-def stop_callback(stop_file: Path | str | None):
+def stop_callback(stop_file: Path | str | None, on_request_only: bool = False):
     """A TrainerCallback honouring the run's request to stop at a checkpoint (the
     `Checkpointer.stop_file` of the hand-written loops): after a step, when the request
     exists (rank 0 decides for the gang) and steps remain, the Trainer saves a checkpoint
-    and stops; `stopped_at` is that step (the stage then raises `StoppedAtCheckpoint`)."""
+    and stops; `stopped_at` is that step (the stage then raises `StoppedAtCheckpoint`).
+    `on_request_only` (checkpoints off: `CheckpointPlan.on_request_only`): no other save,
+    not even the one the Trainer makes at the last step."""
     from transformers import TrainerCallback
 
     class StopAtCheckpoint(TrainerCallback):
@@ -841,5 +871,7 @@ def stop_callback(stop_file: Path | str | None):
                 control.should_save = True
                 control.should_training_stop = True
                 self.stopped_at = int(state.global_step)
+            elif last and on_request_only:
+                control.should_save = False
 
     return StopAtCheckpoint()
