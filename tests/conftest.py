@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -9,7 +10,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,46 +187,124 @@ SMOKE_ARGS = [
 ]
 
 
-_SMOKE_RUN = pytest.StashKey[tuple[Path, Future[subprocess.CompletedProcess]]]()
+_SESSION_DIR_ENV = "PITA_TEST_SESSION_DIR"  # the session's folder, shared by its xdist workers
 
 
-def _start_smoke_run(config: pytest.Config) -> tuple[Path, Future[subprocess.CompletedProcess]]:
-    """Start the smoke run in its own folder (removed when the session ends)."""
-    cwd = Path(tempfile.mkdtemp(prefix="pita-smoke-run-"))
-    future = run_cli_later(SMOKE_ARGS, cwd, env=_smoke_env(cwd), timeout=900)
+def _session_dir() -> Path:
+    return Path(os.environ[_SESSION_DIR_ENV])
 
-    def remove() -> None:
-        future.exception()  # wait for the run (a session stopped early)
-        shutil.rmtree(cwd, ignore_errors=True)
 
-    config.add_cleanup(remove)
-    config.stash[_SMOKE_RUN] = (cwd, future)
-    return cwd, future
+_HELD: set[str] = set()  # the session locks this process holds
+
+
+@contextmanager
+def session_lock(name: str) -> Iterator[None]:
+    """Held by one process of this pytest session at a time (pytest-xdist runs test files
+    in several): for what two tests must not do at once on one machine. Re-entrant: a test
+    inside a module fixture that holds it goes on."""
+    if name in _HELD:
+        yield
+        return
+    with open(_session_dir() / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        _HELD.add(name)
+        try:
+            yield
+        finally:
+            _HELD.discard(name)
+
+
+@pytest.fixture
+def one_ray_cluster_at_a_time() -> Iterator[None]:
+    """For a test that starts a Ray cluster or looks for one: Ray's `auto` address finds
+    any cluster running on the machine (it looks for their processes), so one started by
+    another worker's test must not be running meanwhile (tests/test_ray_*.py)."""
+    with session_lock("ray"):
+        yield
+
+
+def _start_smoke_run(config: pytest.Config) -> None:
+    """Start the session's one smoke run, unless a process of this session already did.
+
+    Under pytest-xdist every worker collects the same tests and may want it: the first to
+    create `smoke-claimed` in the session's folder runs it (in a thread; this process ends after
+    it), then writes `smoke-result.json` (exit code and output) whole; a reader waits for that."""
+    folder = _session_dir()
+    try:
+        os.close(os.open(folder / "smoke-claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return  # another worker started it
+    runner = threading.Thread(target=_run_smoke, args=(folder,), name="smoke-run")
+    runner.start()
+    config.add_cleanup(runner.join)
+
+
+def _run_smoke(folder: Path) -> None:
+    from pita.core.paths import atomic_write_text
+
+    cwd = folder / "smoke"
+    cwd.mkdir()
+    try:
+        proc = run_cli(SMOKE_ARGS, cwd, env=_smoke_env(cwd), timeout=900)
+        record = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+    except subprocess.TimeoutExpired as error:
+        record = {"returncode": None, "stdout": "", "stderr": f"did not finish: {error}"}
+    # the run's folder, taken now: a reader's dry run may add one under outputs/smoke later
+    record["run_dirs"] = [str(d) for d in run_dirs(cwd, "smoke")]
+    atomic_write_text(folder / "smoke-result.json", json.dumps(record))
+
+
+def _smoke_result(timeout: float = 1000) -> tuple[subprocess.CompletedProcess, list[Path]]:
+    """The smoke run's outcome and run folders, once `smoke-result.json` is there (whichever
+    worker ran it)."""
+    path = _session_dir() / "smoke-result.json"
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"no {path} after {timeout:.0f} s"
+        time.sleep(0.5)
+    record = json.loads(path.read_text())
+    folders = [Path(d) for d in record.pop("run_dirs")]
+    return subprocess.CompletedProcess(SMOKE_ARGS, **record), folders
 
 
 def _smoke_env(cwd: Path) -> dict[str, str]:
     return {"PITA_CACHE_DIR": str(cwd / "cache")}  # its own duration cache
 
 
+def _temp_folder(config: pytest.Config, prefix: str) -> Path:
+    """A folder of this process, removed when its session ends."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    return folder
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """Every run a test starts measures into a cache of this session, never the user's
+    """Every run a test starts measures into a cache of this process, never the user's
     (`~/.cache/pita`: the suite wrote thousands of entries there, and a learned speedup
-    from an earlier test's run changed the ranks a later test's run was given). A test
-    that needs a fresh cache passes its own `PITA_CACHE_DIR`."""
-    if hasattr(config, "workerinput"):
-        return  # a pytest-xdist worker inherits the controller's
-    cache = Path(tempfile.mkdtemp(prefix="pita-test-cache-"))
-    os.environ["PITA_CACHE_DIR"] = str(cache)
-    config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
+    from an earlier test's run changed the ranks a later test's run was given). Each
+    pytest-xdist worker has its own, so what one learns never reaches another's runs. A
+    test that needs a fresh cache passes its own `PITA_CACHE_DIR`.
+
+    The session (the controller, under xdist) also makes its folder here (the smoke run,
+    the locks of `session_lock`) before any worker starts: workers inherit its path, and
+    it is removed after the last."""
+    os.environ["PITA_CACHE_DIR"] = str(_temp_folder(config, "pita-test-cache-"))
+    if not hasattr(config, "workerinput"):
+        os.environ[_SESSION_DIR_ENV] = str(_temp_folder(config, "pita-test-session-"))
+
+
+def _reads_smoke_run(item: pytest.Item) -> bool:
+    return "smoke_run" in getattr(item, "fixturenames", ())
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """When a selected test reads the smoke run, start it as soon as collection ends: it
     goes on beside the tests before its first reader (a run keeps about one of the two
-    cores busy) instead of holding that reader up."""
-    if session.config.option.collectonly or hasattr(session.config, "workerinput"):
-        return  # nothing to run, or a pytest-xdist worker (it may never get a reader)
-    if any("smoke_run" in getattr(item, "fixturenames", ()) for item in session.items):
+    cores busy) instead of holding that reader up. Under pytest-xdist the first worker to
+    finish collecting starts it (every worker collects every test)."""
+    if session.config.option.collectonly:
+        return  # nothing to run
+    if any(_reads_smoke_run(item) for item in session.items):
         _start_smoke_run(session.config)
 
 
@@ -229,13 +312,24 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def smoke_run(pytestconfig) -> SmokeRun:
     """The session's one smoke run: every algorithm's chain trained for real on two fake
     devices, with its own duration cache so the ETA starts from work units. Started when
-    collection ended (`pytest_collection_finish`); a test that changes the folder (a resume)
-    must leave what the others read in place."""
-    if _SMOKE_RUN in pytestconfig.stash:
-        cwd, future = pytestconfig.stash[_SMOKE_RUN]
-    else:
-        cwd, future = _start_smoke_run(pytestconfig)
-    proc = future.result()
+    collection ended (`pytest_collection_finish`), by this process or another worker of the
+    session; a test that changes the folder (a resume) must leave what the others read in
+    place."""
+    _start_smoke_run(pytestconfig)  # a no-op once started
+    proc, folders = _smoke_result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    [run_dir] = run_dirs(cwd, "smoke")
+    cwd = _session_dir() / "smoke"
+    [run_dir] = folders
     return SmokeRun(cwd, list(SMOKE_ARGS), _smoke_env(cwd), proc, run_dir)
+
+
+@pytest.fixture(autouse=True)
+def _one_smoke_reader_at_a_time(request):
+    """The smoke run's readers never run at once (pytest-xdist puts their files in
+    different workers): one resumes the run, which rewrites its report, and one starts a
+    dry run in its folder, while another reads the report's files."""
+    if "smoke_run" not in request.fixturenames:
+        yield
+        return
+    with session_lock("smoke-readers"):
+        yield

@@ -166,8 +166,8 @@ PREFLIGHT_BAD = [
     ),
     (['experiment.name="é"'], "experiment.name='é': letters, digits"),
     (["+algos.Ü.enabled=true"], "+algos.Ü.enabled: keys are ASCII names"),
-    (
-        ["dataset=gsm8k"],
+    (  # on a fake 80 GB device: on cpu slots the memory check (free RAM) could come first
+        ["dataset=gsm8k", "system.devices=fake:1"],
         "dataset='gsm8k' with model='tiny': a hub task is tokenized by its model family's tokenizer",
     ),
     (
@@ -260,7 +260,9 @@ def test_relative_dataset_path_is_made_absolute_against_the_users_folder(tmp_pat
 
 def test_offline_hub_model_not_in_cache_fails_fast(tmp_path):
     proc = run_cli(
-        ["model=gpt2", "experiment.name=x"],
+        # a fake 80 GB device: on cpu slots (a share of the free RAM) the memory check could
+        # refuse the run before the cache is looked at
+        ["model=gpt2", "experiment.name=x", "system.devices=fake:1"],
         tmp_path,
         {
             "HF_HUB_OFFLINE": "1",

@@ -191,15 +191,22 @@ def test_sigkilled_run_socket_folder_is_removed_by_the_next(tmp_path, markers):
     from tests.test_faults import _start, _wait_for
 
     victim = "pretrain.goal_walk.tiny"
-    env = slow_env(markers, victim, 60)
-    first = _start([*BASE, *REF, "experiment.name=socks", *sleep_overrides()], tmp_path, env)
-    _wait_for(markers / f"{victim}.started")
-    [left] = list(Path(tempfile.gettempdir()).glob(f"{SOCKET_DIR_PREFIX}{first.pid}-*"))
-    first.send_signal(signal.SIGKILL)
-    first.wait(timeout=30)
-    assert left.is_dir()  # SIGKILL: nobody cleaned up
-    assert left.name in remove_dead_socket_dirs()
-    assert not left.exists()
+    # a temp folder of this test's own (short: a Unix socket path has 107 characters): a
+    # pool started meanwhile by another run of the machine (a pytest-xdist worker's test)
+    # removes the dead folders of the system's temp folder, and must not take this one
+    tmp = tempfile.mkdtemp(prefix="pt-")
+    env = {**slow_env(markers, victim, 60), "TMPDIR": tmp}
+    try:
+        first = _start([*BASE, *REF, "experiment.name=socks", *sleep_overrides()], tmp_path, env)
+        _wait_for(markers / f"{victim}.started")
+        [left] = list(Path(tmp).glob(f"{SOCKET_DIR_PREFIX}{first.pid}-*"))
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+        assert left.is_dir()  # SIGKILL: nobody cleaned up
+        assert left.name in remove_dead_socket_dirs(tmp)  # what the next pool's start calls
+        assert not left.exists()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # --- the report, the logs, the modes of committed files --------------------------------------

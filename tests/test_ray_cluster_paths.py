@@ -7,6 +7,8 @@ import pytest
 from tests.conftest import run_cli
 
 ray = pytest.importorskip("ray")
+# `auto` finds any Ray running on the machine: never beside another test's (conftest.py)
+pytestmark = pytest.mark.usefixtures("one_ray_cluster_at_a_time")
 
 
 def test_ray_address_auto_without_a_cluster_is_one_line_and_exit_2(tmp_path):

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import journal, only, run_ok, sleep_overrides, task_spec
+from tests.conftest import journal, only, run_ok, session_lock, sleep_overrides, task_spec
 
 pytest.importorskip("ray")
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_ray_cluster_at_a_time")
 def test_dag_runs_as_ray_tasks(tmp_path):
     args = [
         "executor=ray",
@@ -37,9 +38,10 @@ def two_gpu_ray():
     """A local Ray whose node claims 2 GPUs (this machine's torch has no CUDA)."""
     import ray
 
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    with session_lock("ray"):  # no other test's cluster meanwhile (conftest.py)
+        ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+        yield ray
+        ray.shutdown()
 
 
 def test_ray_tasks_carry_their_task_id_as_name(two_gpu_ray, tmp_path):

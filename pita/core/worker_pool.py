@@ -190,7 +190,7 @@ class WorkerPool:
             if self._closed:
                 raise RuntimeError("pool is shut down")
             if self.broken:
-                raise RuntimeError(self.broken)
+                raise ExecutorBroken(self.broken)  # the run fails loudly (run.py)
             worker = (
                 self._idle_worker(devices) or self._gang_host(task, devices) or self._spawn(devices)
             )
