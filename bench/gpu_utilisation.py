@@ -71,14 +71,25 @@ def run_experiment(experiment: str, max_tasks: str, cwd: Path, timeout: float) -
     r = subprocess.run(
         args,
         cwd=cwd,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+        },
         capture_output=True,
         text=True,
         timeout=timeout,
     )
     wall = time.perf_counter() - t0
-    [run_dir] = sorted((cwd / "outputs" / name).glob("*"))
+    run_dirs = sorted((cwd / "outputs" / name).glob("*"))
+    if not run_dirs:
+        return {
+            "exit_code": r.returncode,
+            "wall_s": round(wall, 2),
+            "stderr_tail": r.stderr[-3000:],
+        }
+    run_dir = run_dirs[-1]
     return {
+        "run_dir": str(run_dir),
         "exit_code": r.returncode,
         "wall_s": round(wall, 2),
         **busy_utilisation(run_dir),
@@ -92,8 +103,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experiment", default="goal_walk")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument(
+        "--keep", type=Path, help="run the experiments in this folder and keep their run folders"
+    )
     ap.add_argument("--skip-value-training", action="store_true")
     ap.add_argument("--value-steps", type=int, default=300)
+    ap.add_argument(
+        "--modes",
+        default="1,auto",
+        help="executor.max_tasks_per_gpu values to run, in order ('auto' alone skips the"
+        " one-task-per-GPU baseline when device time is short)",
+    )
     args = ap.parse_args()
     reason = skip_reason()
     if reason:
@@ -109,12 +129,15 @@ def main() -> int:
         else os.cpu_count(),
     }
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in ("1", "auto"):
+        where = args.keep or Path(tmp)
+        where.mkdir(parents=True, exist_ok=True)
+        for mode in args.modes.split(","):
             report[f"max_tasks_per_gpu={mode}"] = run_experiment(
-                args.experiment, mode, Path(tmp), args.timeout
+                args.experiment, mode, where, args.timeout
             )
-    one, auto = report["max_tasks_per_gpu=1"], report["max_tasks_per_gpu=auto"]
-    report["one_over_auto_wall"] = round(one["wall_s"] / auto["wall_s"], 3)
+    one, auto = report.get("max_tasks_per_gpu=1"), report.get("max_tasks_per_gpu=auto")
+    if one and auto:
+        report["one_over_auto_wall"] = round(one["wall_s"] / auto["wall_s"], 3)
     if not args.skip_value_training:
         from bench.value_training import run as value_run
 

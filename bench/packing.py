@@ -43,7 +43,11 @@ def run_once(max_tasks: str, device_gb: float, sleep: float, cwd: Path) -> dict:
         "executor.progress=false",
         *[f"+executor.stage_overrides.any.{s}=tests.fault_stages:sleep_stage" for s in STAGES],
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PITA_TEST_SLEEP": str(sleep)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+        "PITA_TEST_SLEEP": str(sleep),
+    }
     t0 = time.perf_counter()
     r = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     wall = time.perf_counter() - t0

@@ -58,6 +58,12 @@ def only(*algos: str) -> list[str]:
     return [f"algos.{a}.enabled={'true' if a in algos else 'false'}" for a in ALGOS]
 
 
+def pythonpath_with_root() -> str:
+    """This checkout first, then whatever PYTHONPATH already holds (packages installed with
+    `pip --target`, as on a machine whose image lacks some of pita's dependencies)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+
+
 def run_cli(
     args: list[str],
     cwd: Path,
@@ -67,7 +73,7 @@ def run_cli(
 ) -> subprocess.CompletedProcess:
     """The command line run to its end; `env` adds to this process's environment (a value
     of None removes that variable)."""
-    merged = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    merged = {**os.environ, "PYTHONPATH": pythonpath_with_root(), **(env or {})}
     full_env = {k: v for k, v in merged.items() if v is not None}
     return subprocess.run(
         [sys.executable, str(ROOT / script), *args],
@@ -85,7 +91,7 @@ def start_cli(args: list[str], cwd: Path, env: dict | None = None) -> subprocess
     return subprocess.Popen(
         [sys.executable, str(ROOT / "run_parallel.py"), *args],
         cwd=cwd,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        env={**os.environ, "PYTHONPATH": pythonpath_with_root(), **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
