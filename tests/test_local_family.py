@@ -187,6 +187,15 @@ def local_run_args(family, *extra: str, dataset: str = "gsm8k") -> list[str]:
     return [*family.overrides(dataset), *sizes, *per_algo, *extra]
 
 
+def expected_rows() -> set[tuple[str, str, str]]:
+    """(algo, eta, sampling) of every summary row a `local_run_args` run ends with: the
+    reference under both rules, each guided algorithm at both η, each trained policy once."""
+    guided = "top-2, T=1"
+    rows = {("reference", "0.0", "full, T=1"), ("reference", "0.0", guided)}
+    rows |= {(a, eta, guided) for a in ("PITA", "QSharp", "QSharp-HF") for eta in ("0.0", "5.0")}
+    return rows | {(a, "", "full, T=1") for a in ("DPO", "RPO", "GRPO", "GRPO-HF")}
+
+
 @pytest.fixture(scope="module")
 def every_algorithm_runs(local_family, tmp_path_factory) -> dict[str, tuple[Path, Future]]:
     """Every algorithm on each dataset of the local family, both runs started together (a
@@ -216,12 +225,7 @@ def test_every_algorithm_runs_on_the_local_family(every_algorithm_runs, dataset)
     [run_dir] = run_dirs(cwd, "local")
     rows = _summary(run_dir)
     got = {(r["algo"], r["eta"], r["sampling"]) for r in rows}
-    guided = "top-2, T=1"
-    expected = {("reference", "0.0", "full, T=1"), ("reference", "0.0", guided)}
-    expected |= {
-        (a, eta, guided) for a in ("PITA", "QSharp", "QSharp-HF") for eta in ("0.0", "5.0")
-    }
-    expected |= {(a, "", "full, T=1") for a in ("DPO", "RPO", "GRPO", "GRPO-HF")}
+    expected = expected_rows()
     assert got == expected, got
     assert len(rows) == len(expected)
     for r in rows:

@@ -41,6 +41,9 @@ from pita.core.paths import Artifact
 from pita.core.schema import PreferenceConfig, RewardModelMixin
 from pita.runtime.context import StageContext
 
+# What a CUDA worker imports while it waits for its first task (pita.runtime.worker).
+WARM_IMPORTS = ("trl.trainer.dpo_trainer",)
+
 
 def training_prompts(ctx: StageContext, task) -> list:
     """The task's training prompts, at most `data_collection.max_examples` (0 = all)."""

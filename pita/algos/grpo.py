@@ -38,6 +38,10 @@ from pita.core.paths import Artifact
 from pita.core.schema import GRPOConfig as GRPOSettings
 from pita.runtime.context import StageContext
 
+# What a CUDA worker imports while it waits for its first task (pita.runtime.worker,
+# `warm_stage_imports`): TRL's GRPO trainer takes 5-10 s to import.
+WARM_IMPORTS = ("trl.trainer.grpo_trainer",)
+
 
 class TaskReward:
     """TRL reward function: the task's verifier on (Example, completion ids), one batch per call."""

@@ -30,6 +30,9 @@ from pita.core.paths import Artifact
 from pita.core.schema import RewardModelMixin
 from pita.runtime.context import StageContext
 
+# What a CUDA worker imports while it waits for its first task (pita.runtime.worker).
+WARM_IMPORTS = ("trl.trainer.reward_trainer",)
+
 HELDOUT_FRACTION = 0.1
 
 

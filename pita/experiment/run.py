@@ -37,6 +37,7 @@ from pita.core.run_lock import RunLock
 from pita.core.safe_files import check_folder, share_with_group
 from pita.experiment.config import validate
 from pita.experiment.plan import check_resources, plan_experiment
+from pita.runtime.worker import WARM_STAGES
 
 log = logging.getLogger("pita")
 
@@ -461,6 +462,14 @@ def _log_start(
     )
 
 
+def stage_modules(plan: Plan, done: set[str]) -> str:
+    """The modules of the stage functions that the tasks still to run call, comma-separated
+    (pita.runtime.worker.warm_stage_imports reads it)."""
+    return ",".join(
+        sorted({t.fn.split(":")[0] for tid, t in plan.tasks.items() if tid not in done})
+    )
+
+
 def _start_session(
     cfg: DictConfig, paths: RunPaths, gpu: GPUManager, plan: Plan, done: set[str], journal: Journal
 ) -> Session:
@@ -477,6 +486,8 @@ def _start_session(
     executor = make_executor(cfg, gpu, run_dir)
     if any(t.elastic for t in plan.tasks.values()) and hasattr(executor, "extra_env"):
         executor.extra_env["PITA_WARM_FORKSERVER"] = "1"  # gangs fork ranks from warm workers
+    if hasattr(executor, "extra_env"):  # CUDA workers import these stages' libraries early
+        executor.extra_env[WARM_STAGES] = stage_modules(plan, done)
     executor.warm_up([(d.index,) for d in gpu.devices][: len(plan.tasks) - len(done)])
     scheduler = make_scheduler(cfg, gpu)
     monitor = Monitor(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import importlib
 import json
 import logging
 import os
@@ -364,8 +365,6 @@ class quiet_threads:  # noqa: N801 - used as a context manager, like a function
 
 def _optional(module: str):
     """`module` if it imports, else None (a stage may not need it)."""
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -519,6 +518,26 @@ class Worker:
 
 
 WARM_FORKSERVER = "PITA_WARM_FORKSERVER"
+# The stage modules the run's remaining tasks call, comma-separated (pita.experiment.run)
+WARM_STAGES = "PITA_WARM_STAGES"
+
+
+def warm_stage_imports(modules: str) -> list[str]:
+    """Import each stage module in `modules` (comma-separated) and the names in its
+    `WARM_IMPORTS` (e.g. TRL's GRPO trainer, 5-10 s), so a CUDA worker does it while it
+    waits for its first task instead of on the run's critical path (the GPU run of
+    experiment=goal_walk spent 9 s importing before GRPO's first step). Returns what it
+    imported; an import that fails is left for the stage to report."""
+    imported = []
+    for name in filter(None, modules.split(",")):
+        try:
+            module = importlib.import_module(name)
+            for heavy in getattr(module, "WARM_IMPORTS", ()):
+                importlib.import_module(heavy)
+                imported.append(heavy)
+        except Exception:  # only a head start: the task imports it again and says why
+            continue
+    return imported
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -544,6 +563,11 @@ def main(argv: list[str] | None = None) -> int:
             import transformers  # noqa: F401  - overlap the slow import with planning
         except ImportError:
             pass
+        if worker.kind == "cuda":
+            # A GPU host has cores to spare while the GPU works; on CPU and fake devices the
+            # workers' cores are the run's compute, and a worker that never runs GRPO would
+            # pay for importing its trainer.
+            warm_stage_imports(os.environ.get(WARM_STAGES, ""))
         if os.environ.get(WARM_FORKSERVER) == "1":  # the run has elastic training tasks
             from pita.training.ddp import warm_forkserver
 

@@ -1,0 +1,52 @@
+"""CUDA workers import the libraries of the run's stages while they wait for a task
+(pita.runtime.worker.warm_stage_imports, pita.experiment.run.stage_modules)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+from pita.algos import dpo, grpo, reward_model
+from pita.runtime.worker import warm_stage_imports
+
+
+def test_a_stage_module_s_warm_imports_are_imported_and_a_broken_one_is_skipped(
+    tmp_path, monkeypatch
+):
+    (tmp_path / "heavy_lib_for_warm_test.py").write_text("LOADED = True\n")
+    (tmp_path / "stage_for_warm_test.py").write_text(
+        "WARM_IMPORTS = ('heavy_lib_for_warm_test',)\n"
+    )
+    (tmp_path / "broken_stage_for_warm_test.py").write_text("raise RuntimeError('boom')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("heavy_lib_for_warm_test", "stage_for_warm_test"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+
+    got = warm_stage_imports(
+        "broken_stage_for_warm_test,,stage_for_warm_test,no_such_module_for_warm_test"
+    )
+
+    assert got == ["heavy_lib_for_warm_test"]
+    assert sys.modules["heavy_lib_for_warm_test"].LOADED
+
+
+def test_every_declared_warm_import_exists():
+    for module in (grpo, dpo, reward_model):
+        for name in module.WARM_IMPORTS:
+            assert importlib.util.find_spec(name) is not None, (module.__name__, name)
+
+
+def test_the_run_names_the_modules_of_the_tasks_still_to_run():
+    from pita.core.dag import Plan
+    from pita.core.tasks import TaskSpec
+    from pita.experiment.run import stage_modules
+
+    plan = Plan()
+    for tid, fn in (
+        ("a", "pita.algos.grpo:train"),
+        ("b", "pita.algos.grpo:train_hf"),
+        ("c", "pita.algos.dpo:train"),
+        ("d", "pita.stages.pretrain:pretrain"),
+    ):
+        plan.add(TaskSpec(id=tid, algo="x", dataset="d", family="f", round=0, stage="train", fn=fn))
+    assert stage_modules(plan, done={"c"}) == "pita.algos.grpo,pita.stages.pretrain"
