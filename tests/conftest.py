@@ -190,6 +190,9 @@ SMOKE_ARGS = [
     "algos=[reference,PITA,QSharp,QSharp-HF,DPO,GRPO,GRPO-HF]",
     "system.devices=fake:2",
     "executor.progress=false",
+    # what tests/test_tracking.py reads back (one run under tensorboard fewer to start)
+    "logger=tensorboard",
+    "logger.tags=[smoke_test,ci]",
 ]
 
 
