@@ -76,3 +76,7 @@ def test_data_parallel_run_trains_pretrain_with_ddp_over_the_gang(tmp_path):
     assert running[0]["devices"] == [0, 1]
     log = (run_dir / "tasks" / "pretrain.goal_walk.tiny" / "log.txt").read_text()
     assert "DDP over 2 ranks" in log and "x 2 rank(s)" in log
+    # the gang, dispatched as the run begins, is hosted by a warmed-up worker still starting,
+    # and the evaluation shards reuse both: no worker beyond the two of the warm-up (before:
+    # five, each importing torch again)
+    assert len(list((run_dir / "workers").glob("worker-*.log"))) == 2

@@ -293,14 +293,14 @@ class WorkerPool:
         ranks are processes forked from that worker's warm forkserver, and off CUDA nothing
         pins a process to a device, so no fresh worker (a new process importing torch, a cold
         forkserver: most of a gang's start-up, bench/README.md) is needed. On CUDA a gang's
-        worker must see its k GPUs (CUDA_VISIBLE_DEVICES is fixed at process start): spawned."""
+        worker must see its k GPUs (CUDA_VISIBLE_DEVICES is fixed at process start): spawned.
+        An idle worker first; else one still starting (a gang dispatched as the run begins,
+        while the warmed-up workers import torch), which gets the job when it says hello: a
+        fresh worker would evict it and import everything again."""
         if len(devices) < 2 or not task.elastic or self.gpu.kind == "cuda":
             return None
-        for d in devices:
-            host = self._idle_worker((d,))
-            if host is not None and host.state == "idle":
-                return host
-        return None
+        hosts = [h for d in devices if (h := self._idle_worker((d,))) is not None]
+        return next((h for h in hosts if h.state == "idle"), hosts[0] if hosts else None)
 
     def _spawn(self, devices: tuple[int, ...]) -> WorkerHandle:
         self._evict_idle_overlapping(devices)
