@@ -94,6 +94,9 @@ def test_a_value_model_larger_than_one_device_trains_with_fsdp2_on_two_ranks(big
     with open(run_dir / "results" / "summary.csv") as f:
         rows = list(csv.DictReader(f))
     assert {r["algo"] for r in rows} == {"reference", "PITA", "QSharp"}
+    # the gangs ran on the two warmed-up one-device workers (their ranks fork from them):
+    # no 2-device worker, and no one-device worker started again after a gang
+    assert len(list((run_dir / "workers").glob("worker-*.log"))) == 2
 
 
 def test_a_dpo_row_with_the_same_family_is_refused_before_the_run(big_family, tmp_path):

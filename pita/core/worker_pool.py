@@ -289,15 +289,17 @@ class WorkerPool:
         return None
 
     def _gang_host(self, task: TaskSpec, devices: tuple[int, ...]) -> WorkerHandle | None:
-        """An idle one-device worker on one of a data-parallel gang's devices, off CUDA: its
-        ranks are processes forked from that worker's warm forkserver, and off CUDA nothing
-        pins a process to a device, so no fresh worker (a new process importing torch, a cold
-        forkserver: most of a gang's start-up, bench/README.md) is needed. On CUDA a gang's
-        worker must see its k GPUs (CUDA_VISIBLE_DEVICES is fixed at process start): spawned.
-        An idle worker first; else one still starting (a gang dispatched as the run begins,
-        while the warmed-up workers import torch), which gets the job when it says hello: a
-        fresh worker would evict it and import everything again."""
-        if len(devices) < 2 or not task.elastic or self.gpu.kind == "cuda":
+        """Off CUDA, a training gang (k ranks) runs on a one-device worker of its devices:
+        an idle one, else one still starting (a gang dispatched as the run begins), which
+        gets the job when it says hello. Its ranks fork from that worker's forkserver (warm
+        when the plan has elastic tasks) and off CUDA nothing pins a process to a device, so
+        a fresh worker would only import torch again and evict the idle ones it overlaps,
+        which later one-device tasks would start again (bench/README.md: most of a gang's
+        start-up). Spawned instead: on CUDA (a gang's worker must see its k GPUs, and
+        CUDA_VISIBLE_DEVICES is fixed at process start), and a task whose model is sharded
+        over k devices in one process (`model.gpus_per_task`: it reads the devices it got)."""
+        ranks = task.elastic or task.strategy in ("ddp", "fsdp")  # not one process on k devices
+        if len(devices) < 2 or not ranks or self.gpu.kind == "cuda":
             return None
         hosts = [h for d in devices if (h := self._idle_worker((d,))) is not None]
         return next((h for h in hosts if h.state == "idle"), hosts[0] if hosts else None)
