@@ -388,7 +388,7 @@ def lora_config(ctx: StageContext):
     lora = {k: spec.get(k, default) for k, (default, _) in PEFT_KEYS.items()}
     return LoraConfig(
         r=int(lora["r"]),
-        lora_alpha=float(lora["alpha"]),  # type: ignore[arg-type]  # peft hints int; alpha / r takes a float
+        lora_alpha=float(lora["alpha"]),  # peft hints int; alpha / r takes a float
         lora_dropout=float(lora["dropout"]),
         target_modules=lora["target_modules"],
         task_type="CAUSAL_LM",

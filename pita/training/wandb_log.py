@@ -39,7 +39,7 @@ def records(path: Path) -> Iterator[Any]:
         chunks.append(data[pos + HEADER : pos + HEADER + length])
         pos += HEADER + length
         if kind in (FULL, LAST):
-            record = pb.Record()  # type: ignore[attr-defined]
+            record = pb.Record()
             record.ParseFromString(b"".join(chunks))
             chunks = []
             yield record
