@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import ROOT
 
 
-@pytest.mark.slow  # a cold mypy: ~50 s on the shared 2-core machine under load
+@pytest.mark.slow  # cold: 6 s on a quiet 2-core machine (heavy packages skipped: pyproject.toml)
 def test_parent_side_and_stage_code_are_mypy_clean():
     if importlib.util.find_spec("mypy") is None:
         pytest.skip("mypy is not installed (pip install -e '.[dev]')")
