@@ -1,10 +1,12 @@
 """GPU utilisation of the default experiment: one task per GPU against packing (CUDA).
 
     python bench/gpu_utilisation.py [--experiment goal_walk] [--skip-value-training]
+                                    [--modes 1,auto] [--keep DIR] [--value-steps 300]
 
 Needs CUDA; without it prints {"skipped": "<reason>"} and exits 0. Runs
 `python run_parallel.py experiment=<name>` twice in this process tree, with
-`executor.max_tasks_per_gpu=1` and with the default `auto`, GPU samples every second
+`executor.max_tasks_per_gpu=1` and with the default `auto` (`--modes auto`: only the
+second, when device time is short; `--keep DIR`: the run folders stay in DIR), GPU samples every second
 (`executor.monitor_interval_s=1`), and prints one JSON object:
 
 - `wall_s` of each run and `one_over_auto_wall` (how much faster packing is);
