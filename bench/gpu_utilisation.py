@@ -6,8 +6,8 @@
 Needs CUDA; without it prints {"skipped": "<reason>"} and exits 0. Runs
 `python run_parallel.py experiment=<name>` twice in this process tree, with
 `executor.max_tasks_per_gpu=1` and with the default `auto` (`--modes auto`: only the
-second, when device time is short; `--keep DIR`: the run folders stay in DIR), GPU samples every second
-(`executor.monitor_interval_s=1`), and prints one JSON object:
+second, when device time is short; `--keep DIR`: the run folders stay in DIR), GPU samples
+every second (`executor.monitor_interval_s=1`), and prints one JSON object:
 
 - `wall_s` of each run and `one_over_auto_wall` (how much faster packing is);
 - `median_utilisation_pct`: median NVML utilisation of the samples taken while at least
@@ -58,6 +58,7 @@ def skip_reason() -> str | None:
 
 def run_experiment(experiment: str, max_tasks: str, cwd: Path, timeout: float) -> dict:
     from bench.run_analysis import busy_utilisation, packing, task_peaks
+    from pita.core.paths import pythonpath_with
 
     name = f"gpu_util_{max_tasks}"
     args = [
@@ -75,7 +76,7 @@ def run_experiment(experiment: str, max_tasks: str, cwd: Path, timeout: float) -
         cwd=cwd,
         env={
             **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+            "PYTHONPATH": pythonpath_with(ROOT, os.environ.get("PYTHONPATH")),
         },
         capture_output=True,
         text=True,

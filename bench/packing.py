@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))
 
 from bench.run_analysis import packing  # noqa: E402
+from pita.core.paths import pythonpath_with  # noqa: E402
 from pita.core.tasks import TASK_STAGES  # noqa: E402
 
 STAGES = TASK_STAGES  # every stage a task can have
@@ -45,7 +46,7 @@ def run_once(max_tasks: str, device_gb: float, sleep: float, cwd: Path) -> dict:
     ]
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+        "PYTHONPATH": pythonpath_with(ROOT, os.environ.get("PYTHONPATH")),
         "PITA_TEST_SLEEP": str(sleep),
     }
     t0 = time.perf_counter()

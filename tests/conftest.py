@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from pita.algos.registry import ALGO_NAMES
+from pita.core.paths import pythonpath_with
 from pita.core.tasks import TASK_STAGES, TaskSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,9 +60,8 @@ def only(*algos: str) -> list[str]:
 
 
 def pythonpath_with_root() -> str:
-    """This checkout first, then whatever PYTHONPATH already holds (packages installed with
-    `pip --target`, as on a machine whose image lacks some of pita's dependencies)."""
-    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    """This checkout first, then whatever PYTHONPATH already holds (`pythonpath_with`)."""
+    return pythonpath_with(ROOT, os.environ.get("PYTHONPATH"))
 
 
 def run_cli(

@@ -55,6 +55,13 @@ def pita_cache_dir() -> Path:
     return Path(os.environ.get("PITA_CACHE_DIR", Path.home() / ".cache" / "pita"))
 
 
+def pythonpath_with(root: Path | str, current: str | None) -> str:
+    """A PYTHONPATH with `root` (a pita checkout) first, then `current` (what the environment
+    already holds: packages installed with `pip --target`, another checkout), so a child
+    process imports this checkout's pita and still finds those packages."""
+    return os.pathsep.join(p for p in (str(root), current) if p)
+
+
 def current_umask() -> int:
     """The process umask, without the set-and-restore race of os.umask where possible."""
     try:

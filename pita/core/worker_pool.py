@@ -48,7 +48,9 @@ from typing import Any
 
 from pita.core.errors import RECYCLE_WORKER, ExecutorBroken
 from pita.core.executor import TaskOutcome
+from pita.core.paths import pythonpath_with
 from pita.core.tasks import TaskSpec
+from pita.runtime.gang import TASK_STRATEGIES
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +300,7 @@ class WorkerPool:
         start-up). Spawned instead: on CUDA (a gang's worker must see its k GPUs, and
         CUDA_VISIBLE_DEVICES is fixed at process start), and a task whose model is sharded
         over k devices in one process (`model.gpus_per_task`: it reads the devices it got)."""
-        ranks = task.elastic or task.strategy in ("ddp", "fsdp")  # not one process on k devices
+        ranks = task.elastic or task.strategy in TASK_STRATEGIES  # not one process on k devices
         if len(devices) < 2 or not ranks or self.gpu.kind == "cuda":
             return None
         hosts = [h for d in devices if (h := self._idle_worker((d,))) is not None]
@@ -310,7 +312,7 @@ class WorkerPool:
         env.update(self._thread_env())
         env.update(self.extra_env)
         root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["PYTHONPATH"] = pythonpath_with(root, env.get("PYTHONPATH"))
         worker_id = self._next_id
         self._next_id += 1
         cmd = [

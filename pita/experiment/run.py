@@ -37,7 +37,7 @@ from pita.core.run_lock import RunLock
 from pita.core.safe_files import check_folder, share_with_group
 from pita.experiment.config import validate
 from pita.experiment.plan import check_resources, plan_experiment
-from pita.runtime.worker import WARM_STAGES
+from pita.runtime.worker import WARM_FORKSERVER, WARM_STAGES
 
 log = logging.getLogger("pita")
 
@@ -484,10 +484,11 @@ def _start_session(
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(cfg_dict, dict)
     executor = make_executor(cfg, gpu, run_dir)
-    if any(t.elastic for t in plan.tasks.values()) and hasattr(executor, "extra_env"):
-        executor.extra_env["PITA_WARM_FORKSERVER"] = "1"  # gangs fork ranks from warm workers
-    if hasattr(executor, "extra_env"):  # CUDA workers import these stages' libraries early
+    if hasattr(executor, "extra_env"):  # the local pool's workers
+        # CUDA workers import these stages' libraries while they wait for a task
         executor.extra_env[WARM_STAGES] = stage_modules(plan, done)
+        if any(t.elastic for t in plan.tasks.values()):  # gangs fork ranks from warm workers
+            executor.extra_env[WARM_FORKSERVER] = "1"
     executor.warm_up([(d.index,) for d in gpu.devices][: len(plan.tasks) - len(done)])
     scheduler = make_scheduler(cfg, gpu)
     monitor = Monitor(
