@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import tempfile
+import sys
 from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from pita.core.paths import atomic_write_json  # noqa: E402
 
 
 def task_seconds(journal: Path) -> dict[str, float]:
@@ -109,11 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     data = record(args)
-    fd, tmp = tempfile.mkstemp(dir=args.out.parent, prefix=".durations-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, args.out)  # atomically: a bench never reads half a file
+    atomic_write_json(args.out, data)  # a bench never reads half a file
     print(json.dumps(data.get("overstatement", {"tasks": len(data["task_seconds"])})))
     return 0
 
