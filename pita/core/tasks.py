@@ -30,6 +30,11 @@ def task_id(
     return base if shard is None else f"{base}.s{shard:02d}"
 
 
+# TaskSpec.strategy values that run k ranks -> the `training.parallel_strategy` name
+# (pita/runtime/gang.py); "none" is one process
+TASK_STRATEGIES = {"ddp": "data_parallel", "fsdp": "fsdp"}
+
+
 @dataclass
 class TaskSpec:
     id: str

@@ -49,8 +49,7 @@ from typing import Any
 from pita.core.errors import RECYCLE_WORKER, ExecutorBroken
 from pita.core.executor import TaskOutcome
 from pita.core.paths import pythonpath_with
-from pita.core.tasks import TaskSpec
-from pita.runtime.gang import TASK_STRATEGIES
+from pita.core.tasks import TASK_STRATEGIES, TaskSpec
 
 log = logging.getLogger(__name__)
 

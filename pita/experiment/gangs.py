@@ -38,11 +38,13 @@ from __future__ import annotations
 from typing import Any
 
 from pita.core.errors import ConfigError
+from pita.core.tasks import TASK_STRATEGIES
 
 TRAINING_STAGES = ("pretrain", "reward_model", "train")
 # The stage functions that train with a TRL Trainer (accelerate's processes on a gang).
 TRL_MODULES = ("pita.algos.dpo", "pita.algos.grpo", "pita.algos.reward_model")
-STRATEGY_OF_KEY = {"none": "none", "data_parallel": "ddp", "fsdp": "fsdp"}
+# `training.parallel_strategy` -> TaskSpec.strategy (the inverse of TASK_STRATEGIES)
+STRATEGY_OF_KEY = {"none": "none", **{key: task for task, key in TASK_STRATEGIES.items()}}
 GB = 1024.0
 
 

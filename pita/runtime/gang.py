@@ -33,10 +33,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from pita.core.tasks import TASK_STRATEGIES
 from pita.runtime.context import ModelCache, StageContext
 
 GANG_STRATEGIES = ("data_parallel", "fsdp")  # the strategies that train on k ranks
-TASK_STRATEGIES = {"ddp": "data_parallel", "fsdp": "fsdp"}  # TaskSpec.strategy -> the key's name
 
 
 def parallel_strategy(ctx: StageContext) -> str:
