@@ -142,29 +142,28 @@ def test_checkpointer_keeps_only_the_newest_and_restores_rng_and_step(tmp_path):
 
 # --- faithful TRL resume: killed after every checkpoint boundary ---------------------------
 
-# three steps each: a kill after the first, a middle and the last checkpoint
-TRL_ARGS = {
+# Two steps each, so a kill after the first checkpoint resumes mid-training and the retry
+# writes the last checkpoint itself (a resumed attempt's checkpoint is then resumed from).
+# Both chains run in one run, one worker: a task at a time, one pretrain, one pair of runs.
+TRL_ALGOS = ("GRPO", "DPO")
+TRL_ARGS = [
+    "experiment=smoke",
+    f"algos=[{','.join(TRL_ALGOS)}]",
     # pretrain checkpoints every step too: a short one, but long enough that GRPO's groups
     # hold both rewards (at 20 steps every sample failed: zero advantage, no weight moved)
-    "GRPO": ["algos.GRPO.steps=3", "pretrain.steps=40"],
-    # one epoch of the pairs: 80 pairs in 3 batches of 32 (pretrain checkpoints every step)
-    "DPO": ["data_collection.max_examples=24", "pretrain.steps=30", "algos.DPO.batch_size=32"],
-}
+    "pretrain.steps=40",
+    "algos.GRPO.steps=2",
+    # one epoch of DPO's pairs (56) in two batches of 32
+    "data_collection.max_examples=10",
+    "algos.DPO.batch_size=32",
+    "training.checkpoint_every=1",
+    "executor.progress=false",
+    "executor.max_retries=12",
+    *ONE_WORKER,
+]
 # values of a run that are times, not results (TRL's and pita's own clocks)
 _CLOCKS = ("elapsed_s", "runtime", "per_second", "time", "wall_s", "performance", "attempt")
 _PATHS = ("start",)  # where the run folder is
-
-
-def _trl_args(algo: str) -> list[str]:
-    return [
-        "experiment=smoke",
-        f"algos=[{algo}]",
-        *TRL_ARGS[algo],
-        "training.checkpoint_every=1",
-        "executor.progress=false",
-        "executor.max_retries=12",
-        *ONE_WORKER,
-    ]
 
 
 def _alive(pid: int) -> bool:
@@ -175,32 +174,50 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _kill_at_every_boundary(algo: str, cwd: Path, timeout: float = 420) -> list[int]:
-    """Run `algo`'s chain; each time a new Trainer checkpoint is committed, SIGKILL the
-    worker training it (the retry resumes from that checkpoint). -> the steps killed at."""
-    task = f"{algo}.goal_walk.tiny.r0.train"
-    proc = start_cli(_trl_args(algo), cwd)
-    killed: list[int] = []
+def _kill_at_every_boundary(cwd: Path, timeout: float = 420) -> dict[str, list[int]]:
+    """Run both TRL chains; each time a new Trainer checkpoint of a train task is committed,
+    SIGKILL the worker training it (the retry resumes from that checkpoint).
+    -> {algo: the steps its train task was killed at}."""
+    proc = start_cli(TRL_ARGS, cwd)
+    killed: dict[str, list[int]] = {algo: [] for algo in TRL_ALGOS}
     pids: set[int] = set()
     deadline = time.time() + timeout
     while proc.poll() is None and time.time() < deadline:
-        for marker in cwd.glob(f"outputs/smoke/*/tasks/{task}.checkpoints/checkpoint-*/{COMPLETE}"):
-            step = int(marker.parent.name.split("-")[1])
-            tasks = marker.parents[2]
-            live = [
-                int(p.name.rsplit("-", 1)[1])
-                for p in tasks.glob(f".tmp-{task}-*")
-                if int(p.name.rsplit("-", 1)[1]) not in pids
-            ]
-            live = [pid for pid in live if _alive(pid)]
-            if step not in killed and live:
-                os.kill(live[0], signal.SIGKILL)
-                pids.add(live[0])
-                killed.append(step)
+        for algo in TRL_ALGOS:
+            task = f"{algo}.goal_walk.tiny.r0.train"
+            pattern = f"outputs/smoke/*/tasks/{task}.checkpoints/checkpoint-*/{COMPLETE}"
+            for marker in cwd.glob(pattern):
+                step = int(marker.parent.name.split("-")[1])
+                tasks = marker.parents[2]
+                live = [
+                    int(p.name.rsplit("-", 1)[1])
+                    for p in tasks.glob(f".tmp-{task}-*")
+                    if int(p.name.rsplit("-", 1)[1]) not in pids
+                ]
+                live = [pid for pid in live if _alive(pid)]
+                if step not in killed[algo] and live:
+                    os.kill(live[0], signal.SIGKILL)
+                    pids.add(live[0])
+                    killed[algo].append(step)
         time.sleep(0.005)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out[-3000:]
     return killed
+
+
+@pytest.fixture(scope="module")
+def trl_kill_runs(tmp_path_factory) -> tuple[dict[str, list[int]], Path, Path]:
+    """The run killed at every checkpoint boundary and the uninterrupted one, run at once:
+    (steps killed at per algo, the killed run's folder, the clean run's folder)."""
+    root = tmp_path_factory.mktemp("trl_kills")
+    killed_cwd, clean_cwd = root / "killed", root / "clean"
+    killed_cwd.mkdir()
+    clean_cwd.mkdir()
+    clean_run = run_cli_later(TRL_ARGS, clean_cwd, timeout=420)  # meanwhile
+    killed = _kill_at_every_boundary(killed_cwd)
+    done = clean_run.result()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return killed, run_dirs(killed_cwd, "smoke")[0], run_dirs(clean_cwd, "smoke")[0]
 
 
 def _results(run_dir: Path, algo: str) -> dict[str, dict]:
@@ -233,8 +250,8 @@ def _train_log(run_dir: Path, algo: str) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["GRPO", "DPO"])
-def test_trl_stage_killed_after_every_checkpoint_resumes_faithfully(tmp_path, algo):
+@pytest.mark.parametrize("algo", TRL_ALGOS)
+def test_trl_stage_killed_after_every_checkpoint_resumes_faithfully(trl_kill_runs, algo):
     """Killed after each checkpoint boundary (the last one included: a resume there must
     not train one step past max_steps), each retry resumes from the newest committed Trainer
     checkpoint (pita_complete.json written after it) and runs exactly the remaining steps,
@@ -244,17 +261,11 @@ def test_trl_stage_killed_after_every_checkpoint_resumes_faithfully(tmp_path, al
     logged metrics."""
     from safetensors.torch import load_file
 
-    killed_cwd, clean_cwd = tmp_path / "killed", tmp_path / "clean"
-    killed_cwd.mkdir()
-    clean_cwd.mkdir()
-    clean_run = run_cli_later(_trl_args(algo), clean_cwd, timeout=420)  # meanwhile
-    killed = _kill_at_every_boundary(algo, killed_cwd)
-    done = clean_run.result()
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run, clean = run_dirs(killed_cwd, "smoke")[0], run_dirs(clean_cwd, "smoke")[0]
+    killed_at, run, clean = trl_kill_runs
     task = f"{algo}.goal_walk.tiny.r0.train"
     steps = json.loads((clean / "tasks" / task / "result.json").read_text())["steps"]
-    assert steps == 3 and killed == [1, 2, 3], f"killed at {killed}, {steps} steps"
+    killed = killed_at[algo]
+    assert steps == 2 and killed == [1, 2], f"killed at {killed}, {steps} steps"
     result = json.loads((run / "tasks" / task / "result.json").read_text())
     assert result["attempt"] == steps + 1 and result["steps"] == steps
     log = (run / "tasks" / task / "log.txt").read_text()
