@@ -207,15 +207,12 @@ def run_workers(
     )
     t0 = time.time()
     tasks = {
-        d.index: TaskSpec(
-            id=f"diagnostic.device_check.d{d.index:02d}",
-            algo="diagnostic",
-            dataset="-",
-            family="-",
-            round=0,
-            stage="device_check",
+        d.index: TaskSpec.standalone(
+            f"diagnostic.device_check.d{d.index:02d}",
+            "diagnostic",
+            "device_check",
+            "pita.stages.diagnostic:device_check",
             preferred_device=d.index,
-            fn="pita.stages.diagnostic:device_check",
         )
         for d in gpu.devices
     }

@@ -205,14 +205,8 @@ def warm_up(pool, gpu, run_dir: Path) -> None:
 
 
 def noop(i: int) -> TaskSpec:
-    return TaskSpec(
-        id=f"bench.noop.{i:03d}",
-        algo="bench",
-        dataset="-",
-        family="-",
-        round=0,
-        stage="noop",
-        fn="tests.fault_stages:noop_stage",
+    return TaskSpec.standalone(
+        f"bench.noop.{i:03d}", "bench", "noop", "tests.fault_stages:noop_stage"
     )
 
 

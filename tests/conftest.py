@@ -43,13 +43,16 @@ def task_spec(id: str, **fields) -> TaskSpec:
     return TaskSpec(id=id, **spec)
 
 
-def sleep_overrides(fn: str = "tests.fault_stages:sleep_stage") -> list[str]:
+def sleep_overrides(
+    fn: str = "tests.fault_stages:sleep_stage", preimport: bool = False
+) -> list[str]:
     """Replace every stage with a test stage (the orchestrator is what is under test). A test
-    stage needs no torch, so workers do not import it (executor.preimport=false), and its
-    timeline is not drawn (executor.timeline_plot=false: matplotlib, a second a run; drawn
-    by tests/test_timeline.py and the smoke run)."""
+    stage needs no torch, so workers do not import it (executor.preimport=false; `preimport`:
+    they do, and on CPU and fake devices they fork from the forkserver that imported it:
+    pita/core/forked_worker.py), and its timeline is not drawn (executor.timeline_plot=false:
+    matplotlib, a second a run; drawn by tests/test_timeline.py and the smoke run)."""
     return [f"+executor.stage_overrides.any.{s}={fn}" for s in STAGES] + [
-        "executor.preimport=false",
+        f"executor.preimport={str(preimport).lower()}",
         "executor.timeline_plot=false",
     ]
 

@@ -21,6 +21,7 @@ def _marker(ctx: StageContext, what: str) -> None:
         line = json.dumps(
             {
                 "pid": os.getpid(),
+                "ppid": os.getppid(),  # the orchestrator, or its forkserver for a forked worker
                 "t": time.time(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             }

@@ -9,6 +9,8 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import (
     journal,
     only,
@@ -103,13 +105,21 @@ def test_hung_worker_times_out(tmp_path):
     assert failed and failed[0]["failure"] == "timeout" and "task_timeout_s" in failed[0]["message"]
 
 
-def test_sigkill_orchestrator_then_resume_redoes_nothing(tmp_path, markers):
+# forked: the forkserver's imports cost 5-10 s, so that case runs with the slow set
+@pytest.mark.parametrize("workers", ["fresh", pytest.param("forked", marks=pytest.mark.slow)])
+def test_sigkill_orchestrator_then_resume_redoes_nothing(tmp_path, markers, workers):
+    """Fresh workers (no preimport) die with their parent; forked ones (preimport on fake
+    devices: children of the orchestrator's forkserver) die with the forkserver, which
+    leaves when the orchestrator does."""
     env = slow_env(markers, "QSharp.goal_walk.tiny.r0.train", 30)
-    args = [*BASE, "experiment.name=crash", *only("reference", "QSharp"), *sleep_overrides()]
+    stages = sleep_overrides(preimport=workers == "forked")
+    args = [*BASE, "experiment.name=crash", *only("reference", "QSharp"), *stages]
     proc = _start(args, tmp_path, env)
     started = markers / "QSharp.goal_walk.tiny.r0.train.started"
     _wait_for(started)
-    worker_pid = json.loads(started.read_text())["pid"]
+    marker = json.loads(started.read_text())
+    worker_pid = marker["pid"]
+    assert (marker["ppid"] == proc.pid) == (workers == "fresh"), (marker, proc.pid)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     deadline = time.time() + 15
@@ -119,8 +129,8 @@ def test_sigkill_orchestrator_then_resume_redoes_nothing(tmp_path, markers):
     [run_dir] = run_dirs(tmp_path, "crash")
     done_before = {e["task"] for e in journal(run_dir) if e["event"] == "task_done"}
     assert "pretrain.goal_walk.tiny" in done_before
-    resumed = run_cli(
-        ["resume_from=" + str(run_dir), "executor.progress=false"],
+    resumed = run_cli(  # fresh workers: what is checked now is the resume
+        ["resume_from=" + str(run_dir), "executor.progress=false", "executor.preimport=false"],
         tmp_path,
         {"PITA_TEST_MARKERS": str(markers)},
     )

@@ -50,3 +50,24 @@ def test_the_run_names_the_modules_of_the_tasks_still_to_run():
     ):
         plan.add(TaskSpec(id=tid, algo="x", dataset="d", family="f", round=0, stage="train", fn=fn))
     assert stage_modules(plan, done={"c"}) == "pita.algos.grpo,pita.stages.pretrain"
+
+
+def test_a_worker_s_trl_trainer_does_not_import_mlflow_for_an_integration_pita_never_uses(
+    monkeypatch,
+):
+    """pita's trackers log TRL's metrics (report_to="none"); with mlflow installed, a TRL
+    trainer's import would still import it for transformers' MLflow integration (about 1 s
+    in every DPO / GRPO worker) unless the worker's environment turns that integration off."""
+    import pytest
+
+    if importlib.util.find_spec("mlflow") is None:
+        pytest.skip("mlflow is not installed: there is nothing to leave out")
+    from transformers.integrations import is_mlflow_available
+
+    from pita.core.gpu_manager import GPUManager
+
+    monkeypatch.delenv("DISABLE_MLFLOW_INTEGRATION", raising=False)
+    assert is_mlflow_available()  # the check is live: it reads the environment each call
+    var = "DISABLE_MLFLOW_INTEGRATION"
+    monkeypatch.setenv(var, GPUManager("cpu").worker_env([0])[var])  # what a worker starts with
+    assert not is_mlflow_available()

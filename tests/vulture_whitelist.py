@@ -17,6 +17,7 @@ train_hf  # pita/algos/registry.py: "pita.algos.grpo:train_hf" (GRPO-HF)
 train_reward_model  # pita/algos/registry.py: "pita.algos.reward_model:train_reward_model"
 timed_stage  # bench/scheduler.py: executor.stage_overrides to "bench.workload:timed_stage"
 gang_stage  # bench/scaling.py and bench/growth.py: executor.stage_overrides to "bench.workload:gang_stage"
+tiny_model_stage  # bench/worker_start.py: its tasks name "bench.worker_start:tiny_model_stage"
 
 # --- called by Hydra -------------------------------------------------------------------------
 AggregateCallback  # conf/config.yaml: hydra.callbacks ... _target_

@@ -86,6 +86,11 @@ class TaskSpec:
         return d
 
     @classmethod
+    def standalone(cls, id: str, algo: str, stage: str, fn: str, **fields: Any) -> TaskSpec:
+        """A task outside any chain: no dataset, family or round (a diagnostic, a bench's)."""
+        return cls(id=id, algo=algo, dataset="-", family="-", round=0, stage=stage, fn=fn, **fields)
+
+    @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TaskSpec:
         d = dict(d)
         d["shard_range"] = tuple(d.get("shard_range", (0.0, 1.0)))

@@ -1,9 +1,10 @@
 """Per-device worker processes behind a `concurrent.futures` interface.
 
 `WorkerPool.submit(task, devices, ...)` returns a `Future[TaskOutcome]`. Workers are
-fresh Python processes (`subprocess`, not `multiprocessing` spawn, which would re-import
-the main script) started with an explicit environment that pins their devices, in their
-own process group, talking over a `multiprocessing.connection` channel: a Unix socket in
+processes with an explicit environment that pins their devices, in their own process
+group: on CUDA fresh Python processes (`subprocess`, not `multiprocessing` spawn, which
+would re-import the main script), on CPU and fake devices children of a forkserver that
+imported torch once (pita/core/forked_worker.py). They talk over a `multiprocessing.connection` channel: a Unix socket in
 a private (0700) folder, so other local users cannot even connect, and an HMAC challenge
 per connection, run on its own thread with a timeout, so a same-user client with a wrong
 key or a silent socket is dropped without blocking the next worker's connection.
@@ -48,11 +49,20 @@ from typing import Any
 
 from pita.core.errors import RECYCLE_WORKER, ExecutorBroken
 from pita.core.executor import TaskOutcome
+from pita.core.forked_worker import (
+    WORKER_MODULE,
+    WorkerProcess,
+    forks_workers,
+    kill_at_exit,
+    start_forked_worker,
+    start_forkserver,
+)
 from pita.core.paths import pythonpath_with
 from pita.core.tasks import TASK_STRATEGIES, TaskSpec
 
 log = logging.getLogger(__name__)
 
+ROOT = str(Path(__file__).resolve().parents[2])  # the checkout: a worker's cwd and PYTHONPATH
 AUTH_TIMEOUT_S = 10.0  # a connecting client must authenticate and say hello within this
 STOP_GRACE_S = 30.0  # a worker told to stop (or killed) that is still alive after this is SIGKILLed
 MAX_LOOP_ERRORS = 20  # consecutive errors after which a background thread gives up (run fails)
@@ -70,7 +80,7 @@ class _Job:
 class WorkerHandle:
     """One worker process and what the pool knows about it."""
 
-    def __init__(self, worker_id: int, devices: tuple[int, ...], proc: subprocess.Popen):
+    def __init__(self, worker_id: int, devices: tuple[int, ...], proc: WorkerProcess):
         self.worker_id = worker_id
         self.devices = devices
         self.proc = proc
@@ -115,6 +125,7 @@ class WorkerPool:
         extra_env: dict[str, str] | None = None,
         log_dir: Path | None = None,
         auth_timeout_s: float = AUTH_TIMEOUT_S,
+        fork_workers: bool | None = None,
     ):
         self.gpu = gpu_manager
         self.log_dir = Path(log_dir) if log_dir else None
@@ -136,6 +147,16 @@ class WorkerPool:
         # would block every later worker; each connection is authenticated on its own thread.
         # backlog: 8 workers connecting at once overflow the default backlog of 1.
         remove_dead_socket_dirs()  # a SIGKILLed orchestrator could not remove its own
+        # CPU and fake-device workers fork from a forkserver that imported torch once
+        # (pita/core/forked_worker.py); a worker that imports nothing up front (preimport
+        # off) or must see its GPUs from its first instruction (CUDA) starts fresh.
+        # `fork_workers` overrides the choice (bench/worker_start.py compares both).
+        if fork_workers is None:
+            fork_workers = forks_workers(getattr(gpu_manager, "kind", "cpu"), preimport)
+        self.fork_workers = fork_workers
+        if self.fork_workers:
+            start_forkserver(self._worker_env(()))
+            kill_at_exit(self.worker_pids)
         self._sock_dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
         self._listener = Listener(os.path.join(self._sock_dir, "c"), family="AF_UNIX", backlog=64)
         self._lock = threading.RLock()
@@ -305,19 +326,20 @@ class WorkerPool:
         hosts = [h for d in devices if (h := self._idle_worker((d,))) is not None]
         return next((h for h in hosts if h.state == "idle"), hosts[0] if hosts else None)
 
-    def _spawn(self, devices: tuple[int, ...]) -> WorkerHandle:
-        self._evict_idle_overlapping(devices)
+    def _worker_env(self, devices: tuple[int, ...]) -> dict[str, str]:
+        """The explicit environment of a worker on `devices` (none: the forkserver's)."""
         env = self.gpu.worker_env(list(devices))
         env.update(self._thread_env())
         env.update(self.extra_env)
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = pythonpath_with(root, env.get("PYTHONPATH"))
+        env["PYTHONPATH"] = pythonpath_with(ROOT, env.get("PYTHONPATH"))
+        return env
+
+    def _spawn(self, devices: tuple[int, ...]) -> WorkerHandle:
+        self._evict_idle_overlapping(devices)
+        env = self._worker_env(devices)
         worker_id = self._next_id
         self._next_id += 1
-        cmd = [
-            sys.executable,
-            "-m",
-            "pita.runtime.worker",
+        args = [
             "--address",
             self._listener.address,
             "--worker-id",
@@ -328,25 +350,17 @@ class WorkerPool:
             str(self.model_cache_size),
         ]
         if self.preimport:
-            cmd.append("--preimport")
-        out = None
+            args.append("--preimport")
+        log_path = None
         if self.log_dir is not None:  # a worker's own stdout/stderr (library noise, crashes)
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_dir / f"worker-{worker_id}.log", "ab")
-        proc = subprocess.Popen(
-            cmd,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=out,
-            stderr=out,
-            start_new_session=True,
-            cwd=root,
-        )
-        if out is not None:
-            out.close()  # the child holds its own descriptor
-        assert proc.stdin is not None  # stdin=PIPE
-        proc.stdin.write((self._authkey.hex() + "\n").encode())
-        proc.stdin.close()
+            log_path = self.log_dir / f"worker-{worker_id}.log"
+        proc: WorkerProcess
+        if self.fork_workers:
+            log_file = None if log_path is None else str(log_path)
+            proc = start_forked_worker(args, env, ROOT, log_file, self._authkey)
+        else:
+            proc = self._start_fresh(args, env, log_path)
         handle = WorkerHandle(worker_id, devices, proc)
         handle.env_devices = env.get("CUDA_VISIBLE_DEVICES", "")
         self._workers[worker_id] = handle
@@ -358,6 +372,27 @@ class WorkerPool:
             handle.env_devices,
         )
         return handle
+
+    def _start_fresh(
+        self, args: list[str], env: dict[str, str], log_path: Path | None
+    ) -> subprocess.Popen:
+        """A new Python process running the worker, its authkey written to its stdin."""
+        out = None if log_path is None else open(log_path, "ab")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", WORKER_MODULE, *args],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+            cwd=ROOT,
+        )
+        if out is not None:
+            out.close()  # the child holds its own descriptor
+        assert proc.stdin is not None  # stdin=PIPE
+        proc.stdin.write((self._authkey.hex() + "\n").encode())
+        proc.stdin.close()
+        return proc
 
     def _thread_env(self) -> dict[str, str]:
         """CPU threads are a budget: packed workers on a GPU host share the cores (issue 11)."""

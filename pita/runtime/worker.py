@@ -540,7 +540,9 @@ def warm_stage_imports(modules: str) -> list[str]:
     return imported
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, authkey: bytes | None = None) -> int:
+    """The worker's loop. `authkey`: the channel's key, read from stdin when not given (a
+    fresh process gets it there; a forked one as an argument: pita/core/forked_worker.py)."""
     parser = argparse.ArgumentParser(description="pita worker (started by the orchestrator)")
     parser.add_argument("--address", required=True, help="the orchestrator's Unix socket path")
     parser.add_argument("--worker-id", type=int, required=True)
@@ -551,7 +553,8 @@ def main(argv: list[str] | None = None) -> int:
 
     _die_with_parent()
     parent_pid = os.getppid()
-    authkey = bytes.fromhex(sys.stdin.readline().strip())
+    if authkey is None:
+        authkey = bytes.fromhex(sys.stdin.readline().strip())
     conn = Client(args.address, family="AF_UNIX", authkey=authkey)
     channel = Channel(conn)
     worker = Worker(channel, args.worker_id, args.heartbeat_s, args.cache_size, args.preimport)
@@ -579,13 +582,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    code = main()
-    # Like multiprocessing's own children: flush, then leave without the interpreter's
-    # teardown of torch and transformers (1.5-2 s a worker on a busy 2-core machine, and
-    # every run's shutdown waits for it). Task outputs are committed and trackers closed
-    # per task; a recycled worker (SystemExit above) still exits the ordinary way.
+def leave(code: int) -> None:
+    """Like multiprocessing's own children: flush, then leave without the interpreter's
+    teardown of torch and transformers (1.5-2 s a worker on a busy 2-core machine, and
+    every run's shutdown waits for it). Task outputs are committed and trackers closed
+    per task; a recycled worker (SystemExit above) still exits the ordinary way."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    leave(main())

@@ -61,33 +61,11 @@ from typing import Any
 import torch
 import torch.distributed as dist_mod
 
+from pita.core.forked_worker import PRELOAD  # what ranks fork warm with (CPU workers too)
+
 log = logging.getLogger(__name__)
 
 STRATEGIES = ("none", "data_parallel", "fsdp")
-# Imported once in the forkserver: every rank forked from it starts with them loaded.
-# transformers imports its model classes lazily: the families' own are named here, else
-# every rank imports them again. A module that does not import is skipped by the forkserver.
-PRELOAD = (
-    "torch",
-    "torch.distributed",
-    "torch.distributed.fsdp",
-    "torch.distributed.checkpoint.state_dict",
-    "torch.nn.parallel",
-    "omegaconf",
-    "safetensors.torch",
-    "transformers",
-    "transformers.models.llama.modeling_llama",
-    "transformers.models.gpt2.modeling_gpt2",
-    "transformers.optimization",
-    "pita.training.ddp",
-    "pita.training.loop",
-    "pita.training.checkpoint",
-    "pita.runtime.gang",
-    "pita.runtime.kit",
-    "pita.algos.value_training",
-    "pita.models.value_model",
-    "pita.stages.pretrain",
-)
 _HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
