@@ -342,8 +342,9 @@ class ExecutorConfig:
         affects="record",
     )
     preimport: bool = spec(
-        "Workers import torch as soon as they start, overlapping planning (false: on CPU and"
-        " fake devices only a stage that uses torch imports it).",
+        "Workers import torch as soon as they start, overlapping planning; on CPU and fake"
+        " devices they fork from a forkserver that imported it once (false: they start fresh"
+        " and only a stage that uses torch imports it).",
         True,
         affects="place",
     )
