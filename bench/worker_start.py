@@ -29,6 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))
 
+from pita.core.paths import pythonpath_with  # noqa: E402
+
 
 def busy_cpu_s() -> float:
     """Busy CPU seconds of the whole machine so far (user, nice, system, irq, softirq, steal)."""
@@ -95,7 +97,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as run_dir:
             print(json.dumps(one_mode(args.mode == "forked", args.workers, Path(run_dir))))
         return
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": pythonpath_with(ROOT, os.environ.get("PYTHONPATH"))}
     result: dict = {"workers": args.workers, "cores": os.cpu_count()}
     for mode in ("fresh", "forked"):
         cpu0 = busy_cpu_s()

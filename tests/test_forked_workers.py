@@ -16,9 +16,10 @@ def test_only_preimporting_workers_off_cuda_fork():
 
 
 def test_the_forkserver_preloads_the_worker_and_what_gang_ranks_fork_with():
-    """One list for both: a forked worker's gang forks its ranks from its own forkserver
-    with the same modules (pita.training.ddp.warm_forkserver)."""
+    """One list for both: a worker's gang forks its ranks from a forkserver started the
+    same way, with the same modules (pita.training.ddp.warm_forkserver)."""
+    from pita.core.forked_worker import start_forkserver
     from pita.training import ddp
 
     assert WORKER_MODULE in PRELOAD and "torch" in PRELOAD
-    assert ddp.PRELOAD is PRELOAD
+    assert ddp.start_forkserver is start_forkserver

@@ -94,10 +94,12 @@ class ForkedWorker:
         return code
 
 
-def start_forkserver(env: dict[str, str]) -> None:
-    """Start this process's forkserver (a no-op when it runs) with `PRELOAD`, in `env`: the
-    environment of a worker, its devices aside. Libraries read some variables when they are
-    imported (huggingface_hub its progress-bar switch), and they are imported there.
+def start_forkserver(env: dict[str, str] | None = None) -> None:
+    """Start this process's forkserver (a no-op when it runs) with `PRELOAD` imported: the
+    pool's forked workers and a worker's gang ranks (pita.training.ddp.warm_forkserver) fork
+    from it. `env`: the server's environment (the pool's: a worker's, its devices aside;
+    libraries read some variables when they are imported, huggingface_hub its progress-bar
+    switch, and they are imported there); None: this process's.
 
     os.environ is swapped only while the server process is spawned: call this before the
     pool's own threads start."""
@@ -105,6 +107,9 @@ def start_forkserver(env: dict[str, str]) -> None:
 
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
+    if env is None:
+        forkserver.ensure_running()
+        return
     saved = dict(os.environ)
     os.environ.clear()
     os.environ.update(env)

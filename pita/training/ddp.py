@@ -61,7 +61,7 @@ from typing import Any
 import torch
 import torch.distributed as dist_mod
 
-from pita.core.forked_worker import PRELOAD  # what ranks fork warm with (CPU workers too)
+from pita.core.forked_worker import start_forkserver  # ranks and CPU workers: one PRELOAD
 
 log = logging.getLogger(__name__)
 
@@ -301,11 +301,7 @@ def _rank_main(
 def warm_forkserver() -> None:
     """Start this process's forkserver with torch, transformers and pita's training modules
     imported (no-op when it runs already): the ranks of every later gang fork from it."""
-    from multiprocessing import forkserver
-
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([m for m in PRELOAD])
-    forkserver.ensure_running()
+    start_forkserver()
 
 
 def _drain(queue: Any, on_message: Callable[[str, int, Any], None] | None, errors: dict) -> None:
