@@ -532,6 +532,7 @@ class DagRunner:
             self.on_event("retry", task, outcome)
             pending[task.id] = task
             self._drop_lost_devices(pending)
+            self._fit_devices_left(task, self.executor.lost_nodes_line())
             return
         own = attempt - self.nodes_lost.get(task.id, 0)  # attempts that ended in its own faults
         if outcome.failure in RETRYABLE and own <= self.max_retries:
