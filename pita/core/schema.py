@@ -201,6 +201,11 @@ class ExperimentConfig:
         "Dataset group names for a multi-dataset experiment; empty = [dataset.name].", []
     )
     families: List[str] = spec("Model family group names; empty = [model.name].", [])
+    dataset_file: Optional[str] = spec(
+        "The conf/dataset file selected (dataset=<file>), recorded by pita from Hydra's choice: "
+        "the listed dataset of that file takes the dataset.* overrides.",
+        None,
+    )
     seed: int = spec("Seed of everything random in the run.", 0, ge=0, le=SEED_MAX)
 
 

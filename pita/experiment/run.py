@@ -284,6 +284,7 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
     from pita.experiment.preflight import absolutize_paths
 
     absolutized = absolutize_paths(cfg)  # workers run from the project root, not the user's folder
+    recorded = _record_hydra_dataset_file(cfg)  # kept in the saved config for a resume
     validate(cfg)
     share_with_group(bool(cfg.system.trust_group))  # every control file read
     run_dir = Path(run_dir)
@@ -311,7 +312,7 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
                 from pita.experiment.resume_fix import apply_change
 
                 apply_change(cfg, run_dir, change)
-            rewrite = bool(absolutized) or strategy_line is not None  # the saved config
+            rewrite = bool(absolutized) or recorded or strategy_line is not None  # saved config
             return _run_locked(cfg, run_dir, paths, gpu, plan, resumed, rewrite)
         except RunFileError as exc:  # the journal cannot be opened: immutable, read-only
             return run_files_failed(run_dir, exc)
@@ -319,6 +320,17 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
             if exc.errno not in RUN_FILE_ERRNOS:
                 raise
             return run_files_failed(run_dir, exc)
+
+
+def _record_hydra_dataset_file(cfg: DictConfig) -> bool:
+    """Under `@hydra.main`: record the selected dataset file (dataset_choice.py)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from pita.experiment.dataset_choice import record_dataset_file
+
+    if not HydraConfig.initialized():
+        return False
+    return record_dataset_file(cfg, HydraConfig.get().runtime.choices)
 
 
 def run_files_failed(run_dir: Path, exc: BaseException, journal: Journal | None = None) -> int:
