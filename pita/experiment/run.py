@@ -27,6 +27,7 @@ from pita.core.dag import Plan
 from pita.core.errors import ConfigError, ExecutorBroken
 from pita.core.executor import Executor
 from pita.core.gpu_manager import GPUManager
+from pita.core.host_share import HostShare
 from pita.core.journal import RUN_FILE_ERRNOS, Journal, RunFileError, read_events, run_file_error
 from pita.core.parallel_executor import DagRunner, DeviceState, Scheduler, simulate
 from pita.core.parallel_generation import ParallelDataGenerator
@@ -93,7 +94,25 @@ def make_scheduler(cfg: DictConfig, gpu: GPUManager) -> Scheduler:
     if cfg.executor.backend == "ray" and value == "auto":
         value = 1  # Ray places by whole GPUs (num_gpus=1): it would queue a second task on a slot
     cap = max_tasks_per_device(value, gpu.kind, len(gpu.devices))
-    return Scheduler(states, max_tasks_per_device=cap, simulated_memory=gpu.kind != "cuda")
+    return Scheduler(
+        states,
+        max_tasks_per_device=cap,
+        simulated_memory=gpu.kind != "cuda",
+        host=host_share(cfg, gpu, cap),
+    )
+
+
+def host_share(cfg: DictConfig, gpu: GPUManager, tasks_per_device: int) -> HostShare | None:
+    """The cores the run's tasks share when they compute on this host's CPU (`fake:` devices,
+    CPU slots), each rank with its workers' torch threads; None on GPUs (pita/core/host_share.py)."""
+    from pita.core.resources import host_cores, thread_budget
+
+    kind = compute_kind(cfg, gpu)
+    if kind == "cuda":
+        return None
+    n = len(gpu.devices)
+    threads = thread_budget(kind, n, tasks_per_device, int(cfg.system.threads_per_worker))
+    return HostShare(float(host_cores()), threads)
 
 
 def compute_kind(cfg: DictConfig, gpu: GPUManager) -> str:
@@ -489,7 +508,7 @@ def _start_session(
     (earlier runs' durations and this run's finished tasks) and the DAG runner."""
     from pita.core.monitor import Monitor
     from pita.core.progress import Progress
-    from pita.experiment.durations import done_walls
+    from pita.experiment.durations import work_walls
     from pita.experiment.estimates import PeakEstimator, peaks_cache_path
 
     run_dir = paths.root
@@ -512,7 +531,7 @@ def _start_session(
     ).start()
     durations = task_durations(cfg, gpu)
     if done:  # a resumed run's earlier sessions: this run's durations
-        for tid, wall in done_walls(read_events(paths.journal)).items():
+        for tid, wall in work_walls(read_events(paths.journal), scheduler.host).items():
             if tid in done:
                 durations.observe(plan.tasks[tid], wall)
     from pita.experiment.sizing import make_sizer, wire_eta
@@ -709,7 +728,14 @@ def _record_durations(run_dir: Path, plan: Plan, session: Session, events: list[
 
     key = session.durations.key
     try:
-        record_durations(run_dir, plan.tasks, key, events=events, one_rank=session.one_rank)
+        record_durations(
+            run_dir,
+            plan.tasks,
+            key,
+            events=events,
+            one_rank=session.one_rank,
+            share=session.runner.scheduler.host,
+        )
     except Exception as exc:
         log.debug("recording task durations failed: %s", exc, exc_info=True)
 
