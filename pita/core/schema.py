@@ -360,6 +360,14 @@ class ExecutorConfig:
     ray_address: Optional[str] = spec(
         "Ray cluster address for backend=ray (None = local Ray).", None, affects="place"
     )
+    ray_placement_timeout_s: float = spec(
+        "backend=ray: seconds Ray may take to reserve the cluster's device slots (one"
+        " placement group) before the run stops with one line saying what was asked and"
+        " what the cluster offers.",
+        120.0,
+        gt=0,
+        affects="place",
+    )
 
 
 @dataclass

@@ -54,7 +54,7 @@ def make_gpu_manager(cfg: DictConfig) -> GPUManager:
         kind, n = ray_exec.slots()
         sizes = ray_exec.gpu_memory_mb() if kind == "gpu" else []  # NVML on each node: real memory
         gpu = GPUManager(ray_devices_spec(kind, n, sizes), cpu_workers=max(1, n))
-        gpu.largest_gang = ray_exec.largest_node()  # a Ray task runs on one node
+        gpu.largest_gang = ray_exec.largest_node()  # a gang's ranks may span nodes
         return gpu
     spec = cfg.system.devices
     if cfg.system.gpu_mode == "cpu":
@@ -72,9 +72,10 @@ def make_executor(cfg: DictConfig, gpu: GPUManager, run_dir: Path) -> Executor:
     (inprocess, or system.use_parallel_execution=false), or Ray tasks."""
     if cfg.executor.backend == "ray":
         from pita.core.ray_executor import RayExecutor
+        from pita.runtime.ray_slot import SlotWorker
         from pita.runtime.worker import run_task_here
 
-        return RayExecutor(cfg.executor, run_task=run_task_here)
+        return RayExecutor(cfg.executor, run_task=run_task_here, slot_worker=SlotWorker)
     if cfg.executor.backend == "inprocess" or not cfg.system.use_parallel_execution:
         from pita.core.inprocess import InProcessExecutor
         from pita.runtime.worker import InProcessRunner
@@ -520,6 +521,8 @@ def _start_session(
         executor.extra_env[WARM_STAGES] = stage_modules(plan, done)
         if any(t.elastic for t in plan.tasks.values()):  # gangs fork ranks from warm workers
             executor.extra_env[WARM_FORKSERVER] = "1"
+    if hasattr(executor, "prepare"):  # Ray: slots reserved, warm actors, shared storage checked
+        executor.prepare(run_dir, stage_modules(plan, done))
     executor.warm_up([(d.index,) for d in gpu.devices][: len(plan.tasks) - len(done)])
     scheduler = make_scheduler(cfg, gpu)
     monitor = Monitor(
@@ -539,7 +542,7 @@ def _start_session(
     sizer = make_sizer(cfg, plan.tasks, durations, scheduler)
     progress = Progress(
         len(plan.tasks),
-        [d.label for d in gpu.devices],
+        device_labels(gpu, executor),
         len(done),
         worker_info=executor.workers,
         live=None if cfg.executor.progress else False,
@@ -568,6 +571,15 @@ def _start_session(
         cfg.executor.max_tasks_per_gpu,
     )
     return Session(journal, executor, monitor, durations, progress, runner, sizer.curves.one_rank)
+
+
+def device_labels(gpu: GPUManager, executor: Any) -> list[str]:
+    """The live table's device names; on Ray each says its node (`cpu2 @ 9bd6acfc`)."""
+    labels = [d.label for d in gpu.devices]
+    nodes_of = getattr(executor, "nodes_of", None)
+    if nodes_of is None:
+        return labels
+    return [f"{label} @ {node[:8]}" for label, node in zip(labels, nodes_of(range(len(labels))))]
 
 
 def _grower(cfg: DictConfig, sizer: Any, run_dir: Path, executor: Any) -> Any:
