@@ -249,7 +249,9 @@ def test_trl_stages_on_two_ranks_match_one_process(tmp_path, names):
         reward = name == "rm"
         artifact = "reward_model" if reward else "model"
         w_one = _weights(folder_one / artifact, reward)
-        _assert_weights_match(name, one[name]["steps"], w_one, _weights(folder_two / artifact, reward))
+        _assert_weights_match(
+            name, one[name]["steps"], w_one, _weights(folder_two / artifact, reward)
+        )
         if not reward:  # it trained: the weights moved far more than the tolerance
             assert _max_weight_gap(w_one, start) > 1e-3
     for name in {"dpo", "rpo"} & set(names):  # the results row: the same samples and reward
