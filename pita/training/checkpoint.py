@@ -540,14 +540,15 @@ class Checkpointer:
             built = {k: v for k, v in objects().items() if v is not None}
             if any(isinstance(v, ShardedState) for v in built.values()):  # every rank writes
                 self.save(n, built, step=step, extra=extra() if extra and self.writer else {})
-            elif self.writer:
+            else:  # every rank builds the state (FSDP2 gathers: a collective), rank 0 writes
                 state = {k: v.state_dict() for k, v in built.items()}
-                self.save(
-                    n,
-                    {k: _Built(v) for k, v in state.items()},
-                    step=step,
-                    extra=extra() if extra else {},
-                )
+                if self.writer:
+                    self.save(
+                        n,
+                        {k: _Built(v) for k, v in state.items()},
+                        step=step,
+                        extra=extra() if extra else {},
+                    )
         else:
             due, stop = self.due(n), self._stop_asked(n)
             if not self.writer or not (due or stop):
