@@ -591,3 +591,30 @@ def test_a_forged_shard_header_is_refused_before_torch_reads_it(tmp_path, sharde
         weights, records = _resume_on_one(run)
         _rejected(run, records, planted.name)
         assert _close(weights, sharded[0])
+
+
+def test_a_trainer_checkpoint_holding_dcp_files_is_refused_never_unpickled(tmp_path):
+    """accelerate's FSDP `SHARDED_STATE_DICT` writes DCP's `.metadata`, a pickle DCP reads
+    with `pickle.load`: pita's TRL stages save FSDP's full state instead, and a Trainer
+    checkpoint holding DCP files (planted, with a proof forged to verify) is moved aside
+    before the Trainer sees it; the pickle never runs."""
+    import pickle
+
+    from pita.training.checkpoint import last_trl_checkpoint, write_manifest
+
+    marker = tmp_path / "PWNED"
+    ckpts = tmp_path / "checkpoints"
+    planted = ckpts / "checkpoint-2"
+    (planted / "pytorch_model_fsdp_0").mkdir(parents=True)
+    (planted / "pytorch_model_fsdp_0" / ".metadata").write_bytes(pickle.dumps(_Marker(marker)))
+    (planted / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(b"\0" * 64)
+    (planted / "trainer_state.json").write_text("{}")
+    identity = {"task_id": "t", "config_sha256": "c", "inputs_sha256": "i"}
+    write_manifest(planted, COMPLETE, 2, identity)
+    records = _Records()
+    logger = logging.getLogger(f"test.hostile.{random.random()}")
+    logger.addHandler(records)
+    assert last_trl_checkpoint(ckpts, identity, 4, logger) is None
+    assert not marker.exists()
+    assert "torch.distributed.checkpoint file" in records.warnings()
+    assert (ckpts / "checkpoint-2.rejected").is_dir()

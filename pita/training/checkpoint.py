@@ -817,11 +817,18 @@ def _trl_checkpoints(folder: Path) -> list[tuple[int, Path]]:
 def _pickles_load_safely(folder: Path) -> str | None:
     """Why a torch pickle in a Trainer checkpoint would not load with `weights_only=True`
     (transformers' own allow-list for numpy RNG states), or None. Checked before the
-    Trainer sees the folder: a planted pickle is refused here, it never runs."""
+    Trainer sees the folder: a planted pickle is refused here, it never runs. DCP files
+    (accelerate's FSDP `SHARDED_STATE_DICT`: `.metadata` + `*.distcp`) are refused
+    outright: pita's TRL stages save FSDP's full state (`trl_common.fsdp_kwargs`)."""
     import torch
     from transformers.trainer_pt_utils import safe_globals
 
     for p in sorted(folder.rglob("*")):
+        if p.name == ".metadata" or p.suffix == ".distcp":  # accelerate's SHARDED_STATE_DICT
+            return (
+                f"{p.relative_to(folder)} is a torch.distributed.checkpoint file (its .metadata "
+                "is a pickle DCP reads with pickle.load), never read"
+            )
         if p.suffix in _PICKLES and p.is_file():
             try:
                 with safe_globals():
