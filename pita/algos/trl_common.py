@@ -136,7 +136,16 @@ def fsdp_kwargs(ctx: StageContext, on_cuda: bool) -> dict[str, Any]:
     """TrainingArguments' FSDP2 fields for a task the planner gave `strategy=fsdp`, on CUDA
     only (accelerate has no FSDP on CPU: the planner never gives a TRL task fsdp there).
     Each transformer block is wrapped (`_no_split_modules`), parameters resharded after
-    forward; the final model is gathered in full for `save_pretrained`."""
+    forward; the final model is gathered in full for `save_pretrained`.
+
+    Checkpoints: `FULL_STATE_DICT`, so accelerate gathers the model and optimizer on rank 0
+    and writes plain tensor pickles that pita proves load with `weights_only=True` and that
+    resume on any k (`pita.training.checkpoint.last_trl_checkpoint`). Not
+    `SHARDED_STATE_DICT`: accelerate writes it through DCP's `FileSystemWriter`, whose
+    `.metadata` is a pickle read with `pickle.load` (a Trainer checkpoint holding DCP files
+    is refused), or per-rank pickles that resume on the same k only. The price: a TRL stage
+    under FSDP checkpoints only a model whose full state fits rank 0's host memory
+    (pita's own loops shard theirs: `pita.training.shards`)."""
     if ctx.task.strategy != "fsdp" or not on_cuda:
         return {}
     return {
