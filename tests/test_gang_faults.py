@@ -1,0 +1,88 @@
+"""A rank's death or stall is the gang's fault (issue 43 item 2), planted for real on 2 gloo
+ranks on the CPU: a rank SIGKILLed (what the kernel's OOM killer does) makes the task
+`killed` and the line names that rank and its signal, not the surviving rank's "Connection
+reset by peer"; a SIGSTOPped rank is found by the stall watch (no step for the bound),
+the gang is killed and the task is `stalled`. Both classes are retried; the launcher's
+`/tmp/pita-ranks-<pid>-*` folder of a dead worker is swept like the channel folders."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+
+from pita.core.errors import RETRYABLE
+from pita.runtime.oom import classify_exception
+from pita.training.ddp import GangStalled, RankDied, StallRule, launch_ranks
+
+STEPS = 400
+
+
+def _step_until(dist, fault: str, at: int) -> int:
+    """All-reduce and report a step, `STEPS` times; rank 1 sends itself `fault` at step `at`
+    (module level: the ranks import it)."""
+    t = torch.ones(1)
+    for step in range(1, STEPS + 1):
+        torch.distributed.all_reduce(t)
+        dist.step(step, STEPS)
+        if dist.rank == 1 and step == at:
+            os.kill(os.getpid(), getattr(signal, fault))
+        time.sleep(0.01)
+    return step
+
+
+def test_a_sigkilled_rank_is_named_with_its_signal_and_classed_killed():
+    with pytest.raises(RankDied) as caught:
+        launch_ranks(_step_until, 2, args=("SIGKILL", 3), device_type="cpu", timeout_s=60)
+    line = str(caught.value)
+    assert line.startswith("rank 1 of 2 died of SIGKILL"), line
+    assert "Connection reset" not in line and "\n" not in line
+    assert classify_exception(caught.value) == "killed" and "killed" in RETRYABLE
+
+
+def test_a_stopped_rank_stalls_the_gang_which_is_killed_and_classed_stalled():
+    t0 = time.monotonic()
+    with pytest.raises(GangStalled) as caught:
+        launch_ranks(
+            _step_until,
+            2,
+            args=("SIGSTOP", 3),
+            device_type="cpu",
+            timeout_s=60,  # gloo's own bound, far beyond the stall bound
+            stall=StallRule(after_s=1.5),
+        )
+    line = str(caught.value)
+    assert line.startswith("rank 1 of 2 (pid "), line
+    # its last step report: the 3rd, or the 2nd when SIGSTOP beat the queue's feeder thread
+    assert re.search(r"stopped, after step [23]/400\) made no step for \d+ s", line), line
+    assert "(executor.gang_stall_s=1.5); the gang was killed" in line, line
+    assert time.monotonic() - t0 < 55  # the watch, not gloo's timeout, ended it
+    assert classify_exception(caught.value) == "stalled" and "stalled" in RETRYABLE
+
+
+def test_the_derived_stall_bound_follows_the_step_time_above_a_floor():
+    rule = StallRule()
+    assert rule.bound(None) == 900.0  # before a step: loading models, restoring a checkpoint
+    assert rule.bound(0.5) == 300.0  # fast steps: the floor
+    assert rule.bound(60.0) == 1200.0  # 20 x the longest gap between two steps
+    assert StallRule(after_s=7.0).bound(60.0) == 7.0  # executor.gang_stall_s wins
+
+
+def test_a_dead_workers_rank_folder_is_swept(tmp_path):
+    import subprocess
+    import sys
+
+    from pita.core.worker_pool import RANKS_DIR_PREFIX, remove_dead_socket_dirs
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = tmp_path / f"{RANKS_DIR_PREFIX}{dead.pid}-abc"
+    live = tmp_path / f"{RANKS_DIR_PREFIX}{os.getpid()}-abc"
+    for folder in (left, live):
+        (folder / "attempt_0").mkdir(parents=True)
+    assert left.name in remove_dead_socket_dirs(str(tmp_path))
+    assert not left.exists() and live.is_dir()  # a live worker's folder stays
