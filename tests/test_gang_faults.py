@@ -7,6 +7,7 @@ the gang is killed and the task is `stalled`. Both classes are retried; the laun
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -86,3 +87,38 @@ def test_a_dead_workers_rank_folder_is_swept(tmp_path):
         (folder / "attempt_0").mkdir(parents=True)
     assert left.name in remove_dead_socket_dirs(str(tmp_path))
     assert not left.exists() and live.is_dir()  # a live worker's folder stays
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fault", "failure", "line"),
+    [
+        ("SIGKILL", "killed", "RankDied: rank 1 of 2 died of SIGKILL"),
+        ("SIGSTOP", "stalled", "GangStalled: rank 1 of 2 (pid "),
+    ],
+)
+def test_a_task_whose_rank_dies_or_stalls_is_retried_from_its_checkpoint(
+    tmp_path, fault, failure, line
+):
+    """A real run: the reference's pretrain replaced by a 2-rank stage that checkpoints each
+    step; rank 1 is SIGKILLed (or SIGSTOPped: `executor.gang_stall_s=3`) at step 3. The task
+    fails once with that class and that line, is retried, resumes after its checkpoint and
+    the run finishes."""
+    from tests.conftest import STAGES, journal, only, run_cli, run_dirs, sleep_overrides
+
+    stages = [o for o in sleep_overrides(preimport=True) if ".pretrain=" not in o]
+    args = ["experiment=smoke", *only("reference"), "experiment.name=gang_fault"]
+    args += ["system.devices=fake:1", "executor.progress=false", "executor.gang_stall_s=3"]
+    args += [*stages, "+executor.stage_overrides.any.pretrain=tests.fault_stages:gang_fault_stage"]
+    assert "pretrain" in STAGES
+    proc = run_cli(args, tmp_path, env={"PITA_TEST_RANK_FAULT": fault}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [run_dir] = run_dirs(tmp_path, "gang_fault")
+    events = journal(run_dir)
+    [failed] = [e for e in events if e["event"] == "task_failed"]
+    assert failed["task"] == "pretrain.goal_walk.tiny" and failed["failure"] == failure
+    assert failed["message"].startswith(line), failed["message"]
+    assert "\n" not in failed["message"] and "Connection reset" not in failed["message"]
+    assert [e["task"] for e in events if e["event"] == "task_retry"] == [failed["task"]]
+    result = json.loads((run_dir / "tasks" / failed["task"] / "result.json").read_text())
+    assert result["resumed_after_step"] >= 2  # from its checkpoint, not from the start
