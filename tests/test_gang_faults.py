@@ -65,6 +65,31 @@ def test_a_stopped_rank_stalls_the_gang_which_is_killed_and_classed_stalled():
     assert classify_exception(caught.value) == "stalled" and "stalled" in RETRYABLE
 
 
+def _read_on_rank_one(ctx, dist) -> dict:
+    """Rank 1 alone reads a setting: what the task read includes its ranks' reads."""
+    return {"norm": ctx.training.max_grad_norm} if dist.rank == 1 else {}
+
+
+def test_a_gangs_ranks_send_back_the_keys_they_read(tmp_path):
+    """Issue 43 item 1 on a gang: a key only a rank read is in the task's recorded reads
+    (pita/runtime/gang.py forwards them), so a resume that changes it runs the task again."""
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from pita.core.schema import recording_reads
+    from pita.core.tasks import TaskSpec
+    from pita.runtime.context import StageContext
+    from pita.runtime.gang import run_stage
+
+    task = TaskSpec(id="t", algo="any", dataset="d", family="f", round=0, stage="train", fn="m:f")
+    cfg = OmegaConf.create({"training": {"max_grad_norm": 0.25}})
+    ctx = StageContext(task, cfg, tmp_path, tmp_path, logging.getLogger("t"))
+    with recording_reads() as reads:
+        run_stage(ctx, _read_on_rank_one, world_size=2)
+    assert reads["training.max_grad_norm"] == 0.25
+
+
 def test_the_derived_stall_bound_follows_the_step_time_above_a_floor():
     rule = StallRule()
     assert rule.bound(None) == 900.0  # before a step: loading models, restoring a checkpoint

@@ -290,3 +290,31 @@ def test_a_resume_with_a_fix_gives_a_fresh_runs_rows_and_so_does_an_edited_confi
     again = run_cli([f"resume_from={run_a}", "dry_run=true"], tmp_path)  # the edit is the run's
     assert "edited since" not in again.stdout + again.stderr
     assert "Resume: 0 task(s) will run" in again.stdout
+
+
+def test_stages_read_config_keys_only_where_the_reads_are_recorded():
+    """A stage's reads are recorded through its typed settings (and `ctx.algo_settings`,
+    `ctx.batch_size_safety_margin`); a raw `ctx.cfg.<key>` would escape the record, and a
+    resume that changes that key would keep a stale folder. The chain's own `model` and
+    `dataset` groups are the task's identity (compared task by task), `executor` affects no
+    result."""
+    import ast
+
+    from tests.conftest import ROOT
+
+    allowed = {"model", "dataset", "get"}
+    bad = []
+    for path in sorted((ROOT / "pita").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            inner = getattr(node, "value", None)
+            raw = (
+                isinstance(inner, ast.Attribute)
+                and inner.attr == "cfg"
+                and isinstance(inner.value, ast.Name)
+                and inner.value.id == "ctx"
+            )
+            if raw and isinstance(node, ast.Subscript):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: ctx.cfg[...]")
+            elif raw and isinstance(node, ast.Attribute) and node.attr not in allowed:
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: ctx.cfg.{node.attr}")
+    assert bad == [], bad

@@ -178,6 +178,15 @@ class StageContext:
             return self.algo_as(schema)
         return algo_settings(self.cfg, name, schema)
 
+    @property
+    def batch_size_safety_margin(self) -> float:
+        """`batch_size_safety_margin`, a key outside every group, read (and recorded, as a
+        settings field is) through here: the `auto` batch size's share of free memory."""
+        value = self.cfg.get("batch_size_safety_margin")
+        value = S.default_of("batch_size_safety_margin") if value is None else float(value)
+        S.record_read("batch_size_safety_margin", value)
+        return value
+
     def report_progress(self, done: int, total: int, unit: str = "step", detail: str = "") -> None:
         """Tell the orchestrator how far the task is (`step 412/1000 loss 0.31`): the live
         table shows it and the ETA projects the task's time left from it
