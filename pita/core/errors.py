@@ -15,6 +15,9 @@ DAG runner retries by class (docs/DESIGN.md §3):
 - ``timeout``: the task overran ``executor.task_timeout_s`` — retry on a fresh worker;
 - ``error``: a Python exception in a stage — fail the task and its dependants;
 - ``interrupted``: Ctrl-C / SIGTERM reached the task — the run stops (resumable).
+- ``node_lost``: the Ray node (or one node of the gang) it ran on died — retry on the nodes
+  left; it does not use up the task's retries, which are for its own faults
+  (pita/core/ray_executor.py).
 
 Not a failure: ``stopped`` — the task checkpointed and stopped because the orchestrator
 asked it to (`TaskPaths.stop_request`, pita/core/growth.py: it restarts on a larger gang
@@ -26,8 +29,17 @@ from __future__ import annotations
 from typing import Literal
 
 FailureClass = Literal[
-    "oom", "cuda_fault", "killed", "stalled", "timeout", "error", "interrupted", "stopped"
+    "oom",
+    "cuda_fault",
+    "killed",
+    "stalled",
+    "timeout",
+    "error",
+    "interrupted",
+    "stopped",
+    "node_lost",
 ]
+NODE_LOST = "node_lost"  # not the task's fault: retried without counting against its retries
 STOPPED = "stopped"  # the outcome of a task that stopped at a checkpoint on request
 # Classes worth another attempt (up to executor.max_retries); the rest fail the task.
 RETRYABLE: tuple[str, ...] = ("oom", "cuda_fault", "killed", "stalled", "timeout")

@@ -201,6 +201,11 @@ class ExperimentConfig:
         "Dataset group names for a multi-dataset experiment; empty = [dataset.name].", []
     )
     families: List[str] = spec("Model family group names; empty = [model.name].", [])
+    dataset_file: Optional[str] = spec(
+        "The conf/dataset file selected (dataset=<file>), recorded by pita from Hydra's choice: "
+        "the listed dataset of that file takes the dataset.* overrides.",
+        None,
+    )
     seed: int = spec("Seed of everything random in the run.", 0, ge=0, le=SEED_MAX)
 
 
@@ -364,6 +369,14 @@ class ExecutorConfig:
     )
     ray_address: Optional[str] = spec(
         "Ray cluster address for backend=ray (None = local Ray).", None, affects="place"
+    )
+    ray_placement_timeout_s: float = spec(
+        "backend=ray: seconds Ray may take to reserve the cluster's device slots (one"
+        " placement group) before the run stops with one line saying what was asked and"
+        " what the cluster offers.",
+        120.0,
+        gt=0,
+        affects="place",
     )
 
 

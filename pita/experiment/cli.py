@@ -221,6 +221,9 @@ def compose_config(
             [CONF_DIR, *([Path(config_dir).expanduser()] if config_dir else [])]
             + [Path(str(p).removeprefix("file://")) for p in cfg.hydra.get("searchpath", [])]
         )
+        from pita.experiment.dataset_choice import record_dataset_file
+
+        record_dataset_file(cfg, OmegaConf.select(cfg, "hydra.runtime.choices"))
         if "hydra" in cfg:  # as hydra.compose(return_hydra_config=False)
             from omegaconf import open_dict, read_write
 
@@ -418,9 +421,10 @@ def _exit_2_on_config_error(fn: Callable[[], T]) -> T:
 
 
 def _expanded_algos(args: Any) -> list[str]:
+    from pita.algos.registry import BUILTIN_NAMES
     from pita.experiment.config import ALGO_NAMES
 
-    return expand_algos(list(args.overrides), ALGO_NAMES)
+    return expand_algos(list(args.overrides), ALGO_NAMES, BUILTIN_NAMES)
 
 
 def _which_run(overrides: list[str], args: Any) -> tuple[str | None, bool, list[str]]:
@@ -499,12 +503,13 @@ def _lock_before_hydra(cfg: DictConfig, overrides: list[str]) -> list[str]:
 def _composed_for_help(overrides: list[str], args: Any) -> dict | None:
     """The config the command line would run (for `--help`'s defaults; without the
     overrides when they do not compose), or None."""
+    from pita.algos.registry import BUILTIN_NAMES
     from pita.experiment.config import ALGO_NAMES
 
     for attempt in (overrides, []):
         try:
             cfg = compose_config(
-                expand_algos(attempt, ALGO_NAMES), args.config_name, args.config_dir
+                expand_algos(attempt, ALGO_NAMES, BUILTIN_NAMES), args.config_name, args.config_dir
             )
             resolved = OmegaConf.to_container(cfg, resolve=True)
         except Exception:  # noqa: BLE001 - a bad command line still gets its --help

@@ -187,7 +187,10 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
         errors += resume_path_errors(cfg.resume_from, project_root)
 
     from pita.datasets import validate_dataset_cfg
+    from pita.experiment.dataset_choice import dataset_override_errors
 
+    if not any(e.startswith("dataset.") for e in errors):
+        errors += dataset_override_errors(cfg)
     if not any(e.startswith("dataset.") for e in errors):  # one line per bad key, and no
         try:  # task built from a size already refused; the task's own keys (pita/datasets)
             validate_dataset_cfg(dataset_keys(cfg.dataset))
@@ -212,17 +215,29 @@ def did_you_mean(key: str) -> str:
     keys = sorted({".".join(k.split(".")[:n]) for k in leaves for n in range(1, k.count(".") + 2)})
     parent, _, leaf = key.rpartition(".")
     siblings = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent]
-    near = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.7)
+    near = difflib.get_close_matches(leaf, [k for k in siblings if k != leaf], n=1, cutoff=0.7)
     if near:
         return f"; did you mean {parent + '.' if parent else ''}{near[0]}?"
-    near = difflib.get_close_matches(key, leaves, n=1, cutoff=0.8)
+    near = difflib.get_close_matches(key, [k for k in leaves if k != key], n=1, cutoff=0.8)
     return f"; did you mean {near[0]}?" if near else ""
 
 
 def with_hint(line: str) -> str:
-    """An `<key>: unknown key ...` line with its "did you mean" added."""
+    """An `<key>: unknown key ...` line with its "did you mean" added; for a key of an
+    installed algorithm that this config does not hold (a plugin's, which only an experiment
+    adds: a key of its schema that Hydra cannot override), how to add it instead."""
     key, sep, rest = line.partition(": ")
-    return f"{line}{did_you_mean(key)}" if sep and rest == UNKNOWN_KEY else line
+    if not (sep and rest == UNKNOWN_KEY):
+        return line
+    parts = key.split(".")
+    row = ALGORITHMS.get(parts[1]) if len(parts) > 2 and parts[0] == "algos" else None
+    if row is not None and parts[2] in {f.name for f in dataclasses.fields(row.schema)}:
+        return (
+            f"{key}: algorithm {parts[1]} is installed but not in this config; add it to your "
+            f"experiment's defaults (`- /algo@algos.{parts[1]}: <its conf/algo file>`, "
+            f"docs/extending.md)"
+        )
+    return f"{line}{did_you_mean(key)}"
 
 
 def stage_override_errors(overrides: dict) -> list[str]:
@@ -249,7 +264,11 @@ def algo_errors(algos: dict) -> list[str]:
     errors = []
     for name, algo in algos.items():
         if name not in ALGORITHMS:
-            errors.append(f"algos.{name}: unknown algorithm; allowed: {', '.join(ALGO_NAMES)}")
+            from pita.core.plugins import failure_hint
+
+            errors.append(
+                f"algos.{name}: unknown algorithm; allowed: {', '.join(ALGO_NAMES)}{failure_hint()}"
+            )
             continue
         enabled = bool(algo.get("enabled"))
         errors += [

@@ -60,6 +60,7 @@ PLAN_PREFIXES = (
     "dataset.",
     "model.",
     "experiment.datasets",
+    "experiment.dataset_file",
     "experiment.families",
     "rounds_of_training",
 )

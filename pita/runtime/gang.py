@@ -155,9 +155,14 @@ def run_stage(
     from omegaconf import OmegaConf
 
     from pita.core.schema import record_read
+    from pita.runtime import ray_slot
     from pita.training.ddp import DataParallelError, launch_ranks
 
+    # a Ray gang (pita/runtime/ray_slot.py): its ranks are slot actors, one device each
+    launch = ray_slot.launcher() or launch_ranks
     world = gang_world_size(ctx) if world_size is None else world_size
+    if launch is not launch_ranks:
+        world = ray_slot.gang_size()
     if world <= 1:
         return body(ctx, None, *args)
     strategy = parallel_strategy(ctx)
@@ -185,7 +190,7 @@ def run_stage(
                 record_read(key, value)
 
     try:
-        result = launch_ranks(
+        result = launch(
             _stage_rank,
             world,
             args=(body, snapshot, tuple(args)),

@@ -168,6 +168,7 @@ def execute_task(
         fn = resolve_function(task.fn)
         reset_peak_memory()
         cfg, settings = _stage_config(cfg_dict, task)
+        seed_task_globals(cfg_dict, task)
         ctx = StageContext(
             task=task,
             cfg=cfg,
@@ -232,6 +233,18 @@ def execute_task(
             return False, "error", run_file, {}
         message = f"{type(exc).__name__}: {exc}".strip().splitlines()
         return False, failure, (message[0][:500] if message else ""), {}
+
+
+def seed_task_globals(cfg_dict: dict, task) -> int:
+    """Seed the global generators (Python, numpy, torch) for this task: a function of the
+    run seed and the task id, so a task draws the same stream on any worker, on a retry and
+    in-process, and two tasks draw different ones (a forked worker would otherwise continue
+    its forkserver's stream, the same in every worker). Returns the seed."""
+    from pita.core.forked_worker import reseed_globals
+    from pita.models.seeds import example_seed
+
+    run_seed = int((cfg_dict.get("experiment") or {}).get("seed") or 0)
+    return reseed_globals(example_seed(run_seed, "global-generators", task.id))
 
 
 _CONFIG_CACHE: dict = {
