@@ -273,7 +273,7 @@ def _train_value_rank(ctx: StageContext, dist: Any, items: Sequence[tuple]) -> d
         family=ctx.cfg.model,
         previous=ctx.input("previous") if ctx.has_input("previous") else None,
         batch_scale=ctx.task.batch_scale,
-        safety_margin=float(ctx.cfg.batch_size_safety_margin),
+        safety_margin=ctx.batch_size_safety_margin,
         probe_key={"stage": ctx.task.stage, "algo": ctx.task.algo},
         logger=ctx.logger,
     )

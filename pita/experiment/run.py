@@ -417,8 +417,13 @@ def _run_locked(
     _write_run_files(cfg, paths, gpu, plan, resumed, rewrite_config)
     done = completed_tasks(plan, run_dir) if resumed else set()
     journal = Journal(paths.journal)
-    journal.append(
-        "run_resumed" if resumed else "run_started", tasks=len(plan.tasks), already_done=len(done)
+    from pita.experiment.resume_fix import config_sha256
+
+    journal.append(  # the saved config's hash: a resume names a file edited since
+        "run_resumed" if resumed else "run_started",
+        tasks=len(plan.tasks),
+        already_done=len(done),
+        config_sha256=config_sha256(run_dir),
     )
     _log_start(cfg, run_dir, gpu, plan, done, resumed)
     session = _start_session(cfg, paths, gpu, plan, done, journal)
