@@ -217,6 +217,7 @@ def compose_config(
         except Exception:  # an interpolation error: validate() reports it, with its file
             run_dir = ""
         LAST_COMPOSE["run_dir"] = str(run_dir or "")
+        _refuse_hydra_secrets(cfg)
         set_search_dirs(  # where an interpolation error's file is looked for
             [CONF_DIR, *([Path(config_dir).expanduser()] if config_dir else [])]
             + [Path(str(p).removeprefix("file://")) for p in cfg.hydra.get("searchpath", [])]
@@ -230,10 +231,32 @@ def compose_config(
             with read_write(cfg), open_dict(cfg):
                 del cfg["hydra"]
         return cfg
+    except ConfigError:
+        raise
     except Exception as exc:
         raise ConfigError(format_compose_error(exc, overrides)) from None
     finally:
         GlobalHydra.instance().clear()
+
+
+def _refuse_hydra_secrets(cfg: DictConfig) -> None:
+    """Hydra's own settings from config files, and the run folder they resolve to, hold no
+    secret: Hydra writes them into `.hydra/` (ConfigError). `hydra.runtime` is Hydra's record
+    of this process (its folder, the command line's config folders): checked as the run
+    folder's path and the command line."""
+    from pita.experiment.config import hydra_secret_errors, path_secret_error
+
+    settings = OmegaConf.to_container(cfg.hydra, resolve=False)
+    assert isinstance(settings, dict)  # Hydra's node is a mapping
+    settings.pop("runtime", None)
+    errors = hydra_secret_errors(settings)
+    try:
+        folder = OmegaConf.select(cfg, "hydra.run.dir", default="")
+    except Exception:  # an interpolation error: validate() reports it, with its file
+        folder = ""
+    line = path_secret_error(folder) if folder else None
+    if line or errors:
+        raise ConfigError([*errors, *([line] if line else [])])
 
 
 def load_saved_config(path: Path) -> Any:
@@ -334,6 +357,12 @@ def preflight(
 
     absolutize_paths(cfg)
     validate(cfg, project_root=PROJECT_ROOT)
+    from pita.experiment.config import path_secret_error
+
+    folder = run_dir or LAST_COMPOSE.get("run_dir") or planned_run_dir(cfg, overrides or [])
+    secret = path_secret_error(folder)  # written into run_info.json, run.log, the caches
+    if secret:
+        raise ConfigError(secret)
     from pita.experiment.preflight import check_launcher  # SLURM without sbatch: exit 2 now
 
     check_launcher(remote_launcher(), overrides)
@@ -388,6 +417,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.help:
         _print_help(args)
         sys.exit(0)
+    _exit_2_on_config_error(lambda: _refuse_secrets(argv))
     overrides = _exit_2_on_config_error(lambda: _expanded_algos(args))
     info_only = bool(args.hydra_help or args.cfg or args.info or args.shell_completion)
     cfg: DictConfig | None = None  # Hydra's --info / --cfg / completion need no run config
@@ -418,6 +448,16 @@ def _exit_2_on_config_error(fn: Callable[[], T]) -> T:
     except ConfigError as exc:
         _print_config_error(exc)
         sys.exit(2)
+
+
+def _refuse_secrets(argv: list[str]) -> None:
+    """No argument holds a secret (pita/experiment/config.py): before anything composes,
+    prints or writes the command line."""
+    from pita.experiment.config import command_line_secret_errors
+
+    errors = command_line_secret_errors(argv)
+    if errors:
+        raise ConfigError(errors)
 
 
 def _expanded_algos(args: Any) -> list[str]:

@@ -306,6 +306,11 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
     absolutized = absolutize_paths(cfg)  # workers run from the project root, not the user's folder
     recorded = _record_hydra_dataset_file(cfg)  # kept in the saved config for a resume
     validate(cfg)
+    from pita.experiment.config import path_secret_error
+
+    secret = path_secret_error(run_dir)  # as the command line's check: a job of a launcher too
+    if secret:
+        raise ConfigError(secret)
     share_with_group(bool(cfg.system.trust_group))  # every control file read
     run_dir = Path(run_dir)
     paths = RunPaths(run_dir)
