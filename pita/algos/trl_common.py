@@ -202,6 +202,31 @@ def save_model(model: Any, tokenizer: Any, folder: Path, state_dict: Any = None)
 # --- batch sizes and precision ------------------------------------------------------------
 
 
+def whole_batches(trainer_cls: type, global_batch: int) -> type:
+    """`trainer_cls` whose training sampler draws whole global batches each epoch, so no k
+    ever trains on a partial last batch. Without it one process's last batch of an epoch
+    holds the N mod B pairs left while k ranks' holds B (accelerate fills it up on every rank
+    by wrapping around to the epoch's first examples): with 60 pairs and a batch of 8, one
+    and two ranks end 9 % of an update apart. Here each epoch is a fresh seeded permutation
+    (accelerate's `SeedableRandomSampler` keeps `num_samples`) cut to the largest multiple
+    of B (the last N mod B examples of that epoch's order are left out, other ones each
+    epoch), or, with fewer than B examples, cycled up to one batch; the same on any k
+    (tests/test_trl_gang.py::test_trl_stages_on_two_ranks_match_one_process)."""
+    from torch.utils.data import RandomSampler
+
+    class WholeBatches(trainer_cls):  # type: ignore[misc, valid-type]
+        def _get_train_sampler(self, train_dataset=None):
+            sampler = super()._get_train_sampler(train_dataset)
+            if type(sampler) is not RandomSampler or sampler.replacement:
+                return sampler  # a strategy set through algos.<NAME>.trl: as TRL does it
+            n = len(sampler.data_source)
+            keep = max(global_batch, n - n % global_batch)
+            return sampler if keep == n else RandomSampler(sampler.data_source, num_samples=keep)
+
+    WholeBatches.__name__ = WholeBatches.__qualname__ = trainer_cls.__name__
+    return WholeBatches
+
+
 def effective_batch(ctx: StageContext, fallback: int = 64) -> int:
     """`algos.<NAME>.batch_size` (the effective batch); `auto` -> `fallback` (the micro-batch,
     not the effective batch, is what memory limits)."""
