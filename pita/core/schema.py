@@ -284,7 +284,7 @@ class ExecutorConfig:
     gang_stall_s: Optional[float] = spec(
         "A k-rank task (a gang) one of whose ranks makes no training step for this long is "
         "killed and retried as `stalled` (seconds). None: 20 x the longest gap between two "
-        "of its steps so far, at least 300 s; 900 s before its first step.",
+        "of its steps so far, at least 300 s, once it has stepped twice.",
         None,
         gt=0,
         note="seconds",

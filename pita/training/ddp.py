@@ -104,20 +104,22 @@ STEP_FACTOR = 20.0  # a derived stall bound: this many times the longest gap bet
 @dataclass(frozen=True)
 class StallRule:
     """When a gang counts as stalled: a rank reported no step for `after_s` seconds when set
-    (`executor.gang_stall_s`), else for STEP_FACTOR x the longest gap between two of the
-    gang's steps seen so far, at least `floor_s`; before the first step, `first_step_s`
-    (loading models and restoring a checkpoint take longer than a step). The clock starts
-    once every rank has joined the process group: start-up is the rendezvous timeout's."""
+    (`executor.gang_stall_s`, from the moment every rank joined the process group), else for
+    STEP_FACTOR x the longest gap between two of the gang's steps seen so far, at least
+    `floor_s` — derived only once the gang has stepped: a stage that reports no steps, or
+    is still loading its models, is bounded by `executor.task_timeout_s` and the collectives'
+    timeout, never killed for a step time nobody measured. A rank whose last report was its
+    loop's last step (saving the model follows) is not expected to step again."""
 
     after_s: float | None = None
     floor_s: float = 300.0
-    first_step_s: float = 900.0
 
-    def bound(self, longest_gap_s: float | None) -> float:
+    def bound(self, longest_gap_s: float | None) -> float | None:
+        """Seconds without a step that count as a stall; None: not judged yet."""
         if self.after_s is not None:
             return self.after_s
         if longest_gap_s is None:
-            return max(self.floor_s, self.first_step_s)
+            return None
         return max(self.floor_s, STEP_FACTOR * longest_gap_s)
 
 
@@ -400,8 +402,8 @@ class _GangWatch:
     def step(self, rank: int, done: int, total: int) -> None:
         now = time.monotonic()
         prev = self.last.get(rank)
-        if prev is not None and done <= prev[1]:
-            return  # no progress: the clock keeps running
+        if prev is not None and (done, total) == prev[1:]:
+            return  # no progress: the clock keeps running (a new phase's step 1 is progress)
         if prev is not None:
             self.longest_gap = max(self.longest_gap or 0.0, now - prev[0])
         self.last[rank] = (now, done, total)
@@ -409,14 +411,23 @@ class _GangWatch:
     def stop(self) -> None:
         self._stop.set()
 
-    def _quietest(self, now: float) -> tuple[int, float]:
-        """(the rank to blame, seconds since its last step): a stopped rank first."""
+    def _stepping(self, rank: int) -> bool:
+        """Whether `rank` is still expected to step: not finished, and its last step report
+        is not its loop's last (saving a model after it is no step, and may take long)."""
+        last = self.last.get(rank)
+        return rank not in self.done and (last is None or last[1] < last[2])
+
+    def _quietest(self, now: float) -> tuple[int, float] | None:
+        """(the rank to blame, seconds since its last step): a stopped rank first; None
+        when no rank is expected to step."""
         assert self.since is not None
         quiet = {
             r: now - (self.last[r][0] if r in self.last else self.since)
             for r in range(self.world)
-            if r not in self.done
+            if self._stepping(r)
         }
+        if not quiet:
+            return None
         stopped = [r for r in quiet if _proc_state(self.pids.get(r, 0)) in ("T", "t")]
         rank = stopped[0] if stopped else max(quiet, key=lambda r: quiet[r])
         return rank, max(quiet.values())
@@ -424,11 +435,12 @@ class _GangWatch:
     def _run(self) -> None:
         assert self.rule is not None
         while not self._stop.wait(WATCH_EVERY_S):
-            if len(self.done) == self.world:
-                return
-            rank, quiet = self._quietest(time.monotonic())
+            found = self._quietest(time.monotonic())
+            if found is None:
+                continue
+            rank, quiet = found
             bound = self.rule.bound(self.longest_gap)
-            if quiet > bound:
+            if bound is not None and quiet > bound:
                 self.stalled = self._line(rank, quiet, bound)
                 for pid in self.pids.values():  # a stopped process dies of SIGKILL too
                     with contextlib.suppress(ProcessLookupError):
