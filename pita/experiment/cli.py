@@ -222,6 +222,9 @@ def compose_config(
             [CONF_DIR, *([Path(config_dir).expanduser()] if config_dir else [])]
             + [Path(str(p).removeprefix("file://")) for p in cfg.hydra.get("searchpath", [])]
         )
+        from pita.experiment.dataset_choice import record_dataset_file
+
+        record_dataset_file(cfg, OmegaConf.select(cfg, "hydra.runtime.choices"))
         if "hydra" in cfg:  # as hydra.compose(return_hydra_config=False)
             from omegaconf import open_dict, read_write
 

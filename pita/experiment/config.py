@@ -255,7 +255,10 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
         errors += resume_path_errors(cfg.resume_from, project_root)
 
     from pita.datasets import validate_dataset_cfg
+    from pita.experiment.dataset_choice import dataset_override_errors
 
+    if not any(e.startswith("dataset.") for e in errors):
+        errors += dataset_override_errors(cfg)
     if not any(e.startswith("dataset.") for e in errors):  # one line per bad key, and no
         try:  # task built from a size already refused; the task's own keys (pita/datasets)
             validate_dataset_cfg(dataset_keys(cfg.dataset))

@@ -143,6 +143,7 @@ def execute_task(
 
     from pita.core.journal import run_folder_problem
     from pita.core.paths import Artifact, TaskPaths, atomic_write_json, nan_numbers
+    from pita.core.schema import recording_reads
     from pita.runtime.context import StageContext, resolve_function
 
     paths = TaskPaths(run_dir, task.id)
@@ -180,7 +181,8 @@ def execute_task(
             heartbeat=heartbeat,
             chain_merged=True,
         )
-        result = fn(ctx) or {}
+        with recording_reads() as reads:  # the config keys this task computed with
+            result = fn(ctx) or {}
         wall = round(time.time() - t0, 3)
         result = {"task_id": task.id, "wall_s": wall, "attempt": attempt, **result}
         bad = nan_numbers(result)
@@ -192,7 +194,7 @@ def execute_task(
         atomic_write_json(tmp / Artifact.RESULT, result)
         logger.info("done in %.2fs", wall)
         _close(logger)
-        paths.commit(tmp, required=task.outputs)
+        paths.commit(tmp, required=task.outputs, reads=reads)
         shutil.rmtree(
             paths.checkpoints, ignore_errors=True
         )  # in-task checkpoints: no longer needed
