@@ -357,12 +357,18 @@ def preflight(
 
     absolutize_paths(cfg)
     validate(cfg, project_root=PROJECT_ROOT)
+    from pita.core.paths import path_length_errors
     from pita.experiment.config import path_secret_error
 
-    folder = run_dir or LAST_COMPOSE.get("run_dir") or planned_run_dir(cfg, overrides or [])
+    typed = any(o.startswith("hydra.run.dir=") for o in overrides or [])
+    folder = run_dir or (
+        planned_run_dir(cfg, overrides or [])  # compose leaves Hydra's keys out: the typed one
+        if typed
+        else LAST_COMPOSE.get("run_dir") or planned_run_dir(cfg, [])
+    )
     secret = path_secret_error(folder)  # written into run_info.json, run.log, the caches
-    if secret:
-        raise ConfigError(secret)
+    if secret or path_length_errors(folder):
+        raise ConfigError([secret] if secret else path_length_errors(folder))
     from pita.experiment.preflight import check_launcher  # SLURM without sbatch: exit 2 now
 
     check_launcher(remote_launcher(), overrides)
@@ -370,7 +376,9 @@ def preflight(
         return
     gpu = make_gpu_manager(cfg)
     if run_dir is None:
-        build_plan(cfg, gpu)
+        too_long = path_length_errors(folder, build_plan(cfg, gpu).tasks)
+        if too_long:
+            raise ConfigError(too_long)
     else:
         from pita.core.dag import Plan
 
@@ -450,12 +458,21 @@ def _exit_2_on_config_error(fn: Callable[[], T]) -> T:
         sys.exit(2)
 
 
+FOLDER_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "resume_from")  # run folders, as typed
+
+
 def _refuse_secrets(argv: list[str]) -> None:
-    """No argument holds a secret (pita/experiment/config.py): before anything composes,
-    prints or writes the command line."""
+    """No argument holds a secret (pita/experiment/config.py), before anything composes,
+    prints or writes the command line; no run folder typed is too long a name or path for
+    its file system (pita/core/paths.py), before anything stats it (ENAMETOOLONG)."""
+    from pita.core.paths import path_length_errors
     from pita.experiment.config import command_line_secret_errors
 
     errors = command_line_secret_errors(argv)
+    for arg in argv if not errors else []:
+        key, sep, value = arg.partition("=")
+        if sep and key.lstrip("+") in FOLDER_KEYS and value not in ("", "auto", "null"):
+            errors += path_length_errors(value.strip("'\""))
     if errors:
         raise ConfigError(errors)
 

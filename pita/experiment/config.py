@@ -52,7 +52,10 @@ from pita.core.schema import (  # noqa: F401 (the dataclasses' old home re-expor
     leaf_fields,
     schema_errors,
 )
+from pita.core.yaml_bound import install as _bound_yaml_aliases
 from pita.experiment.trl_options import open_trl_dict, trl_option_errors
+
+_bound_yaml_aliases()  # every YAML read through OmegaConf from here on: pita/core/yaml_bound.py
 
 
 def dataset_keys(dataset_cfg: Any) -> dict[str, Any]:

@@ -324,6 +324,11 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
         plan = change.plan
     if resumed:
         check_plan_fits(plan, gpu, cfg)
+    from pita.core.paths import path_length_errors
+
+    too_long = path_length_errors(run_dir, plan.tasks)  # ENAMETOOLONG mid-run otherwise
+    if too_long:
+        raise ConfigError(too_long)
     if cfg.dry_run:
         warn_stage_overrides(cfg, plan)
         print_dry_run(plan, cfg, gpu)
