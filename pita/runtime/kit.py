@@ -41,12 +41,11 @@ def checkpoint_plan(ctx: StageContext) -> CheckpointPlan:
     """How this task checkpoints, as values (see `CheckpointPlan`): its folder
     (`TaskPaths.checkpoints`), `training.checkpoint_every` / `checkpoint_every_minutes`, its
     `checkpoint_identity`, `system.trust_group`, and the state by parameter name when the
-    task runs under a gang strategy (`pita.runtime.gang.parallel_strategy`)."""
+    task runs under a gang strategy (its `Gang`, whatever its world)."""
     from pita.core.paths import TaskPaths
-    from pita.runtime.gang import GANG_STRATEGIES, parallel_strategy
     from pita.training.checkpoint import CheckpointPlan
 
-    by_name = parallel_strategy(ctx) in GANG_STRATEGIES
+    by_name = ctx.task.gang.ranked
     return CheckpointPlan(
         TaskPaths(ctx.run_dir, ctx.task.id).checkpoints,
         ctx.training.checkpoint_every,
