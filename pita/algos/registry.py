@@ -296,23 +296,34 @@ PLUGIN_ALGORITHMS = "pita_algorithms"
 
 
 def _plugins() -> None:
+    """Add the rows of every `pita_algorithms` entry point; one that fails to import, or
+    gives something else than Algorithm rows with new names, is one WARNING and skipped
+    (pita/core/plugins.py): an installed package never breaks pita's other commands."""
     from importlib.metadata import entry_points
 
+    from pita.core import plugins
     from pita.core.schema import ALGO_SCHEMAS
 
     for ep in entry_points(group=PLUGIN_ALGORITHMS):
-        rows = ep.load()
-        for row in rows if isinstance(rows, (list, tuple)) else [rows]:
-            if not isinstance(row, Algorithm) or row.name in ALGORITHMS or row.name == ANY:
-                raise ValueError(
-                    f"entry point {ep.name} = {ep.value} ({PLUGIN_ALGORITHMS}): must give "
-                    f"Algorithm rows with new names (taken: {', '.join(ALGORITHMS)})"
-                )
+        rows = plugins.load(PLUGIN_ALGORITHMS, ep)
+        rows = [] if rows is None else rows if isinstance(rows, (list, tuple)) else [rows]
+        bad = [
+            r for r in rows if not isinstance(r, Algorithm) or r.name in ALGORITHMS or r.name == ANY
+        ]
+        if bad:
+            plugins.skip(
+                PLUGIN_ALGORITHMS,
+                ep,
+                f"must give Algorithm rows with new names (taken: {', '.join(ALGORITHMS)})",
+            )
+            continue
+        for row in rows:
             ALGORITHMS[row.name] = row
             if row.schema not in ALGO_SCHEMAS.values():  # conf/algo yaml: defaults [<name>]
                 ALGO_SCHEMAS[f"{row.name}_schema"] = row.schema
 
 
+BUILTIN_NAMES: tuple[str, ...] = tuple(ALGORITHMS)  # pita's own: conf/config.yaml has each
 _plugins()
 ALGO_NAMES: tuple[str, ...] = tuple(ALGORITHMS)
 GUIDED: tuple[str, ...] = tuple(name for name, a in ALGORITHMS.items() if a.guided)

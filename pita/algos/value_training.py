@@ -274,7 +274,7 @@ def _train_value_rank(ctx: StageContext, dist: Any, items: Sequence[tuple]) -> d
         family=ctx.cfg.model,
         previous=ctx.input("previous") if ctx.has_input("previous") else None,
         batch_scale=ctx.task.batch_scale,
-        safety_margin=float(ctx.cfg.batch_size_safety_margin),
+        safety_margin=ctx.batch_size_safety_margin,
         probe_key={"stage": ctx.task.stage, "algo": ctx.task.algo},
         logger=ctx.logger,
     )
@@ -704,12 +704,20 @@ def finish(run: ValueRun, out_dir: Path, t0: float) -> dict:
     result (the last window's means: its rows survive a resume, they are in the checkpoint)."""
     from pita.training.ddp import full_state_dict
     from pita.training.report import write_training_report
+    from pita.training.shards import save_consolidated, sharded_model
 
     _, mean_loss, mean_acc = _recent_means(run)
-    state = full_state_dict(run.model, run.dist)  # every rank takes part (FSDP2 gathers)
-    if run.dist is not None and not run.dist.is_main:
-        return {}  # rank 0 writes the model, the report and the result
-    run.model.eval().save(out_dir / Artifact.VALUE_MODEL, state=state)
+    folder = out_dir / Artifact.VALUE_MODEL
+    if sharded_model(run.dist):  # FSDP2: each rank writes its shards, merged file by file
+        save_consolidated(run.model, folder, run.dist.rank)
+        if not run.dist.is_main:
+            return {}
+        run.model.eval().save_config(folder)
+    else:
+        state = full_state_dict(run.model, run.dist)  # every rank takes part (FSDP2 gathers)
+        if run.dist is not None and not run.dist.is_main:
+            return {}  # rank 0 writes the model, the report and the result
+        run.model.eval().save(folder, state=state)
     perf = write_training_report(
         out_dir,
         run.trainer,

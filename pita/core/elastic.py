@@ -203,9 +203,10 @@ class Sizer:
     """Chooses the ranks of elastic tasks by simulating the rest of the plan (see module doc).
 
     `one_rank_s(task)` -> the task's expected seconds on one rank (the ETA's `TaskDurations`
-    estimate, converted by `SpeedupCurves.one_rank`); `simulate(tasks, seconds, first)` -> a
-    dict of predicted start times and the makespan of `tasks` (pita/core/parallel_executor.py
-    `simulate_window`), with the ids in `first` placed before the others.
+    estimate, converted by `SpeedupCurves.one_rank`); `simulate(tasks, seconds, first,
+    resize, ends=)` -> a dict of predicted start times and the makespan of `tasks`
+    (pita/core/parallel_executor.py `simulate_window`), with the ids in `first` placed
+    before the others and each task's predicted end written into `ends`.
     """
 
     def __init__(
@@ -350,10 +351,11 @@ class Sizer:
             trial = {**base, task.id: resized(task, k)}
             secs = {tid: seconds[tid] for tid in window if tid != task.id}
             secs[task.id] = self.seconds(task, k)
-            start_at, _ = self.simulate(trial, secs, first, later)
-            predicted[k] = max(start_at[tid] + secs[tid] + tail[tid] for tid in start_at)
+            end_at: dict[str, float] = {}
+            start_at, _ = self.simulate(trial, secs, first, later, ends=end_at)
+            predicted[k] = max(end_at[tid] + tail[tid] for tid in start_at)
             starts[k] = start_at.get(task.id, 0.0)
-            own[k] = starts[k] + secs[task.id] + tail[task.id]
+            own[k] = end_at.get(task.id, starts[k]) + tail[task.id]
         # the earliest predicted end; within `margin` of it (a smaller difference is within
         # the estimates' error) the k whose own chain ends first: when another chain sets
         # the end, a shorter chain here is time the later decisions can give that one

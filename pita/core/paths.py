@@ -243,13 +243,16 @@ class TaskPaths:
     def manifest(self) -> Path:
         return self.final / MANIFEST
 
-    def commit(self, tmp_dir: Path, required: Iterable[str] = ()) -> None:
+    def commit(
+        self, tmp_dir: Path, required: Iterable[str] = (), reads: dict[str, Any] | None = None
+    ) -> None:
         """Write the manifest into `tmp_dir`, then rename it to the final folder.
 
         Raises ValueError (the task fails, nothing is committed) when a required output is
         missing. The manifest is written last, so a folder with a valid manifest is
         complete; a leftover final folder (from an attempt that died after committing) is
-        replaced.
+        replaced. `reads`: the config keys the stage read, with their values
+        (`schema.recording_reads`), recorded as the manifest's `reads` for resume.
         """
         follow_umask(tmp_dir)
         files = {
@@ -262,7 +265,12 @@ class TaskPaths:
             raise ValueError(f"stage did not write its declared output(s): {', '.join(missing)}")
         atomic_write_json(
             tmp_dir / MANIFEST,
-            {"task_id": self.task_id, "version": MANIFEST_VERSION, "files": files},
+            {
+                "task_id": self.task_id,
+                "version": MANIFEST_VERSION,
+                "files": files,
+                **({} if reads is None else {"reads": dict(sorted(reads.items()))}),
+            },
         )
         if self.final.exists():
             shutil.rmtree(self.final)

@@ -41,12 +41,14 @@ def _container(cfg: Any) -> dict[str, Any]:
 
 def _group_cfg(cfg: DictConfig, group: str, name: str) -> dict[str, Any]:
     """The config of a dataset/model group by name: the selected one carries the command
-    line's overrides; any other listed one is composed from its file over the schema."""
+    line's overrides (a dataset by its file, pita/experiment/dataset_choice.py); any other
+    listed one is composed from its file over the schema."""
     from pita.experiment.config import DatasetConfig, ModelConfig, dataset_keys
+    from pita.experiment.dataset_choice import is_selected
 
     selected = cfg[group]
     clean: Callable[[Any], dict[str, Any]] = dataset_keys if group == "dataset" else _container
-    if selected.name == name:
+    if is_selected(cfg, name) if group == "dataset" else selected.name == name:
         return clean(selected)
     path = CONF_DIR / group / f"{name}.yaml"
     if not path.is_file():

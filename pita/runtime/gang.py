@@ -33,6 +33,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from pita.core.parallel import Gang, Strategy
 from pita.runtime.context import ModelCache, StageContext
 
@@ -110,13 +112,30 @@ def _stage_rank(dist: Any, body: Callable[..., Any], snapshot: dict[str, Any], a
         device=dist.device,
         models=ModelCache(1),
         heartbeat=heartbeat,
+        on_step=dist.step,  # every rank: the gang's stall watch (pita.training.ddp.StallRule)
     )
     from pita.core.errors import StoppedAtCheckpoint
+    from pita.core.schema import recording_reads
 
     try:
-        return body(ctx, dist, *args)
+        with recording_reads() as reads:  # sent to the worker: the task's manifest lists them
+            result = body(ctx, dist, *args)
+        dist.send("reads", reads)
+        return result
     except StoppedAtCheckpoint as stop:  # every rank stops at the same step: not a failure
         return {_STOPPED: stop.step}
+
+
+def stall_rule(ctx: StageContext) -> Any:
+    """The gang's `StallRule`: `executor.gang_stall_s` when set, else derived from its own
+    step times (pita.training.ddp.StallRule)."""
+    from pita.core.schema import ExecutorConfig, settings
+    from pita.training.ddp import StallRule
+
+    executor = ctx.cfg.get("executor")
+    plain = OmegaConf.to_container(executor, resolve=True) if executor is not None else {}
+    assert isinstance(plain, dict), "executor is a mapping"
+    return StallRule(after_s=settings(ExecutorConfig, plain).gang_stall_s)
 
 
 def run_stage(
@@ -133,9 +152,15 @@ def run_stage(
     import torch
     from omegaconf import OmegaConf
 
+    from pita.core.schema import record_read
+    from pita.runtime import ray_slot
     from pita.training.ddp import DataParallelError, launch_ranks
 
+    # a Ray gang (pita/runtime/ray_slot.py): its ranks are slot actors, one device each
+    launch = ray_slot.launcher() or launch_ranks
     world = gang_world_size(ctx) if world_size is None else world_size
+    if launch is not launch_ranks:
+        world = ray_slot.gang_size()
     if world <= 1:
         return body(ctx, None, *args)
     planned = ctx.task.gang
@@ -157,14 +182,18 @@ def run_stage(
             ctx.logger.log(level, message)
         elif kind == "heartbeat":
             ctx.heartbeat(payload)
+        elif kind == "reads":  # the keys a rank read: the task read them
+            for key, value in payload.items():
+                record_read(key, value)
 
     try:
-        result = launch_ranks(
+        result = launch(
             _stage_rank,
             world,
             args=(body, snapshot, tuple(args)),
             device_type=torch.device(ctx.device).type,
             on_message=on_message,
+            stall=stall_rule(ctx),
         )[0]
     except DataParallelError:
         ctx.logger.error("k-rank task failed:\n%s", traceback.format_exc(limit=3))

@@ -161,6 +161,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     )
     from pita.training.precision import training_device, training_precision
     from pita.training.report import write_training_report
+    from pita.training.shards import save_consolidated, save_hf_config, sharded_model
 
     tr, pcfg = ctx.training, ctx.pretrain
     world = dist.world_size if dist else 1
@@ -305,11 +306,17 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
             extra=partial(dict, rng=rng_after),  # the data RNG's state after this step
         )
 
-    state = full_state_dict(model, dist) if dist is not None else None  # FSDP2: gathered
+    consolidated = sharded_model(dist)  # FSDP2: each rank writes its shards, merged by file
+    if consolidated:
+        save_consolidated(model, ctx.out_dir / Artifact.MODEL, dist.rank)
+    state = full_state_dict(model, dist) if dist is not None and not consolidated else None
     if dist is not None and not dist.is_main:
         return {}  # rank 0 writes the model and the report
     model.eval()
-    model.save_pretrained(ctx.out_dir / Artifact.MODEL, state_dict=state)
+    if consolidated:
+        save_hf_config(model, ctx.out_dir / Artifact.MODEL)
+    else:
+        model.save_pretrained(ctx.out_dir / Artifact.MODEL, state_dict=state)
     task.save_tokenizer(str(ctx.out_dir / Artifact.MODEL))
     perf = write_training_report(
         ctx.out_dir,

@@ -49,6 +49,7 @@ import multiprocessing
 import os
 import pickle
 import queue as queue_mod
+import re
 import select
 import signal
 import tempfile
@@ -58,6 +59,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -65,6 +67,7 @@ import torch.distributed as dist_mod
 
 from pita.core.forked_worker import start_forkserver  # ranks and CPU workers: one PRELOAD
 from pita.core.parallel import Gang, Strategy
+from pita.core.worker_pool import RANKS_DIR_PREFIX  # swept once this process is dead
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +76,51 @@ _HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 class DataParallelError(RuntimeError):
     """A rank of a k-rank task failed (the message names the rank and the error)."""
+
+
+class RankDied(DataParallelError):
+    """A rank was killed by a signal (the kernel's OOM killer sends SIGKILL) or died without
+    a word: the gang's fault, not the stage's code. The task is retried (`killed`), from its
+    checkpoint when it wrote one."""
+
+    failure_class = "killed"
+
+
+class GangStalled(DataParallelError):
+    """No step from a rank for longer than the gang's stall bound (`StallRule`): the ranks
+    were killed; the task is retried (`stalled`)."""
+
+    failure_class = "stalled"
+
+
+# What a rank's collective says when a peer vanished: the peer is the cause, not this rank.
+PEER_LOST = re.compile(
+    r"Connection reset by peer|Connection closed by peer|Broken pipe|ECONNRESET|EPIPE"
+    r"|NCCL communicator was aborted|remote process exited",
+    re.I,
+)
+PEER_LOST_GRACE_S = 2.0  # a rank that lost a peer waits this long before it exits: see _rank_main
+STEP_FACTOR = 20.0  # a derived stall bound: this many times the longest gap between two steps
+
+
+@dataclass(frozen=True)
+class StallRule:
+    """When a gang counts as stalled: a rank reported no step for `after_s` seconds when set
+    (`executor.gang_stall_s`), else for STEP_FACTOR x the longest gap between two of the
+    gang's steps seen so far, at least `floor_s`; before the first step, `first_step_s`
+    (loading models and restoring a checkpoint take longer than a step). The clock starts
+    once every rank has joined the process group: start-up is the rendezvous timeout's."""
+
+    after_s: float | None = None
+    floor_s: float = 300.0
+    first_step_s: float = 900.0
+
+    def bound(self, longest_gap_s: float | None) -> float:
+        if self.after_s is not None:
+            return self.after_s
+        if longest_gap_s is None:
+            return max(self.floor_s, self.first_step_s)
+        return max(self.floor_s, STEP_FACTOR * longest_gap_s)
 
 
 @dataclass
@@ -116,6 +164,10 @@ class DistContext:
 
     def log(self, message: str, level: int = logging.INFO) -> None:
         self.send("log", (level, message))
+
+    def step(self, done: int, total: int) -> None:
+        """Tell the caller this rank made a step (the gang's stall watch, `StallRule`)."""
+        self.send("step", (int(done), int(total)))
 
     def barrier(self) -> None:
         dist_mod.barrier()
@@ -298,8 +350,10 @@ def _rank_main(
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
     dist_mod.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    queue.put(("started", rank, os.getpid()))  # the stall watch's clock starts, and may kill it
     try:
         result = entry(DistContext(rank, world, device, backend, queue), *args)
+        queue.put(("done", rank, None))
         # Plain pickle (a copy): torch's queue pickler would share tensors through file
         # descriptors that vanish when this process exits before the caller reads them.
         return pickle.dumps(result)
@@ -307,6 +361,8 @@ def _rank_main(
         # When a rank fails its peers fail too ("connection closed by peer"): the caller
         # reports the earliest error, the cause.
         queue.put(("error", rank, (time.time(), _first_line(exc))))
+        if PEER_LOST.search(str(exc)):  # a peer died: let the launcher see its death first
+            time.sleep(PEER_LOST_GRACE_S)
         raise
     finally:
         dist_mod.destroy_process_group()
@@ -321,8 +377,102 @@ def warm_forkserver() -> None:
     start_forkserver()
 
 
-def _drain(queue: Any, on_message: Callable[[str, int, Any], None] | None, errors: dict) -> None:
-    """Forward ranks' messages until the None sentinel; keep their errors."""
+WATCH_EVERY_S = 0.5  # how often the stall watch looks at its ranks' steps
+
+
+def _proc_state(pid: int) -> str:
+    """A process's state letter from /proc (T: stopped; "" when it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+class _GangWatch:
+    """The caller's view of its ranks, fed by the drain: their pids ("started"), steps,
+    results ("done") and errors. With a `StallRule`, a thread kills a gang one of whose
+    ranks made no step for longer than the rule's bound, and says which rank."""
+
+    def __init__(self, world: int, rule: StallRule | None):
+        self.world, self.rule = world, rule
+        self.pids: dict[int, int] = {}
+        self.done: set[int] = set()
+        self.errors: dict[int, tuple[float, str]] = {}
+        self.last: dict[int, tuple[float, int, int]] = {}  # rank -> (time, done, total)
+        self.longest_gap: float | None = None
+        self.since: float | None = None  # when every rank had joined
+        self.stalled = ""  # the line naming the stalled rank, once the watch killed the gang
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def started(self, rank: int, pid: int) -> None:
+        self.pids[rank] = pid
+        if len(self.pids) == self.world:
+            self.since = time.monotonic()
+            if self.rule is not None and self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pita-gang-watch")
+                self._thread.daemon = True
+                self._thread.start()
+
+    def step(self, rank: int, done: int, total: int) -> None:
+        now = time.monotonic()
+        prev = self.last.get(rank)
+        if prev is not None and done <= prev[1]:
+            return  # no progress: the clock keeps running
+        if prev is not None:
+            self.longest_gap = max(self.longest_gap or 0.0, now - prev[0])
+        self.last[rank] = (now, done, total)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _quietest(self, now: float) -> tuple[int, float]:
+        """(the rank to blame, seconds since its last step): a stopped rank first."""
+        assert self.since is not None
+        quiet = {
+            r: now - (self.last[r][0] if r in self.last else self.since)
+            for r in range(self.world)
+            if r not in self.done
+        }
+        stopped = [r for r in quiet if _proc_state(self.pids.get(r, 0)) in ("T", "t")]
+        rank = stopped[0] if stopped else max(quiet, key=lambda r: quiet[r])
+        return rank, max(quiet.values())
+
+    def _run(self) -> None:
+        assert self.rule is not None
+        while not self._stop.wait(WATCH_EVERY_S):
+            if len(self.done) == self.world:
+                return
+            rank, quiet = self._quietest(time.monotonic())
+            bound = self.rule.bound(self.longest_gap)
+            if quiet > bound:
+                self.stalled = self._line(rank, quiet, bound)
+                for pid in self.pids.values():  # a stopped process dies of SIGKILL too
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                return
+
+    def _line(self, rank: int, quiet: float, bound: float) -> str:
+        pid = self.pids.get(rank, 0)
+        state = " stopped," if _proc_state(pid) in ("T", "t") else ""
+        at = self.last.get(rank)
+        where = f"after step {at[1]}/{at[2]}" if at else "before its first step"
+        rule = self.rule
+        how = (
+            f"executor.gang_stall_s={bound:g}"
+            if rule is not None and rule.after_s is not None
+            else f"the bound derived from its step time: {bound:.0f} s"
+        )
+        return (
+            f"rank {rank} of {self.world} (pid {pid},{state} {where}) made no step for "
+            f"{quiet:.0f} s ({how}); the gang was killed"
+        )
+
+
+def _drain(
+    queue: Any, on_message: Callable[[str, int, Any], None] | None, watch: _GangWatch
+) -> None:
+    """Forward ranks' messages until the None sentinel; what the watch needs goes to it."""
     while True:
         try:
             item = queue.get(timeout=0.5)
@@ -334,7 +484,13 @@ def _drain(queue: Any, on_message: Callable[[str, int, Any], None] | None, error
             return
         kind, rank, payload = item
         if kind == "error":
-            errors.setdefault(rank, payload)
+            watch.errors.setdefault(rank, payload)
+        elif kind == "started":
+            watch.started(rank, int(payload))
+        elif kind == "done":
+            watch.done.add(rank)
+        elif kind == "step":
+            watch.step(rank, *payload)
         elif on_message is not None:
             try:
                 on_message(kind, rank, payload)
@@ -342,9 +498,36 @@ def _drain(queue: Any, on_message: Callable[[str, int, Any], None] | None, error
                 log.exception("forwarding a rank's %s failed", kind)
 
 
-def _failure(exc: Exception, errors: dict, world_size: int) -> DataParallelError:
-    """The earliest rank error the ranks reported, else the launcher's record of the first
-    failed rank (a rank killed by a signal leaves no traceback)."""
+def _signal_death(exc: Exception, watch: _GangWatch) -> RankDied | None:
+    """A rank the launcher saw die of a signal without a Python error of its own (SIGKILL
+    from the OOM killer, SIGSEGV), or a rank that said nothing while every rank that spoke
+    only lost a peer: the gang's cause, named with its signal."""
+    for rank, failure in sorted((getattr(exc, "failures", None) or {}).items()):
+        if failure.exitcode is not None and failure.exitcode < 0 and rank not in watch.errors:
+            name = failure.signal_name()
+            oom = " (what the kernel's OOM killer sends)" if name == "SIGKILL" else ""
+            return RankDied(f"rank {rank} of {watch.world} died of {name}{oom}, pid {failure.pid}")
+    lost_peer = watch.errors and all(PEER_LOST.search(m) for _, m in watch.errors.values())
+    silent = [r for r in range(watch.world) if r not in watch.errors and r not in watch.done]
+    if lost_peer and silent:
+        rank, (_, message) = min(watch.errors.items(), key=lambda item: item[1][0])
+        return RankDied(
+            f"rank {silent[0]} of {watch.world} died without an error (pid "
+            f"{watch.pids.get(silent[0], '?')}); rank {rank} lost it: {message}"[:700]
+        )
+    return None
+
+
+def _failure(exc: Exception, watch: _GangWatch) -> DataParallelError:
+    """Why the gang failed: the stall watch's line; else a rank that died of a signal
+    (`_signal_death`); else the earliest rank error the ranks reported; else the launcher's
+    record of the first failed rank."""
+    world_size, errors = watch.world, watch.errors
+    if watch.stalled:
+        return GangStalled(watch.stalled)
+    died = _signal_death(exc, watch)
+    if died is not None:
+        return died
     if errors:
         rank, (_, message) = min(errors.items(), key=lambda item: item[1][0])
         return DataParallelError(f"rank {rank} of {world_size} failed: {message}")
@@ -371,6 +554,7 @@ def launch_ranks(
     threads_per_rank: int | None = None,
     timeout_s: float = 1800.0,
     start_method: str = "forkserver",
+    stall: StallRule | None = None,
 ) -> list[Any]:
     """Run `entry(dist, *args)` on `world_size` local ranks; their return values by rank.
 
@@ -378,7 +562,9 @@ def launch_ranks(
     return something small. `device_type` "cuda" puts rank r on cuda:r (NCCL); "cpu" uses
     gloo; None = cuda when this process sees at least `world_size` GPUs. `backend`
     overrides the choice. `threads_per_rank` (CPU) defaults to this process's torch
-    threads / world_size. Raises `DataParallelError` naming the failed rank.
+    threads / world_size. Raises `DataParallelError` naming the failed rank: `RankDied` for a
+    rank killed by a signal, `GangStalled` when `stall` is given and a rank made no step
+    (`DistContext.step`) for longer than its bound (the ranks are then killed).
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -409,9 +595,9 @@ def launch_ranks(
             "launch_ranks off the main thread: the launcher cannot stop its ranks on a signal"
         )
     queue = multiprocessing.get_context(start_method).Queue()
-    errors: dict[int, tuple[float, str]] = {}
+    watch = _GangWatch(world_size, stall)
     drain = threading.Thread(
-        target=_drain, args=(queue, on_message, errors), name="pita-ranks", daemon=True
+        target=_drain, args=(queue, on_message, watch), name="pita-ranks", daemon=True
     )
     drain.start()
     saved = {
@@ -419,7 +605,8 @@ def launch_ranks(
         for name in _HANDLED_SIGNALS
         if threading.current_thread() is threading.main_thread()
     }
-    log_dir = tempfile.mkdtemp(prefix="pita-ranks-")
+    # named after this process: a sweep removes the folders of dead ones (a killed worker)
+    log_dir = tempfile.mkdtemp(prefix=f"{RANKS_DIR_PREFIX}{os.getpid()}-")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -450,8 +637,9 @@ def launch_ranks(
         )
     except ChildFailedError as exc:
         _stop_drain(queue, drain)
-        raise _failure(exc, errors, world_size) from exc
+        raise _failure(exc, watch) from exc
     finally:
+        watch.stop()
         for name, handler in saved.items():
             signal.signal(getattr(signal, name), handler)
         import shutil
