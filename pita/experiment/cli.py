@@ -513,6 +513,11 @@ def _resume(resume: str, implicit: bool, overrides: list[str], args: Any) -> int
             rest = _same_run_overrides(resume, rest, args)
         cfg, run_dir = load_resume_config(resume, rest)
         preflight(cfg, run_dir=run_dir)
+        from pita.experiment.code_keys import foreign_code_errors, stated_keys
+
+        foreign = foreign_code_errors(cfg, run_dir, stated_keys(rest))  # a teammate's code
+        if foreign:
+            raise ConfigError(foreign)
         return cfg, run_dir
 
     cfg, run_dir = _exit_2_on_config_error(resumed_config)
@@ -636,7 +641,9 @@ def _setup_console_logging(run_dir: Path | None = None) -> None:
     console.setFormatter(logging.Formatter("%(message)s"))
     root.handlers[:] = [console]
     if run_dir is not None:
-        file = logging.FileHandler(RunPaths(run_dir).run_log, mode="a")
+        from pita.core.paths import writable_log
+
+        file = logging.FileHandler(writable_log(RunPaths(run_dir).run_log), mode="a")
         file.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
         root.handlers.append(file)
 
