@@ -16,7 +16,8 @@ pita/algos/registry.py names its own, and each `conf/algo/<name>.yaml` starts fr
 (`algos.DPO.num_atoms`) is an unknown key. What relates two keys (V_min < V_max, ...) is
 checked by `validate` in pita/experiment/config.py.
 
-This module is torch-free and imports nothing of pita: it sits below every reader.
+This module is torch-free and imports nothing of pita but `pita.core.parallel` (the parallel
+strategies' names, owned there): it sits below every reader.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field
 from typing import Any, Dict, List, Optional, TypeVar
 
+from pita.core.parallel import AUTO
+from pita.core.parallel import KEYS as STRATEGY_KEYS
+
 # --- choice lists (each owned here; the modules that act on them import them) ---------------
 
 GPU_MODES = ("auto", "cpu", "single_gpu", "multi_gpu")
@@ -38,7 +42,7 @@ ATTN_IMPLS = ("eager", "sdpa", "flash_attention_2")
 EXECUTOR_BACKENDS = ("local", "inprocess", "ray")
 PRECISION_TYPES = ("auto", "fp16", "bf16", "fp32")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
-PARALLEL_STRATEGIES = ("auto", "none", "data_parallel", "fsdp")
+PARALLEL_STRATEGIES = (AUTO, *STRATEGY_KEYS)  # pita/core/parallel.py names them
 LOGGER_BACKENDS = ("none", "tensorboard", "wandb", "mlflow", "csv")
 WANDB_MODES = ("offline", "online", "disabled")
 RECIPES = ("rollouts", "ground_truth_vs_first_wrong")
@@ -284,7 +288,7 @@ class ExecutorConfig:
     gang_stall_s: Optional[float] = spec(
         "A k-rank task (a gang) one of whose ranks makes no training step for this long is "
         "killed and retried as `stalled` (seconds). None: 20 x the longest gap between two "
-        "of its steps so far, at least 300 s; 900 s before its first step.",
+        "of its steps so far, at least 300 s, once it has stepped twice.",
         None,
         gt=0,
         note="seconds",

@@ -58,7 +58,7 @@ from pita.core.forked_worker import (
     start_forkserver,
 )
 from pita.core.paths import pythonpath_with, writable_log
-from pita.core.tasks import TASK_STRATEGIES, TaskSpec
+from pita.core.tasks import TaskSpec
 
 log = logging.getLogger(__name__)
 
@@ -320,7 +320,7 @@ class WorkerPool:
         start-up). Spawned instead: on CUDA (a gang's worker must see its k GPUs, and
         CUDA_VISIBLE_DEVICES is fixed at process start), and a task whose model is sharded
         over k devices in one process (`model.gpus_per_task`: it reads the devices it got)."""
-        ranks = task.elastic or task.strategy in TASK_STRATEGIES  # not one process on k devices
+        ranks = task.elastic or task.gang.ranked  # not one process on k devices
         if len(devices) < 2 or not ranks or self.gpu.kind == "cuda":
             return None
         hosts = [h for d in devices if (h := self._idle_worker((d,))) is not None]

@@ -29,6 +29,7 @@ from pita.core.executor import Executor
 from pita.core.gpu_manager import GPUManager
 from pita.core.host_share import HostShare
 from pita.core.journal import RUN_FILE_ERRNOS, Journal, RunFileError, read_events, run_file_error
+from pita.core.parallel import Strategy
 from pita.core.parallel_executor import DagRunner, DeviceState, Scheduler, simulate
 from pita.core.parallel_generation import ParallelDataGenerator
 from pita.core.paths import Artifact, RunPaths, TaskPaths, atomic_write_json
@@ -175,7 +176,7 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
     for t in plan.tasks.values():
         devs = "+".join(str(d) for d in placement.get(t.id, [])) or "-"
         deps = ", ".join(t.deps) if len(t.deps) <= 2 else f"{t.deps[0]} (+{len(t.deps) - 1})"
-        gang = f"{t.strategy}x{t.gpus}" if t.strategy != "none" else str(t.gpus)
+        gang = f"{t.strategy}x{t.gpus}" if t.strategy is not Strategy.NONE else str(t.gpus)
         print(
             f"{t.id:58s} {devs:9s} {gang:8s} {t.mem_mb / 1024:7.2f} "
             f"{t.mem_mb / max(1, t.gpus) / 1024:7.2f} {t.priority:6.1f}  "
@@ -195,7 +196,7 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
             f"~{format_duration(sized['rigid_makespan_s'])} with the least ranks each "
             f"({sized['sized']} tasks sized in {sized['sizing_s']:.2f} s)."
         )
-    for line in gang_notes(plan, cfg):
+    for line in gang_notes(plan):
         print(line)
     eta = Eta(plan.tasks, set(), durations, make_scheduler(cfg, gpu))
     if sized:
@@ -220,14 +221,12 @@ def history_line(plan: Plan, durations: TaskDurations) -> str:
     )
 
 
-def gang_notes(plan: Plan, cfg: DictConfig) -> list[str]:
-    """One line per TRL task that runs DDP under training.parallel_strategy=fsdp (CPU)."""
-    from pita.algos.trl_common import cpu_fsdp_note
-    from pita.experiment.gangs import is_trl
+def gang_notes(plan: Plan) -> list[str]:
+    """One line per TRL task that runs DDP under training.parallel_strategy=fsdp (CPU): its
+    gang asked FSDP and runs DDP (pita/experiment/gangs.py `planned_gang`)."""
+    from pita.algos.trl_common import cpu_fsdp_note, fsdp_runs_ddp
 
-    if str(cfg.training.parallel_strategy) != "fsdp":
-        return []
-    return [cpu_fsdp_note(t.id) for t in plan.tasks.values() if is_trl(t) and t.strategy == "ddp"]
+    return [cpu_fsdp_note(t.id) for t in plan.tasks.values() if fsdp_runs_ddp(t.gang)]
 
 
 def _dry_run_sizing(

@@ -411,16 +411,12 @@ def _close(logger: logging.Logger) -> None:
 
 
 def _warm_ranks(cfg_dict: dict) -> None:
-    """A run that trains on gangs (`training.parallel_strategy` data_parallel / fsdp): start
-    this worker's forkserver now, so it imports torch and transformers while other tasks
-    run and a later gang's ranks fork warm (pita.training.ddp.warm_forkserver; a no-op
-    once it runs)."""
-    from pita.core.schema import TrainingConfig, settings
+    """A run that trains on gangs (`pita.core.parallel.run_trains_on_gangs`): start this
+    worker's forkserver now, so it imports torch and transformers while other tasks run and
+    a later gang's ranks fork warm (pita.training.ddp.warm_forkserver; a no-op once it runs)."""
+    from pita.core.parallel import run_trains_on_gangs
 
-    if settings(TrainingConfig, cfg_dict.get("training")).parallel_strategy in (
-        "data_parallel",
-        "fsdp",
-    ):
+    if run_trains_on_gangs(cfg_dict):
         from pita.training.ddp import warm_forkserver
 
         warm_forkserver()

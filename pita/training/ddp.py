@@ -11,12 +11,14 @@ What a rank gets (`entry`'s first argument, a `DistContext`):
 - `dist.rank`, `dist.world_size`, `dist.device` ("cuda:<rank>" or "cpu"), `dist.backend`
   ("nccl" | "gloo"); the default process group is initialised before `entry` runs
   (`torch.distributed.group.WORLD`), and destroyed after it returns.
-- `dist.shard(n)`: this rank's indices of an n-item batch (DistributedSampler's split).
+- `dist.gang`: the task's `Gang` (pita/core/parallel.py) on this world: DDP or FSDP2.
+- `dist.shard(n)`: this rank's indices of an n-item batch (torch's `DistributedSampler`).
 - `dist.log(msg)` / `dist.send("heartbeat", msg)`: reach the caller's `on_message(kind,
   rank, payload)` (a queue drained by a thread of the caller), so every rank's lines and
   heartbeats end in the task's log.
-- `wrap_model(model, dist, strategy)`: DDP, or FSDP2 (`fully_shard` per transformer block
-  and the root; `MixedPrecisionPolicy` on CUDA only), or the model itself on one rank.
+- `apply_gang(model, dist, precision)`: the one function that applies the gang to a model
+  (DDP, or FSDP2: `fully_shard` per block the model names in `_no_split_modules`, then the
+  root, mixed precision from the run's `Precision`), or the model itself on one process.
 
 How it keeps its promises:
 - A failing rank: its exception line goes to the caller with a timestamp; the agent stops
@@ -55,7 +57,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -64,11 +66,11 @@ import torch
 import torch.distributed as dist_mod
 
 from pita.core.forked_worker import start_forkserver  # ranks and CPU workers: one PRELOAD
+from pita.core.parallel import Gang, Strategy
 from pita.core.worker_pool import RANKS_DIR_PREFIX  # swept once this process is dead
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("none", "data_parallel", "fsdp")
 _HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
@@ -104,20 +106,22 @@ STEP_FACTOR = 20.0  # a derived stall bound: this many times the longest gap bet
 @dataclass(frozen=True)
 class StallRule:
     """When a gang counts as stalled: a rank reported no step for `after_s` seconds when set
-    (`executor.gang_stall_s`), else for STEP_FACTOR x the longest gap between two of the
-    gang's steps seen so far, at least `floor_s`; before the first step, `first_step_s`
-    (loading models and restoring a checkpoint take longer than a step). The clock starts
-    once every rank has joined the process group: start-up is the rendezvous timeout's."""
+    (`executor.gang_stall_s`, from the moment every rank joined the process group), else for
+    STEP_FACTOR x the longest gap between two of the gang's steps seen so far, at least
+    `floor_s` — derived only once the gang has stepped: a stage that reports no steps, or
+    is still loading its models, is bounded by `executor.task_timeout_s` and the collectives'
+    timeout, never killed for a step time nobody measured. A rank whose last report was its
+    loop's last step (saving the model follows) is not expected to step again."""
 
     after_s: float | None = None
     floor_s: float = 300.0
-    first_step_s: float = 900.0
 
-    def bound(self, longest_gap_s: float | None) -> float:
+    def bound(self, longest_gap_s: float | None) -> float | None:
+        """Seconds without a step that count as a stall; None: not judged yet."""
         if self.after_s is not None:
             return self.after_s
         if longest_gap_s is None:
-            return max(self.floor_s, self.first_step_s)
+            return None
         return max(self.floor_s, STEP_FACTOR * longest_gap_s)
 
 
@@ -130,20 +134,30 @@ class DistContext:
     device: str  # "cuda:<rank>" or "cpu"
     backend: str  # "nccl" | "gloo"
     _queue: Any = None
-    strategy: str = "data_parallel"  # "data_parallel" | "fsdp" (set by pita.runtime.gang)
+    # the task's gang on this world (set by pita.runtime.gang; DDP for a bare launch_ranks)
+    gang: Gang = field(default_factory=lambda: Gang(Strategy.DDP))
+
+    def __post_init__(self) -> None:
+        if self.gang.world != self.world_size:
+            self.gang = self.gang.resized(self.world_size)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     @property
+    def strategy(self) -> str:
+        """The gang's strategy by its config name ("data_parallel" | "fsdp"), as logged."""
+        return self.gang.strategy.key
+
+    @property
     def group(self) -> Any:
         """The process group of the gang (the default one)."""
         return dist_mod.group.WORLD
 
-    def shard(self, n_items: int) -> list[int]:
+    def shard(self, n_items: int, pad: bool = True) -> list[int]:
         """This rank's indices of an n-item batch (see `shard_indices`)."""
-        return shard_indices(n_items, self.rank, self.world_size)
+        return shard_indices(n_items, self.rank, self.world_size, pad)
 
     def send(self, kind: str, payload: Any) -> None:
         """A message to the caller (`on_message(kind, rank, payload)`): "log", "heartbeat"."""
@@ -161,55 +175,60 @@ class DistContext:
         dist_mod.barrier()
 
 
-def shard_indices(n_items: int, rank: int, world_size: int) -> list[int]:
-    """DistributedSampler's split: strided, padded by wrapping so every rank gets
-    ceil(n / world) items (a padded batch counts its first items twice)."""
-    per_rank = -(-n_items // world_size)
-    indices = list(range(n_items))
-    indices += indices[: per_rank * world_size - n_items]
-    return indices[rank::world_size]
+def shard_indices(n_items: int, rank: int, world_size: int, pad: bool = True) -> list[int]:
+    """This rank's indices of an n-item batch: torch's `DistributedSampler` in order (strided;
+    padded by wrapping so every rank gets ceil(n / world) items: a padded batch counts its
+    first items twice). `pad=False`: only the rank's real items (a loop that weighs each
+    item by its share of the batch, as the value trainer does, must not count one twice)."""
+    from torch.utils.data import DistributedSampler
+
+    sampler = DistributedSampler(
+        range(n_items), num_replicas=world_size, rank=rank, shuffle=False, drop_last=False
+    )
+    indices = list(sampler)
+    return indices if pad else indices[: len(range(rank, n_items, world_size))]
 
 
-# --- wrapping a model -------------------------------------------------------------------------
+# --- applying a gang to a model ---------------------------------------------------------------
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks FSDP2 shards one by one: the children of the model's largest
-    `ModuleList` (a Llama's / GPT-2's layers)."""
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
-    if not lists:
-        return []
-    biggest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
-    return list(biggest)
+    """The blocks FSDP2 shards one by one: the modules whose class a Hugging Face model names
+    in its `_no_split_modules` (what accelerate's FSDP auto-wrap reads: a Llama's / GPT-2's
+    decoder layers), that of the model and of every pretrained model inside it (a value
+    model's backbone). None named: the root alone is sharded."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if m is not model and type(m).__name__ in names]
 
 
-def wrap_model(
-    model: torch.nn.Module, dist: DistContext | None, strategy: str | None = None
+def apply_gang(
+    model: torch.nn.Module, dist: DistContext | None, precision: Any = None
 ) -> torch.nn.Module:
-    """The model a rank trains (already on `dist.device`): DDP (`data_parallel`), FSDP2
-    (`fsdp`: `fully_shard` per transformer block, then the root; a bf16 compute /
-    fp32 reduce `MixedPrecisionPolicy` on CUDA only), or `model` itself on one process.
+    """The model a rank trains (already on `dist.device`) under its gang (`dist.gang`), as
+    torchtitan's `parallelize`: DDP; FSDP2 (`fully_shard` on each of `transformer_blocks`,
+    then the root, with a `MixedPrecisionPolicy` from the run's precision: parameters in its
+    compute dtype, gradients reduced in fp32; none in fp32, as on the CPU); or `model`
+    itself on one process. `precision`: a `pita.training.precision.Precision` (None: fp32).
 
     FSDP2 shards in place: the returned object *is* `model`, whose parameters are now
-    DTensors (an optimizer must be built after this call). `strategy` defaults to
-    `dist.strategy`."""
-    strategy = strategy or (dist.strategy if dist is not None else "none")
-    if dist is None or dist.world_size == 1 or strategy == "none":
+    DTensors (an optimizer must be built after this call)."""
+    if dist is None or dist.world_size == 1 or dist.gang.runs is Strategy.NONE:
         return model
-    if strategy == "fsdp":
+    if dist.gang.runs is Strategy.FSDP:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         kwargs: dict[str, Any] = {}
-        if dist.device.startswith("cuda"):
+        compute = getattr(precision, "autocast_dtype", None)
+        if compute is not None:
             kwargs["mp_policy"] = MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+                param_dtype=compute, reduce_dtype=torch.float32
             )
         for block in transformer_blocks(model):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
         return model
-    if strategy != "data_parallel":
-        raise ValueError(f"parallel strategy {strategy!r}: expected one of {STRATEGIES}")
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [torch.device(dist.device).index] if dist.device.startswith("cuda") else None
@@ -271,7 +290,7 @@ class FullState:
 def gathered(net: Any, dist: DistContext | None) -> Iterator[None]:
     """FSDP2: the root module's own parameters unsharded while the body reads the model
     outside its forward (held-out diagnostics); every rank must enter. No-op otherwise."""
-    if dist is None or dist.world_size == 1 or dist.strategy != "fsdp":
+    if dist is None or dist.world_size == 1 or dist.gang.runs is not Strategy.FSDP:
         yield
         return
     net.unshard()
@@ -400,8 +419,8 @@ class _GangWatch:
     def step(self, rank: int, done: int, total: int) -> None:
         now = time.monotonic()
         prev = self.last.get(rank)
-        if prev is not None and done <= prev[1]:
-            return  # no progress: the clock keeps running
+        if prev is not None and (done, total) == prev[1:]:
+            return  # no progress: the clock keeps running (a new phase's step 1 is progress)
         if prev is not None:
             self.longest_gap = max(self.longest_gap or 0.0, now - prev[0])
         self.last[rank] = (now, done, total)
@@ -409,14 +428,23 @@ class _GangWatch:
     def stop(self) -> None:
         self._stop.set()
 
-    def _quietest(self, now: float) -> tuple[int, float]:
-        """(the rank to blame, seconds since its last step): a stopped rank first."""
+    def _stepping(self, rank: int) -> bool:
+        """Whether `rank` is still expected to step: not finished, and its last step report
+        is not its loop's last (saving a model after it is no step, and may take long)."""
+        last = self.last.get(rank)
+        return rank not in self.done and (last is None or last[1] < last[2])
+
+    def _quietest(self, now: float) -> tuple[int, float] | None:
+        """(the rank to blame, seconds since its last step): a stopped rank first; None
+        when no rank is expected to step."""
         assert self.since is not None
         quiet = {
             r: now - (self.last[r][0] if r in self.last else self.since)
             for r in range(self.world)
-            if r not in self.done
+            if self._stepping(r)
         }
+        if not quiet:
+            return None
         stopped = [r for r in quiet if _proc_state(self.pids.get(r, 0)) in ("T", "t")]
         rank = stopped[0] if stopped else max(quiet, key=lambda r: quiet[r])
         return rank, max(quiet.values())
@@ -424,11 +452,12 @@ class _GangWatch:
     def _run(self) -> None:
         assert self.rule is not None
         while not self._stop.wait(WATCH_EVERY_S):
-            if len(self.done) == self.world:
-                return
-            rank, quiet = self._quietest(time.monotonic())
+            found = self._quietest(time.monotonic())
+            if found is None:
+                continue
+            rank, quiet = found
             bound = self.rule.bound(self.longest_gap)
-            if quiet > bound:
+            if bound is not None and quiet > bound:
                 self.stalled = self._line(rank, quiet, bound)
                 for pid in self.pids.values():  # a stopped process dies of SIGKILL too
                     with contextlib.suppress(ProcessLookupError):

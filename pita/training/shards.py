@@ -42,6 +42,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pita.core.parallel import Strategy
+
 SHARDS = "shards"  # the subfolder of a checkpoint that holds the ranks' safetensors
 MAX_HEADER = 100 << 20  # safetensors' own bound on a header (100 MB)
 # bytes per element of each safetensors dtype (a dtype not listed is refused)
@@ -362,7 +364,7 @@ def sharded_model(dist: Any) -> bool:
     return (
         dist is not None
         and dist.world_size > 1
-        and getattr(dist, "strategy", None) == "fsdp"
+        and dist.gang.runs is Strategy.FSDP
         and hf_storage() is not None
     )
 
