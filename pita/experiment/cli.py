@@ -145,7 +145,8 @@ def _yaml_error(exc: BaseException | None) -> str | None:
                 except ValueError:
                     pass
                 where = f"{name}:{mark.line + 1}:{mark.column + 1}"
-            return f"{where}: YAML syntax error: {exc.problem or exc.context}"
+            label = "YAML" if isinstance(exc, yaml.constructor.ConstructorError) else "YAML syntax"
+            return f"{where}: {label} error: {exc.problem or exc.context}"
         exc = exc.__cause__ or exc.__context__
     return None
 
