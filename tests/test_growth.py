@@ -294,8 +294,8 @@ def test_a_resize_whose_larger_gang_fails_falls_back_to_the_old_ranks(tmp_path):
 
 
 def test_only_elastic_tasks_whose_checkpoints_resume_on_any_k_are_grown():
-    """pita's own loops, DPO / RPO and the reward model (tests/test_trl_gang.py shows their
-    resume on another k); not GRPO (TRL samples per rank: another k samples others)."""
+    """pita's own loops, DPO / RPO, GRPO / GRPO-HF and the reward model (tests/test_trl_gang.py
+    shows their resume on another k); not a sharded stage (collect)."""
     from pita.core.growth import growable
 
     value = _task("v", ranks=[1, 2, 4])
@@ -304,12 +304,17 @@ def test_only_elastic_tasks_whose_checkpoints_resume_on_any_k_are_grown():
     value.ranks = []  # its k is fixed (not sized at dispatch)
     assert not growable(value)
     dpo = _task("d", ranks=[1, 2])
-    for fn in ("pita.algos.dpo:train", "pita.algos.reward_model:train_reward_model"):
+    trl = (
+        "pita.algos.dpo:train",
+        "pita.algos.reward_model:train_reward_model",
+        "pita.algos.grpo:train",
+        "pita.algos.grpo:train_hf",
+    )
+    for fn in trl:
         dpo.fn = fn
         assert growable(dpo), fn
-    for fn in ("pita.algos.grpo:train", "pita.algos.grpo:train_hf", "pita.algos.dpo:collect"):
-        dpo.fn = fn
-        assert not growable(dpo), fn
+    dpo.fn = "pita.algos.dpo:collect"
+    assert not growable(dpo)
 
 
 def test_a_trl_task_with_checkpoints_off_still_saves_when_the_run_asks(tmp_path):

@@ -52,10 +52,13 @@ DEFAULT_STOP_S = 2.0  # request -> stopped outcome until one was measured (a ste
 # The stages whose checkpoints resume on any k with the numbers of an uninterrupted run:
 # - pita's own loops (pretrain, the value trainer): full-state checkpoints (pita/training/ddp.py
 #   `FullState`; tests/test_growth.py);
-# - DPO / RPO training and the proxy reward model of the -HF variants (`TRL_STAGES`), from
-#   the Trainer's own checkpoint (`resume_from_checkpoint`: model, optimizer, step).
-#   accelerate's seedable sampler deals the same batches at any k and the Trainer skips the
-#   seen ones; they draw no random numbers (TRL's `disable_dropout`), so the per-rank RNG
+# - DPO / RPO training, GRPO / GRPO-HF and the proxy reward model of the -HF variants
+#   (`TRL_STAGES`), from the Trainer's own checkpoint (`resume_from_checkpoint`: model,
+#   optimizer, step). accelerate's seedable sampler deals the same batches at any k (whole
+#   global batches only: `trl_common.whole_batches`; GRPO's sampler takes whole groups) and the
+#   Trainer skips the seen ones; they draw no random numbers of the process (TRL's
+#   `disable_dropout`; GRPO samples each completion from its own seed of prompt, step and
+#   place in its group, `grpo._row_seeds`, not from the rank's stream), so the per-rank RNG
 #   files a checkpoint of another k lacks do not matter. pita adds the gang's loss sums and
 #   TRL's unlogged metrics to the checkpoint and logs the last step (pita/algos/trl_common.py).
 #   Measured (DPO and the reward model, 1 rank stopped, resumed on 2 and stopped, resumed on
@@ -63,24 +66,22 @@ DEFAULT_STOP_S = 2.0  # request -> stopped outcome until one was measured (a ste
 #   without those additions DPO's first log after a stop was off (loss by 2.6e-3, TRL's reward
 #   accuracy by 0.25) and so was train_loss (1.4e-3):
 #   tests/test_trl_gang.py::test_trl_stages_stopped_and_resumed_on_other_ranks_match_an_uninterrupted_run
-#   (RPO is DPO's stage with an SFT term: not run separately).
-# Not grown:
-# - GRPO / GRPO-HF: TRL seeds each rank with `set_seed(seed, device_specific=True)` (seed +
-#   rank) and samples completions from the process's global RNG, so k ranks sample other
-#   completions than one process (already so for the k chosen at dispatch,
-#   tests/test_trl_gang.py), and on a resume the Trainer looks for `rng_state_<rank>.pth`,
-#   which a checkpoint written on another k lacks (rank 0 does not even continue its own
-#   stream). Measured (2 of 4 steps on 1 rank, the rest on 2): weights 0.026 apart, the last
-#   logged KL 1.49 against 1.14; resumed on the same k it is exact. Growing it would take
-#   TRL generating with seeds per prompt and step (as pita's `generate(row_seeds=...)`), not
-#   per process.
+#   (GRPO in the same test; RPO is DPO's stage with an SFT term, GRPO-HF GRPO's with another
+#   reward: not run separately). Before GRPO's completions were seeded per row (TRL: seed +
+#   rank, from the process's stream), 2 of 4 steps on 1 rank and the rest on 2 ended with
+#   weights 0.026 apart and the last logged KL 1.49 against 1.14.
 OWN_LOOPS = (
     "pita.stages.pretrain:",
     "pita.algos.pita_algo:train",
     "pita.algos.qsharp:train",
     "pita.algos.qsharp_hf:train",
 )
-TRL_STAGES = ("pita.algos.dpo:train", "pita.algos.reward_model:train_reward_model")
+TRL_STAGES = (
+    "pita.algos.dpo:train",
+    "pita.algos.reward_model:train_reward_model",
+    "pita.algos.grpo:train",
+    "pita.algos.grpo:train_hf",
+)
 
 
 def growable(task: TaskSpec) -> bool:
