@@ -59,8 +59,8 @@ def _sizer(seconds: dict[str, float], n: int, alpha=0.1, startup=None, **kw) -> 
     return Sizer(
         curves,
         lambda t: seconds[t.id],
-        lambda tasks, secs, first, resize=None: simulate_window(
-            tasks, fresh_scheduler(sched), secs, first, resize
+        lambda tasks, secs, first, resize=None, ends=None: simulate_window(
+            tasks, fresh_scheduler(sched), secs, first, resize, ends
         ),
         n_devices=n,
         max_ranks=n,

@@ -19,7 +19,7 @@ Growth corrects that while it runs:
    `stopped` (pita/core/errors.py), not a failure.
 3. **Then.** The task is dispatched again at once on k' ranks and resumes from that
    checkpoint (a full-state checkpoint resumes on any k, pita/training/ddp.py `FullState`;
-   the Trainer checkpoint of the TRL stages in `TRL_STAGES` too);
+   the Trainer checkpoint of the TRL stages the algorithm table marks growable too);
    the attempt is not counted as a retry. Journal: `task_grow_requested` when asked;
    `task_stopped` (the attempt's end) and `task_resized` (why=grow, previous, ranks) when
    it stopped.
@@ -49,45 +49,14 @@ from pita.core.tasks import TaskSpec
 log = logging.getLogger(__name__)
 
 DEFAULT_STOP_S = 2.0  # request -> stopped outcome until one was measured (a step + a save)
-# The stages whose checkpoints resume on any k with the numbers of an uninterrupted run:
-# - pita's own loops (pretrain, the value trainer): full-state checkpoints (pita/training/ddp.py
-#   `FullState`; tests/test_growth.py);
-# - DPO / RPO training, GRPO / GRPO-HF and the proxy reward model of the -HF variants
-#   (`TRL_STAGES`), from the Trainer's own checkpoint (`resume_from_checkpoint`: model,
-#   optimizer, step). accelerate's seedable sampler deals the same batches at any k (whole
-#   global batches only: `trl_common.whole_batches`; GRPO's sampler takes whole groups) and the
-#   Trainer skips the seen ones; they draw no random numbers of the process (TRL's
-#   `disable_dropout`; GRPO samples each completion from its own seed of prompt, step and
-#   place in its group, `grpo._row_seeds`, not from the rank's stream), so the per-rank RNG
-#   files a checkpoint of another k lacks do not matter. pita adds the gang's loss sums and
-#   TRL's unlogged metrics to the checkpoint and logs the last step (pita/algos/trl_common.py).
-#   Measured (DPO and the reward model, 1 rank stopped, resumed on 2 and stopped, resumed on
-#   2): every logged value, the result and the weights within 1.2e-7 of one process' run;
-#   without those additions DPO's first log after a stop was off (loss by 2.6e-3, TRL's reward
-#   accuracy by 0.25) and so was train_loss (1.4e-3):
-#   tests/test_trl_gang.py::test_trl_stages_stopped_and_resumed_on_other_ranks_match_an_uninterrupted_run
-#   (GRPO in the same test; RPO is DPO's stage with an SFT term, GRPO-HF GRPO's with another
-#   reward: not run separately). Before GRPO's completions were seeded per row (TRL: seed +
-#   rank, from the process's stream), 2 of 4 steps on 1 rank and the rest on 2 ended with
-#   weights 0.026 apart and the last logged KL 1.49 against 1.14.
-OWN_LOOPS = (
-    "pita.stages.pretrain:",
-    "pita.algos.pita_algo:train",
-    "pita.algos.qsharp:train",
-    "pita.algos.qsharp_hf:train",
-)
-TRL_STAGES = (
-    "pita.algos.dpo:train",
-    "pita.algos.reward_model:train_reward_model",
-    "pita.algos.grpo:train",
-    "pita.algos.grpo:train_hf",
-)
+# Which stages grow is a column of the algorithm table (pita/algos/registry.py
+# `Algorithm.growable_stages`, with the reasons there); the planner sets `task.growable`.
 
 
 def growable(task: TaskSpec) -> bool:
     """An elastic task (ranks chosen at dispatch) whose checkpoint resumes on any k with
-    the numbers of an uninterrupted run (`OWN_LOOPS`, `TRL_STAGES`)."""
-    return task.elastic and (task.fn.startswith(OWN_LOOPS) or task.fn in TRL_STAGES)
+    the numbers of an uninterrupted run (`TaskSpec.growable`, from its registry row)."""
+    return task.elastic and task.growable
 
 
 @dataclass

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pita.core import user_cache
+from pita.core.host_share import HostShare, mean_rates
 from pita.core.journal import read_events
 from pita.core.paths import RunPaths, pita_cache_dir
 from pita.core.schema import result_config
@@ -258,19 +259,21 @@ def record_durations(
     *,
     events: list[dict[str, Any]] | None = None,
     one_rank: Callable[[Any, float, int], float] | None = None,
+    share: HostShare | None = None,
 ) -> int:
     """Add this run's finished tasks' durations to the cache; how many were recorded.
     `events`: the run's journal when the caller has read it already.
 
-    `wall_s` is what the task stands for on one rank (`one_rank(task, wall, k)` converts a
-    gang's wall time); an elastic task also keeps its raw seconds per rank count
-    (`by_ranks`, across runs) and its curve key, from which speedup curves are fitted."""
+    `wall_s` is what the task stands for on one rank with the host's cores to itself
+    (`share`: tasks that shared the CPU count their work, `work_walls`; `one_rank(task,
+    wall, k)` converts a gang's wall time); an elastic task also keeps its seconds per rank
+    count (`by_ranks`, across runs) and its curve key, from which speedup curves are fitted."""
     from pita.core.elastic import curve_key
 
     path = path or durations_cache_path()
     if events is None:
         events = read_events(RunPaths(run_dir).journal)
-    walls = done_walls(events)
+    walls = work_walls(events, share)
     ranks = ranks_of(events)
     if not walls:
         return 0
@@ -297,3 +300,13 @@ def done_walls(events: list[dict[str, Any]]) -> dict[str, float]:
     return {
         e["task"]: float(e.get("wall_s") or 0.0) for e in events if e.get("event") == "task_done"
     }
+
+
+def work_walls(events: list[dict[str, Any]], share: HostShare | None) -> dict[str, float]:
+    """task id -> the work of its (last) finished attempt: its wall_s x the host's mean rate
+    while it ran (pita/core/host_share.py), or wall_s itself without a share (GPUs)."""
+    walls = done_walls(events)
+    if share is None:
+        return walls
+    rates = mean_rates(events, share)
+    return {tid: wall * rates.get(tid, 1.0) for tid, wall in walls.items()}

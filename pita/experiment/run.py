@@ -27,7 +27,9 @@ from pita.core.dag import Plan
 from pita.core.errors import ConfigError, ExecutorBroken
 from pita.core.executor import Executor
 from pita.core.gpu_manager import GPUManager
+from pita.core.host_share import HostShare
 from pita.core.journal import RUN_FILE_ERRNOS, Journal, RunFileError, read_events, run_file_error
+from pita.core.parallel import Strategy
 from pita.core.parallel_executor import DagRunner, DeviceState, Scheduler, simulate
 from pita.core.parallel_generation import ParallelDataGenerator
 from pita.core.paths import Artifact, RunPaths, TaskPaths, atomic_write_json
@@ -53,7 +55,7 @@ def make_gpu_manager(cfg: DictConfig) -> GPUManager:
         kind, n = ray_exec.slots()
         sizes = ray_exec.gpu_memory_mb() if kind == "gpu" else []  # NVML on each node: real memory
         gpu = GPUManager(ray_devices_spec(kind, n, sizes), cpu_workers=max(1, n))
-        gpu.largest_gang = ray_exec.largest_node()  # a Ray task runs on one node
+        gpu.largest_gang = ray_exec.largest_node()  # a gang's ranks may span nodes
         return gpu
     spec = cfg.system.devices
     if cfg.system.gpu_mode == "cpu":
@@ -71,9 +73,10 @@ def make_executor(cfg: DictConfig, gpu: GPUManager, run_dir: Path) -> Executor:
     (inprocess, or system.use_parallel_execution=false), or Ray tasks."""
     if cfg.executor.backend == "ray":
         from pita.core.ray_executor import RayExecutor
+        from pita.runtime.ray_slot import SlotWorker
         from pita.runtime.worker import run_task_here
 
-        return RayExecutor(cfg.executor, run_task=run_task_here)
+        return RayExecutor(cfg.executor, run_task=run_task_here, slot_worker=SlotWorker)
     if cfg.executor.backend == "inprocess" or not cfg.system.use_parallel_execution:
         from pita.core.inprocess import InProcessExecutor
         from pita.runtime.worker import InProcessRunner
@@ -93,7 +96,25 @@ def make_scheduler(cfg: DictConfig, gpu: GPUManager) -> Scheduler:
     if cfg.executor.backend == "ray" and value == "auto":
         value = 1  # Ray places by whole GPUs (num_gpus=1): it would queue a second task on a slot
     cap = max_tasks_per_device(value, gpu.kind, len(gpu.devices))
-    return Scheduler(states, max_tasks_per_device=cap, simulated_memory=gpu.kind != "cuda")
+    return Scheduler(
+        states,
+        max_tasks_per_device=cap,
+        simulated_memory=gpu.kind != "cuda",
+        host=host_share(cfg, gpu, cap),
+    )
+
+
+def host_share(cfg: DictConfig, gpu: GPUManager, tasks_per_device: int) -> HostShare | None:
+    """The cores the run's tasks share when they compute on this host's CPU (`fake:` devices,
+    CPU slots), each rank with its workers' torch threads; None on GPUs (pita/core/host_share.py)."""
+    from pita.core.resources import host_cores, thread_budget
+
+    kind = compute_kind(cfg, gpu)
+    if kind == "cuda":
+        return None
+    n = len(gpu.devices)
+    threads = thread_budget(kind, n, tasks_per_device, int(cfg.system.threads_per_worker))
+    return HostShare(float(host_cores()), threads)
 
 
 def compute_kind(cfg: DictConfig, gpu: GPUManager) -> str:
@@ -155,7 +176,7 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
     for t in plan.tasks.values():
         devs = "+".join(str(d) for d in placement.get(t.id, [])) or "-"
         deps = ", ".join(t.deps) if len(t.deps) <= 2 else f"{t.deps[0]} (+{len(t.deps) - 1})"
-        gang = f"{t.strategy}x{t.gpus}" if t.strategy != "none" else str(t.gpus)
+        gang = f"{t.strategy}x{t.gpus}" if t.strategy is not Strategy.NONE else str(t.gpus)
         print(
             f"{t.id:58s} {devs:9s} {gang:8s} {t.mem_mb / 1024:7.2f} "
             f"{t.mem_mb / max(1, t.gpus) / 1024:7.2f} {t.priority:6.1f}  "
@@ -175,7 +196,7 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
             f"~{format_duration(sized['rigid_makespan_s'])} with the least ranks each "
             f"({sized['sized']} tasks sized in {sized['sizing_s']:.2f} s)."
         )
-    for line in gang_notes(plan, cfg):
+    for line in gang_notes(plan):
         print(line)
     eta = Eta(plan.tasks, set(), durations, make_scheduler(cfg, gpu))
     if sized:
@@ -200,14 +221,12 @@ def history_line(plan: Plan, durations: TaskDurations) -> str:
     )
 
 
-def gang_notes(plan: Plan, cfg: DictConfig) -> list[str]:
-    """One line per TRL task that runs DDP under training.parallel_strategy=fsdp (CPU)."""
-    from pita.algos.trl_common import cpu_fsdp_note
-    from pita.experiment.gangs import is_trl
+def gang_notes(plan: Plan) -> list[str]:
+    """One line per TRL task that runs DDP under training.parallel_strategy=fsdp (CPU): its
+    gang asked FSDP and runs DDP (pita/experiment/gangs.py `planned_gang`)."""
+    from pita.algos.trl_common import cpu_fsdp_note, fsdp_runs_ddp
 
-    if str(cfg.training.parallel_strategy) != "fsdp":
-        return []
-    return [cpu_fsdp_note(t.id) for t in plan.tasks.values() if is_trl(t) and t.strategy == "ddp"]
+    return [cpu_fsdp_note(t.id) for t in plan.tasks.values() if fsdp_runs_ddp(t.gang)]
 
 
 def _dry_run_sizing(
@@ -286,6 +305,11 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
     absolutized = absolutize_paths(cfg)  # workers run from the project root, not the user's folder
     recorded = _record_hydra_dataset_file(cfg)  # kept in the saved config for a resume
     validate(cfg)
+    from pita.experiment.config import path_secret_error
+
+    secret = path_secret_error(run_dir)  # as the command line's check: a job of a launcher too
+    if secret:
+        raise ConfigError(secret)
     share_with_group(bool(cfg.system.trust_group))  # every control file read
     run_dir = Path(run_dir)
     paths = RunPaths(run_dir)
@@ -299,6 +323,11 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
         plan = change.plan
     if resumed:
         check_plan_fits(plan, gpu, cfg)
+    from pita.core.paths import path_length_errors
+
+    too_long = path_length_errors(run_dir, plan.tasks)  # ENAMETOOLONG mid-run otherwise
+    if too_long:
+        raise ConfigError(too_long)
     if cfg.dry_run:
         warn_stage_overrides(cfg, plan)
         print_dry_run(plan, cfg, gpu)
@@ -397,8 +426,13 @@ def _run_locked(
     _write_run_files(cfg, paths, gpu, plan, resumed, rewrite_config)
     done = completed_tasks(plan, run_dir) if resumed else set()
     journal = Journal(paths.journal)
-    journal.append(
-        "run_resumed" if resumed else "run_started", tasks=len(plan.tasks), already_done=len(done)
+    from pita.experiment.resume_fix import config_sha256
+
+    journal.append(  # the saved config's hash: a resume names a file edited since
+        "run_resumed" if resumed else "run_started",
+        tasks=len(plan.tasks),
+        already_done=len(done),
+        config_sha256=config_sha256(run_dir),
     )
     _log_start(cfg, run_dir, gpu, plan, done, resumed)
     session = _start_session(cfg, paths, gpu, plan, done, journal)
@@ -489,7 +523,7 @@ def _start_session(
     (earlier runs' durations and this run's finished tasks) and the DAG runner."""
     from pita.core.monitor import Monitor
     from pita.core.progress import Progress
-    from pita.experiment.durations import done_walls
+    from pita.experiment.durations import work_walls
     from pita.experiment.estimates import PeakEstimator, peaks_cache_path
 
     run_dir = paths.root
@@ -501,6 +535,8 @@ def _start_session(
         executor.extra_env[WARM_STAGES] = stage_modules(plan, done)
         if any(t.elastic for t in plan.tasks.values()):  # gangs fork ranks from warm workers
             executor.extra_env[WARM_FORKSERVER] = "1"
+    if hasattr(executor, "prepare"):  # Ray: slots reserved, warm actors, shared storage checked
+        executor.prepare(run_dir, stage_modules(plan, done))
     executor.warm_up([(d.index,) for d in gpu.devices][: len(plan.tasks) - len(done)])
     scheduler = make_scheduler(cfg, gpu)
     monitor = Monitor(
@@ -512,7 +548,7 @@ def _start_session(
     ).start()
     durations = task_durations(cfg, gpu)
     if done:  # a resumed run's earlier sessions: this run's durations
-        for tid, wall in done_walls(read_events(paths.journal)).items():
+        for tid, wall in work_walls(read_events(paths.journal), scheduler.host).items():
             if tid in done:
                 durations.observe(plan.tasks[tid], wall)
     from pita.experiment.sizing import make_sizer, wire_eta
@@ -520,7 +556,7 @@ def _start_session(
     sizer = make_sizer(cfg, plan.tasks, durations, scheduler)
     progress = Progress(
         len(plan.tasks),
-        [d.label for d in gpu.devices],
+        device_labels(gpu, executor),
         len(done),
         worker_info=executor.workers,
         live=None if cfg.executor.progress else False,
@@ -549,6 +585,15 @@ def _start_session(
         cfg.executor.max_tasks_per_gpu,
     )
     return Session(journal, executor, monitor, durations, progress, runner, sizer.curves.one_rank)
+
+
+def device_labels(gpu: GPUManager, executor: Any) -> list[str]:
+    """The live table's device names; on Ray each says its node (`cpu2 @ 9bd6acfc`)."""
+    labels = [d.label for d in gpu.devices]
+    nodes_of = getattr(executor, "nodes_of", None)
+    if nodes_of is None:
+        return labels
+    return [f"{label} @ {node[:8]}" for label, node in zip(labels, nodes_of(range(len(labels))))]
 
 
 def _grower(cfg: DictConfig, sizer: Any, run_dir: Path, executor: Any) -> Any:
@@ -709,7 +754,14 @@ def _record_durations(run_dir: Path, plan: Plan, session: Session, events: list[
 
     key = session.durations.key
     try:
-        record_durations(run_dir, plan.tasks, key, events=events, one_rank=session.one_rank)
+        record_durations(
+            run_dir,
+            plan.tasks,
+            key,
+            events=events,
+            one_rank=session.one_rank,
+            share=session.runner.scheduler.host,
+        )
     except Exception as exc:
         log.debug("recording task durations failed: %s", exc, exc_info=True)
 
