@@ -6,6 +6,8 @@ of tests/test_checkpoints.py, whose real stages run in forked workers."""
 
 from __future__ import annotations
 
+import os
+
 from pita.core.forked_worker import PRELOAD, WORKER_MODULE, forks_workers
 
 
@@ -16,10 +18,100 @@ def test_only_preimporting_workers_off_cuda_fork():
 
 
 def test_the_forkserver_preloads_the_worker_and_what_gang_ranks_fork_with():
-    """One list for both: a worker's gang forks its ranks from a forkserver started the
-    same way, with the same modules (pita.training.ddp.warm_forkserver)."""
+    """One list for both, and really imported: a child forked from the forkserver a gang's
+    ranks fork from (pita.training.ddp.warm_forkserver, the pool's starter) holds every
+    `PRELOAD` module, the worker's included, before it imports anything itself. Run in a
+    fresh interpreter, so this test process's own imports and forkserver do not count."""
+    import json
+    import subprocess
+    import sys
+
     from pita.core.forked_worker import start_forkserver
     from pita.training import ddp
+    from tests.conftest import ROOT, pythonpath_with_root
 
+    assert ddp.start_forkserver is start_forkserver  # the pool and the gangs: one starter
     assert WORKER_MODULE in PRELOAD and "torch" in PRELOAD
-    assert ddp.start_forkserver is start_forkserver
+    probe = (
+        "import json, multiprocessing as mp, xml.dom.minidom\n"
+        "from pita.core.forked_worker import PRELOAD\n"
+        "from pita.training.ddp import warm_forkserver\n"
+        "from tests.forkserver_probe import loaded\n"
+        "if __name__ == '__main__':\n"
+        "    warm_forkserver()\n"
+        "    with mp.get_context('forkserver').Pool(1) as pool:\n"
+        "        print(json.dumps(pool.apply(loaded, (['xml.dom.minidom', *PRELOAD],))))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": pythonpath_with_root()}
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    held = json.loads(out.stdout.strip().splitlines()[-1])
+    # every preloaded module; not what only the starting process imported (the child is a
+    # fork of the server, not of it: what the check sees comes from the server)
+    assert held == list(PRELOAD)
+
+
+_TWO_FORKED = """
+import json, multiprocessing, os, sys
+from pita.core.forked_worker import start_forked_worker
+ctx = multiprocessing.get_context("forkserver")
+ctx.set_forkserver_preload(["numpy", "torch", "random", "tests.forked_draws"])
+out = sys.argv[1]
+workers = [
+    start_forked_worker([f"{out}/{i}.json"], dict(os.environ), os.getcwd(), None, b"k",
+                        module="tests.forked_draws")
+    for i in range(2)
+]
+sys.exit(max(w.wait(60) for w in workers))
+"""
+
+
+def test_two_forked_workers_draw_different_streams(tmp_path):
+    """Two workers forked from one forkserver (which imported numpy and torch, so each child
+    starts with its generator states) draw different numbers from Python's, numpy's and
+    torch's global generators (pita.core.forked_worker.reseed_globals); before, all three
+    streams were the same in every worker."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, pythonpath_with_root
+
+    env = {**os.environ, "PYTHONPATH": pythonpath_with_root()}
+    proc = subprocess.run(
+        [sys.executable, "-c", _TWO_FORKED, str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    a, b = (json.loads((tmp_path / f"{i}.json").read_text()) for i in range(2))
+    for generator in ("python", "numpy", "torch"):
+        assert a[generator] != b[generator], generator
+
+
+def test_each_task_seeds_the_global_generators_from_its_id():
+    """Per task: the same task id draws the same stream on any worker (a retry, in-process),
+    two tasks draw different ones (pita.runtime.worker.seed_task_globals)."""
+    import random
+
+    import numpy
+    import torch
+
+    from pita.runtime.worker import seed_task_globals
+    from tests.conftest import task_spec
+
+    cfg = {"experiment": {"seed": 3}}
+
+    def draws(task_id: str) -> tuple:
+        seed_task_globals(cfg, task_spec(task_id))
+        return random.random(), float(numpy.random.rand()), float(torch.rand(1))
+
+    first, other = draws("QSharp.a.b.r0.train"), draws("DPO.a.b.r0.train")
+    again = draws("QSharp.a.b.r0.train")
+    assert first == again
+    assert all(x != y for x, y in zip(first, other))

@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pita.core.parallel import Gang, Strategy
 from pita.core.tasks import TaskSpec
 
 TRAINING_STAGES = ("pretrain", "reward_model", "train")
@@ -71,19 +72,20 @@ def rank_choices(max_ranks: int, n_devices: int) -> list[int]:
 
 
 def resized(task: TaskSpec, k: int) -> TaskSpec:
-    """A copy of `task` on k ranks: its memory per device and how its ranks share it follow
-    (DDP: every rank holds the whole task; FSDP, a gang forced by memory: the gang's total
-    stays and divides by k)."""
+    """A copy of `task` on k ranks: only its gang's world changes, and the memory per device
+    follows how its ranks share it (DDP: every rank holds the whole task; FSDP, a gang
+    forced by memory: the gang's total stays and divides by k)."""
     per_rank = -(-task.mem_mb // max(1, task.gpus))
-    if task.strategy == "fsdp":
-        return replace(task, gpus=k)
-    return replace(task, gpus=k, mem_mb=per_rank * k, strategy="ddp" if k > 1 else "none")
+    mem_mb = task.mem_mb if task.gang.strategy is Strategy.FSDP else per_rank * k
+    gang = task.gang if task.gang.ranked else Gang(Strategy.DDP)  # a task built by hand
+    return replace(task, gpus=k, gang=gang.resized(k), mem_mb=mem_mb)
 
 
 def set_ranks(task: TaskSpec, k: int) -> None:
     """Give `task` k ranks in place (see `resized`)."""
     new = resized(task, k)
-    task.gpus, task.mem_mb, task.strategy = new.gpus, new.mem_mb, new.strategy
+    task.set_gang(new.gang)
+    task.mem_mb = new.mem_mb
 
 
 def curve_key(task: TaskSpec) -> str:
@@ -201,9 +203,10 @@ class Sizer:
     """Chooses the ranks of elastic tasks by simulating the rest of the plan (see module doc).
 
     `one_rank_s(task)` -> the task's expected seconds on one rank (the ETA's `TaskDurations`
-    estimate, converted by `SpeedupCurves.one_rank`); `simulate(tasks, seconds, first)` -> a
-    dict of predicted start times and the makespan of `tasks` (pita/core/parallel_executor.py
-    `simulate_window`), with the ids in `first` placed before the others.
+    estimate, converted by `SpeedupCurves.one_rank`); `simulate(tasks, seconds, first,
+    resize, ends=)` -> a dict of predicted start times and the makespan of `tasks`
+    (pita/core/parallel_executor.py `simulate_window`), with the ids in `first` placed
+    before the others and each task's predicted end written into `ends`.
     """
 
     def __init__(
@@ -348,10 +351,11 @@ class Sizer:
             trial = {**base, task.id: resized(task, k)}
             secs = {tid: seconds[tid] for tid in window if tid != task.id}
             secs[task.id] = self.seconds(task, k)
-            start_at, _ = self.simulate(trial, secs, first, later)
-            predicted[k] = max(start_at[tid] + secs[tid] + tail[tid] for tid in start_at)
+            end_at: dict[str, float] = {}
+            start_at, _ = self.simulate(trial, secs, first, later, ends=end_at)
+            predicted[k] = max(end_at[tid] + tail[tid] for tid in start_at)
             starts[k] = start_at.get(task.id, 0.0)
-            own[k] = starts[k] + secs[task.id] + tail[task.id]
+            own[k] = end_at.get(task.id, starts[k]) + tail[task.id]
         # the earliest predicted end; within `margin` of it (a smaller difference is within
         # the estimates' error) the k whose own chain ends first: when another chain sets
         # the end, a shorter chain here is time the later decisions can give that one

@@ -33,7 +33,9 @@ from typing import Any
 from pita.core.dag import Plan
 from pita.core.elastic import resized, set_ranks
 from pita.core.errors import NODE_LOST, RETRYABLE, ExecutorBroken
+from pita.core.host_share import HostShare
 from pita.core.journal import RUN_FILE_PREFIX, RunFileError
+from pita.core.parallel import Strategy
 from pita.core.tasks import TaskSpec
 
 log = logging.getLogger(__name__)
@@ -77,8 +79,12 @@ class Scheduler:
         simulated_memory: bool = True,
         hold_after: int = 3,
         large_fraction: float = 0.5,
+        host: HostShare | None = None,
     ):
         self.devices = devices
+        # tasks that compute on the host's CPU share its cores (fake / CPU devices): the
+        # simulations slow them down together (pita/core/host_share.py); None: devices of their own
+        self.host = host
         self.max_tasks = max_tasks_per_device
         self.priority = priority
         # Simulated devices (fake/cpu) have no NVML reading: free = total - reservations.
@@ -173,16 +179,21 @@ def simulate(
     duration: Callable[[TaskSpec], float] = lambda t: t.work,
     *,
     starts: dict[str, float] | None = None,
+    ends: dict[str, float] | None = None,
     on_ready: Callable[[TaskSpec, float, dict[str, float], set[str]], None] | None = None,
 ) -> tuple[dict[str, list[int]], float]:
     """Event simulation of the schedule (dry run placement): task -> devices, makespan.
 
     Ready tasks are tracked by counting each task's unfinished dependencies, so a plan of
     tens of thousands of tasks simulates in seconds (the ready list keeps plan order).
-    `starts` (if given) receives each task's simulated start. `on_ready(task, now, ends,
-    unstarted)` is called once for each task as it becomes ready, before it can be placed,
-    with the running tasks' end times and the ids not started yet: the dry run sizes elastic
-    tasks there (pita/core/elastic.py), as the real run does at dispatch."""
+    `duration(task)` is the task's work: its seconds with the host's cores to itself. On a
+    scheduler with a `host` (tasks computing on shared CPU cores) the running tasks progress
+    together at the host's rate (pita/core/host_share.py): a virtual clock of work seconds
+    orders their ends. `starts` / `ends` (if given) receive each task's simulated start and
+    end. `on_ready(task, now, ends, unstarted)` is called once for each task as it becomes
+    ready, before it can be placed, with the running tasks' (expected) end times and the
+    ids not started yet: the dry run sizes elastic tasks there (pita/core/elastic.py), as
+    the real run does at dispatch."""
     order = {tid: i for i, tid in enumerate(plan.tasks)}
     waiting_on = {tid: sum(1 for d in t.deps if d in plan.tasks) for tid, t in plan.tasks.items()}
     dependants: dict[str, list[str]] = {}
@@ -190,35 +201,64 @@ def simulate(
         for d in t.deps:
             dependants.setdefault(d, []).append(tid)
     ready_ids = {tid for tid, n in waiting_on.items() if n == 0}
-    running: list[tuple[float, str]] = []
+    running: list[tuple[float, str]] = []  # (virtual end, id)
     placement: dict[str, list[int]] = {}
     unstarted = set(plan.tasks)
     fresh = set(ready_ids)
-    now = 0.0
+    clock = _Clock(scheduler.host)
     while ready_ids or running:
         if on_ready is not None and fresh:
-            ends = {tid: end for end, tid in running}
+            ends_now = {tid: clock.wall_at(end) for end, tid in running}
             for tid in sorted(fresh, key=order.__getitem__):
-                on_ready(plan.tasks[tid], now, ends, unstarted)
+                on_ready(plan.tasks[tid], clock.now, ends_now, unstarted)
         fresh = set()
         ready = [plan.tasks[tid] for tid in sorted(ready_ids, key=order.__getitem__)]
         for task, devs in scheduler.place(ready):
             placement[task.id] = devs
             if starts is not None:
-                starts[task.id] = now
-            heapq.heappush(running, (now + duration(task), task.id))
+                starts[task.id] = clock.now
+            heapq.heappush(running, (clock.virtual + duration(task), task.id))
+            clock.start(task)
             ready_ids.discard(task.id)
             unstarted.discard(task.id)
         if not running:
             break  # nothing fits: reported by the caller
-        now, tid = heapq.heappop(running)
+        virtual_end, tid = heapq.heappop(running)
+        clock.end_at(virtual_end, tid)
+        if ends is not None:
+            ends[tid] = clock.now
         scheduler.release(tid)
         for child in dependants.get(tid, []):
             waiting_on[child] -= 1
             if waiting_on[child] == 0:
                 ready_ids.add(child)
                 fresh.add(child)
-    return placement, now
+    return placement, clock.now
+
+
+class _Clock:
+    """The simulation's wall clock and virtual (work) clock: the same without a host share."""
+
+    def __init__(self, host: HostShare | None):
+        self.host = host
+        self.now = self.virtual = self.demand = 0.0
+        self.demands: dict[str, float] = {}
+
+    def rate(self) -> float:
+        return 1.0 if self.host is None else self.host.rate(self.demand)
+
+    def wall_at(self, virtual: float) -> float:
+        """When the virtual clock reaches `virtual`, if nothing starts or ends before."""
+        return self.now + (virtual - self.virtual) / self.rate()
+
+    def start(self, task: TaskSpec) -> None:
+        if self.host is not None:
+            self.demands[task.id] = self.host.demand(task)
+            self.demand += self.demands[task.id]
+
+    def end_at(self, virtual: float, task_id: str) -> None:
+        self.now, self.virtual = self.wall_at(virtual), virtual
+        self.demand = max(0.0, self.demand - self.demands.pop(task_id, 0.0))
 
 
 @dataclass
@@ -393,7 +433,7 @@ class DagRunner:
         left = self.scheduler.devices
         if task.ranks:
             task.ranks = [k for k in task.ranks if k <= len(left)] or [1]
-        if task.gpus > len(left) and task.strategy in ("ddp", "fsdp") and left:
+        if task.gpus > len(left) and task.strategy is not Strategy.NONE and left:
             previous = max(task.ranks or [len(left)])
             set_ranks(task, min(previous, len(left)))
             self._journal("task_resized", task=task.id, ranks=task.gpus, why=NODE_LOST)
@@ -568,12 +608,15 @@ def simulate_window(
     seconds: dict[str, float],
     first: frozenset[str] | set[str] | list[str] = frozenset(),
     resize: Callable[[TaskSpec, float, dict[str, float], Scheduler], float | None] | None = None,
+    ends: dict[str, float] | None = None,
 ) -> tuple[dict[str, float], float]:
     """(start of each task, makespan) of `tasks` simulated from now: dependencies outside
     `tasks` are met, the ids in `first` are placed before the others (running tasks hold
     their devices). `resize(task, now, ends, scheduler)`, called as each task becomes ready,
     may give it other ranks (a copy: `tasks` is not changed) and return its new seconds,
-    written into `seconds` (pita/core/elastic.py sizes the later elastic tasks so)."""
+    written into `seconds` (pita/core/elastic.py sizes the later elastic tasks so). `ends`
+    (if given) receives each task's simulated end (its start + its seconds unless the host's
+    cores are shared: `simulate`)."""
     first = set(first)
     sub = {
         tid: replace(
@@ -593,7 +636,12 @@ def simulate_window(
                 seconds[task.id] = new
 
     _, makespan = simulate(
-        Plan(tasks=sub), scheduler, lambda t: seconds[t.id], starts=starts, on_ready=hook
+        Plan(tasks=sub),
+        scheduler,
+        lambda t: seconds[t.id],
+        starts=starts,
+        ends=ends,
+        on_ready=hook,
     )
     return starts, makespan
 
@@ -606,4 +654,5 @@ def fresh_scheduler(scheduler: Scheduler) -> Scheduler:
         max_tasks_per_device=scheduler.max_tasks,
         priority=scheduler.priority,
         simulated_memory=True,
+        host=scheduler.host,
     )

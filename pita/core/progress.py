@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pita.core.host_share import ShareClock
 from pita.core.parallel_executor import Scheduler, fresh_scheduler, simulate_remaining
 from pita.core.tasks import TaskSpec
 
@@ -208,6 +209,33 @@ class Eta:
         self.scheduler = scheduler
         # (task, one-rank seconds) -> seconds on the task's `gpus` ranks (elastic tasks)
         self.at_ranks: Callable[[TaskSpec, float], float] = lambda t, s: s
+        # tasks sharing the host's cores (fake / CPU devices): durations count as work, the
+        # seconds each would take alone (pita/core/host_share.py)
+        host = getattr(scheduler, "host", None)
+        self.clock = ShareClock(host) if host is not None else None
+
+    def task_started(self, task: TaskSpec, now: float) -> None:
+        if self.clock is not None:
+            self.clock.start(task.id, self.clock.share.demand(task), now)
+
+    def task_ended(self, task: TaskSpec, now: float, wall_s: float | None = None) -> None:
+        """A task ended; `wall_s`: it finished in that time, and its work is learned (its wall
+        time x the host's mean rate while it ran)."""
+        if wall_s is None:
+            if self.clock is not None:
+                self.clock.stop(task.id, now)
+            return
+        work = float(wall_s)
+        if self.clock is not None and task.id in self.clock.running:
+            began = now - self.clock.running_for(task.id, now)
+            done = self.clock.stop(task.id, now) or 0.0
+            work *= done / (now - began) if now > began else 1.0
+        self.durations.observe(task, work)
+
+    def worked(self, task_id: str, started: float, now: float) -> float:
+        """Seconds of its own work a running task has done (its wall time on its own cores)."""
+        done = self.clock.worked(task_id, now) if self.clock is not None else None
+        return max(0.0, now - started) if done is None else done
 
     def estimate(
         self,
@@ -232,7 +260,7 @@ class Eta:
         for tid in started:
             if tid not in left:
                 continue
-            elapsed, f = max(0.0, now - started[tid]), fractions.get(tid)
+            elapsed, f = self.worked(tid, started[tid], now), fractions.get(tid)
             out.elapsed[tid], out.expected[tid] = elapsed, expected[tid][0]
             remaining = task_left(expected[tid][0], elapsed, f, first.get(tid, (0.0, 0.0)))
             out.left[tid] = remaining
@@ -370,7 +398,7 @@ class Progress:
                 fractions = {t: parse_progress(line) for t, line in self.latest_progress().items()}
                 for tid, f in fractions.items():
                     if f and tid in self.started and tid not in self._first:
-                        self._first[tid] = (now - self.started[tid], f)
+                        self._first[tid] = (self.eta.worked(tid, self.started[tid], now), f)
                 estimate = self.eta.estimate(dict(self.started), now, fractions, self._first)
             except Exception:  # an estimate, not worth a failed run
                 log.debug("ETA estimate failed", exc_info=True)
@@ -483,15 +511,18 @@ class Progress:
     def event(self, kind: str, task: TaskSpec, info: Any) -> None:
         self._log_event(kind, task, info)
         with self._eta_lock:  # the ticker thread reads these while it recomputes
+            now = time.time()
             if kind == "running":
-                self.started[task.id] = time.time()
+                self.started[task.id] = now
+                if self.eta is not None:
+                    self.eta.task_started(task, now)
                 return
             self.started.pop(task.id, None)
             self._first.pop(task.id, None)
             if self.eta is None:
                 return
-            if kind == "done":
-                self.eta.durations.observe(task, info.wall_s)
+            if kind != "skipped":
+                self.eta.task_ended(task, now, info.wall_s if kind == "done" else None)
             if kind in ("done", "failed", "skipped"):
                 self.eta.finished.add(task.id)
             self._eta_stale = True

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pita.core import user_cache
+from pita.core.host_share import HostShare, mean_rates
 from pita.core.journal import read_events
 from pita.core.paths import RunPaths, pita_cache_dir
 from pita.core.schema import result_config
@@ -38,12 +39,40 @@ def _node(cfg: Any, dotted: str) -> Any:
     return node
 
 
-def _num(cfg: Any, dotted: str, default: float = 0.0) -> float:
+def _num(cfg: Any, dotted: str) -> float:
+    """The number at `dotted`, 0.0 when absent (for `a or b` chains)."""
     node = _node(cfg, dotted)
     try:
-        return float(node) if node is not None else default
+        return float(node) if node is not None else 0.0
     except (TypeError, ValueError):
-        return default
+        return 0.0
+
+
+def _amount(cfg: Any, dotted: str) -> float:
+    """The number at `dotted`; absent (a partial config), the schema's own default for it
+    (`algos.<NAME>.*`: that algorithm's schema), never a restated one; a key without a
+    numeric default (a dataset size of another task, a key the algorithm lacks) counts as 1."""
+    node = _node(cfg, dotted)
+    if node is None:
+        node = _schema_default(dotted)
+    try:
+        return float(node) if node is not None else 1.0
+    except (TypeError, ValueError):
+        return 1.0
+
+
+def _schema_default(dotted: str) -> Any:
+    from pita.algos.registry import ALGORITHMS
+    from pita.core.schema import default_of
+
+    group, _, key = dotted.partition(".")
+    try:
+        if group == "algos":
+            name, _, key = key.partition(".")
+            return default_of(key, ALGORITHMS[name].schema) if name in ALGORITHMS else None
+        return default_of(dotted)
+    except KeyError:
+        return None
 
 
 def task_size(task: Any, cfg: Any) -> dict[str, float]:
@@ -55,39 +84,39 @@ def task_size(task: Any, cfg: Any) -> dict[str, float]:
     examples = (
         _num(cfg, "data_collection.max_examples")
         or _num(task.dataset_cfg, "train_size")
-        or _num(cfg, "dataset.train_size", 1.0)
+        or _amount(cfg, "dataset.train_size")
     )
     stage = task.stage.removesuffix("_merge")
     if stage == "pretrain":
         size = {
-            "steps": _num(cfg, "pretrain.steps", 1),
-            "batch": _num(cfg, "pretrain.batch_size", 1),
+            "steps": _amount(cfg, "pretrain.steps"),
+            "batch": _amount(cfg, "pretrain.batch_size"),
         }
     elif stage == "train":
         steps = _num(cfg, f"{algo}.steps")
         size = (
-            {"steps": steps, "batch": _num(cfg, f"{algo}.batch_size", 1)}
+            {"steps": steps, "batch": _amount(cfg, f"{algo}.batch_size")}
             if steps > 0
-            else {"epochs": _num(cfg, f"{algo}.epochs", 1), "examples": examples}
+            else {"epochs": _amount(cfg, f"{algo}.epochs"), "examples": examples}
         )
     elif stage == "collect":
-        samples = _num(cfg, f"{algo}.samples_per_example") or _num(
-            cfg, f"{algo}.pairs_per_example", 1
+        samples = _num(cfg, f"{algo}.samples_per_example") or _amount(
+            cfg, f"{algo}.pairs_per_example"
         )
         size = {"examples": examples / task.num_shards, "samples": samples}
     elif stage == "reward_model":
-        size = {"epochs": _num(cfg, f"{algo}.reward_epochs", 1), "examples": examples}
+        size = {"epochs": _amount(cfg, f"{algo}.reward_epochs"), "examples": examples}
     elif stage == "evaluate":
-        test = _num(task.dataset_cfg, "test_size") or _num(cfg, "dataset.test_size", 1.0)
+        test = _num(task.dataset_cfg, "test_size") or _amount(cfg, "dataset.test_size")
         etas = _node(cfg, "evaluation.etas")
         size = {
             "examples": test / task.num_shards,
-            "samples": _num(cfg, "evaluation.num_samples", 1),
+            "samples": _amount(cfg, "evaluation.num_samples"),
             "etas": float(len(etas) if isinstance(etas, (list, tuple)) and etas else 1),
         }
     else:
         size = {}
-    size["model_gb"] = _num(task.family_cfg, "memory_gb") or _num(cfg, "model.memory_gb", 1.0)
+    size["model_gb"] = _num(task.family_cfg, "memory_gb") or _amount(cfg, "model.memory_gb")
     return {k: max(v, 1e-9) for k, v in size.items()}
 
 
@@ -230,19 +259,21 @@ def record_durations(
     *,
     events: list[dict[str, Any]] | None = None,
     one_rank: Callable[[Any, float, int], float] | None = None,
+    share: HostShare | None = None,
 ) -> int:
     """Add this run's finished tasks' durations to the cache; how many were recorded.
     `events`: the run's journal when the caller has read it already.
 
-    `wall_s` is what the task stands for on one rank (`one_rank(task, wall, k)` converts a
-    gang's wall time); an elastic task also keeps its raw seconds per rank count
-    (`by_ranks`, across runs) and its curve key, from which speedup curves are fitted."""
+    `wall_s` is what the task stands for on one rank with the host's cores to itself
+    (`share`: tasks that shared the CPU count their work, `work_walls`; `one_rank(task,
+    wall, k)` converts a gang's wall time); an elastic task also keeps its seconds per rank
+    count (`by_ranks`, across runs) and its curve key, from which speedup curves are fitted."""
     from pita.core.elastic import curve_key
 
     path = path or durations_cache_path()
     if events is None:
         events = read_events(RunPaths(run_dir).journal)
-    walls = done_walls(events)
+    walls = work_walls(events, share)
     ranks = ranks_of(events)
     if not walls:
         return 0
@@ -269,3 +300,13 @@ def done_walls(events: list[dict[str, Any]]) -> dict[str, float]:
     return {
         e["task"]: float(e.get("wall_s") or 0.0) for e in events if e.get("event") == "task_done"
     }
+
+
+def work_walls(events: list[dict[str, Any]], share: HostShare | None) -> dict[str, float]:
+    """task id -> the work of its (last) finished attempt: its wall_s x the host's mean rate
+    while it ran (pita/core/host_share.py), or wall_s itself without a share (GPUs)."""
+    walls = done_walls(events)
+    if share is None:
+        return walls
+    rates = mean_rates(events, share)
+    return {tid: wall * rates.get(tid, 1.0) for tid, wall in walls.items()}

@@ -27,7 +27,9 @@ from pita.core.dag import Plan
 from pita.core.errors import ConfigError, ExecutorBroken
 from pita.core.executor import Executor
 from pita.core.gpu_manager import GPUManager
+from pita.core.host_share import HostShare
 from pita.core.journal import RUN_FILE_ERRNOS, Journal, RunFileError, read_events, run_file_error
+from pita.core.parallel import Strategy
 from pita.core.parallel_executor import DagRunner, DeviceState, Scheduler, simulate
 from pita.core.parallel_generation import ParallelDataGenerator
 from pita.core.paths import Artifact, RunPaths, TaskPaths, atomic_write_json
@@ -94,7 +96,25 @@ def make_scheduler(cfg: DictConfig, gpu: GPUManager) -> Scheduler:
     if cfg.executor.backend == "ray" and value == "auto":
         value = 1  # Ray places by whole GPUs (num_gpus=1): it would queue a second task on a slot
     cap = max_tasks_per_device(value, gpu.kind, len(gpu.devices))
-    return Scheduler(states, max_tasks_per_device=cap, simulated_memory=gpu.kind != "cuda")
+    return Scheduler(
+        states,
+        max_tasks_per_device=cap,
+        simulated_memory=gpu.kind != "cuda",
+        host=host_share(cfg, gpu, cap),
+    )
+
+
+def host_share(cfg: DictConfig, gpu: GPUManager, tasks_per_device: int) -> HostShare | None:
+    """The cores the run's tasks share when they compute on this host's CPU (`fake:` devices,
+    CPU slots), each rank with its workers' torch threads; None on GPUs (pita/core/host_share.py)."""
+    from pita.core.resources import host_cores, thread_budget
+
+    kind = compute_kind(cfg, gpu)
+    if kind == "cuda":
+        return None
+    n = len(gpu.devices)
+    threads = thread_budget(kind, n, tasks_per_device, int(cfg.system.threads_per_worker))
+    return HostShare(float(host_cores()), threads)
 
 
 def compute_kind(cfg: DictConfig, gpu: GPUManager) -> str:
@@ -156,7 +176,7 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
     for t in plan.tasks.values():
         devs = "+".join(str(d) for d in placement.get(t.id, [])) or "-"
         deps = ", ".join(t.deps) if len(t.deps) <= 2 else f"{t.deps[0]} (+{len(t.deps) - 1})"
-        gang = f"{t.strategy}x{t.gpus}" if t.strategy != "none" else str(t.gpus)
+        gang = f"{t.strategy}x{t.gpus}" if t.strategy is not Strategy.NONE else str(t.gpus)
         print(
             f"{t.id:58s} {devs:9s} {gang:8s} {t.mem_mb / 1024:7.2f} "
             f"{t.mem_mb / max(1, t.gpus) / 1024:7.2f} {t.priority:6.1f}  "
@@ -176,7 +196,7 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
             f"~{format_duration(sized['rigid_makespan_s'])} with the least ranks each "
             f"({sized['sized']} tasks sized in {sized['sizing_s']:.2f} s)."
         )
-    for line in gang_notes(plan, cfg):
+    for line in gang_notes(plan):
         print(line)
     eta = Eta(plan.tasks, set(), durations, make_scheduler(cfg, gpu))
     if sized:
@@ -201,14 +221,12 @@ def history_line(plan: Plan, durations: TaskDurations) -> str:
     )
 
 
-def gang_notes(plan: Plan, cfg: DictConfig) -> list[str]:
-    """One line per TRL task that runs DDP under training.parallel_strategy=fsdp (CPU)."""
-    from pita.algos.trl_common import cpu_fsdp_note
-    from pita.experiment.gangs import is_trl
+def gang_notes(plan: Plan) -> list[str]:
+    """One line per TRL task that runs DDP under training.parallel_strategy=fsdp (CPU): its
+    gang asked FSDP and runs DDP (pita/experiment/gangs.py `planned_gang`)."""
+    from pita.algos.trl_common import cpu_fsdp_note, fsdp_runs_ddp
 
-    if str(cfg.training.parallel_strategy) != "fsdp":
-        return []
-    return [cpu_fsdp_note(t.id) for t in plan.tasks.values() if is_trl(t) and t.strategy == "ddp"]
+    return [cpu_fsdp_note(t.id) for t in plan.tasks.values() if fsdp_runs_ddp(t.gang)]
 
 
 def _dry_run_sizing(
@@ -285,7 +303,13 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
     from pita.experiment.preflight import absolutize_paths
 
     absolutized = absolutize_paths(cfg)  # workers run from the project root, not the user's folder
+    recorded = _record_hydra_dataset_file(cfg)  # kept in the saved config for a resume
     validate(cfg)
+    from pita.experiment.config import path_secret_error
+
+    secret = path_secret_error(run_dir)  # as the command line's check: a job of a launcher too
+    if secret:
+        raise ConfigError(secret)
     share_with_group(bool(cfg.system.trust_group))  # every control file read
     run_dir = Path(run_dir)
     paths = RunPaths(run_dir)
@@ -299,6 +323,11 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
         plan = change.plan
     if resumed:
         check_plan_fits(plan, gpu, cfg)
+    from pita.core.paths import path_length_errors
+
+    too_long = path_length_errors(run_dir, plan.tasks)  # ENAMETOOLONG mid-run otherwise
+    if too_long:
+        raise ConfigError(too_long)
     if cfg.dry_run:
         warn_stage_overrides(cfg, plan)
         print_dry_run(plan, cfg, gpu)
@@ -312,7 +341,10 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
                 from pita.experiment.resume_fix import apply_change
 
                 apply_change(cfg, run_dir, change)
-            rewrite = bool(absolutized) or strategy_line is not None  # the saved config
+            from pita.experiment.code_keys import record
+
+            record(cfg, run_dir)  # the code-bearing values this user runs with (their choice)
+            rewrite = bool(absolutized) or recorded or strategy_line is not None  # saved config
             return _run_locked(cfg, run_dir, paths, gpu, plan, resumed, rewrite)
         except RunFileError as exc:  # the journal cannot be opened: immutable, read-only
             return run_files_failed(run_dir, exc)
@@ -320,6 +352,17 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
             if exc.errno not in RUN_FILE_ERRNOS:
                 raise
             return run_files_failed(run_dir, exc)
+
+
+def _record_hydra_dataset_file(cfg: DictConfig) -> bool:
+    """Under `@hydra.main`: record the selected dataset file (dataset_choice.py)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from pita.experiment.dataset_choice import record_dataset_file
+
+    if not HydraConfig.initialized():
+        return False
+    return record_dataset_file(cfg, HydraConfig.get().runtime.choices)
 
 
 def run_files_failed(run_dir: Path, exc: BaseException, journal: Journal | None = None) -> int:
@@ -386,8 +429,13 @@ def _run_locked(
     _write_run_files(cfg, paths, gpu, plan, resumed, rewrite_config)
     done = completed_tasks(plan, run_dir) if resumed else set()
     journal = Journal(paths.journal)
-    journal.append(
-        "run_resumed" if resumed else "run_started", tasks=len(plan.tasks), already_done=len(done)
+    from pita.experiment.resume_fix import config_sha256
+
+    journal.append(  # the saved config's hash: a resume names a file edited since
+        "run_resumed" if resumed else "run_started",
+        tasks=len(plan.tasks),
+        already_done=len(done),
+        config_sha256=config_sha256(run_dir),
     )
     _log_start(cfg, run_dir, gpu, plan, done, resumed)
     session = _start_session(cfg, paths, gpu, plan, done, journal)
@@ -478,7 +526,7 @@ def _start_session(
     (earlier runs' durations and this run's finished tasks) and the DAG runner."""
     from pita.core.monitor import Monitor
     from pita.core.progress import Progress
-    from pita.experiment.durations import done_walls
+    from pita.experiment.durations import work_walls
     from pita.experiment.estimates import PeakEstimator, peaks_cache_path
 
     run_dir = paths.root
@@ -503,7 +551,7 @@ def _start_session(
     ).start()
     durations = task_durations(cfg, gpu)
     if done:  # a resumed run's earlier sessions: this run's durations
-        for tid, wall in done_walls(read_events(paths.journal)).items():
+        for tid, wall in work_walls(read_events(paths.journal), scheduler.host).items():
             if tid in done:
                 durations.observe(plan.tasks[tid], wall)
     from pita.experiment.sizing import make_sizer, wire_eta
@@ -709,7 +757,14 @@ def _record_durations(run_dir: Path, plan: Plan, session: Session, events: list[
 
     key = session.durations.key
     try:
-        record_durations(run_dir, plan.tasks, key, events=events, one_rank=session.one_rank)
+        record_durations(
+            run_dir,
+            plan.tasks,
+            key,
+            events=events,
+            one_rank=session.one_rank,
+            share=session.runner.scheduler.host,
+        )
     except Exception as exc:
         log.debug("recording task durations failed: %s", exc, exc_info=True)
 

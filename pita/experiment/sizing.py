@@ -45,8 +45,8 @@ def make_sizer(
             rate_at.update(units=durations.work_units, rate=durations.rate(list(tasks.values())))
         return durations.estimate(task, rate_at["rate"])[0]
 
-    def sim(trial, seconds, first, resize=None):
-        return simulate_window(trial, fresh_scheduler(scheduler), seconds, first, resize)
+    def sim(trial, seconds, first, resize=None, ends=None):
+        return simulate_window(trial, fresh_scheduler(scheduler), seconds, first, resize, ends)
 
     return Sizer(
         curves,

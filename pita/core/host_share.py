@@ -1,0 +1,126 @@
+"""Tasks that compute on the host's CPU share its cores: the forecast's model of it.
+
+On `fake:` devices and CPU slots every worker computes on the same cores. Eight `fake:`
+devices on a 2-core machine run eight one-thread tasks at once, each at a quarter of the
+speed it has alone; a simulation that gives each device its own speed predicts a makespan
+that the cores cannot deliver, and durations measured under that crowding (each task 4x
+its own time) make the next forecast of a smaller run too long. Both sides use the same
+model here (processor sharing, as the kernel's scheduler does for busy threads):
+
+- a running task asks for `demand(task)` cores (its ranks x torch threads per rank);
+- while the running tasks ask for D cores in all on a host of C, each progresses at
+  `rate(D)` = min(1, C / D) seconds of its own work per second of wall time;
+- a task's *work* is what it would take with the cores to itself: the integral of its
+  rate over its life (`ShareClock`). Durations are recorded and estimated as work; the
+  simulation (pita/core/parallel_executor.py `simulate`) turns work back into wall time.
+
+Since every running task progresses at the same rate, one virtual clock serves them all
+(V(t) = integral of rate): a task that starts at V0 with w seconds of work ends when V
+reaches V0 + w, so the simulation keeps its heap of end times and stays O(log n) an event.
+What this does not see: load from outside the run (other users' processes) and memory
+bandwidth; the orchestrator's own CPU is small beside a task's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class HostShare:
+    """`cores` the run's tasks share; each rank of a task runs `threads` torch threads."""
+
+    cores: float
+    threads: int = 1
+
+    def demand(self, task: Any) -> float:
+        """Cores a task asks for: k ranks, each with threads / k of the worker's (at least 1)."""
+        k = max(1, int(getattr(task, "gpus", 1) or 1))
+        return float(k * max(1, self.threads // k))
+
+    def rate(self, demand: float) -> float:
+        """Seconds of its own work each running task does per second while `demand` cores are asked."""
+        return 1.0 if demand <= self.cores else self.cores / demand
+
+
+@dataclass
+class ShareClock:
+    """Each task's work (seconds alone on the cores) while tasks start and stop on a host."""
+
+    share: HostShare
+    virtual: float = 0.0  # integral of the rate since the clock started
+    at: float | None = None  # wall time of the last change
+    demand: float = 0.0
+    running: dict[str, tuple[float, float]] = field(default_factory=dict)  # id -> (V0, demand)
+    began: dict[str, float] = field(default_factory=dict)  # id -> wall time it started
+
+    def advance(self, now: float) -> float:
+        """Bring the virtual clock to `now`; returns it."""
+        if self.at is not None and now > self.at:
+            self.virtual += (now - self.at) * self.share.rate(self.demand)
+        self.at = now if self.at is None else max(self.at, now)
+        return self.virtual
+
+    def start(self, task_id: str, demand: float, now: float) -> None:
+        self.advance(now)
+        self.stop(task_id, now)  # a retry's new attempt: the old one ended
+        self.running[task_id] = (self.virtual, demand)
+        self.began[task_id] = now
+        self.demand += demand
+
+    def worked(self, task_id: str, now: float) -> float | None:
+        """Work seconds the running task has done by `now` (None: not running)."""
+        if task_id not in self.running:
+            return None
+        return self.advance(now) - self.running[task_id][0]
+
+    def running_for(self, task_id: str, now: float) -> float:
+        """Wall seconds since the task started (0 when it is not running)."""
+        began = self.began.get(task_id)
+        return 0.0 if began is None else max(0.0, now - began)
+
+    def stop(self, task_id: str, now: float) -> float | None:
+        """The task ended: its work seconds (None: it was not running)."""
+        if task_id not in self.running:
+            return None
+        done = self.advance(now) - self.running[task_id][0]
+        self.demand = max(0.0, self.demand - self.running.pop(task_id)[1])
+        self.began.pop(task_id, None)
+        return done
+
+
+def mean_rates(
+    events: Iterable[Mapping[str, Any]], share: HostShare, gpus: Mapping[str, int] | None = None
+) -> dict[str, float]:
+    """task id -> the mean rate (work / wall) of its last finished attempt, replaying a
+    run's journal (`task_running` with its devices; `task_done`, `task_failed`,
+    `task_retry`, `task_resized`, `task_stopped` end an attempt) through a `ShareClock`.
+    A task's work is its measured wall time x this rate. `gpus`: ranks per task where an
+    event does not list its devices."""
+    clock = ShareClock(share)
+    began: dict[str, float] = {}
+    out: dict[str, float] = {}
+    for e in events:
+        kind, tid, ts = e.get("event"), e.get("task"), e.get("ts")
+        if not isinstance(tid, str) or not isinstance(ts, (int, float)):
+            continue
+        if kind == "task_running":
+            k = len(e.get("devices") or []) or (gpus or {}).get(tid, 1)
+            clock.start(tid, share.demand(_Ranks(k)), float(ts))
+            began[tid] = float(ts)
+        elif kind in ENDS:
+            done = clock.stop(tid, float(ts))
+            wall = float(ts) - began.pop(tid, float(ts))
+            if kind == "task_done" and done is not None:
+                out[tid] = done / wall if wall > 0 else share.rate(clock.demand)
+    return out
+
+
+ENDS = ("task_done", "task_failed", "task_retry", "task_resized", "task_stopped")
+
+
+@dataclass(frozen=True)
+class _Ranks:
+    gpus: int
