@@ -101,6 +101,7 @@ def _pretrain(
         family_cfg={"reference_arch": {"n_layer": 1, "d_model": 32, "n_head": 2}},
         gpus=ranks,
     )
+    task.strategy = strategy  # the gang the planner gives a training stage
     out = run_dir / "tasks" / f".tmp-{PRETRAIN}-1"
     out.mkdir(parents=True, exist_ok=True)
     logger = logging.getLogger(f"test.hostile.{random.random()}")

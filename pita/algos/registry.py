@@ -81,12 +81,41 @@ class Algorithm:
     # and the TRL stages whose ranks are accelerate's processes): with
     # `training.parallel_strategy` data_parallel / fsdp the planner gives them a gang.
     gang_stages: tuple[str, ...] = ()
+    # Of `gang_stages`, those that train with a TRL Trainer (their ranks are accelerate's
+    # processes): no FSDP off CUDA, and the gang's k divides the batch (pita/experiment/gangs.py).
+    trl_stages: tuple[str, ...] = ()
+    # Of `gang_stages`, those whose checkpoints resume on any k with the numbers of an
+    # uninterrupted run: growth may restart them on more ranks (pita/core/growth.py; why
+    # each row's are, or are not, at `GROWTH` below).
+    growable_stages: tuple[str, ...] = ()
 
     @property
     def schema_path(self) -> str:
         """ "module:Class" of `schema`: how a task names it to its worker (`ctx.algo`)."""
         return f"{self.schema.__module__}:{self.schema.__qualname__}"
 
+
+# GROWTH: the stages whose checkpoints resume on any k with the numbers of an uninterrupted run.
+# - pita's own loops (pretrain, the value trainer): full-state checkpoints (pita/training/ddp.py
+#   `FullState`; tests/test_growth.py);
+# - DPO / RPO training, GRPO / GRPO-HF training and the proxy reward model of the -HF
+#   variants, from the Trainer's own checkpoint (`resume_from_checkpoint`: model, optimizer,
+#   step). accelerate's seedable sampler deals the same batches at any k (whole global batches
+#   only: `trl_common.whole_batches`; GRPO's sampler takes whole groups) and the Trainer skips
+#   the seen ones; they draw no random numbers of the process (TRL's `disable_dropout`; GRPO
+#   samples each completion from its own seed of prompt, step and place in its group,
+#   `grpo._row_seeds`, not from the rank's stream seeded seed + rank), so the per-rank RNG
+#   files a checkpoint of another k lacks do not matter. pita adds the gang's loss sums and
+#   TRL's unlogged metrics to the checkpoint and logs the last step (pita/algos/trl_common.py).
+#   Measured (DPO and the reward model, 1 rank stopped, resumed on 2 and stopped, resumed on
+#   2): every logged value, the result and the weights within 1.2e-7 of one process' run;
+#   without those additions DPO's first log after a stop was off (loss by 2.6e-3, TRL's reward
+#   accuracy by 0.25) and so was train_loss (1.4e-3):
+#   tests/test_trl_gang.py::test_trl_stages_stopped_and_resumed_on_other_ranks_match_an_uninterrupted_run
+#   (GRPO in the same test; RPO is DPO's stage with an SFT term, GRPO-HF's train GRPO's with
+#   another reward: not run separately). Before GRPO's completions were seeded per row, 2 of
+#   4 steps on 1 rank and the rest on 2 ended with weights 0.026 apart and the last logged KL
+#   1.49 against 1.14 (issue 45).
 
 # Stages every chain shares unless an algorithm names its own function.
 SHARED_FUNCTIONS: dict[str, str] = {
@@ -105,6 +134,8 @@ SHARED_OUTPUTS: dict[str, tuple[str, ...]] = {
 }
 # The models of the shared stages outside any round (as Algorithm.models).
 SHARED_MODELS: dict[str, tuple[Held, ...]] = {"pretrain": (Held("reference", "train"),)}
+# The shared stages that grow (as Algorithm.growable_stages; pretrain is pita's own loop).
+SHARED_GROWABLE: tuple[str, ...] = ("pretrain",)
 
 _VALUE_ROUND = ("collect", "train", "evaluate")
 _HF_ROUND = ("collect", "reward_model", "train", "evaluate")
@@ -154,6 +185,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             models=_VALUE_MODELS,
             schema=ValueGuidedConfig,
             gang_stages=("train",),
+            growable_stages=("train",),
         ),
         Algorithm(
             "QSharp",
@@ -164,6 +196,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             models=_VALUE_MODELS,
             schema=ValueGuidedConfig,
             gang_stages=("train",),
+            growable_stages=("train",),
         ),
         Algorithm(
             "QSharp-HF",
@@ -185,6 +218,8 @@ ALGORITHMS: dict[str, Algorithm] = {
             models={**_VALUE_MODELS, "reward_model": (Held("reward", "train", atoms_head=True),)},
             schema=ValueGuidedHFConfig,
             gang_stages=("reward_model", "train"),
+            trl_stages=("reward_model",),
+            growable_stages=("reward_model", "train"),
         ),
         # policy-optimisation baselines with TRL (pita/algos/dpo.py, grpo.py)
         # DPO is plain DPO (`sft_weight: 0`, as the papers ran it); RPO is the same trainer with
@@ -198,6 +233,8 @@ ALGORITHMS: dict[str, Algorithm] = {
             models=_POLICY_MODELS,
             schema=PreferenceConfig,
             gang_stages=("train",),
+            trl_stages=("train",),
+            growable_stages=("train",),
         ),
         Algorithm(
             "RPO",
@@ -207,6 +244,8 @@ ALGORITHMS: dict[str, Algorithm] = {
             models=_POLICY_MODELS,
             schema=PreferenceConfig,
             gang_stages=("train",),
+            trl_stages=("train",),
+            growable_stages=("train",),
         ),
         Algorithm(
             "GRPO",
@@ -216,6 +255,8 @@ ALGORITHMS: dict[str, Algorithm] = {
             models={"train": _GRPO_TRAIN, "evaluate": _POLICY_MODELS["evaluate"]},
             schema=GRPOConfig,
             gang_stages=("train",),
+            trl_stages=("train",),
+            growable_stages=("train",),
         ),
         Algorithm(
             "GRPO-HF",
@@ -234,6 +275,8 @@ ALGORITHMS: dict[str, Algorithm] = {
             },
             schema=GRPOHFConfig,
             gang_stages=("reward_model", "train"),
+            trl_stages=("reward_model", "train"),
+            growable_stages=("reward_model", "train"),
         ),
     )
 }
@@ -329,6 +372,32 @@ def stage_models(algo: str, stage: str, round_idx: int) -> tuple[Held, ...]:
     if held is None:
         held = SHARED_MODELS.get(stage, ())
     return tuple(h for h in held if round_idx >= h.from_round)
+
+
+def _own_function(algo: str, stage: str, fn: str) -> Algorithm | None:
+    """The row of `algo` when `fn` is its own (or the shared) function of `stage`: a
+    function put in by executor.stage_overrides is none of the row's business."""
+    row = ALGORITHMS.get(algo)
+    own = row.functions.get(stage) if row is not None else None
+    if fn != (own or SHARED_FUNCTIONS.get(stage)):
+        return None
+    return row if row is not None and own is not None else _SHARED_ROW
+
+
+def runs_trl(algo: str, stage: str, fn: str) -> bool:
+    """Whether the task (algo, stage, fn) trains with a TRL Trainer (its row's `trl_stages`)."""
+    row = _own_function(algo, stage, fn)
+    return row is not None and stage in row.trl_stages
+
+
+def can_grow(algo: str, stage: str, fn: str) -> bool:
+    """Whether its checkpoints resume on any k (its row's `growable_stages`; GROWTH above)."""
+    row = _own_function(algo, stage, fn)
+    return row is not None and stage in row.growable_stages
+
+
+# the shared stages' columns, as a row (pretrain: pita's own loop, grows; no TRL stage)
+_SHARED_ROW = Algorithm(ANY, (), growable_stages=SHARED_GROWABLE)
 
 
 def is_importable(dotted: str) -> bool:

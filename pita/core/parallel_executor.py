@@ -35,6 +35,7 @@ from pita.core.elastic import resized, set_ranks
 from pita.core.errors import NODE_LOST, RETRYABLE, ExecutorBroken
 from pita.core.host_share import HostShare
 from pita.core.journal import RUN_FILE_PREFIX, RunFileError
+from pita.core.parallel import Strategy
 from pita.core.tasks import TaskSpec
 
 log = logging.getLogger(__name__)
@@ -432,7 +433,7 @@ class DagRunner:
         left = self.scheduler.devices
         if task.ranks:
             task.ranks = [k for k in task.ranks if k <= len(left)] or [1]
-        if task.gpus > len(left) and task.strategy in ("ddp", "fsdp") and left:
+        if task.gpus > len(left) and task.strategy is not Strategy.NONE and left:
             previous = max(task.ranks or [len(left)])
             set_ranks(task, min(previous, len(left)))
             self._journal("task_resized", task=task.id, ranks=task.gpus, why=NODE_LOST)

@@ -20,6 +20,7 @@ Install: `pip install "ray[default]"`; start a cluster (`ray start --head` ...),
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -493,6 +494,7 @@ def _connect(ray: Any, address: str | None) -> None:
             address=None if address in (None, "local") else address,
             ignore_reinit_error=True,
             log_to_driver=False,
+            logging_level=logging.WARNING,  # its "Connecting to ..." lines: not on stderr
         )
     except (ConnectionError, RuntimeError, ValueError, _ray_auth_error()) as exc:
         first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)

@@ -145,7 +145,8 @@ def _yaml_error(exc: BaseException | None) -> str | None:
                 except ValueError:
                     pass
                 where = f"{name}:{mark.line + 1}:{mark.column + 1}"
-            return f"{where}: YAML syntax error: {exc.problem or exc.context}"
+            label = "YAML" if isinstance(exc, yaml.constructor.ConstructorError) else "YAML syntax"
+            return f"{where}: {label} error: {exc.problem or exc.context}"
         exc = exc.__cause__ or exc.__context__
     return None
 
@@ -217,6 +218,7 @@ def compose_config(
         except Exception:  # an interpolation error: validate() reports it, with its file
             run_dir = ""
         LAST_COMPOSE["run_dir"] = str(run_dir or "")
+        _refuse_hydra_secrets(cfg)
         set_search_dirs(  # where an interpolation error's file is looked for
             [CONF_DIR, *([Path(config_dir).expanduser()] if config_dir else [])]
             + [Path(str(p).removeprefix("file://")) for p in cfg.hydra.get("searchpath", [])]
@@ -230,10 +232,32 @@ def compose_config(
             with read_write(cfg), open_dict(cfg):
                 del cfg["hydra"]
         return cfg
+    except ConfigError:
+        raise
     except Exception as exc:
         raise ConfigError(format_compose_error(exc, overrides)) from None
     finally:
         GlobalHydra.instance().clear()
+
+
+def _refuse_hydra_secrets(cfg: DictConfig) -> None:
+    """Hydra's own settings from config files, and the run folder they resolve to, hold no
+    secret: Hydra writes them into `.hydra/` (ConfigError). `hydra.runtime` is Hydra's record
+    of this process (its folder, the command line's config folders): checked as the run
+    folder's path and the command line."""
+    from pita.experiment.config import hydra_secret_errors, path_secret_error
+
+    settings = OmegaConf.to_container(cfg.hydra, resolve=False)
+    assert isinstance(settings, dict)  # Hydra's node is a mapping
+    settings.pop("runtime", None)
+    errors = hydra_secret_errors(settings)
+    try:
+        folder = OmegaConf.select(cfg, "hydra.run.dir", default="")
+    except Exception:  # an interpolation error: validate() reports it, with its file
+        folder = ""
+    line = path_secret_error(folder) if folder else None
+    if line or errors:
+        raise ConfigError([*errors, *([line] if line else [])])
 
 
 def load_saved_config(path: Path) -> Any:
@@ -334,6 +358,18 @@ def preflight(
 
     absolutize_paths(cfg)
     validate(cfg, project_root=PROJECT_ROOT)
+    from pita.core.paths import path_length_errors
+    from pita.experiment.config import path_secret_error
+
+    typed = any(o.startswith("hydra.run.dir=") for o in overrides or [])
+    folder = run_dir or (
+        planned_run_dir(cfg, overrides or [])  # compose leaves Hydra's keys out: the typed one
+        if typed
+        else LAST_COMPOSE.get("run_dir") or planned_run_dir(cfg, [])
+    )
+    secret = path_secret_error(folder)  # written into run_info.json, run.log, the caches
+    if secret or path_length_errors(folder):
+        raise ConfigError([secret] if secret else path_length_errors(folder))
     from pita.experiment.preflight import check_launcher  # SLURM without sbatch: exit 2 now
 
     check_launcher(remote_launcher(), overrides)
@@ -341,7 +377,9 @@ def preflight(
         return
     gpu = make_gpu_manager(cfg)
     if run_dir is None:
-        build_plan(cfg, gpu)
+        too_long = path_length_errors(folder, build_plan(cfg, gpu).tasks)
+        if too_long:
+            raise ConfigError(too_long)
     else:
         from pita.core.dag import Plan
 
@@ -388,6 +426,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.help:
         _print_help(args)
         sys.exit(0)
+    _exit_2_on_config_error(lambda: _refuse_secrets(argv))
     overrides = _exit_2_on_config_error(lambda: _expanded_algos(args))
     info_only = bool(args.hydra_help or args.cfg or args.info or args.shell_completion)
     cfg: DictConfig | None = None  # Hydra's --info / --cfg / completion need no run config
@@ -418,6 +457,25 @@ def _exit_2_on_config_error(fn: Callable[[], T]) -> T:
     except ConfigError as exc:
         _print_config_error(exc)
         sys.exit(2)
+
+
+FOLDER_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "resume_from")  # run folders, as typed
+
+
+def _refuse_secrets(argv: list[str]) -> None:
+    """No argument holds a secret (pita/experiment/config.py), before anything composes,
+    prints or writes the command line; no run folder typed is too long a name or path for
+    its file system (pita/core/paths.py), before anything stats it (ENAMETOOLONG)."""
+    from pita.core.paths import path_length_errors
+    from pita.experiment.config import command_line_secret_errors
+
+    errors = command_line_secret_errors(argv)
+    for arg in argv if not errors else []:
+        key, sep, value = arg.partition("=")
+        if sep and key.lstrip("+") in FOLDER_KEYS and value not in ("", "auto", "null"):
+            errors += path_length_errors(value.strip("'\""))
+    if errors:
+        raise ConfigError(errors)
 
 
 def _expanded_algos(args: Any) -> list[str]:
@@ -456,6 +514,11 @@ def _resume(resume: str, implicit: bool, overrides: list[str], args: Any) -> int
             rest = _same_run_overrides(resume, rest, args)
         cfg, run_dir = load_resume_config(resume, rest)
         preflight(cfg, run_dir=run_dir)
+        from pita.experiment.code_keys import foreign_code_errors, stated_keys
+
+        foreign = foreign_code_errors(cfg, run_dir, stated_keys(rest))  # a teammate's code
+        if foreign:
+            raise ConfigError(foreign)
         return cfg, run_dir
 
     cfg, run_dir = _exit_2_on_config_error(resumed_config)
@@ -579,7 +642,9 @@ def _setup_console_logging(run_dir: Path | None = None) -> None:
     console.setFormatter(logging.Formatter("%(message)s"))
     root.handlers[:] = [console]
     if run_dir is not None:
-        file = logging.FileHandler(RunPaths(run_dir).run_log, mode="a")
+        from pita.core.paths import writable_log
+
+        file = logging.FileHandler(writable_log(RunPaths(run_dir).run_log), mode="a")
         file.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
         root.handlers.append(file)
 

@@ -52,7 +52,10 @@ from pita.core.schema import (  # noqa: F401 (the dataclasses' old home re-expor
     leaf_fields,
     schema_errors,
 )
+from pita.core.yaml_bound import install as _bound_yaml_aliases
 from pita.experiment.trl_options import open_trl_dict, trl_option_errors
+
+_bound_yaml_aliases()  # every YAML read through OmegaConf from here on: pita/core/yaml_bound.py
 
 
 def dataset_keys(dataset_cfg: Any) -> dict[str, Any]:
@@ -115,6 +118,71 @@ def secret_errors(node: Any, key: str = "") -> list[str]:
     if isinstance(node, list):
         return [m for i, v in enumerate(node) for m in secret_errors(v, f"{key}[{i}]")]
     return []
+
+
+COMMAND_LINE_WRITTEN = (
+    "Hydra writes the command line into .hydra/overrides.yaml and hydra.yaml, pita into "
+    "run_info.json and run.log"
+)
+IN_THE_ENVIRONMENT = (
+    "pass secrets in the environment (e.g. `HF_TOKEN=... python run_parallel.py`; "
+    "HF_TOKEN, WANDB_API_KEY, MLFLOW_TRACKING_PASSWORD), which pita never writes"
+)
+
+
+def command_line_secret_errors(argv: list[str]) -> list[str]:
+    """`<key>: looks like a secret` for every argument of the command line that holds a
+    token (any key: pita's, a `+`-added one, Hydra's own `hydra.*`, a flag's value) or sets a
+    secret-named variable (`+hydra.job.env_set.HF_TOKEN=...`, whatever its value). Hydra's
+    `hydra.job.env_set` is not a way to pass a secret: Hydra writes it into the run folder;
+    the environment of the command is. Checked before anything is composed, so no later
+    message echoes the value."""
+    from pita.experiment.trl_values import SECRET_ALLOWED, SECRET_NAME, SECRET_VALUE
+
+    errors = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        bare = key.lstrip("+~")
+        leaf = bare.rsplit(".", 1)[-1]
+        named = sep and SECRET_NAME.search(leaf) and leaf not in SECRET_ALLOWED
+        if SECRET_VALUE.search(arg) or named:
+            shown = SECRET_VALUE.sub("<secret>", bare if sep else "an argument")
+            errors.append(
+                f"{shown}: looks like a secret; refused, its value is not shown "
+                f"({COMMAND_LINE_WRITTEN}); {IN_THE_ENVIRONMENT}"
+            )
+    return errors
+
+
+def hydra_secret_errors(hydra: Any) -> list[str]:
+    """The same for Hydra's own settings from config files (`hydra:` of an experiment or a
+    `--config-dir` file): a token anywhere, or a secret-named `hydra.job.env_set` variable."""
+    from pita.experiment.trl_values import SECRET_NAME
+
+    errors = secret_errors(hydra, "hydra")
+    env_set = ((hydra or {}).get("job") or {}).get("env_set") or {}
+    for name in env_set:
+        line = f"hydra.job.env_set.{name}: looks like a secret"
+        if SECRET_NAME.search(str(name)) and not any(e.startswith(line) for e in errors):
+            errors.append(
+                f"{line}; refused, its value is not shown (Hydra writes it into .hydra/hydra.yaml); "
+                f"{IN_THE_ENVIRONMENT}"
+            )
+    return errors
+
+
+def path_secret_error(path: Path | str, what: str = "run folder") -> str | None:
+    """A folder whose path holds a token (it is written into run_info.json, run.log, the
+    journal and the duration history): refused, the token masked in the line."""
+    from pita.experiment.trl_values import SECRET_VALUE
+
+    text = str(Path(path).absolute())
+    if not SECRET_VALUE.search(text):
+        return None
+    return (
+        f"{what} {SECRET_VALUE.sub('<secret>', text)}: its path looks like it holds a secret "
+        f"(pita writes the path into run_info.json, run.log and its caches); choose another folder"
+    )
 
 
 SEARCH_DIRS: list[Path] = []  # the config search path of the last composition (cli.py)

@@ -29,6 +29,7 @@ from pita.core.executor import Executor
 from pita.core.gpu_manager import GPUManager
 from pita.core.host_share import HostShare
 from pita.core.journal import RUN_FILE_ERRNOS, Journal, RunFileError, read_events, run_file_error
+from pita.core.parallel import Strategy
 from pita.core.parallel_executor import DagRunner, DeviceState, Scheduler, simulate
 from pita.core.parallel_generation import ParallelDataGenerator
 from pita.core.paths import Artifact, RunPaths, TaskPaths, atomic_write_json
@@ -175,7 +176,7 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
     for t in plan.tasks.values():
         devs = "+".join(str(d) for d in placement.get(t.id, [])) or "-"
         deps = ", ".join(t.deps) if len(t.deps) <= 2 else f"{t.deps[0]} (+{len(t.deps) - 1})"
-        gang = f"{t.strategy}x{t.gpus}" if t.strategy != "none" else str(t.gpus)
+        gang = f"{t.strategy}x{t.gpus}" if t.strategy is not Strategy.NONE else str(t.gpus)
         print(
             f"{t.id:58s} {devs:9s} {gang:8s} {t.mem_mb / 1024:7.2f} "
             f"{t.mem_mb / max(1, t.gpus) / 1024:7.2f} {t.priority:6.1f}  "
@@ -195,7 +196,7 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
             f"~{format_duration(sized['rigid_makespan_s'])} with the least ranks each "
             f"({sized['sized']} tasks sized in {sized['sizing_s']:.2f} s)."
         )
-    for line in gang_notes(plan, cfg):
+    for line in gang_notes(plan):
         print(line)
     eta = Eta(plan.tasks, set(), durations, make_scheduler(cfg, gpu))
     if sized:
@@ -220,14 +221,12 @@ def history_line(plan: Plan, durations: TaskDurations) -> str:
     )
 
 
-def gang_notes(plan: Plan, cfg: DictConfig) -> list[str]:
-    """One line per TRL task that runs DDP under training.parallel_strategy=fsdp (CPU)."""
-    from pita.algos.trl_common import cpu_fsdp_note
-    from pita.experiment.gangs import is_trl
+def gang_notes(plan: Plan) -> list[str]:
+    """One line per TRL task that runs DDP under training.parallel_strategy=fsdp (CPU): its
+    gang asked FSDP and runs DDP (pita/experiment/gangs.py `planned_gang`)."""
+    from pita.algos.trl_common import cpu_fsdp_note, fsdp_runs_ddp
 
-    if str(cfg.training.parallel_strategy) != "fsdp":
-        return []
-    return [cpu_fsdp_note(t.id) for t in plan.tasks.values() if is_trl(t) and t.strategy == "ddp"]
+    return [cpu_fsdp_note(t.id) for t in plan.tasks.values() if fsdp_runs_ddp(t.gang)]
 
 
 def _dry_run_sizing(
@@ -306,6 +305,11 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
     absolutized = absolutize_paths(cfg)  # workers run from the project root, not the user's folder
     recorded = _record_hydra_dataset_file(cfg)  # kept in the saved config for a resume
     validate(cfg)
+    from pita.experiment.config import path_secret_error
+
+    secret = path_secret_error(run_dir)  # as the command line's check: a job of a launcher too
+    if secret:
+        raise ConfigError(secret)
     share_with_group(bool(cfg.system.trust_group))  # every control file read
     run_dir = Path(run_dir)
     paths = RunPaths(run_dir)
@@ -319,6 +323,11 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
         plan = change.plan
     if resumed:
         check_plan_fits(plan, gpu, cfg)
+    from pita.core.paths import path_length_errors
+
+    too_long = path_length_errors(run_dir, plan.tasks)  # ENAMETOOLONG mid-run otherwise
+    if too_long:
+        raise ConfigError(too_long)
     if cfg.dry_run:
         warn_stage_overrides(cfg, plan)
         print_dry_run(plan, cfg, gpu)
@@ -332,6 +341,9 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
                 from pita.experiment.resume_fix import apply_change
 
                 apply_change(cfg, run_dir, change)
+            from pita.experiment.code_keys import record
+
+            record(cfg, run_dir)  # the code-bearing values this user runs with (their choice)
             rewrite = bool(absolutized) or recorded or strategy_line is not None  # saved config
             return _run_locked(cfg, run_dir, paths, gpu, plan, resumed, rewrite)
         except RunFileError as exc:  # the journal cannot be opened: immutable, read-only
@@ -417,8 +429,13 @@ def _run_locked(
     _write_run_files(cfg, paths, gpu, plan, resumed, rewrite_config)
     done = completed_tasks(plan, run_dir) if resumed else set()
     journal = Journal(paths.journal)
-    journal.append(
-        "run_resumed" if resumed else "run_started", tasks=len(plan.tasks), already_done=len(done)
+    from pita.experiment.resume_fix import config_sha256
+
+    journal.append(  # the saved config's hash: a resume names a file edited since
+        "run_resumed" if resumed else "run_started",
+        tasks=len(plan.tasks),
+        already_done=len(done),
+        config_sha256=config_sha256(run_dir),
     )
     _log_start(cfg, run_dir, gpu, plan, done, resumed)
     session = _start_session(cfg, paths, gpu, plan, done, journal)

@@ -143,6 +143,7 @@ def execute_task(
 
     from pita.core.journal import run_folder_problem
     from pita.core.paths import Artifact, TaskPaths, atomic_write_json, nan_numbers
+    from pita.core.schema import recording_reads
     from pita.runtime.context import StageContext, resolve_function
 
     paths = TaskPaths(run_dir, task.id)
@@ -180,7 +181,8 @@ def execute_task(
             heartbeat=heartbeat,
             chain_merged=True,
         )
-        result = fn(ctx) or {}
+        with recording_reads() as reads:  # the config keys this task computed with
+            result = fn(ctx) or {}
         wall = round(time.time() - t0, 3)
         result = {"task_id": task.id, "wall_s": wall, "attempt": attempt, **result}
         bad = nan_numbers(result)
@@ -192,7 +194,7 @@ def execute_task(
         atomic_write_json(tmp / Artifact.RESULT, result)
         logger.info("done in %.2fs", wall)
         _close(logger)
-        paths.commit(tmp, required=task.outputs)
+        paths.commit(tmp, required=task.outputs, reads=reads)
         shutil.rmtree(
             paths.checkpoints, ignore_errors=True
         )  # in-task checkpoints: no longer needed
@@ -409,16 +411,12 @@ def _close(logger: logging.Logger) -> None:
 
 
 def _warm_ranks(cfg_dict: dict) -> None:
-    """A run that trains on gangs (`training.parallel_strategy` data_parallel / fsdp): start
-    this worker's forkserver now, so it imports torch and transformers while other tasks
-    run and a later gang's ranks fork warm (pita.training.ddp.warm_forkserver; a no-op
-    once it runs)."""
-    from pita.core.schema import TrainingConfig, settings
+    """A run that trains on gangs (`pita.core.parallel.run_trains_on_gangs`): start this
+    worker's forkserver now, so it imports torch and transformers while other tasks run and
+    a later gang's ranks fork warm (pita.training.ddp.warm_forkserver; a no-op once it runs)."""
+    from pita.core.parallel import run_trains_on_gangs
 
-    if settings(TrainingConfig, cfg_dict.get("training")).parallel_strategy in (
-        "data_parallel",
-        "fsdp",
-    ):
+    if run_trains_on_gangs(cfg_dict):
         from pita.training.ddp import warm_forkserver
 
         warm_forkserver()

@@ -150,7 +150,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     from pita.models.catalog import resolve_family
     from pita.models.tiny import build_tiny_llama
     from pita.runtime.kit import checkpoint_plan, task_tracker
-    from pita.training.ddp import full_state_dict, wrap_model
+    from pita.training.ddp import apply_gang, full_state_dict
     from pita.training.loop import (
         TrainStep,
         compile_model,
@@ -206,8 +206,9 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     model.to(device).train()
     checkpointing = enable_gradient_checkpointing(model, tr.gradient_checkpointing, ctx.logger)
     compiled = compile_model(model, tr.compile, tr.compile_mode, logger=ctx.logger)
+    precision = training_precision(tr, device, logger=ctx.logger)
     # DDP all-reduces the gradients; FSDP2 shards the model in place (the optimizer comes after)
-    net = wrap_model(model, dist)
+    net = apply_gang(model, dist, precision)
     wd = pcfg.weight_decay
     optim = torch.optim.AdamW(
         model.parameters(), lr=pcfg.lr, weight_decay=tr.weight_decay if wd is None else wd
@@ -221,7 +222,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     step = TrainStep(
         net,
         optim,
-        training_precision(tr, device, logger=ctx.logger),
+        precision,
         scheduler=sched,
         max_grad_norm=tr.max_grad_norm,
         clear_cache_interval=ctx.system.clear_cache_interval,

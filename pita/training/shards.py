@@ -42,6 +42,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pita.core.parallel import Strategy
+
 SHARDS = "shards"  # the subfolder of a checkpoint that holds the ranks' safetensors
 # Each rank's shards go in files of about 1/FILES of the state (at least MIN_FILE bytes over
 # the gang; a larger tensor alone in its file): DCP builds a whole file's bytes in memory
@@ -369,7 +371,7 @@ def sharded_model(dist: Any) -> bool:
     return (
         dist is not None
         and dist.world_size > 1
-        and getattr(dist, "strategy", None) == "fsdp"
+        and dist.gang.runs is Strategy.FSDP
         and hf_storage() is not None
     )
 
