@@ -95,6 +95,8 @@ class Scheduler:
         )
         self.passed_over: dict[str, int] = {}
         self.held: dict[int, str] = {}  # device -> the task it is held for (last place() call)
+        # device -> its Ray node: a gang goes on one node when one has room (empty: one machine)
+        self.node_of: dict[int, str] = {}
 
     def available_mb(self, d: DeviceState) -> int:
         """Free memory minus what running tasks reserved but have not allocated yet.
@@ -130,6 +132,17 @@ class Scheduler:
         soonest = max(could, key=lambda d: (self.available_mb(d), -len(d.running), -d.index))
         return [soonest.index]
 
+    def _one_node(self, candidates: list[DeviceState], k: int) -> list[DeviceState]:
+        """k of `candidates` on one node (the node with the most of them free, packed as
+        `place` packs), or [] when no node has k: the gang then spans nodes."""
+        by_node: dict[str, list[DeviceState]] = {}
+        for d in candidates:
+            by_node.setdefault(self.node_of.get(d.index, ""), []).append(d)
+        best = max(by_node.values(), key=len)
+        if len(best) < k:
+            return []
+        return sorted(best, key=lambda d: (len(d.running), -self.available_mb(d), d.index))[:k]
+
     def place(self, ready: list[TaskSpec]) -> list[tuple[TaskSpec, list[int]]]:
         """Assign as many ready tasks as fit now; mutates device reservations."""
         placements = []
@@ -159,6 +172,8 @@ class Scheduler:
             chosen = sorted(
                 candidates, key=lambda d: (len(d.running), -self.available_mb(d), d.index)
             )[: task.gpus]
+            if task.gpus > 1 and self.node_of:
+                chosen = self._one_node(candidates, task.gpus) or chosen
             for d in chosen:
                 d.running[task.id] = per_device_mb
             placements.append((task, sorted(d.index for d in chosen)))

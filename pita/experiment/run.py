@@ -556,6 +556,8 @@ def _start_session(
         executor.prepare(run_dir, stage_modules(plan, done))
     executor.warm_up([(d.index,) for d in gpu.devices][: len(plan.tasks) - len(done)])
     scheduler = make_scheduler(cfg, gpu)
+    if hasattr(executor, "nodes_of"):  # Ray: a gang goes on one node when one has room
+        scheduler.node_of = dict(enumerate(executor.nodes_of(range(len(gpu.devices)))))
     monitor = Monitor(
         gpu,
         executor,
