@@ -26,6 +26,13 @@ How it keeps its promises:
   k failed: <Type>: <message>")` naming the earliest failure (its peers fail next, with
   "connection closed by peer"). An out-of-memory text is kept, so the executor's classifier
   calls it `oom`.
+- A rank that dies of a signal (the OOM killer's SIGKILL) reports nothing; the launcher sees
+  its exit: `RankDied("rank r of k died of SIGKILL ...")`, class `killed`, never the
+  survivors' "Connection reset by peer" (a rank that lost a peer waits 2 s before it exits,
+  so the launcher sees the dead rank first).
+- A stalled rank (SIGSTOP, a hung collective): ranks report steps (`DistContext.step`); with
+  a `StallRule`, a watch thread kills every rank of a gang one of whose ranks made no step
+  for the rule's bound: `GangStalled`, class `stalled`, naming the rank.
 - No orphans: every rank sets `prctl(PR_SET_PDEATHSIG, SIGKILL)` (its parent under spawn is
   the worker) and watches the worker through a pidfd (under forkserver its parent is the
   forkserver, which outlives the worker while any rank lives): `_die_with`.
