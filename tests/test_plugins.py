@@ -131,3 +131,15 @@ def test_a_dataset_plugin_without_its_functions_is_one_line(tmp_path, monkeypatc
     assert str(err.value).startswith("dataset.name='hollow': plugin empty-task")
     assert "no validate_cfg and no build" in str(err.value) and "\n" not in str(err.value)
     sys.modules.pop("hollow_mod", None)
+
+
+def test_an_off_plugin_algorithm_that_is_gone_is_no_error():
+    """`algos=[...]` writes `algos.<plugin>.enabled=false` for an installed plugin the config
+    lacks: the saved config still resumes once the plugin is uninstalled; an enabled one, or
+    one with keys of its own, is still an unknown algorithm."""
+    from pita.experiment.config import algo_errors
+
+    assert algo_errors({"Gone": {"enabled": False}}) == []
+    [line] = algo_errors({"Gone": {"enabled": True}})
+    assert line.startswith("algos.Gone: unknown algorithm")
+    assert algo_errors({"Gone": {"enabled": False, "beta": 1}})
