@@ -467,7 +467,8 @@ class LoggerConfig:
         affects="record",
     )
     tracking_uri: Optional[str] = spec(
-        "MLflow tracking URI (None = a sqlite store in <run>/logs/mlflow/mlflow.db).",
+        "MLflow tracking URI (None = one sqlite store outputs/mlflow/mlflow.db for every run "
+        "under outputs/; a run folder outside outputs/: <run>/logs/mlflow/).",
         None,
         affects="record",
     )

@@ -204,8 +204,22 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
 
         eta = wire_eta(eta, sized["sizer"])
     seconds, source = eta.remaining({}, time.time())
-    print(f"Estimated wall time: ~{format_duration(seconds)} ({source}).")
+    print(wall_time_line(seconds, source, plan, durations))
     print(history_line(plan, durations))
+
+
+def wall_time_line(seconds: float, source: str, plan: Plan, durations: TaskDurations) -> str:
+    """The dry run's estimate; none when no task has a measured duration (its own or its
+    kind's): work units only order the tasks, and in seconds they were 40x short of a first
+    run on a GPU (33 s for a run whose pretrain alone took 22 min, issue 45)."""
+    if plan.tasks and all(durations.history(t) is None for t in plan.tasks.values()):
+        return (
+            f"Estimated wall time: unknown until tasks have run here: none of the "
+            f"{len(plan.tasks)} tasks has a measured duration on these devices yet (this run "
+            f"records them in $PITA_CACHE_DIR/task_durations.json; its live ETA learns from "
+            f"its own finished tasks)."
+        )
+    return f"Estimated wall time: ~{format_duration(seconds)} ({source})."
 
 
 def history_line(plan: Plan, durations: TaskDurations) -> str:
