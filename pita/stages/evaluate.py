@@ -332,8 +332,3 @@ def _oracle(task, examples, algo: str, eta, mode: str | None = None) -> float | 
     if algo in GUIDED and eta is not None and mode in OPTIMUM_MODES:
         return task.optimal_pass_at_1(float(eta), examples)
     return None
-    if algo in REFERENCE:
-        return task.reference_pass_at_1(examples)
-    if algo in GUIDED and eta is not None:
-        return task.optimal_pass_at_1(float(eta), examples)
-    return None
