@@ -267,3 +267,50 @@ def test_a_node_that_cannot_see_the_run_folder_is_one_line_before_any_task(tmp_p
     assert f"node {blind.node_id[:8]}" in lines[0] and "cannot read" in lines[0]
     [run_dir] = (outputs / "blind").glob("*")
     assert not any(e["event"] == "task_running" for e in journal(run_dir))
+
+
+@pytest.mark.slow
+def test_a_gang_that_loses_a_node_resumes_from_its_checkpoint_on_the_ranks_left(tmp_path):
+    """Issue 41 item 4: a 4-rank FSDP pretrain over 2 nodes loses the node of ranks 2-3 once a
+    checkpoint is committed; it restarts on the 2 devices left from that checkpoint (its own
+    retries untouched), and the run ends exit 0."""
+    pretrain = "pretrain.goal_walk.tiny"
+    with simulated_cluster(2) as cluster:
+        args = _ray_args(
+            cluster,
+            "experiment=smoke",
+            "experiment.name=gang_lost",
+            "training.parallel_strategy=fsdp",
+            "training.checkpoint_every=5",
+            "executor.max_retries=0",
+            "executor.timeline_plot=false",
+            *only("QSharp"),
+        )
+        run = run_cli_later(args, cwd=tmp_path, timeout=600)
+        run_dir = _wait_for(
+            lambda: next((tmp_path / "outputs" / "gang_lost").glob("*/journal.jsonl"), None),
+            180,
+            "no journal",
+        ).parent
+        started = _wait_for(lambda: _running(run_dir, pretrain), 180, "no pretrain gang")
+        _wait_for(
+            lambda: list((run_dir / "tasks").glob(f"{pretrain}.checkpoints/step-*/manifest.json")),
+            300,
+            "no committed checkpoint",
+        )
+        node = next(n for n in cluster.worker_nodes if n.node_id == started["nodes"][2])
+        cluster.remove_node(node, allow_graceful=False)
+        done = run.result()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert len(set(started["nodes"])) == 2 and len(started["devices"]) == 4
+    events = [e for e in journal(run_dir) if e.get("task") in (pretrain, None)]
+    failed = [e for e in events if e["event"] == "task_failed"]
+    assert [e["failure"] for e in failed] == ["node_lost"]
+    resized = [e for e in events if e["event"] == "task_resized"]
+    assert resized and resized[0]["ranks"] == 2 and resized[0]["why"] == "node_lost"
+    runs = [e for e in events if e["event"] == "task_running"]
+    assert len(runs) == 2 and len(runs[1]["devices"]) == 2
+    assert started["nodes"][2] not in runs[1]["nodes"]
+    log = run_dir / "tasks" / pretrain / "log.txt"
+    text = "\n".join(p.read_text() for p in run_dir.rglob("*.log*") if p.is_file())
+    assert "resumed from checkpoint" in text + (log.read_text() if log.is_file() else "")

@@ -370,12 +370,11 @@ class DagRunner:
                     attempt = self.attempts.get(task.id, 0) + 1
                     self.attempts[task.id] = attempt
                     self.placement[task.id] = devices
+                    where = self._where(devices)
+                    if where:  # on Ray: the gang carries its ranks' nodes to the worker
+                        task.gang = replace(task.gang, nodes=tuple(where["nodes"]))
                     self._journal(
-                        "task_running",
-                        task=task.id,
-                        devices=devices,
-                        attempt=attempt,
-                        **self._where(devices),
+                        "task_running", task=task.id, devices=devices, attempt=attempt, **where
                     )
                     self.on_event("running", task, devices)
                     if self.grower is not None:
@@ -572,6 +571,7 @@ class DagRunner:
             self.on_event("retry", task, outcome)
             pending[task.id] = task
             self._drop_lost_devices(pending)
+            self._fit_devices_left(task, self.executor.lost_nodes_line())
             return
         own = attempt - self.nodes_lost.get(task.id, 0)  # attempts that ended in its own faults
         if outcome.failure in RETRYABLE and own <= self.max_retries:

@@ -361,3 +361,12 @@ def path_length_errors(run_dir: Path | str, task_ids: Iterable[str] = ()) -> lis
             f"are made of (model.name, dataset.name, the algorithm's)"
         )
     return errors
+
+
+def writable_log(path: Path) -> Path:
+    """`path`, or `<stem>.uid<N><suffix>` beside it when `path` exists and this user may not
+    append to it (a teammate's log in a shared run from before its modes were the group's):
+    a log file is never a reason for a worker or a resume to die."""
+    if os.path.lexists(path) and not os.access(path, os.W_OK):
+        return path.with_name(f"{path.stem}.uid{os.geteuid()}{path.suffix}")
+    return path

@@ -374,14 +374,14 @@ class RayExecutor:
         if outcome is not None and (not isinstance(outcome, TaskOutcome) or outcome.ok):
             return outcome  # (a test's own run_task may answer anything)
         lost = self._lost_nodes({s.node for s in slots}, wait=died is not None or len(slots) > 1)
+        if died is not None or len(slots) > 1:  # dead, or a gang's ranks maybe in a collective
+            self._replace([s for s in slots if s.node not in self.lost])
         if lost:
             where = ", ".join(f"{n[:8]} ({self.lost[n]})" for n in sorted(lost))
             what = f"{died}" if died is not None else f"{outcome.failure}: {outcome.message}"
             return TaskOutcome(
                 task.id, False, "node_lost", f"Ray node {where} lost: {what.splitlines()[0][:300]}"
             )
-        if died is not None or len(slots) > 1:
-            self._replace([s for s in slots if s.node not in self.lost])
         if died is not None:  # the worker died: same class as a killed local worker
             return TaskOutcome(task.id, False, "killed", f"Ray worker lost: {died}")
         return outcome

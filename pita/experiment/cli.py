@@ -145,7 +145,8 @@ def _yaml_error(exc: BaseException | None) -> str | None:
                 except ValueError:
                     pass
                 where = f"{name}:{mark.line + 1}:{mark.column + 1}"
-            return f"{where}: YAML syntax error: {exc.problem or exc.context}"
+            label = "YAML" if isinstance(exc, yaml.constructor.ConstructorError) else "YAML syntax"
+            return f"{where}: {label} error: {exc.problem or exc.context}"
         exc = exc.__cause__ or exc.__context__
     return None
 
@@ -513,6 +514,11 @@ def _resume(resume: str, implicit: bool, overrides: list[str], args: Any) -> int
             rest = _same_run_overrides(resume, rest, args)
         cfg, run_dir = load_resume_config(resume, rest)
         preflight(cfg, run_dir=run_dir)
+        from pita.experiment.code_keys import foreign_code_errors, stated_keys
+
+        foreign = foreign_code_errors(cfg, run_dir, stated_keys(rest))  # a teammate's code
+        if foreign:
+            raise ConfigError(foreign)
         return cfg, run_dir
 
     cfg, run_dir = _exit_2_on_config_error(resumed_config)
@@ -636,7 +642,9 @@ def _setup_console_logging(run_dir: Path | None = None) -> None:
     console.setFormatter(logging.Formatter("%(message)s"))
     root.handlers[:] = [console]
     if run_dir is not None:
-        file = logging.FileHandler(RunPaths(run_dir).run_log, mode="a")
+        from pita.core.paths import writable_log
+
+        file = logging.FileHandler(writable_log(RunPaths(run_dir).run_log), mode="a")
         file.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
         root.handlers.append(file)
 

@@ -167,7 +167,9 @@ def run_stage(
     # a caller's `world_size` on a task without a gang strategy (a test's gang): DDP
     gang = Gang(planned.strategy if planned.ranked else Strategy.DDP, world, planned.nodes)
     what = _WHAT[gang.strategy]
-    ctx.logger.info("gang strategy %s: %s over %d ranks", _why(planned, gang), what, world)
+    nodes = len(set(planned.nodes))
+    on = f" on {nodes} Ray nodes" if nodes > 1 else ""  # a Ray gang across nodes
+    ctx.logger.info("gang strategy %s: %s over %d ranks%s", _why(planned, gang), what, world, on)
     snapshot = {
         "task": ctx.task.to_dict(),
         "cfg": OmegaConf.to_container(ctx.cfg, resolve=True),

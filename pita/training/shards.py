@@ -5,9 +5,9 @@ and optimizer state at every save; the models FSDP2 exists for, those that fit o
 sharded, could not be checkpointed. Here every rank writes its own shards through torch's
 distributed checkpoint (DCP) with the Hugging Face safetensors storage
 (`torch.distributed.checkpoint.hf_storage`): `HuggingFaceStorageWriter(...,
-save_distributed=True)` writes one `shard-<r>-model-00001-of-00001.safetensors` per rank
-whose header records where each shard sits in its full tensor (`DCP_SHARDING_INFO`:
-`saved_offsets`), and no `.metadata` at all; `HuggingFaceStorageReader` rebuilds DCP's
+save_distributed=True)` writes each rank's `shard-<r>-model-<i>-of-<n>.safetensors` (n
+files of a few tensors each, `FILES`), whose headers record where each shard sits in its
+full tensor (`DCP_SHARDING_INFO`: `saved_offsets`), and no `.metadata` at all; `HuggingFaceStorageReader` rebuilds DCP's
 metadata from those headers, so DCP's pickled `.metadata` (read with `pickle.load`) is
 never written nor read. DCP reshards on load: a checkpoint written by k ranks loads on
 any k (1 included, no process group).
@@ -45,6 +45,11 @@ from typing import Any
 from pita.core.parallel import Strategy
 
 SHARDS = "shards"  # the subfolder of a checkpoint that holds the ranks' safetensors
+# Each rank's shards go in files of about 1/FILES of the state (at least MIN_FILE bytes over
+# the gang; a larger tensor alone in its file): DCP builds a whole file's bytes in memory
+# (twice: each tensor's, then the file's) before writing it, so one file per rank would
+# add twice the rank's shards to its peak (bench/checkpoint_memory.py).
+FILES, MIN_FILE = 8, 64 << 20
 MAX_HEADER = 100 << 20  # safetensors' own bound on a header (100 MB)
 # bytes per element of each safetensors dtype (a dtype not listed is refused)
 _DTYPE_BYTES = {
@@ -115,11 +120,13 @@ def write_shards(tensors: dict[str, Any], folder: Path) -> None:
     found = hf_storage()
     assert found is not None, "write_shards needs torch's HuggingFaceStorageWriter"
     writer, _, flag = found
+    kwargs: dict[str, Any] = {flag: True}
+    if "fqn_to_index_mapping" in inspect.signature(writer.__init__).parameters:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        kwargs["fqn_to_index_mapping"] = _files_of(tensors, max(MIN_FILE, total // FILES))
     folder.mkdir(parents=True, exist_ok=True)
     with _quiet():
-        dcp.save(
-            tensors, storage_writer=writer(str(folder), **{flag: True}), no_dist=not _in_gang()
-        )
+        dcp.save(tensors, storage_writer=writer(str(folder), **kwargs), no_dist=not _in_gang())
 
 
 def read_shards(targets: dict[str, Any], folder: Path) -> None:
