@@ -500,8 +500,18 @@ class DagRunner:
         if outcome.ok:
             self.done.add(task.id)
             self.summary.done.append(task.id)
+            result = outcome.result or {}
+            measured = {  # the stage's start-up, the worker's CPU seconds (host_share.py)
+                k: result[k]
+                for k in ("first_step_s", "cpu_s")
+                if isinstance(result.get(k), (int, float))
+            }
             self._journal(
-                "task_done", task=task.id, wall_s=outcome.wall_s, worker_pid=outcome.worker_pid
+                "task_done",
+                task=task.id,
+                wall_s=outcome.wall_s,
+                worker_pid=outcome.worker_pid,
+                **measured,
             )
             self.on_event("done", task, outcome)
             if self.sizer is not None:

@@ -34,9 +34,8 @@ def make_sizer(
     gang's wall time per rank (`one_rank`, `at_ranks`, see `wire_eta`)."""
     from pita.experiment.durations import load_rank_history
 
-    curves = SpeedupCurves(
-        history=load_rank_history() if history is None else history, startup=GangStartup()
-    )
+    history = load_rank_history() if history is None else history
+    curves = SpeedupCurves(history=history, startup=measured_startup(history))
     durations.one_rank = lambda t, s: curves.one_rank(t, s, t.gpus) if t.elastic else s
     rate_at: dict[str, Any] = {}
 
@@ -57,6 +56,16 @@ def make_sizer(
         key=durations.key,
         version=lambda: durations.work_units,
     )
+
+
+def measured_startup(history: Mapping[str, Mapping[str, Any]]) -> GangStartup:
+    """Each stage kind's first step (dispatch -> first optimizer step) per rank count, as
+    earlier runs recorded it: the sizer's start-up of that kind's gangs (`GangStartup`)."""
+    startup = GangStartup()
+    for entry in history.values():
+        for k, seconds in (entry.get("first_step") or {}).items():
+            startup.observe_first_step(str(entry["curve"]), int(k), float(seconds))
+    return startup
 
 
 def wire_eta(eta: Eta, sizer: Sizer) -> Eta:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import multiprocessing
 import os
@@ -61,7 +62,10 @@ from typing import Any
 import torch
 import torch.distributed as dist_mod
 
-from pita.core.forked_worker import start_forkserver  # ranks and CPU workers: one PRELOAD
+from pita.core.forked_worker import (  # ranks and CPU workers: one PRELOAD
+    gang_preload,
+    start_forkserver,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +74,13 @@ _HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
 class DataParallelError(RuntimeError):
-    """A rank of a k-rank task failed (the message names the rank and the error)."""
+    """A rank of a k-rank task failed (the message names the rank and the error).
+    `startup`: it failed before any rank formed its process group (the rendezvous, Gloo's
+    "connectFullMesh failed ... Connection closed by peer"): no rank ran the stage."""
+
+    def __init__(self, message: str, startup: bool = False):
+        super().__init__(message)
+        self.startup = startup
 
 
 @dataclass
@@ -281,6 +291,7 @@ def _rank_main(
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
     dist_mod.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    queue.put(("formed", rank, None))  # past the rendezvous: a failure now is the stage's
     try:
         result = entry(DistContext(rank, world, device, backend, queue), *args)
         # Plain pickle (a copy): torch's queue pickler would share tensors through file
@@ -300,12 +311,19 @@ def _rank_main(
 
 def warm_forkserver() -> None:
     """Start this process's forkserver with torch, transformers and pita's training modules
-    imported (no-op when it runs already): the ranks of every later gang fork from it."""
-    start_forkserver()
+    imported, and the run's gang stages with their trainers (TRL's for a TRL stage:
+    `gang_preload`); a no-op when it runs already: the ranks of every later gang fork from it."""
+    start_forkserver(extra=gang_preload())
 
 
-def _drain(queue: Any, on_message: Callable[[str, int, Any], None] | None, errors: dict) -> None:
-    """Forward ranks' messages until the None sentinel; keep their errors."""
+def _drain(
+    queue: Any,
+    on_message: Callable[[str, int, Any], None] | None,
+    errors: dict,
+    formed: set[int] | None = None,
+) -> None:
+    """Forward ranks' messages until the None sentinel; keep their errors and which ranks
+    formed their process group (`formed`)."""
     while True:
         try:
             item = queue.get(timeout=0.5)
@@ -318,6 +336,9 @@ def _drain(queue: Any, on_message: Callable[[str, int, Any], None] | None, error
         kind, rank, payload = item
         if kind == "error":
             errors.setdefault(rank, payload)
+        elif kind == "formed":
+            if formed is not None:
+                formed.add(rank)
         elif on_message is not None:
             try:
                 on_message(kind, rank, payload)
@@ -325,9 +346,18 @@ def _drain(queue: Any, on_message: Callable[[str, int, Any], None] | None, error
                 log.exception("forwarding a rank's %s failed", kind)
 
 
-def _failure(exc: Exception, errors: dict, world_size: int) -> DataParallelError:
+def _failure(
+    exc: Exception, errors: dict, world_size: int, formed: set[int] | frozenset = frozenset()
+) -> DataParallelError:
     """The earliest rank error the ranks reported, else the launcher's record of the first
-    failed rank (a rank killed by a signal leaves no traceback)."""
+    failed rank (a rank killed by a signal leaves no traceback). `formed`: the ranks that
+    got past their process group; none did: a start-up fault (`DataParallelError.startup`)."""
+    made = _failure_message(exc, errors, world_size)
+    made.startup = not formed
+    return made
+
+
+def _failure_message(exc: Exception, errors: dict, world_size: int) -> DataParallelError:
     if errors:
         rank, (_, message) = min(errors.items(), key=lambda item: item[1][0])
         return DataParallelError(f"rank {rank} of {world_size} failed: {message}")
@@ -362,9 +392,52 @@ def launch_ranks(
     gloo; None = cuda when this process sees at least `world_size` GPUs. `backend`
     overrides the choice. `threads_per_rank` (CPU) defaults to this process's torch
     threads / world_size. Raises `DataParallelError` naming the failed rank.
+
+    A gang that fails before any rank formed its process group (the rendezvous, Gloo's
+    full mesh: `DataParallelError.startup`, no rank ran `entry`) is started once more: a start-up fault, not the task's (a cold
+    forkserver's first gang under load once failed in Gloo's connectFullMesh and the
+    identical rerun passed). The task log says so (`on_message`'s "log").
     """
+    launch = functools.partial(
+        _launch,
+        entry,
+        world_size,
+        args,
+        backend,
+        device_type=device_type,
+        on_message=on_message,
+        threads_per_rank=threads_per_rank,
+        timeout_s=timeout_s,
+        start_method=start_method,
+    )
+    try:
+        return launch()
+    except DataParallelError as exc:
+        if not exc.startup:
+            raise
+        note = f"gang start-up fault ({exc}); starting the {world_size} ranks once more"
+        log.warning("%s", note)
+        if on_message is not None:
+            on_message("log", 0, (logging.WARNING, note))
+        return launch()
+
+
+def _launch(
+    entry: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any],
+    backend: str | None,
+    *,
+    device_type: str | None,
+    on_message: Callable[[str, int, Any], None] | None,
+    threads_per_rank: int | None,
+    timeout_s: float,
+    start_method: str,
+) -> list[Any]:
+    """One start of `launch_ranks`' gang."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if world_size < 1:
@@ -393,8 +466,9 @@ def launch_ranks(
         )
     queue = multiprocessing.get_context(start_method).Queue()
     errors: dict[int, tuple[float, str]] = {}
+    formed: set[int] = set()
     drain = threading.Thread(
-        target=_drain, args=(queue, on_message, errors), name="pita-ranks", daemon=True
+        target=_drain, args=(queue, on_message, errors, formed), name="pita-ranks", daemon=True
     )
     drain.start()
     saved = {
@@ -433,7 +507,12 @@ def launch_ranks(
         )
     except ChildFailedError as exc:
         _stop_drain(queue, drain)
-        raise _failure(exc, errors, world_size) from exc
+        raise _failure(exc, errors, world_size, formed) from exc
+    except (RendezvousError, dist_mod.DistNetworkError) as exc:  # the agent's own rendezvous
+        _stop_drain(queue, drain)
+        raise DataParallelError(
+            f"the {world_size} ranks' rendezvous failed: {_first_line(exc)}", startup=not formed
+        ) from exc
     finally:
         for name, handler in saved.items():
             signal.signal(getattr(signal, name), handler)
