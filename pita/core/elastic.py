@@ -246,6 +246,7 @@ class Sizer:
         self.version = version  # changes when the duration estimates do (cached paths)
         self._paths: tuple[Any, dict[str, float]] | None = None
         self._order: tuple[Any, list[str]] | None = None
+        self._longest: list[Any] = [[], 0]  # ids by path to the end, first one unfinished
         self.margin = 0.02  # predicted ends closer than this share count as equal
         self.slack = 0.1  # big plans: a path this much shorter than the longest: least k
         self.curves = curves
@@ -292,11 +293,25 @@ class Sizer:
         if (
             self._paths is None
             or self._paths[0] != stamp
-            or any(tid not in self._paths[1] for tid in tasks)
+            or len(tasks) > len(self._paths[1])  # `tasks` only shrinks while estimates hold
         ):
             seconds = {tid: self.seconds(t, 1) for tid, t in tasks.items()}
             self._paths = (stamp, paths_to_end(tasks, seconds))
+            by_path = sorted(self._paths[1], key=lambda tid: -self._paths[1][tid])
+            self._longest = [by_path, 0]
         return self._paths[1]
+
+    def longest(self, tasks: Mapping[str, TaskSpec]) -> float:
+        """The longest path to the end among `tasks` (after `paths(tasks)`): the first of
+        the tasks sorted by path that is still in `tasks`; a task gone from them (finished)
+        never comes back, so the scan resumes where it stopped."""
+        by_path, start = self._longest
+        path_s = self._paths[1] if self._paths is not None else {}
+        for i in range(start, len(by_path)):
+            if by_path[i] in tasks:
+                self._longest[1] = i
+                return path_s[by_path[i]]
+        return 0.0
 
     def _by_priority(self, tasks: Mapping[str, TaskSpec]) -> list[str] | None:
         """Ids by priority, highest first: sorted once per duration estimate on a big plan
@@ -327,7 +342,7 @@ class Sizer:
         one = self.seconds(task, 1)
         path_s = self.paths(remaining)
         big = len(remaining) > self.window  # a small plan is simulated whole: milliseconds
-        longest = max(path_s.get(tid, 0.0) for tid in remaining) if big else 0.0
+        longest = self.longest(remaining) if big else 0.0
         if not task.elastic or (big and path_s.get(task.id, one) < (1 - self.slack) * longest):
             least = self.ranks_of(task)[0] if task.elastic else task.gpus
             sizing = Sizing(task.id, least, {}, 0.0, time.perf_counter() - t0, simulated=False)

@@ -297,6 +297,16 @@ class Eta:
         out.source = max(weight, key=lambda k: weight[k])
         return out
 
+    def source(self) -> str:
+        """Where most of the unfinished tasks' expected seconds come from (no simulation)."""
+        rate = self.durations.rate(list(self.tasks.values()))
+        weight: dict[str, float] = {}
+        for tid, t in self.tasks.items():
+            if tid not in self.finished:
+                s, source = self.durations.estimate(t, rate)
+                weight[source] = weight.get(source, 0.0) + self.at_ranks(t, s)
+        return max(weight, key=lambda k: weight[k]) if weight else THIS_RUN
+
     def remaining(
         self,
         started: dict[str, float],

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -147,19 +147,30 @@ class DurationHistory:
 
     exact: dict[str, float]
     by_kind: dict[str, list[tuple[float, float]]]
+    # (kind, size) -> seconds: a dry run of 34,292 tasks asks for each task several times
+    _memo: dict[tuple[str, float], float | None] = field(default_factory=dict, repr=False)
+    _sizes: dict[tuple[str, int], float] = field(default_factory=dict, repr=False)
 
     def scaled(self, task: Any, key: DurationKey) -> float | None:
         """Seconds of `task` from earlier tasks of its kind: with two sizes or more, a line
         through them (a fixed start-up plus seconds per unit of size, `fit_line`); with one,
         in proportion to size (the start-up scales too: an over-estimate for a larger task)."""
-        seen = self.by_kind.get(key.kind(task))
+        kind = key.kind(task)
+        seen = self.by_kind.get(kind)
         if not seen:
             return None
-        size = _product(task_size(task, key.cfg))
-        line = fit_line(seen)
-        if line is not None:
-            return line[0] + line[1] * size
-        return sum(wall * size / old for wall, old in seen) / len(seen)
+        sized = (task.id, task.num_shards)  # what task_size reads does not change in a run
+        if sized not in self._sizes:
+            self._sizes[sized] = _product(task_size(task, key.cfg))
+        size = self._sizes[sized]
+        if (kind, size) not in self._memo:
+            line = fit_line(seen)
+            self._memo[kind, size] = (
+                line[0] + line[1] * size
+                if line is not None
+                else sum(wall * size / old for wall, old in seen) / len(seen)
+            )
+        return self._memo[kind, size]
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float] | None:
@@ -210,9 +221,9 @@ def load_rank_history(path: Path | None = None) -> dict[str, dict[str, Any]]:
         if not isinstance(v, dict) or not isinstance(v.get("curve"), str):
             return None
         out: dict[str, Any] = {"curve": v["curve"]}
-        for field in ("by_ranks", "first_step"):  # seconds, and dispatch -> first step, per k
-            if isinstance(v.get(field), dict):
-                out[field] = {str(int(r)): float(x) for r, x in v[field].items()}
+        for name in ("by_ranks", "first_step"):  # seconds, and dispatch -> first step, per k
+            if isinstance(v.get(name), dict):
+                out[name] = {str(int(r)): float(x) for r, x in v[name].items()}
         return out if len(out) > 1 else None
 
     data = user_cache.read_json(path, "durations")

@@ -199,11 +199,12 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
     for line in gang_notes(plan, cfg):
         print(line)
     eta = Eta(plan.tasks, set(), durations, make_scheduler(cfg, gpu))
-    if sized:
+    if sized:  # the sized simulation is the ETA's (the same durations at the chosen ranks)
         from pita.experiment.sizing import wire_eta
 
-        eta = wire_eta(eta, sized["sizer"])
-    seconds, source = eta.remaining({}, time.time())
+        seconds, source = sized["makespan_s"], wire_eta(eta, sized["sizer"]).source()
+    else:
+        seconds, source = eta.remaining({}, time.time())
     print(f"Estimated wall time: ~{format_duration(seconds)} ({source}).")
     host = eta.scheduler.host
     if host is not None and host.external >= 0.5:  # the estimate counts them: say so

@@ -85,7 +85,7 @@ def dry_run_sizing(plan: Plan, scheduler: Scheduler, sizer: Sizer) -> dict[str, 
     def on_ready(task: TaskSpec, now: float, ends: dict[str, float], unstarted: set[str]) -> None:
         if not task.elastic or not sizer.enabled:
             return
-        remaining = {tid: plan.tasks[tid] for tid in plan.tasks if tid in unstarted or tid in ends}
+        remaining = Unfinished(plan.tasks, unstarted, ends)
         left = {tid: max(1e-3, end - now) for tid, end in ends.items()}
         sizing = sizer.size(task, remaining, left)
         set_ranks(task, sizing.k)
@@ -104,3 +104,25 @@ def dry_run_sizing(plan: Plan, scheduler: Scheduler, sizer: Sizer) -> dict[str, 
         "sizing_s": sum(calls),
         "simulation_s": time.perf_counter() - t0,
     }
+
+
+class Unfinished(Mapping[str, TaskSpec]):
+    """The tasks of a simulated plan not finished yet (not started, or running: `ends`), as a
+    mapping read from the simulation's own sets: no copy of a 34,292-task plan per decision."""
+
+    def __init__(self, tasks: Mapping[str, TaskSpec], unstarted: set[str], running: Mapping):
+        self.tasks, self.unstarted, self.running = tasks, unstarted, running
+
+    def __contains__(self, tid: object) -> bool:
+        return tid in self.unstarted or tid in self.running
+
+    def __getitem__(self, tid: str) -> TaskSpec:
+        if tid not in self:
+            raise KeyError(tid)
+        return self.tasks[tid]
+
+    def __iter__(self):
+        return (tid for tid in self.tasks if tid in self.unstarted or tid in self.running)
+
+    def __len__(self) -> int:
+        return len(self.unstarted) + len(self.running)
