@@ -103,6 +103,9 @@ def prepare(
         family_cfg=fam_cfg,
         gpus=gpus,
     )
+    key = str(cfg.training.parallel_strategy)
+    if key != "auto":  # the gang the planner gives a training stage
+        spec.strategy = key
     out = run_dir / f"out-{gpus}-{time.monotonic_ns()}"
     out.mkdir()
     logger = logging.getLogger("bench.value_training")

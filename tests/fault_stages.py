@@ -118,3 +118,40 @@ def scored_merge_stage(ctx: StageContext) -> dict:
     }
     (ctx.out_dir / "metrics.json").write_text(json.dumps([row]) + "\n")
     return {"rows": [row]}
+
+
+def gang_fault_stage(ctx: StageContext) -> dict:
+    """Ten steps on a gang of two gloo ranks, each step "checkpointed" (its number, in the
+    task's checkpoints folder) and a retry starting after the last one; rank 1 sends itself
+    the signal named by PITA_TEST_RANK_FAULT (SIGKILL, SIGSTOP) at step 3 of a first attempt.
+    What a rank's death or stall does to a real task (tests/test_gang_faults.py)."""
+    from pita.core.paths import TaskPaths
+    from pita.runtime.gang import run_stage
+
+    folder = TaskPaths(ctx.run_dir, ctx.task.id).checkpoints
+    result = run_stage(ctx, _gang_fault_rank, str(folder), world_size=2)
+    write_stand_in_outputs(ctx)
+    return result
+
+
+def _gang_fault_rank(ctx: StageContext, dist, folder: str) -> dict:
+    import signal
+    from pathlib import Path
+
+    import torch
+
+    mark = Path(folder) / "step"
+    start = int(mark.read_text()) if mark.exists() else 0
+    fault = os.environ.get("PITA_TEST_RANK_FAULT") if start == 0 else None
+    t = torch.ones(1)
+    for step in range(start + 1, 11):
+        torch.distributed.all_reduce(t)
+        ctx.report_progress(step, 10)
+        if dist.rank == 0:
+            mark.parent.mkdir(parents=True, exist_ok=True)
+            mark.with_suffix(".tmp").write_text(str(step))
+            os.replace(mark.with_suffix(".tmp"), mark)
+        if fault and dist.rank == 1 and step == 3:
+            os.kill(os.getpid(), getattr(signal, fault))
+        time.sleep(0.6)  # above PROGRESS_EVERY_S: every step is reported
+    return {"resumed_after_step": start}

@@ -231,6 +231,24 @@ def test_odd_out_targets_are_one_line_exit_2_and_the_run_is_untouched(tmp_path, 
     assert after == before  # not a byte written into the run
 
 
+@pytest.mark.parametrize("where", ["results", "results/deeper/still", "."])
+def test_out_inside_any_run_folder_is_one_line(tmp_path, capsys, where):
+    """Issue 43: `aggregate RUN_A --out RUN_B/results` overwrote another run's report (the
+    guard knew only the runs aggregated): any folder inside a run folder (its saved config,
+    plan or journal says so) is refused, and that run keeps every byte."""
+    _job(tmp_path / "sweep" / "0", 0, [ROW])
+    other = _job(tmp_path / "other_run", 1, [ROW])
+    (other / ".hydra" / "config.yaml").write_text("experiment:\n  name: other\n")
+    (other / "results" / "aggregate.md").write_text("the other run's own table\n")
+    before = {p: p.read_bytes() for p in other.rglob("*") if p.is_file()}
+    out = other / where
+    code, err = _aggregate_cli(capsys, tmp_path / "sweep", "--out", out)
+    assert code == 2 and len(err) == 1, err
+    assert f"inside the run folder {other}" in err[0], err
+    assert {p: p.read_bytes() for p in other.rglob("*") if p.is_file()} == before
+    assert not (other / "results" / "deeper").exists()
+
+
 def test_a_run_folder_given_alone_gets_its_aggregate_beside_it(tmp_path, capsys):
     run = _job(tmp_path / "runs" / "2026-01-01_00-00-00", 0, [ROW])
     before = sorted(p.relative_to(run) for p in run.rglob("*"))

@@ -173,6 +173,9 @@ def _ctx(run_dir: Path, algo: str, stage: str, inputs: dict, overrides: list[str
         dataset_cfg=GOAL_WALK,
         family_cfg={"reference_arch": {"n_layer": 1, "d_model": 32, "n_head": 2}},
     )
+    key = str(cfg.training.parallel_strategy)
+    if key != "auto":  # the gang strategy the planner gives a training stage (its world: 1)
+        task.strategy = key
     out = run_dir / "tasks" / name
     out.mkdir(parents=True)
     logger = logging.getLogger(f"test.baselines.{name}")

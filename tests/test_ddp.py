@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pita.training.ddp import DataParallelError, launch_ranks, shard_indices, wrap_model
+from pita.training.ddp import DataParallelError, apply_gang, launch_ranks, shard_indices
 from pita.training.loop import TrainStep, split_batch
 from pita.training.precision import choose_precision
 
@@ -35,7 +35,7 @@ def _train(dist, micro: int) -> dict[str, torch.Tensor]:
     """SGD for a few steps; with `dist`, on this rank's shard of every batch (module level:
     the spawned ranks import it)."""
     model = _model()
-    net = wrap_model(model, dist)
+    net = apply_gang(model, dist)
     step = TrainStep(
         net, torch.optim.SGD(model.parameters(), lr=LR), choose_precision("auto", True, "cpu")
     )
@@ -64,24 +64,24 @@ def test_shard_indices_are_strided_and_padded():
     assert sorted({i for s in shards for i in s}) == list(range(7))
 
 
-def test_world_size_follows_parallel_strategy_and_gpu_mode():
+def test_world_size_follows_the_task_gang_and_gpu_mode():
+    """The worker reads the task's gang (set by the planner), never the config key."""
     from types import SimpleNamespace
 
+    from pita.core.parallel import Gang, Strategy
     from pita.runtime.gang import gang_world_size
 
-    def ctx(strategy, gpu_mode="auto", gpus=2):  # the typed settings a StageContext holds
+    def ctx(gang, gpu_mode="auto"):  # the typed settings a StageContext holds
         return SimpleNamespace(
-            training=SimpleNamespace(parallel_strategy=strategy),
-            system=SimpleNamespace(gpu_mode=gpu_mode),
-            device="cpu",
-            task=SimpleNamespace(gpus=gpus),
+            system=SimpleNamespace(gpu_mode=gpu_mode), device="cpu", task=SimpleNamespace(gang=gang)
         )
 
-    assert gang_world_size(ctx("none")) == 1
-    assert gang_world_size(ctx("data_parallel")) == 2  # a fake / CPU gang: 2 gloo ranks
-    assert gang_world_size(ctx("data_parallel", gpus=1)) == 1
-    assert gang_world_size(ctx("data_parallel", "single_gpu")) == 1
-    assert gang_world_size(ctx("data_parallel", "cpu")) == 1
+    assert gang_world_size(ctx(Gang())) == 1
+    assert gang_world_size(ctx(Gang(Strategy.DDP, 2))) == 2  # a fake / CPU gang: 2 gloo ranks
+    assert gang_world_size(ctx(Gang(Strategy.FSDP, 2))) == 2
+    assert gang_world_size(ctx(Gang(Strategy.DDP, 1))) == 1
+    assert gang_world_size(ctx(Gang(Strategy.DDP, 2), "single_gpu")) == 1
+    assert gang_world_size(ctx(Gang(Strategy.DDP, 2), "cpu")) == 1
 
 
 def test_ddp_on_two_gloo_processes_matches_one_process_on_the_full_batch():

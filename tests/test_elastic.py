@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from concurrent.futures import Future
 
 import pytest
@@ -291,7 +290,6 @@ def test_a_gang_waiting_past_its_predicted_start_shrinks_to_the_free_devices():
         journal=journal,
         sizer=_FixedSizer(),
     )
-    t0 = time.time()
     assert runner.run().ok
     [resized] = [e for e in journal.events if e["event"] == "task_resized"]
     assert resized == {
@@ -303,7 +301,6 @@ def test_a_gang_waiting_past_its_predicted_start_shrinks_to_the_free_devices():
     }  # 3 devices free: the largest k <= 3
     assert len(executor.devices["gang.train"]) == 2
     assert 0 not in executor.devices["gang.train"]
-    assert time.time() - t0 < 60  # hang guard only
 
 
 def test_seconds_per_rank_count_go_into_the_duration_cache_and_back(tmp_path):

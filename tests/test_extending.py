@@ -56,3 +56,18 @@ def test_own_algorithm_and_dataset_run_end_to_end(tmp_path):
     assert rows["Copycat"]["dataset"] == "short_walk"
     assert abs(float(rows["Copycat"]["kl"])) < 1e-3  # π_ref copied: no distance from it
     assert (run / "tasks" / "Copycat.short_walk.tiny.r0.train" / "model").is_dir()
+
+
+def test_an_installed_plugin_never_breaks_algos_lists(tmp_path):
+    """Issue 45: with a plugin algorithm installed but not in the config (no experiment adds
+    it), the README's `algos=[QSharp,GRPO,DPO]` plans as without the plugin (its algorithm is
+    switched off with `++`); naming it says how to add it, in one line."""
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(EXAMPLE / "src")])}
+    proc = run_cli(["algos=[QSharp,GRPO,DPO]", "dry_run=true"], tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "GRPO.goal_walk.tiny.r0.train" in proc.stdout and "Copycat" not in proc.stdout
+    proc = run_cli(["algos=[QSharp,Copycat]", "dry_run=true"], tmp_path, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("error: algos.Copycat.enabled: algorithm Copycat is installed but not")
+    assert "/algo@algos.Copycat" in line

@@ -191,20 +191,31 @@ def test_pretrain_on_two_ranks_matches_one_process(tmp_path, pretrain_single, st
     assert runs[1][1]["effective_batch"] == runs[0][1]["effective_batch"] == 16
     assert "x 2 rank(s)" in (runs[1][0].out_dir / "performance_summary.txt").read_text()
     _assert_same(runs[0], runs[1], "model/model.safetensors")
+    if strategy == "fsdp":  # consolidated from the ranks' shards, never gathered
+        _is_the_same_hf_folder(runs[0][0].out_dir / "model", runs[1][0].out_dir / "model")
+
+
+def _is_the_same_hf_folder(single: Path, sharded: Path) -> None:
+    """The FSDP2 gang's model folder (shards merged file by file) holds what one process'
+    `save_pretrained` writes, and `from_pretrained` loads it."""
+    from transformers import AutoModelForCausalLM
+
+    assert sorted(p.name for p in sharded.iterdir()) == sorted(p.name for p in single.iterdir())
+    assert not list(sharded.parent.glob(".*shards*")), "the ranks' shards were left behind"
+    config = [json.loads((f / "config.json").read_text()) for f in (single, sharded)]
+    assert config[0] == config[1]
+    model = AutoModelForCausalLM.from_pretrained(sharded)
+    loaded = model.state_dict()
+    weights = _weights(sharded / "model.safetensors")
+    assert all(torch.equal(loaded[k], weights[k]) for k in weights)
 
 
 CHECKPOINTED = ("training.checkpoint_every=2",)
 
 
-@pytest.mark.parametrize(
-    "strategy", [pytest.param("data_parallel", marks=pytest.mark.slow), "fsdp"]
-)
-def test_a_killed_two_rank_task_resumes_on_two_and_on_one_rank(
-    run_dir, value_single, tmp_path, strategy
-):
-    """SIGKILL a 2-rank value-training task once a checkpoint is committed; the checkpoint
-    (every tensor in full, by parameter name) resumes on 2 ranks and on 1 with the numbers
-    of the uninterrupted run."""
+def _killed_two_rank_task(run_dir: Path, tmp_path: Path, strategy: str) -> Path:
+    """A run folder whose 2-rank value-training task was SIGKILLed once a checkpoint was
+    committed (its checkpoints folder kept, its output removed)."""
     import os
     import shutil
     import signal
@@ -232,13 +243,55 @@ def test_a_killed_two_rank_task_resumes_on_two_and_on_one_rank(
     proc.wait(timeout=30)
     assert not (killed / "out" / "value_model").exists(), "killed too late: the task finished"
     shutil.rmtree(killed / "out")
-    for k in (2, 1):
+    return killed
+
+
+def _resumes_like_the_uninterrupted_run(
+    killed: Path, tmp_path: Path, value_single, strategy: str, ranks: tuple[int, ...]
+) -> None:
+    """The killed task's checkpoint resumes on each k of `ranks` with the numbers of the
+    uninterrupted run. Its files: DDP, every tensor in full by parameter name (rank 0's
+    tensors.safetensors); FSDP2, each rank's shards (shards/*.safetensors, no DCP
+    `.metadata` pickle) beside rank 0's tensors and JSON."""
+    import shutil
+
+    ckpts = killed / "tasks" / f"{TRAIN}.checkpoints"
+    manifest = json.loads(next(ckpts.glob("step-*/manifest.json")).read_text())
+    files = set(manifest["files"])
+    assert {"tensors.safetensors", "state.json"} <= files
+    if strategy == "fsdp":
+        shards = files - {"tensors.safetensors", "state.json"}
+        assert len(shards) == 2 and all(
+            f.startswith("shards/") and f.endswith(".safetensors") for f in shards
+        ), files
+    else:
+        assert files == {"tensors.safetensors", "state.json"}
+    for k in ranks:
         resumed = tmp_path / f"resumed-{k}"
         shutil.copytree(killed, resumed)
         ctx, result, lines = value_train_in(resumed, strategy, k, *CHECKPOINTED)
         assert any(ln.startswith("resumed from checkpoint") for ln in lines), lines
-        manifest = json.loads(next(ckpts.glob("step-*/manifest.json")).read_text())
-        assert set(manifest["files"]) == {"tensors.safetensors", "state.json"}
         _assert_same(
             value_single, (ctx, result, lines), "value_model/model.safetensors", curve=False
         )
+
+
+@pytest.mark.parametrize(
+    "strategy", [pytest.param("data_parallel", marks=pytest.mark.slow), "fsdp"]
+)
+def test_a_killed_two_rank_task_resumes_on_two_and_on_one_rank(
+    run_dir, value_single, tmp_path, strategy
+):
+    """SIGKILL a 2-rank value-training task once a checkpoint is committed; the checkpoint
+    resumes on 2 ranks and on 1 (the ranks left after a node loss) with the numbers of the
+    uninterrupted run."""
+    killed = _killed_two_rank_task(run_dir, tmp_path, strategy)
+    _resumes_like_the_uninterrupted_run(killed, tmp_path, value_single, strategy, (2, 1))
+
+
+@pytest.mark.slow
+def test_a_killed_two_rank_fsdp_task_resumes_on_four_ranks(run_dir, value_single, tmp_path):
+    """The 2 ranks' shards resharded over 4 gloo ranks (DCP reads each rank's part of
+    every shard): the numbers of the uninterrupted run."""
+    killed = _killed_two_rank_task(run_dir, tmp_path, "fsdp")
+    _resumes_like_the_uninterrupted_run(killed, tmp_path, value_single, "fsdp", (4,))

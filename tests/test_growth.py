@@ -295,21 +295,49 @@ def test_a_resize_whose_larger_gang_fails_falls_back_to_the_old_ranks(tmp_path):
 
 def test_only_elastic_tasks_whose_checkpoints_resume_on_any_k_are_grown():
     """pita's own loops, DPO / RPO and the reward model (tests/test_trl_gang.py shows their
-    resume on another k); not GRPO (TRL samples per rank: another k samples others)."""
+    resume on another k); not GRPO (TRL samples per rank: another k samples others). The
+    registry rows say which (`growable_stages`); the planner copies it onto each task."""
+    from pita.algos.registry import can_grow
     from pita.core.growth import growable
 
     value = _task("v", ranks=[1, 2, 4])
-    value.fn = "pita.algos.qsharp:train"
+    value.growable = can_grow("QSharp", "train", "pita.algos.qsharp:train")
     assert growable(value)
     value.ranks = []  # its k is fixed (not sized at dispatch)
     assert not growable(value)
-    dpo = _task("d", ranks=[1, 2])
-    for fn in ("pita.algos.dpo:train", "pita.algos.reward_model:train_reward_model"):
-        dpo.fn = fn
-        assert growable(dpo), fn
-    for fn in ("pita.algos.grpo:train", "pita.algos.grpo:train_hf", "pita.algos.dpo:collect"):
-        dpo.fn = fn
-        assert not growable(dpo), fn
+    grown = [
+        ("any", "pretrain", "pita.stages.pretrain:pretrain"),
+        ("PITA", "train", "pita.algos.pita_algo:train"),
+        ("QSharp-HF", "train", "pita.algos.qsharp_hf:train"),
+        ("DPO", "train", "pita.algos.dpo:train"),
+        ("RPO", "train", "pita.algos.dpo:train"),
+        ("QSharp-HF", "reward_model", "pita.algos.reward_model:train_reward_model"),
+        ("GRPO-HF", "reward_model", "pita.algos.reward_model:train_reward_model"),
+    ]
+    for row in grown:
+        assert can_grow(*row), row
+    not_grown = [
+        ("GRPO", "train", "pita.algos.grpo:train"),
+        ("GRPO-HF", "train", "pita.algos.grpo:train_hf"),
+        ("DPO", "collect", "pita.algos.dpo:collect"),
+        ("DPO", "train", "my.own:train"),  # a stage override: none of the row's business
+    ]
+    for row in not_grown:
+        assert not can_grow(*row), row
+
+
+def test_the_planner_marks_the_growable_tasks_from_the_registry():
+    from pita.experiment import cli
+    from pita.experiment.run import build_plan, make_gpu_manager
+    from tests.conftest import only
+
+    cfg = cli.compose_config(
+        ["system.devices=fake:4", "training.parallel_strategy=data_parallel"]
+        + only("reference", "QSharp", "GRPO")
+    )
+    plan = build_plan(cfg, make_gpu_manager(cfg))
+    grows = {tid for tid, t in plan.tasks.items() if t.growable}
+    assert grows == {"pretrain.goal_walk.tiny", "QSharp.goal_walk.tiny.r0.train"}
 
 
 def test_a_trl_task_with_checkpoints_off_still_saves_when_the_run_asks(tmp_path):

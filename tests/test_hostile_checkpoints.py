@@ -66,11 +66,18 @@ class _Records(logging.Handler):
 
 
 def _pretrain(
-    run_dir: Path, seed: int = 0, steps: int = STEPS, every: int = 2, trust_group: bool = False
+    run_dir: Path,
+    seed: int = 0,
+    steps: int = STEPS,
+    every: int = 2,
+    trust_group: bool = False,
+    strategy: str = "none",
+    ranks: int = 1,
 ) -> tuple[dict, _Records]:
-    """Run the pretrain stage in-process (checkpoint every 2 steps) into `run_dir`; ->
-    (its trained weights, its log records). Its checkpoint folder stays (the worker
-    would remove it on commit)."""
+    """Run the pretrain stage in-process (checkpoint every 2 steps) into `run_dir`, on
+    `ranks` gloo ranks under `strategy` (fsdp: sharded checkpoints); -> (its trained
+    weights, its log records). Its checkpoint folder stays (the worker would remove it on
+    commit)."""
     from safetensors.torch import load_file
 
     from pita.experiment.config import PitaConfig
@@ -82,6 +89,7 @@ def _pretrain(
     cfg.pretrain.steps, cfg.pretrain.batch_size, cfg.pretrain.warmup_steps = steps, 16, 1
     cfg.training.checkpoint_every = every
     cfg.system.trust_group = trust_group
+    cfg.training.parallel_strategy = strategy
     if every == 0:
         cfg.training.checkpoint_every_minutes = 0.0
     task = task_spec(
@@ -91,7 +99,9 @@ def _pretrain(
         fn="pita.stages.pretrain:pretrain",
         dataset_cfg={"name": "goal_walk", "num_nodes": 8},
         family_cfg={"reference_arch": {"n_layer": 1, "d_model": 32, "n_head": 2}},
+        gpus=ranks,
     )
+    task.strategy = strategy  # the gang the planner gives a training stage
     out = run_dir / "tasks" / f".tmp-{PRETRAIN}-1"
     out.mkdir(parents=True, exist_ok=True)
     logger = logging.getLogger(f"test.hostile.{random.random()}")
@@ -429,3 +439,183 @@ def test_trl_checkpoints_foreign_flipped_truncated_future_or_pickled_are_all_mov
         assert any(f"{name}:" in w and why in w for w in warnings), (name, log[-3000:])
     assert "resumed from checkpoint" not in log
     assert _committed(run) == uninterrupted
+
+
+# --- sharded checkpoints (FSDP2: each rank's safetensors, pita/training/shards.py) ----------
+
+# 2 FSDP2 ranks vs one process: float reduction order only (tests/test_gang_training.py)
+TOL = 1e-5
+
+
+def _close(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(float((a[k] - b[k]).abs().max()) <= TOL for k in a)
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> tuple[dict, Path]:
+    """An uninterrupted FSDP2 run on 2 gloo ranks: (its weights, its run folder with its
+    last checkpoint: one shard file per rank)."""
+    run = tmp_path_factory.mktemp("sharded")
+    weights, _ = _pretrain(run, strategy="fsdp", ranks=2)
+    return weights, run
+
+
+def _shard_files(checkpoint: Path) -> list[Path]:
+    return sorted((checkpoint / "shards").glob("*.safetensors"))
+
+
+def _resume_on_one(run: Path) -> tuple[dict, _Records]:
+    """The task again, on one process (a 2-rank checkpoint resumes on any k)."""
+    return _pretrain(run, strategy="fsdp", ranks=1)
+
+
+def test_a_sharded_checkpoint_is_safetensors_and_json_only_and_resumes_on_one_rank(
+    tmp_path, sharded
+):
+    run = tmp_path / "run"
+    (planted,) = _copy_checkpoints(sharded[1], run)
+    names = sorted(p.relative_to(planted).as_posix() for p in planted.rglob("*") if p.is_file())
+    assert len(_shard_files(planted)) == 2, names
+    assert all(n.endswith((".safetensors", ".json")) for n in names), names  # no .metadata
+    manifest = json.loads((planted / "manifest.json").read_text())
+    assert manifest["format"] == "pita-checkpoint-3-sharded"
+    assert set(manifest["files"]) == set(names) - {"manifest.json"}  # sha256 of every file
+    weights, records = _resume_on_one(run)
+    assert any("resumed from checkpoint" in m for _, m in records.lines), records.lines
+    assert _close(weights, sharded[0])
+
+
+def _flip(shard: Path) -> None:
+    data = bytearray(shard.read_bytes())
+    data[len(data) * 3 // 4] ^= 0x10
+    shard.write_bytes(bytes(data))
+
+
+def _foreign(tmp_path: Path) -> Path:
+    """The first shard of the same task's checkpoint in a run with another seed."""
+    other = tmp_path / "other"
+    _pretrain(other, seed=1, strategy="fsdp", ranks=1)
+    (checkpoint,) = [p for p in _checkpoints(other).iterdir() if p.name.startswith("step-")]
+    return _shard_files(checkpoint)[0]
+
+
+@pytest.mark.parametrize("attack", ["flipped byte", "missing shard", "extra file", "foreign shard"])
+def test_a_tampered_shard_is_refused_and_the_task_starts_over(tmp_path, sharded, attack):
+    run = tmp_path / "run"
+    (planted,) = _copy_checkpoints(sharded[1], run)
+    first, second = _shard_files(planted)
+    if attack == "flipped byte":
+        _flip(second)
+    elif attack == "missing shard":
+        second.unlink()
+    elif attack == "extra file":
+        shutil.copyfile(second, second.with_name("shard-00003-model-00001-of-00001.safetensors"))
+    else:
+        shutil.copyfile(_foreign(tmp_path), first)
+    weights, records = _resume_on_one(run)
+    _rejected(run, records, planted.name)
+    assert _close(weights, sharded[0])  # from scratch, like the uninterrupted run
+
+
+def _rewrite_header(shard: Path, edit) -> None:
+    """`edit(header)` on a shard's safetensors header, the data section kept."""
+    import struct
+
+    raw = shard.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    shard.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+
+
+def _tensors(header: dict) -> list[str]:
+    """A header's tensors, in the order of their bytes."""
+    keys = [k for k in header if k != "__metadata__"]
+    return sorted(keys, key=lambda k: header[k]["data_offsets"][0])
+
+
+def _bytes_overlap(header: dict) -> None:
+    a, b = _tensors(header)[:2]
+    header[b]["data_offsets"] = [x - 4 for x in header[b]["data_offsets"]]
+
+
+def _bytes_past_the_file(header: dict) -> None:
+    last = _tensors(header)[-1]
+    header[last]["data_offsets"] = [x + 64 for x in header[last]["data_offsets"]]
+
+
+def _placed(header: dict, move) -> None:
+    """Change the shard placement (DCP_SHARDING_INFO) of the header's largest tensor."""
+    info = json.loads(header["__metadata__"]["DCP_SHARDING_INFO"])
+    key = max(
+        _tensors(header), key=lambda k: header[k]["data_offsets"][1] - header[k]["data_offsets"][0]
+    )
+    info[key]["saved_offsets"] = move(info[key]["saved_offsets"])
+    header["__metadata__"]["DCP_SHARDING_INFO"] = json.dumps(info)
+
+
+HEADERS = {
+    "bytes that overlap": (_bytes_overlap, "overlap"),
+    "bytes past the file": (_bytes_past_the_file, "run past the file"),
+    "a shard over the other": (lambda h: _placed(h, lambda o: [0] * len(o)), "overlap"),
+    "a shard past its tensor": (lambda h: _placed(h, lambda o: [o[0] + 1000, *o[1:]]), "past"),
+}
+
+
+@pytest.mark.parametrize("case", list(HEADERS))
+def test_a_forged_shard_header_is_refused_before_torch_reads_it(tmp_path, sharded, case):
+    """The header of rank 1's shard rewritten and the proof forged to match (whoever can
+    write the manifest): the shards' own layout is checked, and refused."""
+    from pita.training.checkpoint import MANIFEST, Checkpointer, write_manifest
+
+    edit, why = HEADERS[case]
+    run = tmp_path / "run"
+    (planted,) = _copy_checkpoints(sharded[1], run)
+    _rewrite_header(_shard_files(planted)[1], edit)
+    manifest = json.loads((planted / MANIFEST).read_text())
+    (planted / MANIFEST).unlink()
+    identity = {k: manifest[k] for k in ("task_id", "config_sha256", "inputs_sha256")}
+    write_manifest(planted, MANIFEST, STEPS, identity, format=manifest["format"])
+    records = _Records()
+    logger = logging.getLogger(f"test.hostile.{random.random()}")
+    logger.addHandler(records)
+    ckpt = Checkpointer(_checkpoints(run), 2, logger=logger, identity=identity)
+    assert ckpt.latest(STEPS) is None
+    assert why in records.warnings(), records.warnings()
+    if case == "a shard past its tensor":  # one end-to-end: the task starts over, unharmed
+        shutil.rmtree(_checkpoints(run))
+        (planted,) = _copy_checkpoints(sharded[1], run)
+        _rewrite_header(_shard_files(planted)[1], edit)
+        (planted / MANIFEST).unlink()
+        write_manifest(planted, MANIFEST, STEPS, identity, format=manifest["format"])
+        weights, records = _resume_on_one(run)
+        _rejected(run, records, planted.name)
+        assert _close(weights, sharded[0])
+
+
+def test_a_trainer_checkpoint_holding_dcp_files_is_refused_never_unpickled(tmp_path):
+    """accelerate's FSDP `SHARDED_STATE_DICT` writes DCP's `.metadata`, a pickle DCP reads
+    with `pickle.load`: pita's TRL stages save FSDP's full state instead, and a Trainer
+    checkpoint holding DCP files (planted, with a proof forged to verify) is moved aside
+    before the Trainer sees it; the pickle never runs."""
+    import pickle
+
+    from pita.training.checkpoint import last_trl_checkpoint, write_manifest
+
+    marker = tmp_path / "PWNED"
+    ckpts = tmp_path / "checkpoints"
+    planted = ckpts / "checkpoint-2"
+    (planted / "pytorch_model_fsdp_0").mkdir(parents=True)
+    (planted / "pytorch_model_fsdp_0" / ".metadata").write_bytes(pickle.dumps(_Marker(marker)))
+    (planted / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(b"\0" * 64)
+    (planted / "trainer_state.json").write_text("{}")
+    identity = {"task_id": "t", "config_sha256": "c", "inputs_sha256": "i"}
+    write_manifest(planted, COMPLETE, 2, identity)
+    records = _Records()
+    logger = logging.getLogger(f"test.hostile.{random.random()}")
+    logger.addHandler(records)
+    assert last_trl_checkpoint(ckpts, identity, 4, logger) is None
+    assert not marker.exists()
+    assert "torch.distributed.checkpoint file" in records.warnings()
+    assert (ckpts / "checkpoint-2.rejected").is_dir()

@@ -133,3 +133,33 @@ def test_device_map_auto_sizes_gangs_for_large_models():
     t = plan.tasks
     assert t["QSharp.goal_walk.tiny.r0.evaluate.s00"].gpus == 2
     assert t["QSharp.goal_walk.tiny.r0.train"].gpus == 6
+
+
+def _dataset_cfgs(plan) -> dict[str, dict]:
+    return {t.dataset: t.dataset_cfg for t in plan.tasks.values()}
+
+
+def test_dataset_overrides_reach_a_listed_dataset():
+    """issue 45: `dataset.*` reaches the selected dataset whether or not experiment.datasets
+    lists its file; a key for a listed dataset that is not selected is refused in one line
+    that says how to set it, and that way works."""
+    from pita.experiment.config import validate
+
+    listed = "experiment.datasets=[star_graph_d2_l5,star_graph_d5_l5]"
+    base = [*only("QSharp"), *sleep_overrides()]
+    _, plan = _plan([*base, "dataset=star_graph_d2_l5", listed, "dataset.num_nodes=30"])
+    cfgs = _dataset_cfgs(plan)
+    assert cfgs["star_graph_d2_l5"]["num_nodes"] == 30  # the selected one, listed
+    assert cfgs["star_graph_d5_l5"]["num_nodes"] == 50  # another file: its own value
+    _, plan = _plan([*base, "dataset=star_graph_d2_l5", "dataset.num_nodes=30"])
+    assert _dataset_cfgs(plan)["star_graph"]["num_nodes"] == 30  # selected, not listed
+    refused = compose_config([*base, listed, "dataset.num_nodes=30"])  # goal_walk selected
+    with pytest.raises(ConfigError) as err:
+        validate(refused)
+    (line,) = err.value.messages
+    assert "dataset.num_nodes=30: sets the selected dataset 'goal_walk'" in line
+    how = line.split("select it: ")[1].split(" (")[0].split()  # the command it suggests
+    assert how == ["dataset=star_graph_d2_l5", "dataset.num_nodes=30"]
+    cfg = compose_config([*base, listed, *how])
+    validate(cfg)
+    assert _dataset_cfgs(plan_experiment(cfg, 2))["star_graph_d2_l5"]["num_nodes"] == 30

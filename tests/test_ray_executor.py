@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pita.runtime.ray_slot import SlotWorker
 from tests.conftest import journal, only, run_ok, session_lock, sleep_overrides, task_spec
 
 pytest.importorskip("ray")
@@ -51,8 +52,11 @@ def test_ray_tasks_carry_their_task_id_as_name(two_gpu_ray, tmp_path):
     from pita.core.ray_executor import RayExecutor
 
     task = task_spec("reference.goal_walk.tiny.r0.eval", algo="reference", stage="eval")
-    ex = RayExecutor(OmegaConf.create({"ray_address": "local"}), run_task=_task_name)
-    assert ex.submit(task, (0,), {}, tmp_path).result(timeout=120) == task.id
+    ex = RayExecutor(OmegaConf.create({"ray_address": "local"}), _task_name, SlotWorker)
+    try:
+        assert ex.submit(task, (0,), {}, tmp_path).result(timeout=120) == task.id
+    finally:
+        ex.release()  # the slots back to the module's Ray
 
 
 def test_gpus_that_torch_cannot_use_are_one_line_before_any_task(two_gpu_ray):
@@ -77,23 +81,24 @@ def test_gpus_that_torch_cannot_use_are_one_line_before_any_task(two_gpu_ray):
 
 
 def _rank_report(ctx, dist):
-    """A rank of the gang: who it is, gathered on rank 0."""
+    """A rank of the gang: who it is and the GPU Ray pinned to its slot, gathered on rank 0."""
     import os
 
+    import ray
     import torch.distributed as td
 
     ranks: list = [None] * dist.world_size
-    td.all_gather_object(ranks, (dist.rank, os.getpid()))
+    me = (dist.rank, os.getpid(), [str(g) for g in ray.get_gpu_ids()], os.environ["MASTER_ADDR"])
+    td.all_gather_object(ranks, me)
     return {"world_size": dist.world_size, "ranks": ranks}
 
 
 def _gang_in_ray(task, cfg_dict, run_dir, attempt):
-    """A Ray task body: the GPUs Ray gave it, then the k-rank launcher (run_stage) inside."""
+    """A slot actor's task body: the k-rank launcher (run_stage) with the stage's own code."""
     import logging
     import os
     from pathlib import Path
 
-    import ray
     from omegaconf import OmegaConf
 
     from pita.core.tasks import TaskSpec
@@ -109,19 +114,13 @@ def _gang_in_ray(task, cfg_dict, run_dir, attempt):
         out_dir=out,
         logger=logging.getLogger("test.ray.gang"),
     )
-    return {
-        "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        "pid": os.getpid(),
-        "gang": run_stage(ctx, _rank_report),
-    }
+    return {"pid": os.getpid(), "gang": run_stage(ctx, _rank_report)}
 
 
-def test_a_k_device_training_task_gets_k_gpus_of_one_node_and_runs_the_launcher_inside(
-    two_gpu_ray, tmp_path
-):
-    """Issue 31 item 5: one Ray task asking for num_gpus=k (Ray places it on one node and
-    pins the GPUs), whose stage starts k ranks with the same launcher as a local worker."""
+def test_a_k_device_training_task_runs_one_rank_on_each_of_its_slot_actors(two_gpu_ray, tmp_path):
+    """Issue 41: a k-device task is k ranks, one per slot actor (each pinned to its own GPU),
+    rank 0 on the actor of the first device, the same launcher call (run_stage) as a local
+    worker; the same warm actors serve the next task."""
     from omegaconf import OmegaConf
 
     from pita.core.ray_executor import RayExecutor
@@ -133,15 +132,20 @@ def test_a_k_device_training_task_gets_k_gpus_of_one_node_and_runs_the_launcher_
         "QSharp.goal_walk.tiny.r0.train", "QSharp", "goal_walk", "tiny", 0, "train", "x:y"
     )
     task.gpus, task.strategy = 2, "ddp"
-    ex = RayExecutor(OmegaConf.create({"ray_address": "local"}), run_task=_gang_in_ray)
+    ex = RayExecutor(OmegaConf.create({"ray_address": "local"}), _gang_in_ray, SlotWorker)
     assert ex.largest_node() == 2
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    got = ex.submit(task, (0, 1), cfg_dict, tmp_path).result(timeout=300)
-    assert sorted(got["gpu_ids"]) == ["0", "1"] and got["visible"] in ("0,1", "1,0")
-    gang = got["gang"]
-    assert gang["world_size"] == 2 and [r for r, _ in gang["ranks"]] == [0, 1]
-    pids = {pid for _, pid in gang["ranks"]}
-    assert len(pids) == 2 and got["pid"] not in pids  # two rank processes under the Ray task
+    try:
+        got = [ex.submit(task, (0, 1), cfg_dict, tmp_path).result(timeout=300) for _ in range(2)]
+        nodes = ex.nodes_of([0, 1])
+    finally:
+        ex.release()
+    gang = got[0]["gang"]
+    assert gang["world_size"] == 2 and [r[0] for r in gang["ranks"]] == [0, 1]
+    assert sorted(g for r in gang["ranks"] for g in r[2]) == ["0", "1"]  # one GPU each
+    assert gang["ranks"][0][1] == got[0]["pid"]  # rank 0 is the first slot's actor itself
+    assert got[1] == got[0]  # warm: the same two processes ran the second task
+    assert len(nodes[0]) == 56 and nodes[0] == nodes[1]  # a Ray node id, hex
 
 
 def test_no_gang_is_planned_larger_than_the_largest_ray_node():

@@ -99,10 +99,43 @@ def _empty(node: ast.expr) -> bool:
     )
 
 
-def _restated_defaults(source: str, keys: set[str]) -> list[tuple[int, str]]:
-    """(line, key) of each `x.get("<key>", <default>)` and `x.get("<key>") or <default>`."""
-    tree = ast.parse(source)
+def _dotted_key(arg: ast.expr, keys: set[str]) -> str | None:
+    """The schema key a dotted path names (`"pretrain.steps"`, `f"{algo}.epochs"`: its last
+    part), else None."""
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and "." in arg.value:
+        last = arg.value.rsplit(".", 1)[1]
+    elif (
+        isinstance(arg, ast.JoinedStr)
+        and arg.values
+        and isinstance(arg.values[-1], ast.Constant)
+        and str(arg.values[-1].value).startswith(".")
+    ):
+        last = str(arg.values[-1].value)[1:]
+    else:
+        return None
+    return last if last in keys else None
+
+
+def _path_reads_with_default(tree: ast.AST, keys: set[str]) -> set[tuple[int, str]]:
+    """(line, key) of each call reading a dotted path of a schema key with a default after
+    it: `f(cfg, "pretrain.steps", 1)`, `OmegaConf.select(cfg, "a.b", default=2)`."""
     hits = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        defaulted = any(kw.arg == "default" for kw in node.keywords)
+        for i, arg in enumerate(node.args):
+            key = _dotted_key(arg, keys)
+            if key and (len(node.args) > i + 1 or defaulted):
+                hits.add((node.lineno, key))
+    return hits
+
+
+def _restated_defaults(source: str, keys: set[str]) -> list[tuple[int, str]]:
+    """(line, key) of each `x.get("<key>", <default>)`, `x.get("<key>") or <default>` and
+    dotted-path read with a default (`_path_reads_with_default`)."""
+    tree = ast.parse(source)
+    hits = _path_reads_with_default(tree, keys)
     for node in ast.walk(tree):
         call = node.values[0] if isinstance(node, ast.BoolOp) else node
         if not (
@@ -126,15 +159,26 @@ def _restated_defaults(source: str, keys: set[str]) -> list[tuple[int, str]]:
 
 
 def test_the_scan_finds_restated_defaults():
-    keys = {"checkpoint_every_minutes", "num_samples"}
+    keys = {"checkpoint_every_minutes", "num_samples", "steps", "epochs"}
     source = (
         'a = tr.get("checkpoint_every_minutes", 0.0)\n'
         'b = ev.get("num_samples") or 1\n'
         'c = row.get("wall_s", 0.0)\n'
         'd = ev.get("num_samples")\n'
         'e = cfg.get("num_samples") or {}\n'
+        'f = _num(cfg, "pretrain.steps", 1)\n'  # durations.py's form, before issue 45
+        'g = _num(cfg, f"{algo}.epochs", 1)\n'
+        'h = OmegaConf.select(cfg, "evaluation.num_samples", default=4)\n'
+        'i = _amount(cfg, "pretrain.steps")\n'  # the schema's default: not restated
+        'j = _num(cfg, "pretrain.wall_s", 1)\n'  # not a schema key
     )
-    assert _restated_defaults(source, keys) == [(1, "checkpoint_every_minutes"), (2, "num_samples")]
+    assert _restated_defaults(source, keys) == [
+        (1, "checkpoint_every_minutes"),
+        (2, "num_samples"),
+        (6, "steps"),
+        (7, "epochs"),
+        (8, "num_samples"),
+    ]
 
 
 # `.get` of a name a schema also uses, on a mapping that is not a config group.

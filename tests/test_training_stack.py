@@ -445,6 +445,8 @@ def pretrain_context(tmp_path, gpus=1, **training):
         dataset_cfg={"name": "goal_walk", "num_nodes": 8},
         family_cfg={"reference_arch": {"n_layer": 1, "d_model": 32, "n_head": 2}},
     )
+    if "parallel_strategy" in training:  # the gang the planner gives a training stage
+        task.strategy = training["parallel_strategy"]
     out = tmp_path / "out"
     out.mkdir(parents=True, exist_ok=True)
     logger = logging.getLogger(f"test.pretrain.{random.random()}")

@@ -46,6 +46,8 @@ HOSTILE = {
     "garbage": lambda p, kind: p.write_bytes(b"\x00\xff{not json"),
     "a list": lambda p, kind: p.write_text("[1, 2, 3]"),
     "folder": lambda p, kind: p.mkdir(),
+    # 400 KB of nesting: json's parser raised RecursionError in every run until removed
+    "nested 400 KB": lambda p, kind: p.write_text('{"k": ' + "[" * 200_000 + "]" * 200_000 + "}"),
 }
 if os.geteuid() == 0:  # root can make another user's file
     HOSTILE["another user's"] = lambda p, kind: (p.write_text(_valid(kind)), _as_nobody(p))
@@ -90,6 +92,25 @@ def test_entries_of_the_wrong_shape_are_skipped_the_rest_kept(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="pita.cache"):
         assert load_history(path).exact == {"a": 2.5}
     assert ["3 entries of the wrong shape" in r.getMessage() for r in caplog.records] == [True]
+
+
+def test_non_finite_and_overlong_numbers_drop_their_entry_the_rest_kept(tmp_path, caplog):
+    """Issue 43: `wall_s: Infinity` in the durations cache raised OverflowError in every dry
+    run. Python's json reads Infinity, NaN and 1e999; a cache reads them as None, so the
+    entry fails its shape check (one WARNING) and the others are kept, on disk too."""
+    path = tmp_path / "task_durations.json"
+    text = (
+        '{"a": {"wall_s": 2.5}, "b": {"wall_s": Infinity}, "c": {"wall_s": 1e999}, '
+        '"d": {"wall_s": NaN}, "e": {"wall_s": -Infinity}, "f": {"wall_s": 1' + "0" * 400 + "}}"
+    )
+    path.write_text(text)
+    user_cache._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="pita.cache"):
+        assert load_history(path).exact == {"a": 2.5}
+        assert PeakEstimator({}, path).peaks == {}  # the same file read as peaks: no crash
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("5 entries of the wrong shape" in m for m in messages), messages
+    assert path.read_text() == text  # reading changes nothing
 
 
 def test_a_write_replaces_a_planted_link_and_never_writes_through_it(tmp_path):
@@ -163,3 +184,22 @@ def test_a_dry_run_with_hostile_caches_finishes_with_one_warning_each(tmp_path):
     assert out.count("ignoring the durations cache") == 1, out[-3000:]
     assert out.count("ignoring the peaks cache") == 1, out[-3000:]
     assert "Estimated wall time" in proc.stdout
+
+
+def test_a_dry_run_with_nested_and_non_finite_caches_finishes(tmp_path):
+    """The issue's report: a 400 KB nested peaks cache (RecursionError) and `wall_s:
+    Infinity` in the durations (OverflowError) broke every run: now a WARNING each."""
+    from tests.conftest import run_cli
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "task_durations.json").write_text('{"x": {"wall_s": Infinity, "run": "r"}}')
+    (cache / "task_peaks.json").write_text('{"k": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    proc = run_cli(
+        ["experiment=smoke", "dry_run=true"], tmp_path, env={"PITA_CACHE_DIR": str(cache)}
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out
+    assert out.count("ignoring the durations cache") == 1, out[-3000:]
+    assert out.count("ignoring the peaks cache") == 1, out[-3000:]

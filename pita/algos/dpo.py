@@ -321,6 +321,7 @@ def _train(ctx: StageContext, dist: object = None) -> dict:
         train_and_save,
         training_args,
         trl_options,
+        whole_batches,
     )
     from pita.models.loading import load_tokenizer
 
@@ -348,10 +349,11 @@ def _train(ctx: StageContext, dist: object = None) -> dict:
         if sft > 0
         else {"loss_type": ["sigmoid"]}
     )
+    batch = effective_batch(ctx)  # the global batch: each epoch draws whole ones
     args = training_args(
         ctx,
         DPOConfig,
-        batch_size=effective_batch(ctx),
+        batch_size=batch,
         lr=float(algo.lr),
         epochs=int(algo.epochs),
         steps=int(algo.steps),
@@ -362,7 +364,7 @@ def _train(ctx: StageContext, dist: object = None) -> dict:
     )
     ids = pairs_as_ids(records, tok.eos_token_id)
     trainer = quiet(
-        token_dpo_trainer()(
+        whole_batches(token_dpo_trainer(), batch)(
             model=policy,
             ref_model=ref_model,
             args=args,

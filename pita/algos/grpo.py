@@ -31,6 +31,7 @@ Where it departs from the paper / TRL defaults:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -99,9 +100,11 @@ def prompt_dataset(examples: Sequence, tokenizer):
     return Dataset.from_dict({"prompt": texts, "example": list(range(len(examples)))})
 
 
-def token_grpo_trainer(prompt_ids: Sequence[Sequence[int]]):
+def token_grpo_trainer(prompt_ids: Sequence[Sequence[int]], seed: int):
     """A `GRPOTrainer` class whose generation starts from `prompt_ids[example]` for each
-    row of a batch (the dataset's `example` column), not from re-tokenized prompt text."""
+    row of a batch (the dataset's `example` column), not from re-tokenized prompt text, and
+    samples each completion from its own seed (`_row_seeds`), so k ranks sample what one
+    process samples."""
     from trl import GRPOTrainer
 
     table = [list(ids) for ids in prompt_ids]
@@ -120,7 +123,87 @@ def token_grpo_trainer(prompt_ids: Sequence[Sequence[int]]):
                 )
             return [list(table[i]) for i in self._batch_examples], None, {}
 
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *a):
+            if not _row_seeded(self) or images or multimodal_fields:
+                return super()._generate_single_turn(
+                    prompt_ids, images, multimodal_fields, num_generations, *a
+                )
+            return _seeded_completions(self, prompt_ids, _row_seeds(self, seed, num_generations))
+
     return TokenGRPOTrainer
+
+
+def _row_seeded(trainer) -> bool:
+    """Whether pita samples this trainer's completions (`_seeded_completions`): TRL's plain
+    `generate` path with the sampling knobs pita's sampler has. vLLM, continuous batching,
+    `min_p`, `repetition_penalty` or `generation_kwargs` (set through `algos.<NAME>.trl`)
+    keep TRL's own per-process sampler, and a log line says k ranks then sample otherwise."""
+    args = trainer.args
+    plain = not (trainer.use_vllm or trainer.use_transformers_continuous_batching)
+    knobs = trainer.min_p is None and trainer.repetition_penalty == 1.0
+    ours = plain and knobs and not args.generation_kwargs
+    if not ours and not getattr(trainer, "_said_per_rank", False):
+        trainer._said_per_rank = True
+        logging.getLogger(__name__).warning(
+            "GRPO: TRL samples the completions (vLLM, continuous batching, min_p, "
+            "repetition_penalty or generation_kwargs): each rank draws from its own seed, so "
+            "another number of ranks samples other completions"
+        )
+    return ours
+
+
+def _row_seeds(trainer, seed: int, num_generations: int) -> list[int]:
+    """One seed per row of this rank's batch: (stage seed, optimizer step, example,
+    completion j of its group). TRL lays a generation batch out over the ranks in order
+    (rank r holds rows r·n … r·n + n − 1 of it, as its own advantage slice assumes) and a
+    group's `num_generations` rows next to each other, so the row's place in the global
+    batch gives j, the same on any k."""
+    from pita.models.seeds import example_seed
+
+    local = trainer._batch_examples
+    first = trainer.accelerator.process_index * len(local)
+    step = int(trainer.state.global_step)
+    return [
+        example_seed(seed, "grpo", step, example, (first + i) % num_generations)
+        for i, example in enumerate(local)
+    ]
+
+
+def _seeded_completions(trainer, prompt_ids: list, row_seeds: list[int]):
+    """TRL's `_generate_single_turn` on the plain path, with pita's sampler
+    (pita.models.generation.generate with `row_seeds`: the same top-k, temperature and
+    top-p rule as TRL's warpers and as evaluation): (completion ids cut after EOS, EOS
+    included; None: no sampling log-probs, as TRL's own path)."""
+    import torch
+    from trl.models import unwrap_model_for_generation
+
+    from pita.models.generation import generate
+
+    with (
+        unwrap_model_for_generation(
+            trainer.model_wrapped,
+            trainer.accelerator,
+            gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+            generation_kwargs=trainer.generation_kwargs,
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+        ) as model,
+        torch.no_grad(),
+        trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
+    ):
+        out = generate(
+            model,
+            [list(p) for p in prompt_ids],
+            max_new_tokens=int(trainer.max_completion_length),
+            batch_size=max(1, len(prompt_ids)),
+            pad_token_id=trainer._tokenizer.pad_token_id,
+            eos_token_id=list(trainer.eos_token_ids),
+            do_sample=True,
+            temperature=float(trainer.temperature),
+            top_k=int(trainer.top_k or 0),
+            top_p=float(trainer.top_p if trainer.top_p is not None else 1.0),
+            row_seeds=row_seeds,
+        )
+    return out.responses, None
 
 
 def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
@@ -173,7 +256,7 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
         options=trl_options(ctx),
     )
     lora = lora_config(ctx)
-    trainer_cls = token_grpo_trainer([e.prompt_ids for e in examples])
+    trainer_cls = token_grpo_trainer([e.prompt_ids for e in examples], ctx.seed)
     trainer = quiet(
         trainer_cls(
             model=policy,

@@ -81,12 +81,45 @@ class Algorithm:
     # and the TRL stages whose ranks are accelerate's processes): with
     # `training.parallel_strategy` data_parallel / fsdp the planner gives them a gang.
     gang_stages: tuple[str, ...] = ()
+    # Of `gang_stages`, those that train with a TRL Trainer (their ranks are accelerate's
+    # processes): no FSDP off CUDA, and the gang's k divides the batch (pita/experiment/gangs.py).
+    trl_stages: tuple[str, ...] = ()
+    # Of `gang_stages`, those whose checkpoints resume on any k with the numbers of an
+    # uninterrupted run: growth may restart them on more ranks (pita/core/growth.py; why
+    # each row's are, or are not, at `GROWTH` below).
+    growable_stages: tuple[str, ...] = ()
 
     @property
     def schema_path(self) -> str:
         """ "module:Class" of `schema`: how a task names it to its worker (`ctx.algo`)."""
         return f"{self.schema.__module__}:{self.schema.__qualname__}"
 
+
+# GROWTH: the stages whose checkpoints resume on any k with the numbers of an uninterrupted run.
+# - pita's own loops (pretrain, the value trainer): full-state checkpoints (pita/training/ddp.py
+#   `FullState`; tests/test_growth.py);
+# - DPO / RPO training and the proxy reward model of the -HF variants, from the Trainer's own
+#   checkpoint (`resume_from_checkpoint`: model, optimizer, step). accelerate's seedable
+#   sampler deals the same batches at any k and the Trainer skips the seen ones; they draw no
+#   random numbers (TRL's `disable_dropout`), so the per-rank RNG files a checkpoint of
+#   another k lacks do not matter. pita adds the gang's loss sums and TRL's unlogged metrics to
+#   the checkpoint and logs the last step (pita/algos/trl_common.py). Measured (DPO and the
+#   reward model, 1 rank stopped, resumed on 2 and stopped, resumed on 2): every logged value,
+#   the result and the weights within 1.2e-7 of one process' run; without those additions
+#   DPO's first log after a stop was off (loss by 2.6e-3, TRL's reward accuracy by 0.25) and
+#   so was train_loss (1.4e-3):
+#   tests/test_trl_gang.py::test_trl_stages_stopped_and_resumed_on_other_ranks_match_an_uninterrupted_run
+#   (RPO is DPO's stage with an SFT term: not run separately).
+# Not grown:
+# - GRPO / GRPO-HF's train: TRL seeds each rank with `set_seed(seed, device_specific=True)`
+#   (seed + rank) and samples completions from the process's global RNG, so k ranks sample
+#   other completions than one process (already so for the k chosen at dispatch,
+#   tests/test_trl_gang.py), and on a resume the Trainer looks for `rng_state_<rank>.pth`,
+#   which a checkpoint written on another k lacks (rank 0 does not even continue its own
+#   stream). Measured (2 of 4 steps on 1 rank, the rest on 2): weights 0.026 apart, the last
+#   logged KL 1.49 against 1.14; resumed on the same k it is exact. Growing it would take TRL
+#   generating with seeds per prompt and step (as pita's `generate(row_seeds=...)`), not per
+#   process.
 
 # Stages every chain shares unless an algorithm names its own function.
 SHARED_FUNCTIONS: dict[str, str] = {
@@ -105,6 +138,8 @@ SHARED_OUTPUTS: dict[str, tuple[str, ...]] = {
 }
 # The models of the shared stages outside any round (as Algorithm.models).
 SHARED_MODELS: dict[str, tuple[Held, ...]] = {"pretrain": (Held("reference", "train"),)}
+# The shared stages that grow (as Algorithm.growable_stages; pretrain is pita's own loop).
+SHARED_GROWABLE: tuple[str, ...] = ("pretrain",)
 
 _VALUE_ROUND = ("collect", "train", "evaluate")
 _HF_ROUND = ("collect", "reward_model", "train", "evaluate")
@@ -154,6 +189,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             models=_VALUE_MODELS,
             schema=ValueGuidedConfig,
             gang_stages=("train",),
+            growable_stages=("train",),
         ),
         Algorithm(
             "QSharp",
@@ -164,6 +200,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             models=_VALUE_MODELS,
             schema=ValueGuidedConfig,
             gang_stages=("train",),
+            growable_stages=("train",),
         ),
         Algorithm(
             "QSharp-HF",
@@ -185,6 +222,8 @@ ALGORITHMS: dict[str, Algorithm] = {
             models={**_VALUE_MODELS, "reward_model": (Held("reward", "train", atoms_head=True),)},
             schema=ValueGuidedHFConfig,
             gang_stages=("reward_model", "train"),
+            trl_stages=("reward_model",),
+            growable_stages=("reward_model", "train"),
         ),
         # policy-optimisation baselines with TRL (pita/algos/dpo.py, grpo.py)
         # DPO is plain DPO (`sft_weight: 0`, as the papers ran it); RPO is the same trainer with
@@ -198,6 +237,8 @@ ALGORITHMS: dict[str, Algorithm] = {
             models=_POLICY_MODELS,
             schema=PreferenceConfig,
             gang_stages=("train",),
+            trl_stages=("train",),
+            growable_stages=("train",),
         ),
         Algorithm(
             "RPO",
@@ -207,6 +248,8 @@ ALGORITHMS: dict[str, Algorithm] = {
             models=_POLICY_MODELS,
             schema=PreferenceConfig,
             gang_stages=("train",),
+            trl_stages=("train",),
+            growable_stages=("train",),
         ),
         Algorithm(
             "GRPO",
@@ -216,6 +259,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             models={"train": _GRPO_TRAIN, "evaluate": _POLICY_MODELS["evaluate"]},
             schema=GRPOConfig,
             gang_stages=("train",),
+            trl_stages=("train",),
         ),
         Algorithm(
             "GRPO-HF",
@@ -234,6 +278,8 @@ ALGORITHMS: dict[str, Algorithm] = {
             },
             schema=GRPOHFConfig,
             gang_stages=("reward_model", "train"),
+            trl_stages=("reward_model", "train"),
+            growable_stages=("reward_model",),
         ),
     )
 }
@@ -250,23 +296,34 @@ PLUGIN_ALGORITHMS = "pita_algorithms"
 
 
 def _plugins() -> None:
+    """Add the rows of every `pita_algorithms` entry point; one that fails to import, or
+    gives something else than Algorithm rows with new names, is one WARNING and skipped
+    (pita/core/plugins.py): an installed package never breaks pita's other commands."""
     from importlib.metadata import entry_points
 
+    from pita.core import plugins
     from pita.core.schema import ALGO_SCHEMAS
 
     for ep in entry_points(group=PLUGIN_ALGORITHMS):
-        rows = ep.load()
-        for row in rows if isinstance(rows, (list, tuple)) else [rows]:
-            if not isinstance(row, Algorithm) or row.name in ALGORITHMS or row.name == ANY:
-                raise ValueError(
-                    f"entry point {ep.name} = {ep.value} ({PLUGIN_ALGORITHMS}): must give "
-                    f"Algorithm rows with new names (taken: {', '.join(ALGORITHMS)})"
-                )
+        rows = plugins.load(PLUGIN_ALGORITHMS, ep)
+        rows = [] if rows is None else rows if isinstance(rows, (list, tuple)) else [rows]
+        bad = [
+            r for r in rows if not isinstance(r, Algorithm) or r.name in ALGORITHMS or r.name == ANY
+        ]
+        if bad:
+            plugins.skip(
+                PLUGIN_ALGORITHMS,
+                ep,
+                f"must give Algorithm rows with new names (taken: {', '.join(ALGORITHMS)})",
+            )
+            continue
+        for row in rows:
             ALGORITHMS[row.name] = row
             if row.schema not in ALGO_SCHEMAS.values():  # conf/algo yaml: defaults [<name>]
                 ALGO_SCHEMAS[f"{row.name}_schema"] = row.schema
 
 
+BUILTIN_NAMES: tuple[str, ...] = tuple(ALGORITHMS)  # pita's own: conf/config.yaml has each
 _plugins()
 ALGO_NAMES: tuple[str, ...] = tuple(ALGORITHMS)
 GUIDED: tuple[str, ...] = tuple(name for name, a in ALGORITHMS.items() if a.guided)
@@ -318,6 +375,32 @@ def stage_models(algo: str, stage: str, round_idx: int) -> tuple[Held, ...]:
     if held is None:
         held = SHARED_MODELS.get(stage, ())
     return tuple(h for h in held if round_idx >= h.from_round)
+
+
+def _own_function(algo: str, stage: str, fn: str) -> Algorithm | None:
+    """The row of `algo` when `fn` is its own (or the shared) function of `stage`: a
+    function put in by executor.stage_overrides is none of the row's business."""
+    row = ALGORITHMS.get(algo)
+    own = row.functions.get(stage) if row is not None else None
+    if fn != (own or SHARED_FUNCTIONS.get(stage)):
+        return None
+    return row if row is not None and own is not None else _SHARED_ROW
+
+
+def runs_trl(algo: str, stage: str, fn: str) -> bool:
+    """Whether the task (algo, stage, fn) trains with a TRL Trainer (its row's `trl_stages`)."""
+    row = _own_function(algo, stage, fn)
+    return row is not None and stage in row.trl_stages
+
+
+def can_grow(algo: str, stage: str, fn: str) -> bool:
+    """Whether its checkpoints resume on any k (its row's `growable_stages`; GROWTH above)."""
+    row = _own_function(algo, stage, fn)
+    return row is not None and stage in row.growable_stages
+
+
+# the shared stages' columns, as a row (pretrain: pita's own loop, grows; no TRL stage)
+_SHARED_ROW = Algorithm(ANY, (), growable_stages=SHARED_GROWABLE)
 
 
 def is_importable(dotted: str) -> bool:

@@ -113,6 +113,7 @@ def _train_reward_model(ctx: StageContext, dist: object = None) -> dict:
         train_and_save,
         training_args,
         trl_options,
+        whole_batches,
     )
     from pita.models.loading import load_tokenizer
     from pita.models.reward_scorer import RewardScorer
@@ -142,10 +143,11 @@ def _train_reward_model(ctx: StageContext, dist: object = None) -> dict:
     )
     model.config.pad_token_id = tok.pad_token_id
 
+    batch = effective_batch(ctx)  # the global batch: each epoch draws whole ones
     args = training_args(
         ctx,
         RewardConfig,
-        batch_size=effective_batch(ctx),
+        batch_size=batch,
         lr=float(algo.reward_lr),
         epochs=int(algo.reward_epochs),
         max_length=None,
@@ -153,7 +155,7 @@ def _train_reward_model(ctx: StageContext, dist: object = None) -> dict:
         options=trl_options(ctx, "reward_trl"),
     )
     trainer = quiet(
-        RewardTrainer(
+        whole_batches(RewardTrainer, batch)(
             model=model,
             args=args,
             train_dataset=dataset,

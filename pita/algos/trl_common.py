@@ -29,7 +29,7 @@
 - `StageLogCallback`: TRL's log lines go to the task's `log.txt`, to `train_log.jsonl`
   in the task folder and to the worker's heartbeat.
 - `run_on_gang(ctx, body)`: the stage body on every rank of the task's gang
-  (`task.gpus` > 1 with `task.strategy` ddp | fsdp, pita/experiment/gangs.py): the gang's
+  (`task.gpus` > 1 with a DDP or FSDP `task.gang`, pita/experiment/gangs.py): the gang's
   ranks are the accelerate processes TRL expects (RANK / WORLD_SIZE / LOCAL_RANK /
   MASTER_ADDR / MASTER_PORT set and the process group up before the Trainer is built, so
   accelerate picks it up: `MULTI_CPU` on CPU, `MULTI_GPU` on CUDA, `FSDP` on CUDA under
@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pita.core.parallel import Gang, Strategy
 from pita.core.paths import Artifact
 from pita.core.schema import GRPOConfig, PreferenceConfig, TrainedConfig
 from pita.runtime.context import StageContext
@@ -111,10 +112,14 @@ def run_on_gang(ctx: StageContext, body: Any) -> dict:
     gang, or here alone; rank 0's result. See the module docstring."""
     from pita.runtime.gang import run_stage
 
-    if ctx.task.gpus > 1 and str(ctx.training.parallel_strategy) == "fsdp":
-        if ctx.task.strategy != "fsdp":
-            ctx.logger.info(cpu_fsdp_note(ctx.task.id))
+    if ctx.task.gpus > 1 and fsdp_runs_ddp(ctx.task.gang):
+        ctx.logger.info(cpu_fsdp_note(ctx.task.id))
     return run_stage(ctx, body)
+
+
+def fsdp_runs_ddp(gang: Gang) -> bool:
+    """Whether the planner gave a gang DDP where the config asked FSDP (a TRL stage on CPU)."""
+    return gang.asked is Strategy.FSDP and gang.strategy is Strategy.DDP
 
 
 def distributed_info(trainer: Any) -> dict[str, Any]:
@@ -136,8 +141,17 @@ def fsdp_kwargs(ctx: StageContext, on_cuda: bool) -> dict[str, Any]:
     """TrainingArguments' FSDP2 fields for a task the planner gave `strategy=fsdp`, on CUDA
     only (accelerate has no FSDP on CPU: the planner never gives a TRL task fsdp there).
     Each transformer block is wrapped (`_no_split_modules`), parameters resharded after
-    forward; the final model is gathered in full for `save_pretrained`."""
-    if ctx.task.strategy != "fsdp" or not on_cuda:
+    forward; the final model is gathered in full for `save_pretrained`.
+
+    Checkpoints: `FULL_STATE_DICT`, so accelerate gathers the model and optimizer on rank 0
+    and writes plain tensor pickles that pita proves load with `weights_only=True` and that
+    resume on any k (`pita.training.checkpoint.last_trl_checkpoint`). Not
+    `SHARDED_STATE_DICT`: accelerate writes it through DCP's `FileSystemWriter`, whose
+    `.metadata` is a pickle read with `pickle.load` (a Trainer checkpoint holding DCP files
+    is refused), or per-rank pickles that resume on the same k only. The price: a TRL stage
+    under FSDP checkpoints only a model whose full state fits rank 0's host memory
+    (pita's own loops shard theirs: `pita.training.shards`)."""
+    if ctx.task.strategy is not Strategy.FSDP or not on_cuda:
         return {}
     return {
         # transformers 5 deprecates the string form ("full_shard auto_wrap"): fsdp=True and
@@ -191,6 +205,31 @@ def save_model(model: Any, tokenizer: Any, folder: Path, state_dict: Any = None)
 
 
 # --- batch sizes and precision ------------------------------------------------------------
+
+
+def whole_batches(trainer_cls: type, global_batch: int) -> type:
+    """`trainer_cls` whose training sampler draws whole global batches each epoch, so no k
+    ever trains on a partial last batch. Without it one process's last batch of an epoch
+    holds the N mod B pairs left while k ranks' holds B (accelerate fills it up on every rank
+    by wrapping around to the epoch's first examples): with 60 pairs and a batch of 8, one
+    and two ranks end 9 % of an update apart. Here each epoch is a fresh seeded permutation
+    (accelerate's `SeedableRandomSampler` keeps `num_samples`) cut to the largest multiple
+    of B (the last N mod B examples of that epoch's order are left out, other ones each
+    epoch), or, with fewer than B examples, cycled up to one batch; the same on any k
+    (tests/test_trl_gang.py::test_trl_stages_on_two_ranks_match_one_process)."""
+    from torch.utils.data import RandomSampler
+
+    class WholeBatches(trainer_cls):  # type: ignore[misc, valid-type]
+        def _get_train_sampler(self, train_dataset=None):
+            sampler = super()._get_train_sampler(train_dataset)
+            if type(sampler) is not RandomSampler or sampler.replacement:
+                return sampler  # a strategy set through algos.<NAME>.trl: as TRL does it
+            n = len(sampler.data_source)
+            keep = max(global_batch, n - n % global_batch)
+            return sampler if keep == n else RandomSampler(sampler.data_source, num_samples=keep)
+
+    WholeBatches.__name__ = WholeBatches.__qualname__ = trainer_cls.__name__
+    return WholeBatches
 
 
 def effective_batch(ctx: StageContext, fallback: int = 64) -> int:

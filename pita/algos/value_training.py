@@ -214,6 +214,7 @@ class ValueRun:
     cursor: int = 0
     diagnostics: dict = field(default_factory=dict)
     dist: Any = None  # pita.training.ddp.DistContext of a gang's rank, None on one process
+    precision: Any = None  # pita.training.precision.Precision, chosen once (a gang: at its wrap)
     net: Any = None  # what the loss runs through: the read-out, DDP- or FSDP2-wrapped on a gang
 
     @property
@@ -273,7 +274,7 @@ def _train_value_rank(ctx: StageContext, dist: Any, items: Sequence[tuple]) -> d
         family=ctx.cfg.model,
         previous=ctx.input("previous") if ctx.has_input("previous") else None,
         batch_scale=ctx.task.batch_scale,
-        safety_margin=float(ctx.cfg.batch_size_safety_margin),
+        safety_margin=ctx.batch_size_safety_margin,
         probe_key={"stage": ctx.task.stage, "algo": ctx.task.algo},
         logger=ctx.logger,
     )
@@ -447,8 +448,9 @@ def _batching(run: ValueRun, auto: bool) -> None:
     import torch
 
     from pita.runtime.batching import training_micro_batch
-    from pita.training.ddp import wrap_model
+    from pita.training.ddp import apply_gang
     from pita.training.loop import accumulation_plan, micro_batch_plan
+    from pita.training.precision import training_precision
 
     job, algo, n, device = run.job, run.algo, run.n, run.device
     share = -(-run.batch // run.world)  # the largest rank's share of a step's batch
@@ -474,7 +476,8 @@ def _batching(run: ValueRun, auto: bool) -> None:
         micro = _smallest_over_ranks(min(micro, share), run.dist)
     run.micro, run.n_micro = accumulation_plan(share, micro, job.training.accumulation_steps)
     if run.dist is not None:  # DDP / FSDP2 run their hooks on a module's forward
-        run.net = wrap_model(_readout(run.model), run.dist)
+        run.precision = training_precision(job.training, run.device, logger=job.logger)
+        run.net = apply_gang(_readout(run.model), run.dist, run.precision)
         run.loss_fn = value_loss(run.model, run.tensors, str(algo.loss_type), forward=run.net)
     run.steps = int(algo.steps) or int(algo.epochs) * math.ceil(n / run.batch)
     run.log_every = max(1, run.steps // 10)
@@ -553,7 +556,7 @@ def _train_step(run: ValueRun, tracker: Tracker) -> Any:
     return TrainStep(
         run.net if run.net is not None else run.model,  # DDP: its no_sync while accumulating
         run.optim,
-        training_precision(job.training, run.device, logger=job.logger),
+        run.precision or training_precision(job.training, run.device, logger=job.logger),
         scheduler=run.sched,
         max_grad_norm=job.training.max_grad_norm,
         clear_cache_interval=job.clear_cache_interval,
@@ -646,7 +649,7 @@ def _micro_batches(run: ValueRun, idx: Any, weight: Any) -> tuple[list, list]:
         if len(parts) == 1:
             return parts, [1.0]
         return parts, [weight[m].sum() / weight[idx].sum() for m in parts]
-    mine = idx[run.dist.rank :: run.world]
+    mine = idx[run.dist.shard(len(idx), pad=False)]  # DistributedSampler's, unpadded
     total = weight[idx].sum()
     parts, shares = [], []
     for m in mine.tensor_split(run.n_micro):
@@ -701,12 +704,20 @@ def finish(run: ValueRun, out_dir: Path, t0: float) -> dict:
     result (the last window's means: its rows survive a resume, they are in the checkpoint)."""
     from pita.training.ddp import full_state_dict
     from pita.training.report import write_training_report
+    from pita.training.shards import save_consolidated, sharded_model
 
     _, mean_loss, mean_acc = _recent_means(run)
-    state = full_state_dict(run.model, run.dist)  # every rank takes part (FSDP2 gathers)
-    if run.dist is not None and not run.dist.is_main:
-        return {}  # rank 0 writes the model, the report and the result
-    run.model.eval().save(out_dir / Artifact.VALUE_MODEL, state=state)
+    folder = out_dir / Artifact.VALUE_MODEL
+    if sharded_model(run.dist):  # FSDP2: each rank writes its shards, merged file by file
+        save_consolidated(run.model, folder, run.dist.rank)
+        if not run.dist.is_main:
+            return {}
+        run.model.eval().save_config(folder)
+    else:
+        state = full_state_dict(run.model, run.dist)  # every rank takes part (FSDP2 gathers)
+        if run.dist is not None and not run.dist.is_main:
+            return {}  # rank 0 writes the model, the report and the result
+        run.model.eval().save(folder, state=state)
     perf = write_training_report(
         out_dir,
         run.trainer,

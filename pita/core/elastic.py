@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pita.core.parallel import Gang, Strategy
 from pita.core.tasks import TaskSpec
 
 TRAINING_STAGES = ("pretrain", "reward_model", "train")
@@ -71,19 +72,20 @@ def rank_choices(max_ranks: int, n_devices: int) -> list[int]:
 
 
 def resized(task: TaskSpec, k: int) -> TaskSpec:
-    """A copy of `task` on k ranks: its memory per device and how its ranks share it follow
-    (DDP: every rank holds the whole task; FSDP, a gang forced by memory: the gang's total
-    stays and divides by k)."""
+    """A copy of `task` on k ranks: only its gang's world changes, and the memory per device
+    follows how its ranks share it (DDP: every rank holds the whole task; FSDP, a gang
+    forced by memory: the gang's total stays and divides by k)."""
     per_rank = -(-task.mem_mb // max(1, task.gpus))
-    if task.strategy == "fsdp":
-        return replace(task, gpus=k)
-    return replace(task, gpus=k, mem_mb=per_rank * k, strategy="ddp" if k > 1 else "none")
+    mem_mb = task.mem_mb if task.gang.strategy is Strategy.FSDP else per_rank * k
+    gang = task.gang if task.gang.ranked else Gang(Strategy.DDP)  # a task built by hand
+    return replace(task, gpus=k, gang=gang.resized(k), mem_mb=mem_mb)
 
 
 def set_ranks(task: TaskSpec, k: int) -> None:
     """Give `task` k ranks in place (see `resized`)."""
     new = resized(task, k)
-    task.gpus, task.mem_mb, task.strategy = new.gpus, new.mem_mb, new.strategy
+    task.set_gang(new.gang)
+    task.mem_mb = new.mem_mb
 
 
 def curve_key(task: TaskSpec) -> str:

@@ -8,10 +8,16 @@ DAG runner retries by class (docs/DESIGN.md §3):
 - ``oom``: out of memory — the same task again at half the micro-batch;
 - ``cuda_fault``: a sticky CUDA error — recycle the worker, retry;
 - ``killed``: the worker died, stopped answering or could not be reached — retry on a
-  fresh worker;
+  fresh worker; or a rank of the task's gang died of a signal (the kernel's OOM killer's
+  SIGKILL) — retry, from the task's checkpoint when it wrote one;
+- ``stalled``: a rank of the task's gang made no step for ``executor.gang_stall_s`` (by
+  default derived from the gang's step times) — its ranks are killed, retry;
 - ``timeout``: the task overran ``executor.task_timeout_s`` — retry on a fresh worker;
 - ``error``: a Python exception in a stage — fail the task and its dependants;
 - ``interrupted``: Ctrl-C / SIGTERM reached the task — the run stops (resumable).
+- ``node_lost``: the Ray node (or one node of the gang) it ran on died — retry on the nodes
+  left; it does not use up the task's retries, which are for its own faults
+  (pita/core/ray_executor.py).
 
 Not a failure: ``stopped`` — the task checkpointed and stopped because the orchestrator
 asked it to (`TaskPaths.stop_request`, pita/core/growth.py: it restarts on a larger gang
@@ -22,10 +28,21 @@ from __future__ import annotations
 
 from typing import Literal
 
-FailureClass = Literal["oom", "cuda_fault", "killed", "timeout", "error", "interrupted", "stopped"]
+FailureClass = Literal[
+    "oom",
+    "cuda_fault",
+    "killed",
+    "stalled",
+    "timeout",
+    "error",
+    "interrupted",
+    "stopped",
+    "node_lost",
+]
+NODE_LOST = "node_lost"  # not the task's fault: retried without counting against its retries
 STOPPED = "stopped"  # the outcome of a task that stopped at a checkpoint on request
 # Classes worth another attempt (up to executor.max_retries); the rest fail the task.
-RETRYABLE: tuple[str, ...] = ("oom", "cuda_fault", "killed", "timeout")
+RETRYABLE: tuple[str, ...] = ("oom", "cuda_fault", "killed", "stalled", "timeout")
 # Classes after which a worker process is replaced rather than reused.
 RECYCLE_WORKER: tuple[str, ...] = ("oom", "cuda_fault", "interrupted")
 

@@ -27,6 +27,7 @@ import multiprocessing
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -144,33 +145,66 @@ def gang_preload(modules: str | None = None) -> list[str]:
 
 
 def start_forked_worker(
-    argv: list[str], env: dict[str, str], cwd: str, log_path: str | None, authkey: bytes
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str,
+    log_path: str | None,
+    authkey: bytes,
+    module: str = WORKER_MODULE,
 ) -> ForkedWorker:
-    """Fork a worker running `pita.runtime.worker.main(argv)` from the forkserver. The first
-    call waits for the server's imports; later ones take milliseconds."""
+    """Fork a worker running `<module>.main(argv)` (pita.runtime.worker's) from the
+    forkserver. The first call waits for the server's imports; later ones take milliseconds."""
     ctx = multiprocessing.get_context("forkserver")
     process = ctx.Process(
-        target=_forked_child, args=(argv, env, cwd, log_path, authkey), name="pita-worker"
+        target=_forked_child, args=(argv, env, cwd, log_path, authkey, module), name="pita-worker"
     )
     process.start()
     return ForkedWorker(process)
 
 
 def _forked_child(
-    argv: list[str], env: dict[str, str], cwd: str, log_path: str | None, authkey: bytes
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str,
+    log_path: str | None,
+    authkey: bytes,
+    module: str = WORKER_MODULE,
 ) -> None:
     """In the forked child: what Popen would have set up, then the worker's main."""
+    reseed_globals()  # else every worker forked from the server draws the server's stream
     os.setsid()
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
     if log_path is not None:
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)  # umask applies
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
-    worker = importlib.import_module(WORKER_MODULE)  # named as the fresh path's `-m` names it
+    worker = importlib.import_module(module)  # named as the fresh path's `-m` names it
     worker.leave(worker.main(argv, authkey=authkey))
+
+
+def reseed_globals(seed: int | None = None) -> int:
+    """Seed Python's, numpy's and torch's global generators with `seed` (None: fresh bytes
+    from the OS) and return it. A forked child inherits its forkserver's generator states,
+    so without this every worker forked from one server (and every gang rank) draws the
+    same "random" numbers; a fresh process seeds itself from the OS. pita's stages seed
+    their own generators (pita/models/seeds.py); this is for the library and plugin code
+    that draws from the global ones. numpy and torch are reseeded only when already
+    imported (the forkserver preloads them), never imported here."""
+    import random
+
+    if seed is None:
+        seed = int.from_bytes(os.urandom(8), "little") >> 1
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)  # numpy's legacy seeds stop at 2**32
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "manual_seed"):
+        torch.manual_seed(seed)  # CUDA's generators are seeded lazily, no context made here
+    return seed
 
 
 def kill_at_exit(pids: Callable[[], list[int]]) -> None:

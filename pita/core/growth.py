@@ -19,7 +19,7 @@ Growth corrects that while it runs:
    `stopped` (pita/core/errors.py), not a failure.
 3. **Then.** The task is dispatched again at once on k' ranks and resumes from that
    checkpoint (a full-state checkpoint resumes on any k, pita/training/ddp.py `FullState`;
-   the Trainer checkpoint of the TRL stages in `TRL_STAGES` too);
+   the Trainer checkpoint of the TRL stages the algorithm table marks growable too);
    the attempt is not counted as a retry. Journal: `task_grow_requested` when asked;
    `task_stopped` (the attempt's end) and `task_resized` (why=grow, previous, ranks) when
    it stopped.
@@ -49,44 +49,14 @@ from pita.core.tasks import TaskSpec
 log = logging.getLogger(__name__)
 
 DEFAULT_STOP_S = 2.0  # request -> stopped outcome until one was measured (a step + a save)
-# The stages whose checkpoints resume on any k with the numbers of an uninterrupted run:
-# - pita's own loops (pretrain, the value trainer): full-state checkpoints (pita/training/ddp.py
-#   `FullState`; tests/test_growth.py);
-# - DPO / RPO training and the proxy reward model of the -HF variants (`TRL_STAGES`), from
-#   the Trainer's own checkpoint (`resume_from_checkpoint`: model, optimizer, step).
-#   accelerate's seedable sampler deals the same batches at any k and the Trainer skips the
-#   seen ones; they draw no random numbers (TRL's `disable_dropout`), so the per-rank RNG
-#   files a checkpoint of another k lacks do not matter. pita adds the gang's loss sums and
-#   TRL's unlogged metrics to the checkpoint and logs the last step (pita/algos/trl_common.py).
-#   Measured (DPO and the reward model, 1 rank stopped, resumed on 2 and stopped, resumed on
-#   2): every logged value, the result and the weights within 1.2e-7 of one process' run;
-#   without those additions DPO's first log after a stop was off (loss by 2.6e-3, TRL's reward
-#   accuracy by 0.25) and so was train_loss (1.4e-3):
-#   tests/test_trl_gang.py::test_trl_stages_stopped_and_resumed_on_other_ranks_match_an_uninterrupted_run
-#   (RPO is DPO's stage with an SFT term: not run separately).
-# Not grown:
-# - GRPO / GRPO-HF: TRL seeds each rank with `set_seed(seed, device_specific=True)` (seed +
-#   rank) and samples completions from the process's global RNG, so k ranks sample other
-#   completions than one process (already so for the k chosen at dispatch,
-#   tests/test_trl_gang.py), and on a resume the Trainer looks for `rng_state_<rank>.pth`,
-#   which a checkpoint written on another k lacks (rank 0 does not even continue its own
-#   stream). Measured (2 of 4 steps on 1 rank, the rest on 2): weights 0.026 apart, the last
-#   logged KL 1.49 against 1.14; resumed on the same k it is exact. Growing it would take
-#   TRL generating with seeds per prompt and step (as pita's `generate(row_seeds=...)`), not
-#   per process.
-OWN_LOOPS = (
-    "pita.stages.pretrain:",
-    "pita.algos.pita_algo:train",
-    "pita.algos.qsharp:train",
-    "pita.algos.qsharp_hf:train",
-)
-TRL_STAGES = ("pita.algos.dpo:train", "pita.algos.reward_model:train_reward_model")
+# Which stages grow is a column of the algorithm table (pita/algos/registry.py
+# `Algorithm.growable_stages`, with the reasons there); the planner sets `task.growable`.
 
 
 def growable(task: TaskSpec) -> bool:
     """An elastic task (ranks chosen at dispatch) whose checkpoint resumes on any k with
-    the numbers of an uninterrupted run (`OWN_LOOPS`, `TRL_STAGES`)."""
-    return task.elastic and (task.fn.startswith(OWN_LOOPS) or task.fn in TRL_STAGES)
+    the numbers of an uninterrupted run (`TaskSpec.growable`, from its registry row)."""
+    return task.elastic and task.growable
 
 
 @dataclass

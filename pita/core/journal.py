@@ -122,6 +122,7 @@ FIELD_SHAPES: dict[str, tuple[type, ...]] = {
     "devices": (list,),
     "running": (list,),
     "report": (bool,),
+    "config_sha256": (str, type(None)),
 }
 _WARNED: set[tuple[str, int]] = set()  # (journal, line): each bad line is one WARNING a process
 

@@ -33,9 +33,10 @@ from typing import Any
 
 from pita.core.dag import Plan
 from pita.core.elastic import resized, set_ranks
-from pita.core.errors import RETRYABLE
+from pita.core.errors import NODE_LOST, RETRYABLE, ExecutorBroken
 from pita.core.host_share import HostShare
 from pita.core.journal import RUN_FILE_PREFIX, RunFileError
+from pita.core.parallel import Strategy
 from pita.core.tasks import TaskSpec
 
 log = logging.getLogger(__name__)
@@ -335,6 +336,7 @@ class DagRunner:
         # (pita.core.growth.Grower); None: a task keeps its ranks until it ends.
         self.grower = grower
         self.attempts: dict[str, int] = {}
+        self.nodes_lost: dict[str, int] = {}  # task -> attempts a lost Ray node ended
         self.running: dict[Future, TaskSpec] = {}
         self.placement: dict[str, list[int]] = {}
         self.summary = RunSummary(done=sorted(self.done))
@@ -385,7 +387,13 @@ class DagRunner:
                     attempt = self.attempts.get(task.id, 0) + 1
                     self.attempts[task.id] = attempt
                     self.placement[task.id] = devices
-                    self._journal("task_running", task=task.id, devices=devices, attempt=attempt)
+                    self._journal(
+                        "task_running",
+                        task=task.id,
+                        devices=devices,
+                        attempt=attempt,
+                        **self._where(devices),
+                    )
                     self.on_event("running", task, devices)
                     if self.grower is not None:
                         self.grower.dispatched(task)
@@ -408,6 +416,7 @@ class DagRunner:
                 check = getattr(self.executor, "check", None)
                 if check is not None:
                     check()  # a dead pool thread would leave every future pending forever
+                self._drop_lost_devices(pending)
         except KeyboardInterrupt:
             self.summary.interrupted = True
             self._journal("run_interrupted", running=[t.id for t in self.running.values()])
@@ -415,6 +424,43 @@ class DagRunner:
         finally:
             self.summary.wall_s = round(time.time() - t0, 3)
         return self.summary
+
+    def _where(self, devices: list[int]) -> dict[str, Any]:
+        """`nodes`: the Ray node ids (hex) of `devices` for the journal (Ray only)."""
+        nodes_of = getattr(self.executor, "nodes_of", None)
+        return {"nodes": nodes_of(devices)} if nodes_of is not None else {}
+
+    def _drop_lost_devices(self, pending: dict[str, TaskSpec]) -> None:
+        """Stop placing tasks on the devices of lost Ray nodes; give the waiting gangs that
+        no longer fit the ranks left (a training task resumes from its newest checkpoint on
+        any k). A task the devices left cannot hold stops the run (exit 1, resumable)."""
+        lost_devices = getattr(self.executor, "lost_devices", None)
+        lost = lost_devices() if lost_devices is not None else set()
+        if not lost & {d.index for d in self.scheduler.devices}:
+            return
+        self.scheduler.devices = [d for d in self.scheduler.devices if d.index not in lost]
+        nodes = self.executor.lost_nodes_line()
+        left = len(self.scheduler.devices)
+        self._journal("node_lost", nodes=nodes, devices=sorted(lost), devices_left=left)
+        log.warning("Ray node(s) %s lost: %d device(s) left", nodes, left)
+        for task in pending.values():
+            self._fit_devices_left(task, nodes)
+
+    def _fit_devices_left(self, task: TaskSpec, nodes: str) -> None:
+        left = self.scheduler.devices
+        if task.ranks:
+            task.ranks = [k for k in task.ranks if k <= len(left)] or [1]
+        if task.gpus > len(left) and task.strategy is not Strategy.NONE and left:
+            previous = max(task.ranks or [len(left)])
+            set_ranks(task, min(previous, len(left)))
+            self._journal("task_resized", task=task.id, ranks=task.gpus, why=NODE_LOST)
+        need = per_device(task)
+        have = sum(1 for d in left if d.total_mb >= need)
+        if task.gpus > have:
+            raise ExecutorBroken(
+                f"{task.id} needs {task.gpus} device(s) with {need} MB each; after losing "
+                f"Ray node(s) {nodes} the cluster has {have}"
+            )
 
     def _size(self, ready: list[TaskSpec], pending: dict[str, TaskSpec]) -> None:
         """Choose k for each newly ready elastic task (a simulation of the rest of the plan
@@ -547,7 +593,15 @@ class DagRunner:
             attempt=attempt,
             worker_pid=outcome.worker_pid,
         )
-        if outcome.failure in RETRYABLE and attempt <= self.max_retries:
+        if outcome.failure == NODE_LOST:  # not the task's fault: its retries stay
+            self.nodes_lost[task.id] = self.nodes_lost.get(task.id, 0) + 1
+            self._journal("task_retry", task=task.id, attempt=attempt + 1, why=NODE_LOST)
+            self.on_event("retry", task, outcome)
+            pending[task.id] = task
+            self._drop_lost_devices(pending)
+            return
+        own = attempt - self.nodes_lost.get(task.id, 0)  # attempts that ended in its own faults
+        if outcome.failure in RETRYABLE and own <= self.max_retries:
             if outcome.failure == "oom":
                 task.batch_scale /= 2  # same effective batch, half the micro-batch
             self._journal(

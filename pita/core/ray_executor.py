@@ -20,11 +20,12 @@ Install: `pip install "ray[default]"`; start a cluster (`ray start --head` ...),
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -199,38 +200,32 @@ class _quiet_stderr:  # noqa: N801 - a context manager
 
 
 class RayExecutor:
-    """The `Executor` interface on top of `ray.remote`. `run_task` is the body of each Ray
-    task (pita.runtime.worker.run_task_here: the same code path as a local worker); Ray
-    pickles it by reference, so the node imports the worker runtime, not this process."""
+    """The `Executor` interface on Ray: a warm `SlotWorker` actor per device slot of the
+    cluster (pita/core/ray_cluster.py reserves the slots, pita/runtime/ray_slot.py is the
+    actor). A one-device task runs on its slot's actor; a k-device task runs on the actors
+    of its k slots, one rank each, possibly on several nodes (rank 0's actor runs the stage
+    and starts the others). `run_task` is the body the actors run (run_task_here: the same
+    code path as a local worker); Ray pickles it by reference. `slot_worker`: the actor class
+    (pita.runtime.ray_slot.SlotWorker, handed in by pita/experiment/run.py: pita.core never
+    imports the worker runtime)."""
 
-    def __init__(self, executor_cfg, run_task: RunTask | None = None):
+    def __init__(
+        self, executor_cfg, run_task: RunTask | None = None, slot_worker: type | None = None
+    ):
         ray = _ray()
         if not ray.is_initialized():
-            address = executor_cfg.ray_address
-            found = resolve_auto(address)  # `auto`: the cluster it finds is probed too
-            probe_ray_address(found, shown=address)
-            enable_token_auth(found)
-            probe_ray_auth(found, shown=address)
-            try:
-                ray.init(
-                    address=None if address in (None, "local") else address,
-                    ignore_reinit_error=True,
-                    log_to_driver=False,
-                )
-            except (ConnectionError, RuntimeError, ValueError, _ray_auth_error()) as exc:
-                first = next(
-                    (ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__
-                )
-                refused = auth_error(address, f"{type(exc).__name__}: {exc}")
-                if refused is not None:
-                    raise refused from None
-                raise ConfigError(
-                    f"executor.ray_address={address!r}: no Ray cluster reachable ({first[:160]}); "
-                    "start one (`ray start --head`) or use executor.ray_address=local for a Ray "
-                    "on this machine"
-                ) from None
+            _connect(ray, executor_cfg.ray_address)
         self.ray = ray
-        self._remote: Any = ray.remote(max_retries=0)(run_task) if run_task is not None else None
+        self.run_task = run_task
+        self.slot_worker = slot_worker
+        self.placement_timeout_s = float(getattr(executor_cfg, "ray_placement_timeout_s", 120.0))
+        self.slot_list: list[Any] = []  # pita.core.ray_cluster.Slot, by device index
+        self.group: Any = None
+        self.lost: dict[str, str] = {}  # lost node id -> its address
+        self.busy: dict[int, str] = {}  # slot -> the task running there
+        self.warm_stages = ""
+        self._lock = threading.Lock()
+        self._judges = ThreadPoolExecutor(4, thread_name_prefix="pita-ray-outcome")
 
     def slots(self) -> tuple[str, int]:
         res = self.ray.cluster_resources()
@@ -238,13 +233,9 @@ class RayExecutor:
         return ("gpu", gpus) if gpus else ("cpu", int(res.get("CPU", 1)))
 
     def largest_node(self) -> int:
-        """The most slots (GPUs, or CPUs on a cluster without GPUs) one alive node offers:
-        the largest gang a task can get, since a Ray task runs on one node."""
-        kind = "GPU" if self.slots()[0] == "gpu" else "CPU"
-        sizes = [
-            int(n.get("Resources", {}).get(kind, 0)) for n in self.ray.nodes() if n.get("Alive")
-        ]
-        return max(sizes, default=1) or 1
+        """The most slots a task may hold: every slot of the cluster (a gang's ranks are
+        slot actors on any node, pita/runtime/ray_slot.py)."""
+        return max(1, self.slots()[1])
 
     def gpu_memory_mb(self, timeout_s: float = 60.0) -> list[int]:
         """Total MiB of every GPU of the cluster, read with NVML on its own node (one tiny
@@ -287,43 +278,234 @@ class RayExecutor:
             )
         return sizes
 
+    def prepare(self, run_dir: str | Path, warm_stages: str = "") -> None:
+        """Reserve the slots, start their actors and check that every node shares the run
+        folder, before the first task (ConfigError, one line: the run stops, exit 2)."""
+        from pita.core.paths import RunPaths
+        from pita.core.ray_cluster import check_shared_storage
+
+        self.warm_stages = warm_stages
+        self._start_slots(warm=False)  # the probe first: it answers before torch is imported
+        check_shared_storage(self.ray, self.slot_list, RunPaths(run_dir).workers)
+        for slot in self.slot_list:
+            slot.actor.warm.remote()  # queued before any task: the first one starts warm
+
+    def _start_slots(self, warm: bool = True) -> None:
+        if self.slot_list:
+            return
+        from pita.core.ray_cluster import number_slots, reserve
+
+        kind, count = self.slots()
+        self.group, bundle_nodes = reserve(self.ray, kind, count, self.placement_timeout_s)
+        self.kind = kind
+        self.slot_list = number_slots(bundle_nodes)
+        for slot in self.slot_list:
+            slot.actor = self._new_actor(slot, warm)
+        where = self.ray.get(
+            [s.actor.where.remote() for s in self.slot_list], timeout=self.placement_timeout_s
+        )
+        for slot, info in zip(self.slot_list, where):
+            slot.ip = info["ip"]
+
+    def _new_actor(self, slot: Any, warm: bool = True) -> Any:
+        """A fresh `SlotWorker` in `slot`'s bundle, importing torch and the stages at once."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        assert self.slot_worker is not None, "RayExecutor(slot_worker=...) runs tasks"
+        res = {"num_gpus": 1, "num_cpus": 0} if self.kind == "gpu" else {"num_cpus": 1}
+        actor = (
+            self.ray.remote(self.slot_worker)
+            .options(
+                **res,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.group, placement_group_bundle_index=slot.bundle
+                ),
+            )
+            .remote(slot.index, self.run_task, self.warm_stages)
+        )
+        if warm:
+            actor.warm.remote()  # queued before any task: the first one starts warm
+        return actor
+
+    def nodes_of(self, devices) -> list[str]:
+        """The Ray node ids (hex) of `devices`' slots, one per device (the journal's `nodes`)."""
+        self._start_slots()
+        return [self.slot_list[d].node for d in devices]
+
     def submit(
         self, task: TaskSpec, devices, cfg_dict: dict, run_dir: str | Path, attempt: int = 1
     ) -> Future:
-        kind, _ = self.slots()
-        # A k-device task is one Ray task asking for k GPUs (k CPUs for k gloo ranks on a
-        # cluster without GPUs): Ray places it on one node with that many free and pins them
-        # (CUDA_VISIBLE_DEVICES); its stage starts the same k-rank launcher inside
-        # (pita.runtime.gang.run_stage), as a local worker does.
-        options: dict[str, Any] = (
-            {"num_gpus": task.gpus} if kind == "gpu" else {"num_cpus": max(1, task.gpus)}
+        self._start_slots()
+        slots = [self.slot_list[d] for d in devices]
+        peers = [s.actor for s in slots[1:]]
+        ref = (
+            slots[0]
+            .actor.run.options(name=task.id)  # `ray list tasks` and the dashboard show the id
+            .remote(task.to_dict(), cfg_dict, str(run_dir), attempt, peers or None)
         )
-        options["name"] = task.id  # the Ray dashboard and `ray list tasks` show the task id
-        ref = self._remote.options(**options).remote(
-            task.to_dict(), cfg_dict, str(run_dir), attempt
-        )
+        with self._lock:
+            self.busy.update({s.index: task.id for s in slots})
         future: Future = Future()
 
-        def _done(inner: Future) -> None:
+        def settle(inner: Future) -> None:
             try:
-                future.set_result(inner.result())
-            except Exception as exc:  # the Ray worker died: same class as a killed local worker
-                future.set_result(TaskOutcome(task.id, False, "killed", f"Ray task lost: {exc}"))
+                future.set_result(self._done(task, slots, inner))
+            except Exception as exc:  # noqa: BLE001 - the future must complete whatever happens
+                future.set_result(TaskOutcome(task.id, False, "killed", f"Ray outcome lost: {exc}"))
 
-        ref.future().add_done_callback(_done)
+        def judge(inner: Future) -> None:  # off Ray's callback thread: it may wait and ask Ray
+            self._judges.submit(settle, inner)
+
+        ref.future().add_done_callback(judge)
         return future
+
+    def _done(self, task: TaskSpec, slots: list, inner: Future) -> TaskOutcome:
+        """The task's outcome; a lost node's tasks fail as `node_lost`; the actors of a failed
+        gang (stuck in a collective, or dead) are replaced."""
+        with self._lock:
+            for s in slots:
+                self.busy.pop(s.index, None)
+        try:
+            outcome = inner.result()
+            died = None
+        except Exception as exc:  # noqa: BLE001 - the actor died (its process or its node)
+            outcome, died = None, exc
+        if outcome is not None and (not isinstance(outcome, TaskOutcome) or outcome.ok):
+            return outcome  # (a test's own run_task may answer anything)
+        lost = self._lost_nodes({s.node for s in slots}, wait=died is not None or len(slots) > 1)
+        if lost:
+            where = ", ".join(f"{n[:8]} ({self.lost[n]})" for n in sorted(lost))
+            what = f"{died}" if died is not None else f"{outcome.failure}: {outcome.message}"
+            return TaskOutcome(
+                task.id, False, "node_lost", f"Ray node {where} lost: {what.splitlines()[0][:300]}"
+            )
+        if died is not None or len(slots) > 1:
+            self._replace([s for s in slots if s.node not in self.lost])
+        if died is not None:  # the worker died: same class as a killed local worker
+            return TaskOutcome(task.id, False, "killed", f"Ray worker lost: {died}")
+        return outcome
+
+    def _lost_nodes(self, nodes: set[str], wait: bool) -> set[str]:
+        """Which of `nodes` Ray reports dead; after an actor died, Ray may take its health
+        check's period to notice a dead node: ask for up to NODE_DEATH_WAIT_S."""
+        import time
+
+        deadline = time.time() + (NODE_DEATH_WAIT_S if wait else 0)
+        while True:
+            alive = {n["NodeID"]: n for n in self.ray.nodes()}
+            dead = {n for n in nodes if not alive.get(n, {}).get("Alive", False)}
+            if dead or time.time() >= deadline:
+                break
+            if all(self._answers(s) for s in self.slot_list if s.node in nodes):
+                break  # every slot of these nodes answers: no node died
+            time.sleep(1.0)
+        for n in dead:
+            self.lost[n] = alive.get(n, {}).get("NodeManagerAddress", "?")
+        return dead
+
+    def _answers(self, slot: Any) -> bool:
+        """Whether `slot`'s actor answers within 2 s (a dead actor on a live node: False)."""
+        try:
+            self.ray.get(slot.actor.where.remote(), timeout=2.0)
+            return True
+        except Exception:  # noqa: BLE001
+            return False
+
+    def _replace(self, slots: list) -> None:
+        """Kill `slots`' actors (a failed gang's ranks may wait in a collective forever) and
+        start fresh ones in their bundles."""
+        for slot in slots:
+            try:
+                self.ray.kill(slot.actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+            slot.actor = self._new_actor(slot)
+
+    def lost_devices(self) -> set[int]:
+        """Device indices on lost nodes (the DAG runner stops placing tasks there)."""
+        return {s.index for s in self.slot_list if s.node in self.lost}
+
+    def lost_nodes_line(self) -> str:
+        return ", ".join(f"{n[:8]} ({ip})" for n, ip in sorted(self.lost.items()))
+
+    def check(self) -> None:
+        """Between dispatches: a node Ray reports dead is lost even while nothing runs on it."""
+        if not self.slot_list:
+            return
+        import time
+
+        now = time.time()
+        if now - getattr(self, "_checked", 0.0) < 2.0:
+            return
+        self._checked = now
+        self._lost_nodes({s.node for s in self.slot_list} - set(self.lost), wait=False)
 
     def warm_up(self, device_sets) -> None:
         pass
 
     def workers(self) -> list[dict[str, Any]]:
-        return []
+        with self._lock:
+            busy = dict(self.busy)
+        return [
+            {"devices": (s.index,), "node": s.node[:8], "task": busy.get(s.index)}
+            for s in self.slot_list
+            if s.node not in self.lost
+        ]
 
     def worker_pids(self) -> list[int]:
         return []
 
     def shutdown(self, kill: bool = False, grace_s: float = 5.0) -> None:
+        self.release()
         self.ray.shutdown()
+
+    def release(self) -> None:
+        """Stop the slot actors and give the slots back to the cluster (Ray stays connected)."""
+        self._judges.shutdown(wait=False, cancel_futures=True)
+        for slot in self.slot_list:
+            try:
+                self.ray.kill(slot.actor, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        if self.group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.group)
+            except Exception:  # noqa: BLE001 - the cluster went away
+                pass
+        self.slot_list, self.group = [], None
+
+
+# After an actor died: how long Ray may take to report its node dead (its health check:
+# 5 failed checks 3 s apart by default), before the death counts as the worker's own.
+NODE_DEATH_WAIT_S = 30.0
+
+
+def _connect(ray: Any, address: str | None) -> None:
+    """ray.init on `address`, each way it can fail one config line (exit 2)."""
+    found = resolve_auto(address)  # `auto`: the cluster it finds is probed too
+    probe_ray_address(found, shown=address)
+    enable_token_auth(found)
+    probe_ray_auth(found, shown=address)
+    try:
+        ray.init(
+            address=None if address in (None, "local") else address,
+            ignore_reinit_error=True,
+            log_to_driver=False,
+            logging_level=logging.WARNING,  # its "Connecting to ..." lines: not on stderr
+        )
+    except (ConnectionError, RuntimeError, ValueError, _ray_auth_error()) as exc:
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        refused = auth_error(address, f"{type(exc).__name__}: {exc}")
+        if refused is not None:
+            raise refused from None
+        raise ConfigError(
+            f"executor.ray_address={address!r}: no Ray cluster reachable ({first[:160]}); "
+            "start one (`ray start --head`) or use executor.ray_address=local for a Ray "
+            "on this machine"
+        ) from None
 
 
 def node_gpu_probe() -> dict[str, Any]:

@@ -16,7 +16,8 @@ pita/algos/registry.py names its own, and each `conf/algo/<name>.yaml` starts fr
 (`algos.DPO.num_atoms`) is an unknown key. What relates two keys (V_min < V_max, ...) is
 checked by `validate` in pita/experiment/config.py.
 
-This module is torch-free and imports nothing of pita: it sits below every reader.
+This module is torch-free and imports nothing of pita but `pita.core.parallel` (the parallel
+strategies' names, owned there): it sits below every reader.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field
 from typing import Any, Dict, List, Optional, TypeVar
 
+from pita.core.parallel import AUTO
+from pita.core.parallel import KEYS as STRATEGY_KEYS
+
 # --- choice lists (each owned here; the modules that act on them import them) ---------------
 
 GPU_MODES = ("auto", "cpu", "single_gpu", "multi_gpu")
@@ -38,7 +42,7 @@ ATTN_IMPLS = ("eager", "sdpa", "flash_attention_2")
 EXECUTOR_BACKENDS = ("local", "inprocess", "ray")
 PRECISION_TYPES = ("auto", "fp16", "bf16", "fp32")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
-PARALLEL_STRATEGIES = ("auto", "none", "data_parallel", "fsdp")
+PARALLEL_STRATEGIES = (AUTO, *STRATEGY_KEYS)  # pita/core/parallel.py names them
 LOGGER_BACKENDS = ("none", "tensorboard", "wandb", "mlflow", "csv")
 WANDB_MODES = ("offline", "online", "disabled")
 RECIPES = ("rollouts", "ground_truth_vs_first_wrong")
@@ -201,6 +205,11 @@ class ExperimentConfig:
         "Dataset group names for a multi-dataset experiment; empty = [dataset.name].", []
     )
     families: List[str] = spec("Model family group names; empty = [model.name].", [])
+    dataset_file: Optional[str] = spec(
+        "The conf/dataset file selected (dataset=<file>), recorded by pita from Hydra's choice: "
+        "the listed dataset of that file takes the dataset.* overrides.",
+        None,
+    )
     seed: int = spec("Seed of everything random in the run.", 0, ge=0, le=SEED_MAX)
 
 
@@ -275,6 +284,16 @@ class ExecutorConfig:
         note="seconds",
         affects="place",
         le=WEEK_S,
+    )
+    gang_stall_s: Optional[float] = spec(
+        "A k-rank task (a gang) one of whose ranks makes no training step for this long is "
+        "killed and retried as `stalled` (seconds). None: 20 x the longest gap between two "
+        "of its steps so far, at least 300 s, once it has stepped twice.",
+        None,
+        gt=0,
+        note="seconds",
+        affects="place",
+        le=DAY_S,
     )
     heartbeat_s: float = spec(
         "Seconds between worker heartbeats.", 2.0, gt=0, note="seconds", affects="place", le=DAY_S
@@ -354,6 +373,14 @@ class ExecutorConfig:
     )
     ray_address: Optional[str] = spec(
         "Ray cluster address for backend=ray (None = local Ray).", None, affects="place"
+    )
+    ray_placement_timeout_s: float = spec(
+        "backend=ray: seconds Ray may take to reserve the cluster's device slots (one"
+        " placement group) before the run stops with one line saying what was asked and"
+        " what the cluster offers.",
+        120.0,
+        gt=0,
+        affects="place",
     )
 
 
@@ -1017,6 +1044,10 @@ def default_of(dotted: str, schema: type | None = None) -> Any:
 # --- typed settings: a stage's values as schema instances (issue 33) ----------------------
 
 T = TypeVar("T")
+_KEY = "_pita_key"  # a settings instance's dotted prefix (`algos.PITA.`), set by `settings`
+# dotted key -> value of every setting read while `recording_reads` is open (one task at a
+# time per process: workers and the in-process executor run tasks one after another)
+_READS: dict[str, Any] | None = None
 
 
 def _refuse_write(self: Any, name: str, value: Any = None) -> None:
@@ -1025,34 +1056,80 @@ def _refuse_write(self: Any, name: str, value: Any = None) -> None:
     )
 
 
+def _read_field(self: Any, name: str) -> Any:
+    """Attribute access of a settings instance: a field read while a task records its reads
+    is noted as `<prefix><field>` with its value (a nested group is noted leaf by leaf)."""
+    value = object.__getattribute__(self, name)
+    if _READS is not None and name in type(self).__dataclass_fields__:
+        prefix = object.__getattribute__(self, "__dict__").get(_KEY)
+        if prefix is not None and type(value).__setattr__ is not _refuse_write:
+            _READS[prefix + name] = value
+    return value
+
+
 @functools.cache
 def _frozen_class(schema: type) -> type:
-    """A subclass of `schema` whose instances refuse assignment (the schema classes stay
-    plain dataclasses: Hydra merges overrides into them)."""
+    """A subclass of `schema` whose instances refuse assignment and note the fields a task
+    reads (the schema classes stay plain dataclasses: Hydra merges overrides into them)."""
     return type(
         schema.__name__,
         (schema,),
-        {"__setattr__": _refuse_write, "__delattr__": _refuse_write, "__module__": __name__},
+        {
+            "__setattr__": _refuse_write,
+            "__delattr__": _refuse_write,
+            "__getattribute__": _read_field,
+            "__module__": __name__,
+        },
     )
 
 
-def settings(schema: type[T], node: Mapping[str, Any] | None) -> T:
+class recording_reads:  # noqa: N801 - used as a function: `with recording_reads() as reads:`
+    """Note every setting read (by any thread of this process) until the block ends: the
+    dict it yields maps each dotted key read to the value read. What a task's manifest
+    records, so a resume re-runs the tasks whose keys changed (pita/experiment/resume_fix.py)
+    — derived from the reads themselves, never from a hand-kept table."""
+
+    def __enter__(self) -> dict[str, Any]:
+        global _READS
+        self._outer, _READS = _READS, {}
+        return _READS
+
+    def __exit__(self, *exc: object) -> None:
+        global _READS
+        _READS = self._outer
+
+
+def record_read(dotted: str, value: Any) -> None:
+    """Note a read that does not go through a settings field (a rank's reads sent back to
+    its gang's worker; an algorithm the config lacks, read as absent)."""
+    if _READS is not None:
+        _READS[dotted] = value
+
+
+def settings(schema: type[T], node: Mapping[str, Any] | None, prefix: str | None = None) -> T:
     """A read-only instance of `schema` holding `node`'s values (a resolved config group:
     plain dicts and lists): what a stage reads instead of digging keys out by string. A key
     `node` lacks takes the field's default, the one home of every default; a key the schema
     lacks is left out (the config was validated against the schema before any worker
-    started)."""
+    started). `prefix` (`"training."`): the group's dotted place in the config; its reads
+    are then recorded (`recording_reads`), nested groups' too."""
     node = node or {}
     values: dict[str, Any] = {}
     for f in dataclasses.fields(schema):  # type: ignore[arg-type]
-        if f.name not in node or not f.init:
+        if not f.init:
             continue
-        value, sub = node[f.name], nested_schema(f)
+        sub = nested_schema(f)
+        value = node.get(f.name, {} if sub is not None else MISSING)
+        if value is MISSING:
+            continue
+        inner = None if prefix is None else f"{prefix}{f.name}."
         values[f.name] = (
-            settings(sub, value) if sub is not None and isinstance(value, Mapping) else value
+            settings(sub, value, inner) if sub is not None and isinstance(value, Mapping) else value
         )
     instance = schema(**values)
     object.__setattr__(instance, "__class__", _frozen_class(schema))  # type: ignore[arg-type]
+    if prefix is not None:
+        object.__setattr__(instance, _KEY, prefix)
     return instance
 
 

@@ -12,6 +12,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pita.core.parallel import Gang, Strategy
+
 STAGES = ("pretrain", "collect", "reward_model", "train", "evaluate")
 SHARDABLE = ("collect", "evaluate")
 # Every stage a task can have: a shardable stage also has a "<stage>_merge" task.
@@ -28,11 +30,6 @@ def task_id(
     """`QSharp.star_graph.tiny.r1.collect.s03`; the unsharded id names the shards' merge."""
     base = f"{chain_id(algo, dataset, family)}.r{round_idx}.{stage}"
     return base if shard is None else f"{base}.s{shard:02d}"
-
-
-# TaskSpec.strategy values that run k ranks -> the `training.parallel_strategy` name
-# (pita/runtime/gang.py); "none" is one process
-TASK_STRATEGIES = {"ddp": "data_parallel", "fsdp": "fsdp"}
 
 
 @dataclass
@@ -52,10 +49,10 @@ class TaskSpec:
     shard: int | None = None
     num_shards: int = 1
     shard_range: tuple[float, float] = (0.0, 1.0)  # fraction of the stage's items
-    gpus: int = 1
-    # how a training task uses its gang: "none" (one process), "ddp" (replicated ranks) or
-    # "fsdp" (sharded ranks); the planner's choice (pita/experiment/gangs.py), not the key's
-    strategy: str = "none"
+    gpus: int = 1  # the devices it holds (a gang: one rank each; else one process's)
+    # its parallel plan (pita/core/parallel.py): set by the planner and the sizer
+    # (pita/experiment/plan.py, gangs.py); under a gang strategy its `world` is `gpus`
+    gang: Gang = field(default_factory=Gang)
     # an elastic training task: the rank counts its gang may have, ascending; `gpus` is
     # chosen among them when it is dispatched (pita/core/elastic.py). Empty: `gpus` is fixed
     ranks: list[int] = field(default_factory=list)
@@ -70,6 +67,42 @@ class TaskSpec:
     outputs: list[str] = field(
         default_factory=list
     )  # declared outputs its committed folder must hold
+    # its checkpoints resume on any k with the numbers of an uninterrupted run (the registry
+    # row's `growable_stages`, set by the planner): growth may restart it on more ranks
+    growable: bool = False
+
+    def __post_init__(self) -> None:
+        self.gang = Gang.from_dict(self.gang)  # a dict from plan.json / a worker's message
+        self._sync_world()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name == "gpus" and "gang" in self.__dict__:  # a gang's world is its devices
+            self._sync_world()
+
+    def _sync_world(self) -> None:
+        if self.gang.ranked and self.gang.world != self.gpus:
+            object.__setattr__(self, "gang", self.gang.resized(self.gpus))
+
+    def set_gang(self, gang: Gang) -> None:
+        """Give the task `gang` (its devices follow a gang strategy's world)."""
+        self.gang = gang
+        if gang.ranked:
+            self.gpus = gang.world
+
+    @property
+    def strategy(self) -> Strategy:
+        """The strategy its ranks run (`Gang.runs`: DDP over one rank is one process)."""
+        return self.gang.runs
+
+    @strategy.setter
+    def strategy(self, name: str) -> None:
+        """A gang of `name` over its devices, chosen by hand (tests, benches): a gang strategy
+        it replaces stays as the one `asked` (as when the sizer overrides the planner)."""
+        strategy, old = Strategy.of(name), self.gang
+        asked = old.asked or (old.strategy if old.ranked and old.strategy is not strategy else None)
+        world = self.gpus if strategy is not Strategy.NONE else 1
+        self.gang = Gang(strategy, world, old.nodes, asked=asked)
 
     @property
     def elastic(self) -> bool:
@@ -83,6 +116,7 @@ class TaskSpec:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["shard_range"] = list(self.shard_range)
+        d["gang"] = self.gang.to_dict()
         return d
 
     @classmethod
@@ -94,6 +128,9 @@ class TaskSpec:
     def from_dict(cls, d: dict[str, Any]) -> TaskSpec:
         d = dict(d)
         d["shard_range"] = tuple(d.get("shard_range", (0.0, 1.0)))
+        legacy = d.pop("strategy", None)  # a plan written before tasks carried a gang
+        if legacy is not None and "gang" not in d:
+            d["gang"] = Gang(Strategy.of(legacy), int(d.get("gpus", 1)) if legacy != "none" else 1)
         return cls(**d)
 
 

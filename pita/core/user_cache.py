@@ -4,8 +4,10 @@ pita keeps measurements across runs there (`task_durations.json`, `task_peaks.js
 `batch_sizes.json`), and a team may point `PITA_CACHE_DIR` at a shared disk. A cache is a
 hint, never a reason to stop, so every read goes through `safe_files.read_control` (no link,
 a regular file, yours, at most `MAX_CACHE_BYTES`: a link to `/dev/zero` is not read, a FIFO
-does not hang) and anything wrong with it (unsafe, unreadable, not JSON, not the expected
-shape) is one WARNING per file and process, and the cache counts as empty.
+does not hang) and anything wrong with it (unsafe, unreadable, not JSON, nested deeper than
+the parser's stack, not the expected shape) is one WARNING per file and process, and the
+cache counts as empty. A non-finite or overlong number (`Infinity`, `1e999`) reads as None,
+so the entry holding it fails its shape check and is dropped with that WARNING.
 
 `update_json` is the only writer: under an advisory `flock` on `<name>.lock` (opened like a
 control file, so a planted link is not followed) it re-reads the cache, lets the caller
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,6 +44,25 @@ def _warn_once(path: Path, what: str, why: str) -> None:
     log.warning("ignoring the %s cache %s: %s", what, path, why)
 
 
+MAX_INT_DIGITS = 30  # no count, byte size or seed pita caches comes near it
+
+
+def _no_number(name: str) -> None:
+    """`NaN`, `Infinity`, `-Infinity` (Python's json accepts them): not a measurement, so
+    None, which the entry's shape check then drops with the file's WARNING."""
+    return None
+
+
+def _finite_float(text: str) -> float | None:
+    value = float(text)  # `1e999` is inf
+    return value if math.isfinite(value) else None
+
+
+def _bounded_int(text: str) -> int | None:
+    """An int a float can hold (a 400-digit one overflows float() in the caller)."""
+    return int(text) if len(text.lstrip("-")) <= MAX_INT_DIGITS else None
+
+
 def read_json(path: Path, what: str, limit: int = MAX_CACHE_BYTES) -> dict[str, Any]:
     """The cache's top-level mapping, or {} when it is absent or not to be trusted (one
     WARNING saying why). Callers still check each entry's shape: a wrong entry is skipped."""
@@ -55,9 +77,14 @@ def read_json(path: Path, what: str, limit: int = MAX_CACHE_BYTES) -> dict[str, 
         _warn_once(path, what, exc.strerror or str(exc))
         return {}
     try:
-        data = json.loads(text)
+        data = json.loads(
+            text, parse_constant=_no_number, parse_float=_finite_float, parse_int=_bounded_int
+        )
     except ValueError as exc:
         _warn_once(path, what, f"not JSON ({exc})")
+        return {}
+    except RecursionError:  # [[[[...]]]] 400 KB deep: the parser's stack, not pita's problem
+        _warn_once(path, what, "nested deeper than any cache pita writes")
         return {}
     if not isinstance(data, dict):
         _warn_once(path, what, f"a JSON {type(data).__name__}, not an object")

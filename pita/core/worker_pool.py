@@ -58,7 +58,7 @@ from pita.core.forked_worker import (
     start_forkserver,
 )
 from pita.core.paths import pythonpath_with
-from pita.core.tasks import TASK_STRATEGIES, TaskSpec
+from pita.core.tasks import TaskSpec
 
 log = logging.getLogger(__name__)
 
@@ -320,7 +320,7 @@ class WorkerPool:
         start-up). Spawned instead: on CUDA (a gang's worker must see its k GPUs, and
         CUDA_VISIBLE_DEVICES is fixed at process start), and a task whose model is sharded
         over k devices in one process (`model.gpus_per_task`: it reads the devices it got)."""
-        ranks = task.elastic or task.strategy in TASK_STRATEGIES  # not one process on k devices
+        ranks = task.elastic or task.gang.ranked  # not one process on k devices
         if len(devices) < 2 or not ranks or self.gpu.kind == "cuda":
             return None
         hosts = [h for d in devices if (h := self._idle_worker((d,))) is not None]
@@ -611,6 +611,7 @@ class WorkerPool:
                 continue
             code = w.proc.poll()
             if code is not None:
+                remove_dead_socket_dirs()  # its gang's rank-log folder, if it ran one
                 if w.conn is not None:
                     self._drain(w)
                 if w.job is not None:
@@ -673,15 +674,20 @@ class WorkerPool:
                 )
 
 
-SOCKET_DIR_PREFIX = "pita-chan-"
+SOCKET_DIR_PREFIX = "pita-chan-"  # an orchestrator's worker channels: pita-chan-<pid>-*
+RANKS_DIR_PREFIX = "pita-ranks-"  # a gang launcher's rank logs: pita-ranks-<worker pid>-*
 
 
 def remove_dead_socket_dirs(tmp: str | None = None) -> list[str]:
-    """Delete this user's `pita-chan-<pid>-*` socket folders whose orchestrator is dead."""
+    """Delete this user's `pita-chan-<pid>-*` socket folders whose orchestrator is dead and
+    `pita-ranks-<pid>-*` rank-log folders whose worker is dead (a gang's worker killed for
+    its task's timeout, or by the kernel, cannot remove its own). Called when a pool starts
+    and when it finds a worker dead."""
     removed = []
     root = Path(tmp or tempfile.gettempdir())
-    for folder in root.glob(f"{SOCKET_DIR_PREFIX}*-*"):
-        pid = folder.name[len(SOCKET_DIR_PREFIX) :].split("-", 1)[0]
+    found = [(p, f) for p in (SOCKET_DIR_PREFIX, RANKS_DIR_PREFIX) for f in root.glob(f"{p}*-*")]
+    for prefix, folder in found:
+        pid = folder.name[len(prefix) :].split("-", 1)[0]
         try:
             st = folder.lstat()
             if not pid.isdigit() or st.st_uid != os.geteuid() or not stat.S_ISDIR(st.st_mode):

@@ -34,8 +34,17 @@ REGISTRY: dict[str, str] = {
 # `name = "pkg.module"`, read when this package is imported (orchestrator and workers alike).
 # pita's own names win.
 PLUGIN_DATASETS = "pita_datasets"
-for _ep in importlib.metadata.entry_points(group=PLUGIN_DATASETS):
-    REGISTRY.setdefault(_ep.name, _ep.value)
+PLUGINS: dict[str, importlib.metadata.EntryPoint] = {}  # name -> its entry point (any module path)
+
+
+def read_plugins() -> None:
+    """Add the `pita_datasets` entry points installed now to REGISTRY (imported on use)."""
+    for ep in importlib.metadata.entry_points(group=PLUGIN_DATASETS):
+        if ep.name not in REGISTRY:
+            REGISTRY[ep.name], PLUGINS[ep.name] = ep.value, ep
+
+
+read_plugins()
 
 # Tasks generated in code: π_ref is trained on them by the run's `pretrain` stage (from
 # scratch for the tiny family, fine-tuned from the family's weights otherwise).
@@ -80,9 +89,40 @@ def _as_dict(dataset_cfg: Mapping) -> dict[str, Any]:
 
 def _module(name: str):
     """pita's own task modules by their short name; a dataset of your own package (entry
-    point `pita_datasets`, docs/extending.md) by its full module path."""
-    module = REGISTRY[name]
-    return importlib.import_module(module if "." in module else f"{__name__}.{module}")
+    point `pita_datasets`, docs/extending.md) by its module path as written (a top-level
+    module too). A plugin module that fails to import, or lacks `validate_cfg` and `build`,
+    is a ValueError naming the package and the error (one line, exit 2, for a run that
+    selects it: pita/core/plugins.py)."""
+    if name not in PLUGINS:
+        return importlib.import_module(f"{__name__}.{REGISTRY[name]}")
+    from pita.core import plugins
+
+    ep = PLUGINS[name]
+    try:
+        module = importlib.import_module(ep.value)
+    except BaseException as exc:  # noqa: BLE001 - a plugin's import runs arbitrary code
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        plugins.skip(PLUGIN_DATASETS, ep, plugins.error_line(exc))
+        raise ValueError(
+            cfg_error(
+                "name",
+                name,
+                f"plugin {plugins.describe(PLUGIN_DATASETS, ep)} failed to "
+                f"import: {plugins.error_line(exc)}",
+            )
+        ) from None
+    missing = [f for f in ("validate_cfg", "build") if not callable(getattr(module, f, None))]
+    if missing:
+        raise ValueError(
+            cfg_error(
+                "name",
+                name,
+                f"plugin {plugins.describe(PLUGIN_DATASETS, ep)}: its module "
+                f"has no {' and no '.join(missing)} (docs/extending.md)",
+            )
+        )
+    return module
 
 
 def with_defaults(dataset_cfg: Mapping) -> dict:
@@ -100,7 +140,11 @@ def validate_dataset_cfg(dataset_cfg: Mapping) -> None:
     cfg = _as_dict(dataset_cfg)
     name = cfg.get("name")
     if name not in REGISTRY:
-        raise ValueError(cfg_error("name", name, f"must be one of {', '.join(REGISTRY)}"))
+        from pita.core.plugins import failure_hint
+
+        raise ValueError(
+            cfg_error("name", name, f"must be one of {', '.join(REGISTRY)}{failure_hint()}")
+        )
     errors = _module(name).validate_cfg(cfg)
     if errors:
         raise ValueError("; ".join(errors))

@@ -217,20 +217,46 @@ def compose_config(
         except Exception:  # an interpolation error: validate() reports it, with its file
             run_dir = ""
         LAST_COMPOSE["run_dir"] = str(run_dir or "")
+        _refuse_hydra_secrets(cfg)
         set_search_dirs(  # where an interpolation error's file is looked for
             [CONF_DIR, *([Path(config_dir).expanduser()] if config_dir else [])]
             + [Path(str(p).removeprefix("file://")) for p in cfg.hydra.get("searchpath", [])]
         )
+        from pita.experiment.dataset_choice import record_dataset_file
+
+        record_dataset_file(cfg, OmegaConf.select(cfg, "hydra.runtime.choices"))
         if "hydra" in cfg:  # as hydra.compose(return_hydra_config=False)
             from omegaconf import open_dict, read_write
 
             with read_write(cfg), open_dict(cfg):
                 del cfg["hydra"]
         return cfg
+    except ConfigError:
+        raise
     except Exception as exc:
         raise ConfigError(format_compose_error(exc, overrides)) from None
     finally:
         GlobalHydra.instance().clear()
+
+
+def _refuse_hydra_secrets(cfg: DictConfig) -> None:
+    """Hydra's own settings from config files, and the run folder they resolve to, hold no
+    secret: Hydra writes them into `.hydra/` (ConfigError). `hydra.runtime` is Hydra's record
+    of this process (its folder, the command line's config folders): checked as the run
+    folder's path and the command line."""
+    from pita.experiment.config import hydra_secret_errors, path_secret_error
+
+    settings = OmegaConf.to_container(cfg.hydra, resolve=False)
+    assert isinstance(settings, dict)  # Hydra's node is a mapping
+    settings.pop("runtime", None)
+    errors = hydra_secret_errors(settings)
+    try:
+        folder = OmegaConf.select(cfg, "hydra.run.dir", default="")
+    except Exception:  # an interpolation error: validate() reports it, with its file
+        folder = ""
+    line = path_secret_error(folder) if folder else None
+    if line or errors:
+        raise ConfigError([*errors, *([line] if line else [])])
 
 
 def load_saved_config(path: Path) -> Any:
@@ -331,6 +357,18 @@ def preflight(
 
     absolutize_paths(cfg)
     validate(cfg, project_root=PROJECT_ROOT)
+    from pita.core.paths import path_length_errors
+    from pita.experiment.config import path_secret_error
+
+    typed = any(o.startswith("hydra.run.dir=") for o in overrides or [])
+    folder = run_dir or (
+        planned_run_dir(cfg, overrides or [])  # compose leaves Hydra's keys out: the typed one
+        if typed
+        else LAST_COMPOSE.get("run_dir") or planned_run_dir(cfg, [])
+    )
+    secret = path_secret_error(folder)  # written into run_info.json, run.log, the caches
+    if secret or path_length_errors(folder):
+        raise ConfigError([secret] if secret else path_length_errors(folder))
     from pita.experiment.preflight import check_launcher  # SLURM without sbatch: exit 2 now
 
     check_launcher(remote_launcher(), overrides)
@@ -338,7 +376,9 @@ def preflight(
         return
     gpu = make_gpu_manager(cfg)
     if run_dir is None:
-        build_plan(cfg, gpu)
+        too_long = path_length_errors(folder, build_plan(cfg, gpu).tasks)
+        if too_long:
+            raise ConfigError(too_long)
     else:
         from pita.core.dag import Plan
 
@@ -385,6 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.help:
         _print_help(args)
         sys.exit(0)
+    _exit_2_on_config_error(lambda: _refuse_secrets(argv))
     overrides = _exit_2_on_config_error(lambda: _expanded_algos(args))
     info_only = bool(args.hydra_help or args.cfg or args.info or args.shell_completion)
     cfg: DictConfig | None = None  # Hydra's --info / --cfg / completion need no run config
@@ -417,10 +458,30 @@ def _exit_2_on_config_error(fn: Callable[[], T]) -> T:
         sys.exit(2)
 
 
+FOLDER_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "resume_from")  # run folders, as typed
+
+
+def _refuse_secrets(argv: list[str]) -> None:
+    """No argument holds a secret (pita/experiment/config.py), before anything composes,
+    prints or writes the command line; no run folder typed is too long a name or path for
+    its file system (pita/core/paths.py), before anything stats it (ENAMETOOLONG)."""
+    from pita.core.paths import path_length_errors
+    from pita.experiment.config import command_line_secret_errors
+
+    errors = command_line_secret_errors(argv)
+    for arg in argv if not errors else []:
+        key, sep, value = arg.partition("=")
+        if sep and key.lstrip("+") in FOLDER_KEYS and value not in ("", "auto", "null"):
+            errors += path_length_errors(value.strip("'\""))
+    if errors:
+        raise ConfigError(errors)
+
+
 def _expanded_algos(args: Any) -> list[str]:
+    from pita.algos.registry import BUILTIN_NAMES
     from pita.experiment.config import ALGO_NAMES
 
-    return expand_algos(list(args.overrides), ALGO_NAMES)
+    return expand_algos(list(args.overrides), ALGO_NAMES, BUILTIN_NAMES)
 
 
 def _which_run(overrides: list[str], args: Any) -> tuple[str | None, bool, list[str]]:
@@ -499,12 +560,13 @@ def _lock_before_hydra(cfg: DictConfig, overrides: list[str]) -> list[str]:
 def _composed_for_help(overrides: list[str], args: Any) -> dict | None:
     """The config the command line would run (for `--help`'s defaults; without the
     overrides when they do not compose), or None."""
+    from pita.algos.registry import BUILTIN_NAMES
     from pita.experiment.config import ALGO_NAMES
 
     for attempt in (overrides, []):
         try:
             cfg = compose_config(
-                expand_algos(attempt, ALGO_NAMES), args.config_name, args.config_dir
+                expand_algos(attempt, ALGO_NAMES, BUILTIN_NAMES), args.config_name, args.config_dir
             )
             resolved = OmegaConf.to_container(cfg, resolve=True)
         except Exception:  # noqa: BLE001 - a bad command line still gets its --help

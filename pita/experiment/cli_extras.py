@@ -32,9 +32,18 @@ def conf_dir() -> Path:
 _ALGOS_RE = re.compile(r"^algos=\[?(?P<names>[^\]]*)\]?$")
 
 
-def expand_algos(overrides: list[str], names: tuple[str, ...]) -> list[str]:
+def expand_algos(
+    overrides: list[str], names: tuple[str, ...], in_config: tuple[str, ...] | None = None
+) -> list[str]:
     """Replace `algos=[A,B]` with enabled flags: A and B on, every other algorithm off.
-    `algos=all` enables every algorithm. An unknown name is a ConfigError."""
+    `algos=all` enables every algorithm. An unknown name is a ConfigError.
+    `in_config`: the algorithms every composed config holds (pita's own, conf/config.yaml);
+    an installed plugin's algorithm is only there when an experiment adds it, so it is
+    switched off with `++` (set, or added as off), never refused as an unknown key
+    (issue 45: a plugin installed broke the README's `algos=[QSharp,GRPO,DPO]`)."""
+    from pita.core.plugins import failure_hint
+
+    in_config = names if in_config is None else in_config
     out: list[str] = []
     for o in overrides:
         m = _ALGOS_RE.match(o)
@@ -52,8 +61,12 @@ def expand_algos(overrides: list[str], names: tuple[str, ...]) -> list[str]:
             raise ConfigError(
                 f"{o}: {'unknown algorithm ' + ', '.join(map(repr, bad)) if bad else 'empty list'}; "
                 f"allowed: {', '.join(names)} (e.g. algos=[QSharp,DPO] or algos=all)"
+                + (failure_hint() if bad else "")
             )
-        out += [f"algos.{n}.enabled={'true' if n in chosen else 'false'}" for n in names]
+        for n in names:
+            on = n in chosen
+            plus = "" if on or n in in_config else "++"
+            out.append(f"{plus}algos.{n}.enabled={'true' if on else 'false'}")
     return out
 
 

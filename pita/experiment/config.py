@@ -52,7 +52,10 @@ from pita.core.schema import (  # noqa: F401 (the dataclasses' old home re-expor
     leaf_fields,
     schema_errors,
 )
+from pita.core.yaml_bound import install as _bound_yaml_aliases
 from pita.experiment.trl_options import open_trl_dict, trl_option_errors
+
+_bound_yaml_aliases()  # every YAML read through OmegaConf from here on: pita/core/yaml_bound.py
 
 
 def dataset_keys(dataset_cfg: Any) -> dict[str, Any]:
@@ -115,6 +118,71 @@ def secret_errors(node: Any, key: str = "") -> list[str]:
     if isinstance(node, list):
         return [m for i, v in enumerate(node) for m in secret_errors(v, f"{key}[{i}]")]
     return []
+
+
+COMMAND_LINE_WRITTEN = (
+    "Hydra writes the command line into .hydra/overrides.yaml and hydra.yaml, pita into "
+    "run_info.json and run.log"
+)
+IN_THE_ENVIRONMENT = (
+    "pass secrets in the environment (e.g. `HF_TOKEN=... python run_parallel.py`; "
+    "HF_TOKEN, WANDB_API_KEY, MLFLOW_TRACKING_PASSWORD), which pita never writes"
+)
+
+
+def command_line_secret_errors(argv: list[str]) -> list[str]:
+    """`<key>: looks like a secret` for every argument of the command line that holds a
+    token (any key: pita's, a `+`-added one, Hydra's own `hydra.*`, a flag's value) or sets a
+    secret-named variable (`+hydra.job.env_set.HF_TOKEN=...`, whatever its value). Hydra's
+    `hydra.job.env_set` is not a way to pass a secret: Hydra writes it into the run folder;
+    the environment of the command is. Checked before anything is composed, so no later
+    message echoes the value."""
+    from pita.experiment.trl_values import SECRET_ALLOWED, SECRET_NAME, SECRET_VALUE
+
+    errors = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        bare = key.lstrip("+~")
+        leaf = bare.rsplit(".", 1)[-1]
+        named = sep and SECRET_NAME.search(leaf) and leaf not in SECRET_ALLOWED
+        if SECRET_VALUE.search(arg) or named:
+            shown = SECRET_VALUE.sub("<secret>", bare if sep else "an argument")
+            errors.append(
+                f"{shown}: looks like a secret; refused, its value is not shown "
+                f"({COMMAND_LINE_WRITTEN}); {IN_THE_ENVIRONMENT}"
+            )
+    return errors
+
+
+def hydra_secret_errors(hydra: Any) -> list[str]:
+    """The same for Hydra's own settings from config files (`hydra:` of an experiment or a
+    `--config-dir` file): a token anywhere, or a secret-named `hydra.job.env_set` variable."""
+    from pita.experiment.trl_values import SECRET_NAME
+
+    errors = secret_errors(hydra, "hydra")
+    env_set = ((hydra or {}).get("job") or {}).get("env_set") or {}
+    for name in env_set:
+        line = f"hydra.job.env_set.{name}: looks like a secret"
+        if SECRET_NAME.search(str(name)) and not any(e.startswith(line) for e in errors):
+            errors.append(
+                f"{line}; refused, its value is not shown (Hydra writes it into .hydra/hydra.yaml); "
+                f"{IN_THE_ENVIRONMENT}"
+            )
+    return errors
+
+
+def path_secret_error(path: Path | str, what: str = "run folder") -> str | None:
+    """A folder whose path holds a token (it is written into run_info.json, run.log, the
+    journal and the duration history): refused, the token masked in the line."""
+    from pita.experiment.trl_values import SECRET_VALUE
+
+    text = str(Path(path).absolute())
+    if not SECRET_VALUE.search(text):
+        return None
+    return (
+        f"{what} {SECRET_VALUE.sub('<secret>', text)}: its path looks like it holds a secret "
+        f"(pita writes the path into run_info.json, run.log and its caches); choose another folder"
+    )
 
 
 SEARCH_DIRS: list[Path] = []  # the config search path of the last composition (cli.py)
@@ -187,7 +255,10 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
         errors += resume_path_errors(cfg.resume_from, project_root)
 
     from pita.datasets import validate_dataset_cfg
+    from pita.experiment.dataset_choice import dataset_override_errors
 
+    if not any(e.startswith("dataset.") for e in errors):
+        errors += dataset_override_errors(cfg)
     if not any(e.startswith("dataset.") for e in errors):  # one line per bad key, and no
         try:  # task built from a size already refused; the task's own keys (pita/datasets)
             validate_dataset_cfg(dataset_keys(cfg.dataset))
@@ -212,17 +283,29 @@ def did_you_mean(key: str) -> str:
     keys = sorted({".".join(k.split(".")[:n]) for k in leaves for n in range(1, k.count(".") + 2)})
     parent, _, leaf = key.rpartition(".")
     siblings = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent]
-    near = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.7)
+    near = difflib.get_close_matches(leaf, [k for k in siblings if k != leaf], n=1, cutoff=0.7)
     if near:
         return f"; did you mean {parent + '.' if parent else ''}{near[0]}?"
-    near = difflib.get_close_matches(key, leaves, n=1, cutoff=0.8)
+    near = difflib.get_close_matches(key, [k for k in leaves if k != key], n=1, cutoff=0.8)
     return f"; did you mean {near[0]}?" if near else ""
 
 
 def with_hint(line: str) -> str:
-    """An `<key>: unknown key ...` line with its "did you mean" added."""
+    """An `<key>: unknown key ...` line with its "did you mean" added; for a key of an
+    installed algorithm that this config does not hold (a plugin's, which only an experiment
+    adds: a key of its schema that Hydra cannot override), how to add it instead."""
     key, sep, rest = line.partition(": ")
-    return f"{line}{did_you_mean(key)}" if sep and rest == UNKNOWN_KEY else line
+    if not (sep and rest == UNKNOWN_KEY):
+        return line
+    parts = key.split(".")
+    row = ALGORITHMS.get(parts[1]) if len(parts) > 2 and parts[0] == "algos" else None
+    if row is not None and parts[2] in {f.name for f in dataclasses.fields(row.schema)}:
+        return (
+            f"{key}: algorithm {parts[1]} is installed but not in this config; add it to your "
+            f"experiment's defaults (`- /algo@algos.{parts[1]}: <its conf/algo file>`, "
+            f"docs/extending.md)"
+        )
+    return f"{line}{did_you_mean(key)}"
 
 
 def stage_override_errors(overrides: dict) -> list[str]:
@@ -249,7 +332,11 @@ def algo_errors(algos: dict) -> list[str]:
     errors = []
     for name, algo in algos.items():
         if name not in ALGORITHMS:
-            errors.append(f"algos.{name}: unknown algorithm; allowed: {', '.join(ALGO_NAMES)}")
+            from pita.core.plugins import failure_hint
+
+            errors.append(
+                f"algos.{name}: unknown algorithm; allowed: {', '.join(ALGO_NAMES)}{failure_hint()}"
+            )
             continue
         enabled = bool(algo.get("enabled"))
         errors += [

@@ -39,12 +39,40 @@ def _node(cfg: Any, dotted: str) -> Any:
     return node
 
 
-def _num(cfg: Any, dotted: str, default: float = 0.0) -> float:
+def _num(cfg: Any, dotted: str) -> float:
+    """The number at `dotted`, 0.0 when absent (for `a or b` chains)."""
     node = _node(cfg, dotted)
     try:
-        return float(node) if node is not None else default
+        return float(node) if node is not None else 0.0
     except (TypeError, ValueError):
-        return default
+        return 0.0
+
+
+def _amount(cfg: Any, dotted: str) -> float:
+    """The number at `dotted`; absent (a partial config), the schema's own default for it
+    (`algos.<NAME>.*`: that algorithm's schema), never a restated one; a key without a
+    numeric default (a dataset size of another task, a key the algorithm lacks) counts as 1."""
+    node = _node(cfg, dotted)
+    if node is None:
+        node = _schema_default(dotted)
+    try:
+        return float(node) if node is not None else 1.0
+    except (TypeError, ValueError):
+        return 1.0
+
+
+def _schema_default(dotted: str) -> Any:
+    from pita.algos.registry import ALGORITHMS
+    from pita.core.schema import default_of
+
+    group, _, key = dotted.partition(".")
+    try:
+        if group == "algos":
+            name, _, key = key.partition(".")
+            return default_of(key, ALGORITHMS[name].schema) if name in ALGORITHMS else None
+        return default_of(dotted)
+    except KeyError:
+        return None
 
 
 def task_size(task: Any, cfg: Any) -> dict[str, float]:
@@ -56,39 +84,39 @@ def task_size(task: Any, cfg: Any) -> dict[str, float]:
     examples = (
         _num(cfg, "data_collection.max_examples")
         or _num(task.dataset_cfg, "train_size")
-        or _num(cfg, "dataset.train_size", 1.0)
+        or _amount(cfg, "dataset.train_size")
     )
     stage = task.stage.removesuffix("_merge")
     if stage == "pretrain":
         size = {
-            "steps": _num(cfg, "pretrain.steps", 1),
-            "batch": _num(cfg, "pretrain.batch_size", 1),
+            "steps": _amount(cfg, "pretrain.steps"),
+            "batch": _amount(cfg, "pretrain.batch_size"),
         }
     elif stage == "train":
         steps = _num(cfg, f"{algo}.steps")
         size = (
-            {"steps": steps, "batch": _num(cfg, f"{algo}.batch_size", 1)}
+            {"steps": steps, "batch": _amount(cfg, f"{algo}.batch_size")}
             if steps > 0
-            else {"epochs": _num(cfg, f"{algo}.epochs", 1), "examples": examples}
+            else {"epochs": _amount(cfg, f"{algo}.epochs"), "examples": examples}
         )
     elif stage == "collect":
-        samples = _num(cfg, f"{algo}.samples_per_example") or _num(
-            cfg, f"{algo}.pairs_per_example", 1
+        samples = _num(cfg, f"{algo}.samples_per_example") or _amount(
+            cfg, f"{algo}.pairs_per_example"
         )
         size = {"examples": examples / task.num_shards, "samples": samples}
     elif stage == "reward_model":
-        size = {"epochs": _num(cfg, f"{algo}.reward_epochs", 1), "examples": examples}
+        size = {"epochs": _amount(cfg, f"{algo}.reward_epochs"), "examples": examples}
     elif stage == "evaluate":
-        test = _num(task.dataset_cfg, "test_size") or _num(cfg, "dataset.test_size", 1.0)
+        test = _num(task.dataset_cfg, "test_size") or _amount(cfg, "dataset.test_size")
         etas = _node(cfg, "evaluation.etas")
         size = {
             "examples": test / task.num_shards,
-            "samples": _num(cfg, "evaluation.num_samples", 1),
+            "samples": _amount(cfg, "evaluation.num_samples"),
             "etas": float(len(etas) if isinstance(etas, (list, tuple)) and etas else 1),
         }
     else:
         size = {}
-    size["model_gb"] = _num(task.family_cfg, "memory_gb") or _num(cfg, "model.memory_gb", 1.0)
+    size["model_gb"] = _num(task.family_cfg, "memory_gb") or _amount(cfg, "model.memory_gb")
     return {k: max(v, 1e-9) for k, v in size.items()}
 
 

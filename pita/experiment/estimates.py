@@ -44,6 +44,7 @@ from typing import Any, cast
 
 from pita.algos.registry import ALGORITHMS, Held, stage_models
 from pita.core import user_cache
+from pita.core.parallel import Strategy
 from pita.core.paths import pita_cache_dir
 from pita.core.schema import ModelConfig, default_of, memory_keys, settings
 from pita.models.placement import BYTES_PER_PARAM
@@ -429,15 +430,14 @@ class TrainingMemory:
     def total(self) -> float:
         return self.params + self.grads + self.optimizer + self.activations + self.frozen
 
-    def per_rank_mb(self, strategy: str, ranks: int) -> int:
-        """MB on each rank of a `ranks`-device gang under `strategy` ("none" | "ddp" | "fsdp")."""
-        k = max(1, ranks)
+    def per_rank_mb(self, strategy: str | Strategy, ranks: int) -> int:
+        """MB on each rank of a `ranks`-device gang under `strategy` (a `Strategy`, or its name)."""
+        k, strategy = max(1, ranks), Strategy.of(strategy)
         state = self.params + self.grads + self.optimizer
-        if strategy == "fsdp" and k > 1:
+        if strategy is Strategy.FSDP and k > 1:
             state = state / k + self.block
-        acts = (
-            self.activations / k if (self.batch_split and strategy != "none") else self.activations
-        )
+        split = self.batch_split and strategy is not Strategy.NONE
+        acts = self.activations / k if split else self.activations
         return int((state + acts + self.frozen) / MB) + WORKER_OVERHEAD_MB
 
 

@@ -15,16 +15,16 @@ task no gang of this run can hold is refused before anything starts: one line na
 task, its estimate, the largest gang and the strategy (exit 2).
 
 What CPU cannot do: accelerate has no FSDP off CUDA, so a TRL stage (DPO / RPO / GRPO /
-GRPO-HF / the reward model) on CPU or `fake:` devices runs DDP under `fsdp` (`task.strategy`
-says "ddp", the dry run and the task's log say so in one line), and a TRL task that only
-FSDP could fit is refused. pita's own loops (value trainer, pretrain) shard on CPU with gloo.
+GRPO-HF / the reward model: the registry rows' `trl_stages`) on CPU or `fake:` devices runs
+DDP under `fsdp` (its gang says DDP, asked FSDP; the dry run and the task's log say so in one
+line), and a TRL task that only FSDP could fit is refused. pita's own loops (value trainer, pretrain) shard on CPU with gloo.
 
 A TRL task's gang is the largest (or, when too large for one device, the smallest fitting)
 number of ranks that divides its `algos.<NAME>.batch_size`: every rank takes an equal share,
 so the global batch does not depend on k.
 
-The decision is stored on the task (`gpus`, `strategy`, `mem_mb` = the gang's total, i.e.
-per-rank × k, which the scheduler divides back per device).
+The decision is stored on the task (its `Gang`, pita/core/parallel.py, and `mem_mb` = the
+gang's total, i.e. per-rank × k, which the scheduler divides back per device).
 
 Under `data_parallel` the training stages are elastic instead (pita/experiment/plan.py
 `Planner.elastic_ranks`, pita/core/elastic.py): planned on one device, their k chosen at
@@ -37,14 +37,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from pita.algos.registry import runs_trl
 from pita.core.errors import ConfigError
-from pita.core.tasks import TASK_STRATEGIES
+from pita.core.parallel import Gang, Strategy
 
 TRAINING_STAGES = ("pretrain", "reward_model", "train")
-# The stage functions that train with a TRL Trainer (accelerate's processes on a gang).
-TRL_MODULES = ("pita.algos.dpo", "pita.algos.grpo", "pita.algos.reward_model")
-# `training.parallel_strategy` -> TaskSpec.strategy (the inverse of TASK_STRATEGIES)
-STRATEGY_OF_KEY = {"none": "none", **{key: task for task, key in TASK_STRATEGIES.items()}}
 GB = 1024.0
 
 
@@ -53,22 +50,14 @@ def is_training(task: Any) -> bool:
 
 
 def is_trl(task: Any) -> bool:
-    """A training task whose stage is a TRL Trainer (its ranks are accelerate's processes)."""
-    return is_training(task) and task.fn.partition(":")[0] in TRL_MODULES
+    """A training task whose stage is a TRL Trainer (its ranks are accelerate's processes):
+    its registry row's `trl_stages`."""
+    return is_training(task) and runs_trl(task.algo, task.stage, task.fn)
 
 
 def computes_on_cpu(device_kind: str) -> bool:
     """CPU slots, and `fake:` GPUs (workers compute on the CPU): no NCCL, no TRL FSDP."""
     return device_kind in ("cpu", "fake")
-
-
-def ran_strategy(task: Any, key: str, device_kind: str) -> str:
-    """The strategy a training task of a gang runs with under `training.parallel_strategy=key`:
-    "ddp" for a TRL stage under fsdp on CPU (accelerate cannot shard there)."""
-    strategy = STRATEGY_OF_KEY[key]
-    if strategy == "fsdp" and is_trl(task) and computes_on_cpu(device_kind):
-        return "ddp"
-    return strategy
 
 
 def _shares_batch(task: Any, cfg: Any, k: int) -> bool:
@@ -87,11 +76,11 @@ class _PerRank:
     def __init__(self, task: Any, memory: Any):
         self.task, self.memory = task, memory
 
-    def __call__(self, strategy: str, k: int) -> int:
+    def __call__(self, strategy: Strategy, k: int) -> int:
         if self.memory is not None:
             return self.memory.per_rank_mb(strategy, k)
         mb = self.task.mem_mb
-        return -(-mb // k) if strategy == "fsdp" else mb
+        return -(-mb // k) if strategy is Strategy.FSDP else mb
 
 
 def _elastic_ranks(task: Any, cfg: Any, per_rank: _PerRank, best: list[int]) -> list[int]:
@@ -102,7 +91,7 @@ def _elastic_ranks(task: Any, cfg: Any, per_rank: _PerRank, best: list[int]) -> 
         k
         for k in task.ranks
         if k <= len(best)
-        and per_rank("ddp" if k > 1 else "none", k) <= best[k - 1]
+        and per_rank(Gang(Strategy.DDP, k).runs, k) <= best[k - 1]
         and _shares_batch(task, cfg, k)
     ]
     return ranks if len(ranks) > 1 else []
@@ -117,15 +106,50 @@ def _refusal(task: Any, one_mb: int, kind: str, largest: int, per_rank: int, why
     )
 
 
+def planned_gang(task: Any, cfg: Any, device_kind: str) -> Gang:
+    """The planner's gang of a training task, where it can run: a TRL stage under FSDP on
+    CPU runs DDP (accelerate cannot shard there), and the gang shrinks to the largest k
+    that shares a TRL stage's batch."""
+    gang = task.gang
+    if gang.strategy is Strategy.FSDP and is_trl(task) and computes_on_cpu(device_kind):
+        gang = Gang(Strategy.DDP, gang.world, gang.nodes, asked=Strategy.FSDP)
+    world = gang.world
+    while gang.ranked and not _shares_batch(task, cfg, world):
+        world -= 1
+    return gang.resized(world)
+
+
+def _forced_fsdp(t: Any, cfg: Any, per_rank: _PerRank, best: list[int], kind: str) -> None:
+    """A task too large for its planned gang: the smallest FSDP gang that fits (from which
+    an elastic task may be given more at dispatch), else one line (ConfigError)."""
+    one = per_rank(Strategy.NONE, 1)
+    if is_trl(t) and computes_on_cpu(kind):  # only FSDP could fit it: not on CPU
+        ddp = per_rank(Strategy.DDP, len(best))
+        why = "runs a TRL stage with DDP (accelerate has no FSDP on CPU) and needs"
+        raise ConfigError(_refusal(t, one, kind, len(best), ddp, why))
+    for k in range(2, len(best) + 1):
+        if per_rank(Strategy.FSDP, k) <= best[k - 1] and _shares_batch(t, cfg, k):
+            asked = t.gang.asked or t.gang.strategy
+            t.set_gang(Gang(Strategy.FSDP, k, t.gang.nodes, asked=asked))
+            t.mem_mb = per_rank(Strategy.FSDP, k) * k
+            t.mem_source += f"; too large for one device: FSDP over {k}"
+            # elastic: sized at dispatch from this gang up (FSDP: the states divide by k)
+            larger = [r for r in t.ranks if r > k and per_rank(Strategy.FSDP, r) <= best[r - 1]]
+            t.ranks = [k, *larger] if larger else []
+            return
+    fsdp = per_rank(Strategy.FSDP, len(best))
+    raise ConfigError(_refusal(t, one, kind, len(best), fsdp, "under FSDP, still needs"))
+
+
 def size_training_gangs(
     plan: Any, cfg: Any, device_mb: list[int], device_kind: str, largest_gang: int | None = None
 ) -> None:
-    """Set `gpus`, `strategy` and `mem_mb` of every training task of `plan` (see the module
-    docstring); no gang is larger than `largest_gang` (a Ray cluster's largest node). Raises
-    ConfigError when a task fits no gang of this run."""
+    """Set the gang (`TaskSpec.set_gang`) and `mem_mb` of every training task of `plan`
+    (see the module docstring), from the gang the planner gave it; no gang is larger than
+    `largest_gang` (a Ray cluster's largest node). Raises ConfigError when a task fits no
+    gang of this run."""
     from pita.experiment.estimates import ModelSizes, _plain, training_memory
 
-    key = str(cfg.training.parallel_strategy)
     plain = _plain(cfg)
     sizes = ModelSizes()
     # a gang of k gets the k largest devices at best (on one node: a Ray task never spans two)
@@ -137,43 +161,11 @@ def size_training_gangs(
         per_rank = _PerRank(t, training_memory(t, plain, sizes) if analytic else None)
         if t.ranks:  # elastic (data_parallel): the k its batch and the devices allow
             t.ranks = _elastic_ranks(t, plain, per_rank, best)
-        strategy = ran_strategy(t, key, device_kind) if t.gpus > 1 else "none"
-        while not _shares_batch(t, plain, t.gpus):  # the largest gang that shares the batch
-            t.gpus -= 1
-        strategy = strategy if t.gpus > 1 else "none"
-        need = per_rank(strategy, t.gpus)
-        if need <= best[min(t.gpus, len(best)) - 1]:
-            t.strategy, t.mem_mb = strategy, need * t.gpus
+        gang = planned_gang(t, plain, device_kind)
+        k = gang.world if gang.ranked else t.gpus  # one process over k devices: each holds it
+        need = per_rank(gang.runs, k)
+        if need <= best[min(k, len(best)) - 1]:
+            t.set_gang(gang)
+            t.mem_mb = need * k
             continue
-        one = per_rank("none", 1)
-        if is_trl(t) and computes_on_cpu(device_kind):  # only FSDP could fit it: not on CPU
-            ddp = per_rank("ddp", len(best))
-            raise ConfigError(
-                _refusal(
-                    t,
-                    one,
-                    device_kind,
-                    len(best),
-                    ddp,
-                    "runs a TRL stage with DDP (accelerate has no FSDP on CPU) and needs",
-                )
-            )
-        for k in range(2, len(best) + 1):
-            if per_rank("fsdp", k) <= best[k - 1] and _shares_batch(t, plain, k):
-                t.gpus, t.strategy, t.mem_mb = k, "fsdp", per_rank("fsdp", k) * k
-                t.mem_source += f"; too large for one device: FSDP over {k}"
-                # elastic: sized at dispatch from this gang up (FSDP: the states divide by k)
-                larger = [r for r in t.ranks if r > k and per_rank("fsdp", r) <= best[r - 1]]
-                t.ranks = [k, *larger] if larger else []
-                break
-        else:
-            raise ConfigError(
-                _refusal(
-                    t,
-                    one,
-                    device_kind,
-                    len(best),
-                    per_rank("fsdp", len(best)),
-                    "under FSDP, still needs",
-                )
-            )
+        _forced_fsdp(t, plain, per_rank, best, device_kind)

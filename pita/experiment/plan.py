@@ -15,10 +15,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pita.algos.registry import ALGORITHMS, ANY, is_importable, lookup, stage_outputs
+from pita.algos.registry import ALGORITHMS, ANY, can_grow, is_importable, lookup, stage_outputs
 from pita.core.dag import Plan, critical_path_priorities
 from pita.core.elastic import rank_choices
 from pita.core.errors import ConfigError
+from pita.core.parallel import Gang, Strategy
 from pita.core.schema import ModelConfig, settings
 from pita.core.tasks import SHARDABLE, TaskSpec, task_id
 from pita.experiment.cli_extras import conf_dir
@@ -40,12 +41,14 @@ def _container(cfg: Any) -> dict[str, Any]:
 
 def _group_cfg(cfg: DictConfig, group: str, name: str) -> dict[str, Any]:
     """The config of a dataset/model group by name: the selected one carries the command
-    line's overrides; any other listed one is composed from its file over the schema."""
+    line's overrides (a dataset by its file, pita/experiment/dataset_choice.py); any other
+    listed one is composed from its file over the schema."""
     from pita.experiment.config import DatasetConfig, ModelConfig, dataset_keys
+    from pita.experiment.dataset_choice import is_selected
 
     selected = cfg[group]
     clean: Callable[[Any], dict[str, Any]] = dataset_keys if group == "dataset" else _container
-    if selected.name == name:
+    if is_selected(cfg, name) if group == "dataset" else selected.name == name:
         return clean(selected)
     path = CONF_DIR / group / f"{name}.yaml"
     if not path.is_file():
@@ -146,7 +149,8 @@ class Planner:
                 round=0,
                 stage="pretrain",
                 fn=self.function(ANY, "pretrain"),
-                gpus=self.data_parallel_gang(),
+                gpus=self.fsdp_world(),
+                gang=self.training_gang(self.fsdp_world()),
                 ranks=self.elastic_ranks(),
                 mem_mb=mem_mb,
                 work=STAGE_WORK["pretrain"],
@@ -155,12 +159,18 @@ class Planner:
         )
         return tid
 
-    def gang_key(self) -> str:
+    def gang_strategy(self) -> Strategy:
         """training.parallel_strategy (never `auto`: `plan_experiment` resolved it), or
-        "none" where a run has no gangs (cpu, single_gpu)."""
+        none where a run has no gangs (cpu, single_gpu)."""
         if str(self.cfg.system.gpu_mode) in ("cpu", "single_gpu"):
-            return "none"
-        return str(self.cfg.training.parallel_strategy)
+            return Strategy.NONE
+        return Strategy.of(str(self.cfg.training.parallel_strategy))
+
+    def training_gang(self, world: int) -> Gang:
+        """The gang of a training stage on `world` devices (the sizer may change it:
+        pita/experiment/gangs.py); one plain process when the run has no gang strategy."""
+        strategy = self.gang_strategy()
+        return Gang(strategy, world) if strategy is not Strategy.NONE else Gang()
 
     def elastic_ranks(self) -> list[int]:
         """training.parallel_strategy=data_parallel: a training stage (pretrain, an
@@ -168,18 +178,18 @@ class Planner:
         executor.max_ranks_per_task devices, one DDP rank each, its k chosen when it is
         dispatched by simulating the rest of the plan (pita/core/elastic.py). pita/experiment/
         gangs.py then drops the k a TRL stage's batch or the memory rules out. [] otherwise."""
-        if self.gang_key() != "data_parallel":
+        if self.gang_strategy() is not Strategy.DDP:
             return []
         top = min(self.n_devices, self.largest_gang or self.n_devices)
         ranks = rank_choices(int(self.cfg.executor.max_ranks_per_task), top)
         return ranks if len(ranks) > 1 else []
 
-    def data_parallel_gang(self) -> int:
+    def fsdp_world(self) -> int:
         """training.parallel_strategy=fsdp: the training stages get a gang of every device of
         the run, one rank per device (FSDP2 divides the model's states by k: not sized at
         dispatch); other stages, and every stage under data_parallel (`elastic_ranks`),
         keep one device (or model.gpus_per_task for sharding)."""
-        if self.gang_key() != "fsdp":
+        if self.gang_strategy() is not Strategy.FSDP:
             return 1
         return max(1, min(self.n_devices, self.largest_gang or self.n_devices))
 
@@ -252,7 +262,7 @@ class Planner:
             for stage in spec_algo.round_stages:
                 inputs = stage_inputs(stage, chain, base_inputs)
                 gang = stage in spec_algo.gang_stages
-                k = max(gpus, self.data_parallel_gang()) if gang else gpus
+                k = max(gpus, self.fsdp_world()) if gang else gpus
                 spec = dict(
                     algo=algo,
                     algo_schema=spec_algo.schema_path,
@@ -263,6 +273,8 @@ class Planner:
                     **common,
                 )
                 spec["ranks"] = self.elastic_ranks() if gang and k == 1 else []
+                if gang:
+                    spec["gang"] = self.training_gang(k)
                 chain.produced[stage] = self.add_stage(stage, spec, _deps_of(inputs))
             if "collect" in chain.produced:
                 chain.collected.append(chain.produced["collect"])
@@ -319,6 +331,7 @@ def plan_experiment(
     overrides = cfg.executor.stage_overrides or {}
     for t in plan.tasks.values():  # what its committed folder must hold (resume checks it)
         t.outputs = list(stage_outputs(t.algo, t.stage, overrides))
+        t.growable = can_grow(t.algo, t.stage, t.fn)  # its registry row's growable_stages
     from pita.experiment.estimates import fill_estimates
 
     fill_estimates(plan, cfg, device_mb)  # measured peak > checkpoint size > model.memory_gb

@@ -7,15 +7,24 @@ when
 
 - it is new (the change adds it: another round, another algorithm), or its own config
   identity changed (its dataset or model family mapping, its function, inputs or shard), or
-- it reads a changed key: `STAGE_READERS` says which stages read which keys (a key not
-  listed is read by every stage, the safe default; `algos.<NAME>.*` only by that
-  algorithm's tasks),
+- it read a key whose value is not the one it computed with. Which keys a task read is not
+  listed by hand: every task records them in its manifest, with the values read
+  (`reads`, written by the worker from the typed settings: `schema.recording_reads`; a
+  gang's ranks send theirs back). So the reference's evaluate, which samples under every
+  enabled guided algorithm's rule, runs again when `algos.PITA.guidance.top_k` changes or
+  PITA is disabled. A finished task whose manifest records no reads (a folder written by a
+  pita before this) is taken to read every key: any changed key runs it again.
 
-and everything downstream of a task that runs again runs again too (pita/core/resume.py).
-The rest is kept. Keys that only say where and how the run goes or where results are recorded (their
-field's `affects="place"` / `"record"`: `schema.resume_safe`; `RECORD_PREFIXES` for the
-few outside it) touch no task. `dry_run=true` with `resume_from`
+Everything downstream of a task that runs again runs again too (pita/core/resume.py).
+The rest is kept. Keys that only say where and how the run goes or where results are
+recorded (their field's `affects="place"` / `"record"`: `schema.resume_safe`;
+`RECORD_PREFIXES` for the few outside it) touch no task. `dry_run=true` with `resume_from`
 lists each task that will run and why, and changes nothing.
+
+The saved config is the run's own: its sha256 is in the journal each time pita writes it
+(`config_sha256` of `run_started` / `run_resumed` / `run_changed`). A saved config edited
+by hand since is named in one WARNING line on resume, and what it changed runs again: the
+recorded values are compared with the edited config, not with what the file said before.
 
 Applying a change (`apply_change`, under the run lock) first removes the committed
 folders of the touched tasks, then writes the new plan and saved config: a resume that
@@ -25,6 +34,8 @@ computed from a config the run no longer has.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -42,18 +53,6 @@ from pita.experiment.cli_extras import flatten
 
 log = logging.getLogger("pita")
 
-# key prefix -> the stages that read it (merges count as their stage); a prefix not listed
-# is read by every stage. `algos.<NAME>.` keys reach only that algorithm's tasks.
-STAGE_READERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("algos.*.trl.", ("train",)),
-    ("algos.*.peft", ("train",)),
-    ("algos.*.reward_trl.", ("reward_model",)),
-    ("evaluation.", ("evaluate",)),
-    ("pretrain.", ("pretrain",)),
-    ("training.", ("pretrain", "reward_model", "train")),
-    ("generation.", ("collect", "train", "evaluate")),
-    ("data_collection.", ("collect", "reward_model", "train")),
-)
 # keys no task computes with: where results are recorded, how the run is named
 RECORD_PREFIXES = ("logger.", "experiment.name", "system.trust_group")
 # keys whose effect is the plan's shape or a task's own mapping (compared task by task)
@@ -61,6 +60,7 @@ PLAN_PREFIXES = (
     "dataset.",
     "model.",
     "experiment.datasets",
+    "experiment.dataset_file",
     "experiment.families",
     "rounds_of_training",
 )
@@ -89,23 +89,6 @@ def changed_keys(saved: Mapping, new: Mapping, run_safe: Callable[[str], bool]) 
     return out
 
 
-def _reads(key: str, task: TaskSpec) -> bool:
-    """Whether `task` reads `key` (by STAGE_READERS; the plan compares the rest)."""
-    if key.startswith(RECORD_PREFIXES + PLAN_PREFIXES):
-        return False
-    stage = task.stage.removesuffix("_merge")
-    generic = key
-    if key.startswith("algos."):
-        _, name, rest = key.split(".", 2) if key.count(".") >= 2 else (*key.split("."), "")
-        if name != task.algo or rest == "enabled":
-            return False
-        generic = f"algos.*.{rest}"
-    for prefix, stages in STAGE_READERS:
-        if generic.startswith(prefix):
-            return stage in stages
-    return True
-
-
 def _identity(task: TaskSpec) -> dict[str, Any]:
     d = task.to_dict()
     out = {k: d[k] for k in IDENTITY}
@@ -118,13 +101,77 @@ def _show(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def value_at(plain: Mapping[str, Any], dotted: str) -> Any:
+    """The value of `dotted` in a resolved config as a stage would read it now: the config's
+    own, else the schema's default (an algorithm's keys: its registry row's schema), else
+    None (an algorithm the config lacks reads as absent: `context.algo_settings`)."""
+    node: Any = plain
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return _default(dotted)
+        node = node[part]
+    return node
+
+
+def _default(dotted: str) -> Any:
+    from pita.core import schema as S
+
+    schema: type = S.PitaConfig
+    key = dotted
+    if dotted.startswith("algos."):
+        from pita.algos.registry import ALGORITHMS
+
+        _, name, key = (dotted.split(".", 2) + [""])[:3]
+        row = ALGORITHMS.get(name)
+        schema = row.schema if row is not None else S.ReferenceConfig
+    try:
+        return S.default_of(key, schema)
+    except KeyError:
+        return None
+
+
+def _as_recorded(value: Any) -> Any:
+    """`value` as a manifest holds it (JSON: tuples are lists, odd types their str)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def recorded_reads(run_dir: Path, tid: str) -> dict[str, Any] | None:
+    """The config keys task `tid`'s committed folder records it read, with their values;
+    None when its manifest records none (written by an older pita) or cannot be read."""
+    from pita.core.safe_files import read_control_text
+
+    try:
+        manifest = json.loads(read_control_text(TaskPaths(run_dir, tid).manifest))
+    except (OSError, ValueError):
+        return None
+    reads = manifest.get("reads") if isinstance(manifest, dict) else None
+    return reads if isinstance(reads, dict) else None
+
+
+def stale_reads(
+    reads: Mapping[str, Any], now: Mapping[str, Any], run_safe: Callable[[str], bool]
+) -> list[str]:
+    """The keys of `reads` (a task's recorded reads) whose value in `now` (the resolved
+    config the resume runs) is not the one read, but for keys that change no result and
+    the plan's own keys (compared through each task's identity)."""
+    out = []
+    for key, value in reads.items():
+        if key.startswith(RECORD_PREFIXES + PLAN_PREFIXES) or run_safe(key):
+            continue
+        if _as_recorded(value_at(now, key)) != value:
+            out.append(key)
+    return out
+
+
 @dataclass
 class Change:
-    """What a resume with other values changes: the keys, the new plan, the touched tasks."""
+    """What a resume with other values changes: the keys, the new plan, the touched tasks;
+    `edited`: the line naming a saved config edited since the run wrote it."""
 
     keys: dict[str, tuple] = field(default_factory=dict)
     plan: Plan = field(default_factory=Plan)
     touched: dict[str, str] = field(default_factory=dict)  # task id -> why it runs again
+    edited: str = ""
 
     def summary(self) -> str:
         shown = [f"{k}: {_show(a)} -> {_show(b)}" for k, (a, b) in list(self.keys.items())[:4]]
@@ -132,8 +179,21 @@ class Change:
         return "; ".join(shown) + more
 
 
-def touched_tasks(old: Plan, new: Plan, keys: Mapping[str, tuple]) -> dict[str, str]:
-    """task id of `new` -> why it runs again, for the tasks the change touches directly."""
+def touched_tasks(
+    old: Plan,
+    new: Plan,
+    run_dir: Path,
+    now: Mapping[str, Any],
+    run_safe: Callable[[str], bool],
+    keys: Mapping[str, tuple] | None = None,
+    edited: bool = False,
+) -> dict[str, str]:
+    """task id of `new` -> why it runs again, for the tasks the change touches directly: new
+    tasks, tasks whose identity changed, and finished tasks whose recorded reads differ from
+    `now`. One whose manifest records no reads runs again when any key of `keys` may reach
+    it, or the saved config was `edited`: which keys it read is not known."""
+    unread = [k for k in keys or {} if not k.startswith(RECORD_PREFIXES + PLAN_PREFIXES)]
+    unread += ["the saved config"] if edited else []
     out = {}
     for tid, task in new.tasks.items():
         before = old.tasks.get(tid)
@@ -144,18 +204,59 @@ def touched_tasks(old: Plan, new: Plan, keys: Mapping[str, tuple]) -> dict[str, 
         if diff:
             out[tid] = f"its own {', '.join(diff)} changed"
             continue
-        read = [k for k in keys if _reads(k, task)]
-        if read:
-            more = f" (+{len(read) - 1} more)" if len(read) > 1 else ""
-            out[tid] = f"reads {read[0]}, changed{more}"
+        if not TaskPaths(run_dir, tid).manifest.is_file():
+            continue  # not finished: it runs anyway (pita/core/resume.py says why)
+        reads = recorded_reads(run_dir, tid)
+        if reads is None:
+            if unread:
+                out[tid] = f"its manifest records no reads (older pita); {unread[0]} changed"
+            continue
+        stale = stale_reads(reads, now, run_safe)
+        if stale:
+            more = f" (+{len(stale) - 1} more)" if len(stale) > 1 else ""
+            was, now_value = _show(reads[stale[0]]), _show(value_at(now, stale[0]))
+            out[tid] = f"read {stale[0]}={was}, now {now_value}{more}"
     return out
+
+
+def config_sha256(run_dir: Path) -> str | None:
+    """sha256 of the run's saved config as it is now (None: no readable file)."""
+    from pita.core.safe_files import read_control
+
+    try:
+        return hashlib.sha256(read_control(RunPaths(run_dir).saved_config)).hexdigest()
+    except OSError:
+        return None
+
+
+def written_sha256(run_dir: Path) -> str | None:
+    """The sha256 of the saved config the last time pita wrote it (the journal's last
+    `config_sha256`); None for a run written before pita recorded it."""
+    from pita.core.journal import read_events
+
+    events = read_events(RunPaths(run_dir).journal)
+    digests = [e["config_sha256"] for e in events if isinstance(e.get("config_sha256"), str)]
+    return digests[-1] if digests else None
+
+
+def edited_line(run_dir: Path) -> str:
+    """One line when the saved config is not the file pita last wrote, else ""."""
+    written, now = written_sha256(run_dir), config_sha256(run_dir)
+    if written is None or now is None or written == now:
+        return ""
+    return (
+        f"{RunPaths(run_dir).saved_config} was edited since the run wrote it (sha256 "
+        f"{written[:12]} in journal.jsonl, now {now[:12]}): the tasks whose recorded reads or "
+        f"plan it changes run again"
+    )
 
 
 def plan_change(
     cfg: DictConfig, run_dir: Path, old: Plan, build: Any, run_safe: Callable[[str], bool]
 ) -> Change | None:
     """The change `cfg` makes to the run saved in `run_dir` (None: same config, the saved
-    plan is reused as it is). `build(cfg) -> Plan` plans the new config."""
+    plan is reused as it is). `build(cfg) -> Plan` plans the new config. A saved config
+    edited since the run wrote it is a change too (`edited_line`), whatever `cfg` says."""
     from pita.core.safe_files import read_control_text
     from pita.experiment.config import PitaConfig, drop_retired_algo_keys
 
@@ -175,10 +276,12 @@ def plan_change(
         new = OmegaConf.to_container(cfg, resolve=False)
     assert isinstance(old_values, dict) and isinstance(new, dict)
     keys = changed_keys(old_values, new, run_safe)
-    if not keys:
+    edited = edited_line(run_dir)
+    if not keys and not edited:
         return None
     plan = build(cfg)
-    return Change(keys, plan, touched_tasks(old, plan, keys))
+    touched = touched_tasks(old, plan, run_dir, new, run_safe, keys, bool(edited))
+    return Change(keys, plan, touched, edited)
 
 
 def apply_change(cfg: DictConfig, run_dir: Path, change: Change) -> None:
@@ -203,9 +306,14 @@ def apply_change(cfg: DictConfig, run_dir: Path, change: Change) -> None:
         keys={k: [str(a), str(b)] for k, (a, b) in change.keys.items()},
         touched=sorted(change.touched),
         removed=removed,
+        edited=bool(change.edited),
+        config_sha256=config_sha256(run_dir),
     )
     journal.close()
-    log.info("Config changed on resume: %s", change.summary())
+    if change.edited:
+        log.warning(change.edited)
+    if change.keys:
+        log.info("Config changed on resume: %s", change.summary())
     log.info(
         "%d task(s) touched by the change run again (%d finished folder(s) removed), with "
         "everything downstream of them",
@@ -216,7 +324,9 @@ def apply_change(cfg: DictConfig, run_dir: Path, change: Change) -> None:
 
 def print_resume_plan(plan: Plan, why: Mapping[str, str], change: Change | None) -> None:
     """The dry run of a resume: what changed and each task that will run, with why."""
-    if change is not None:
+    if change is not None and change.edited:
+        print(change.edited)
+    if change is not None and change.keys:
         print(f"Config changed on resume: {change.summary()}")
     kept = len(plan.tasks) - len(why)
     print(f"Resume: {len(why)} task(s) will run, {kept} finished task(s) kept.")

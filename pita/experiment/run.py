@@ -30,6 +30,7 @@ from pita.core.forked_worker import GANG_STAGES
 from pita.core.gpu_manager import GPUManager
 from pita.core.host_share import HostShare, outside_load
 from pita.core.journal import RUN_FILE_ERRNOS, Journal, RunFileError, read_events, run_file_error
+from pita.core.parallel import Strategy
 from pita.core.parallel_executor import DagRunner, DeviceState, Scheduler, simulate
 from pita.core.parallel_generation import ParallelDataGenerator
 from pita.core.paths import Artifact, RunPaths, TaskPaths, atomic_write_json
@@ -55,7 +56,7 @@ def make_gpu_manager(cfg: DictConfig) -> GPUManager:
         kind, n = ray_exec.slots()
         sizes = ray_exec.gpu_memory_mb() if kind == "gpu" else []  # NVML on each node: real memory
         gpu = GPUManager(ray_devices_spec(kind, n, sizes), cpu_workers=max(1, n))
-        gpu.largest_gang = ray_exec.largest_node()  # a Ray task runs on one node
+        gpu.largest_gang = ray_exec.largest_node()  # a gang's ranks may span nodes
         return gpu
     spec = cfg.system.devices
     if cfg.system.gpu_mode == "cpu":
@@ -73,9 +74,10 @@ def make_executor(cfg: DictConfig, gpu: GPUManager, run_dir: Path) -> Executor:
     (inprocess, or system.use_parallel_execution=false), or Ray tasks."""
     if cfg.executor.backend == "ray":
         from pita.core.ray_executor import RayExecutor
+        from pita.runtime.ray_slot import SlotWorker
         from pita.runtime.worker import run_task_here
 
-        return RayExecutor(cfg.executor, run_task=run_task_here)
+        return RayExecutor(cfg.executor, run_task=run_task_here, slot_worker=SlotWorker)
     if cfg.executor.backend == "inprocess" or not cfg.system.use_parallel_execution:
         from pita.core.inprocess import InProcessExecutor
         from pita.runtime.worker import InProcessRunner
@@ -176,7 +178,7 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
     for t in plan.tasks.values():
         devs = "+".join(str(d) for d in placement.get(t.id, [])) or "-"
         deps = ", ".join(t.deps) if len(t.deps) <= 2 else f"{t.deps[0]} (+{len(t.deps) - 1})"
-        gang = f"{t.strategy}x{t.gpus}" if t.strategy != "none" else str(t.gpus)
+        gang = f"{t.strategy}x{t.gpus}" if t.strategy is not Strategy.NONE else str(t.gpus)
         print(
             f"{t.id:58s} {devs:9s} {gang:8s} {t.mem_mb / 1024:7.2f} "
             f"{t.mem_mb / max(1, t.gpus) / 1024:7.2f} {t.priority:6.1f}  "
@@ -196,7 +198,7 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
             f"~{format_duration(sized['rigid_makespan_s'])} with the least ranks each "
             f"({sized['sized']} tasks sized in {sized['sizing_s']:.2f} s)."
         )
-    for line in gang_notes(plan, cfg):
+    for line in gang_notes(plan):
         print(line)
     eta = Eta(plan.tasks, set(), durations, make_scheduler(cfg, gpu))
     if sized:  # the sized simulation is the ETA's (the same durations at the chosen ranks)
@@ -228,14 +230,12 @@ def history_line(plan: Plan, durations: TaskDurations) -> str:
     )
 
 
-def gang_notes(plan: Plan, cfg: DictConfig) -> list[str]:
-    """One line per TRL task that runs DDP under training.parallel_strategy=fsdp (CPU)."""
-    from pita.algos.trl_common import cpu_fsdp_note
-    from pita.experiment.gangs import is_trl
+def gang_notes(plan: Plan) -> list[str]:
+    """One line per TRL task that runs DDP under training.parallel_strategy=fsdp (CPU): its
+    gang asked FSDP and runs DDP (pita/experiment/gangs.py `planned_gang`)."""
+    from pita.algos.trl_common import cpu_fsdp_note, fsdp_runs_ddp
 
-    if str(cfg.training.parallel_strategy) != "fsdp":
-        return []
-    return [cpu_fsdp_note(t.id) for t in plan.tasks.values() if is_trl(t) and t.strategy == "ddp"]
+    return [cpu_fsdp_note(t.id) for t in plan.tasks.values() if fsdp_runs_ddp(t.gang)]
 
 
 def _dry_run_sizing(
@@ -312,7 +312,13 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
     from pita.experiment.preflight import absolutize_paths
 
     absolutized = absolutize_paths(cfg)  # workers run from the project root, not the user's folder
+    recorded = _record_hydra_dataset_file(cfg)  # kept in the saved config for a resume
     validate(cfg)
+    from pita.experiment.config import path_secret_error
+
+    secret = path_secret_error(run_dir)  # as the command line's check: a job of a launcher too
+    if secret:
+        raise ConfigError(secret)
     share_with_group(bool(cfg.system.trust_group))  # every control file read
     run_dir = Path(run_dir)
     paths = RunPaths(run_dir)
@@ -326,6 +332,11 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
         plan = change.plan
     if resumed:
         check_plan_fits(plan, gpu, cfg)
+    from pita.core.paths import path_length_errors
+
+    too_long = path_length_errors(run_dir, plan.tasks)  # ENAMETOOLONG mid-run otherwise
+    if too_long:
+        raise ConfigError(too_long)
     if cfg.dry_run:
         warn_stage_overrides(cfg, plan)
         print_dry_run(plan, cfg, gpu)
@@ -339,7 +350,7 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
                 from pita.experiment.resume_fix import apply_change
 
                 apply_change(cfg, run_dir, change)
-            rewrite = bool(absolutized) or strategy_line is not None  # the saved config
+            rewrite = bool(absolutized) or recorded or strategy_line is not None  # saved config
             return _run_locked(cfg, run_dir, paths, gpu, plan, resumed, rewrite)
         except RunFileError as exc:  # the journal cannot be opened: immutable, read-only
             return run_files_failed(run_dir, exc)
@@ -347,6 +358,17 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
             if exc.errno not in RUN_FILE_ERRNOS:
                 raise
             return run_files_failed(run_dir, exc)
+
+
+def _record_hydra_dataset_file(cfg: DictConfig) -> bool:
+    """Under `@hydra.main`: record the selected dataset file (dataset_choice.py)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from pita.experiment.dataset_choice import record_dataset_file
+
+    if not HydraConfig.initialized():
+        return False
+    return record_dataset_file(cfg, HydraConfig.get().runtime.choices)
 
 
 def run_files_failed(run_dir: Path, exc: BaseException, journal: Journal | None = None) -> int:
@@ -413,8 +435,13 @@ def _run_locked(
     _write_run_files(cfg, paths, gpu, plan, resumed, rewrite_config)
     done = completed_tasks(plan, run_dir) if resumed else set()
     journal = Journal(paths.journal)
-    journal.append(
-        "run_resumed" if resumed else "run_started", tasks=len(plan.tasks), already_done=len(done)
+    from pita.experiment.resume_fix import config_sha256
+
+    journal.append(  # the saved config's hash: a resume names a file edited since
+        "run_resumed" if resumed else "run_started",
+        tasks=len(plan.tasks),
+        already_done=len(done),
+        config_sha256=config_sha256(run_dir),
     )
     _log_start(cfg, run_dir, gpu, plan, done, resumed)
     session = _start_session(cfg, paths, gpu, plan, done, journal)
@@ -533,6 +560,8 @@ def _start_session(
             executor.extra_env[WARM_FORKSERVER] = "1"
         # a gang's ranks fork with their stage's trainer imported (TRL for TRL stages)
         executor.extra_env[GANG_STAGES] = gang_stage_modules(plan, done)
+    if hasattr(executor, "prepare"):  # Ray: slots reserved, warm actors, shared storage checked
+        executor.prepare(run_dir, stage_modules(plan, done))
     executor.warm_up([(d.index,) for d in gpu.devices][: len(plan.tasks) - len(done)])
     scheduler = make_scheduler(cfg, gpu)
     monitor = Monitor(
@@ -552,7 +581,7 @@ def _start_session(
     sizer = make_sizer(cfg, plan.tasks, durations, scheduler)
     progress = Progress(
         len(plan.tasks),
-        [d.label for d in gpu.devices],
+        device_labels(gpu, executor),
         len(done),
         worker_info=executor.workers,
         live=None if cfg.executor.progress else False,
@@ -581,6 +610,15 @@ def _start_session(
         cfg.executor.max_tasks_per_gpu,
     )
     return Session(journal, executor, monitor, durations, progress, runner, sizer.curves.one_rank)
+
+
+def device_labels(gpu: GPUManager, executor: Any) -> list[str]:
+    """The live table's device names; on Ray each says its node (`cpu2 @ 9bd6acfc`)."""
+    labels = [d.label for d in gpu.devices]
+    nodes_of = getattr(executor, "nodes_of", None)
+    if nodes_of is None:
+        return labels
+    return [f"{label} @ {node[:8]}" for label, node in zip(labels, nodes_of(range(len(labels))))]
 
 
 def _grower(cfg: DictConfig, sizer: Any, run_dir: Path, executor: Any) -> Any:

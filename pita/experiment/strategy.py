@@ -19,7 +19,9 @@ import copy
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-AUTO = "auto"
+from pita.core.parallel import AUTO, Strategy
+
+NONE, DDP = Strategy.NONE.key, Strategy.DDP.key  # the config's names
 
 
 def resolve_parallel_strategy(
@@ -44,16 +46,16 @@ def resolve_parallel_strategy(
     if key != AUTO:
         return key, "explicit"
     if gpu_mode in ("cpu", "single_gpu"):
-        return "none", f"system.gpu_mode={gpu_mode}: one device per task"
+        return NONE, f"system.gpu_mode={gpu_mode}: one device per task"
     if in_process:
-        return "none", "tasks run in this process"
+        return NONE, "tasks run in this process"
     if device_kind == "cuda" and n_devices > 1:
-        return "data_parallel", f"{n_devices} CUDA devices"
+        return DDP, f"{n_devices} CUDA devices"
     if device_kind == "cuda":
-        return "none", "one CUDA device"
+        return NONE, "one CUDA device"
     if device_kind == "fake":
-        return "none", "fake devices share the CPU"
-    return "none", "CPU slots share the CPU cores"
+        return NONE, "fake devices share the CPU"
+    return NONE, "CPU slots share the CPU cores"
 
 
 def resolved_config(cfg: Any, device_kind: str, n_devices: int) -> tuple[Any, str | None]:

@@ -241,6 +241,11 @@ class ValueModel(nn.Module):
             for k, v in (self.state_dict() if state is None else state).items()
         }
         save_file(state, str(folder / WEIGHTS_NAME))
+        return self.save_config(folder)
+
+    def save_config(self, folder: str | Path) -> Path:
+        """The config beside weights written elsewhere (`pita.training.shards.save_consolidated`)."""
+        folder = Path(folder)
         (folder / CONFIG_NAME).write_text(json.dumps(self.config_dict(), indent=2))
         return folder
 

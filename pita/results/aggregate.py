@@ -647,10 +647,16 @@ def _os_error(exc: OSError) -> str:
     return f"{exc.strerror or exc}{where}"
 
 
+def _is_run_folder(folder: Path) -> bool:
+    """A pita run folder: what a run writes first (its saved config, plan or journal)."""
+    paths = RunPaths(folder)
+    return any(p.is_file() for p in (paths.saved_config, paths.plan, paths.journal))
+
+
 def check_out_dir(out: Path, run_dirs: Sequence[Path]) -> None:
     """One ConfigError line unless `out` is a folder aggregate may write: not a file or a
-    device, not under /proc, /sys or /dev, not inside a run folder it reads (a run's own
-    results are the run's), not writable by others nor a link below your own folders
+    device, not under /proc, /sys or /dev, not inside any run folder (a run's own results
+    are the run's, whether or not it is aggregated), not writable by others nor a link below your own folders
     (safe_files), and writable (a probe file is created and removed: this catches an
     immutable folder or a read-only file system, which `os.access` does not for root)."""
     import tempfile
@@ -660,13 +666,15 @@ def check_out_dir(out: Path, run_dirs: Sequence[Path]) -> None:
         raise ConfigError(f"--out {out}: a system folder ({real}); choose a folder of yours")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: not a folder; choose a folder (it is created if absent)")
-    for run_dir in run_dirs:
-        run_real = Path(os.path.realpath(run_dir))
-        if real == run_real or run_real in real.parents:
-            raise ConfigError(
-                f"--out {out}: inside the run folder {run_dir}; aggregate never writes into "
-                f"a run, choose a folder outside it"
-            )
+    inside = next((p for p in (real, *real.parents) if _is_run_folder(p)), None)
+    inside = inside or next(
+        (r for r in run_dirs if Path(os.path.realpath(r)) in (real, *real.parents)), None
+    )
+    if inside is not None:  # any run's, not only the runs aggregated (issue 43)
+        raise ConfigError(
+            f"--out {out}: inside the run folder {inside}; aggregate never writes into "
+            f"a run, choose a folder outside it"
+        )
     check_folder(real)  # no foreign or world-writable output folder
     if (real / "plots").exists() or (real / "plots").is_symlink():
         check_folder(real / "plots")

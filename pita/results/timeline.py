@@ -195,6 +195,20 @@ def resize_marks(events: list[dict[str, Any]]) -> list[tuple[float, str, int]]:
     ]
 
 
+def with_nodes(labels: list[str], events: list[dict[str, Any]]) -> list[str]:
+    """Device labels with the Ray node(s) their tasks ran on (`cpu2 @ 9bd6acfc`), from the
+    journal's `task_running` events (`nodes`, one per device); unchanged off Ray."""
+    seen: dict[int, list[str]] = {}
+    for e in events:
+        if e.get("event") == "task_running" and e.get("nodes"):
+            for device, node in zip(e.get("devices") or [], e["nodes"]):
+                if 0 <= device < len(labels) and node[:8] not in seen.setdefault(device, []):
+                    seen[device].append(node[:8])
+    return [
+        f"{label} @ {'/'.join(seen[i])}" if i in seen else label for i, label in enumerate(labels)
+    ]
+
+
 def write_time_report(
     run_dir: Path,
     tasks: Mapping[str, Any],
@@ -213,6 +227,7 @@ def write_time_report(
         return None
     n_devices = max([len(labels)] + [d + 1 for s in all_spans for d in s.devices])
     labels = list(labels) + [f"device {i}" for i in range(len(labels), n_devices)]
+    labels = with_nodes(labels, events)
     rows = time_rows(all_spans, wall, labels)
     table = time_markdown(rows, wall)
     atomic_write_text(paths.results / "time.md", table)

@@ -56,7 +56,7 @@ def generation_batch_size(
         measure_fn_factory=factory,
         cache_path=cache_path(),
         cache_key={"stage": ctx.task.stage},
-        safety_margin=ctx.cfg.batch_size_safety_margin,
+        safety_margin=ctx.batch_size_safety_margin,
         cap=max(1, len(prompts) if prompts else 4096),
         logger=ctx.logger,
     )

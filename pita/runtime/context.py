@@ -91,17 +91,35 @@ def stage_settings(cfg: DictConfig | dict, task: TaskSpec) -> StageSettings:
         module, _, attr = task.algo_schema.partition(":")
         algo_schema = getattr(importlib.import_module(module), attr)
     return StageSettings(
-        algo=S.settings(algo_schema, group("algos").get(task.algo)),
-        experiment=S.settings(S.ExperimentConfig, group("experiment")),
-        system=S.settings(S.SystemConfig, group("system")),
-        training=S.settings(S.TrainingConfig, group("training")),
-        generation=S.settings(S.GenerationConfig, group("generation")),
-        data_collection=S.settings(S.DataCollectionConfig, group("data_collection")),
-        evaluation=S.settings(S.EvaluationConfig, group("evaluation")),
-        pretrain=S.settings(S.PretrainConfig, group("pretrain")),
-        model=S.settings(S.ModelConfig, group("model")),
-        logger=S.settings(S.LoggerConfig, group("logger")),
+        algo=S.settings(algo_schema, group("algos").get(task.algo), f"algos.{task.algo}."),
+        experiment=S.settings(S.ExperimentConfig, group("experiment"), "experiment."),
+        system=S.settings(S.SystemConfig, group("system"), "system."),
+        training=S.settings(S.TrainingConfig, group("training"), "training."),
+        generation=S.settings(S.GenerationConfig, group("generation"), "generation."),
+        data_collection=S.settings(
+            S.DataCollectionConfig, group("data_collection"), "data_collection."
+        ),
+        evaluation=S.settings(S.EvaluationConfig, group("evaluation"), "evaluation."),
+        pretrain=S.settings(S.PretrainConfig, group("pretrain"), "pretrain."),
+        model=S.settings(S.ModelConfig, group("model"), "model."),
+        logger=S.settings(S.LoggerConfig, group("logger"), "logger."),
     )
+
+
+def algo_settings(cfg: DictConfig, name: str, schema: type[T]) -> T | None:
+    """`algos.<name>` of `cfg` as `schema` (its registry row's: the caller knows the
+    registry, this module does not), None when the config has no such algorithm. Reads are
+    recorded like a task's own settings': what another algorithm's keys a stage reads (the
+    reference's evaluate samples under every enabled guided algorithm's rule) is then in
+    its manifest, and a resume that changes them runs it again. An absent algorithm is
+    recorded as read (`algos.<name>`: None), so one the change adds runs it again too."""
+    node = (cfg.get("algos") or {}).get(name)
+    if node is None:
+        S.record_read(f"algos.{name}", None)
+        return None
+    plain = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+    assert isinstance(plain, dict), "an algorithm's group is a mapping"
+    return S.settings(schema, plain, f"algos.{name}.")
 
 
 @dataclass
@@ -114,6 +132,8 @@ class StageContext:
     device: str = "cpu"  # "cuda" (the worker's pinned devices) or "cpu"
     models: ModelCache = field(default_factory=ModelCache)
     heartbeat: Callable[[str], None] = lambda msg: None
+    # (done, total) of each progress report: a gang's rank tells its stall watch it stepped
+    on_step: Callable[[int, int], None] | None = None
     chain_merged: bool = (
         False  # cfg already carries the task's dataset/family (the worker caches it)
     )
@@ -151,6 +171,22 @@ class StageContext:
             )
         return self.algo
 
+    def algo_settings(self, name: str, schema: type[T]) -> T | None:
+        """`algos.<name>` as `schema` (its registry row's; `ctx.algo` for the task's own),
+        None when the config has no such algorithm; reading it is recorded (`algo_settings`)."""
+        if name == self.task.algo:
+            return self.algo_as(schema)
+        return algo_settings(self.cfg, name, schema)
+
+    @property
+    def batch_size_safety_margin(self) -> float:
+        """`batch_size_safety_margin`, a key outside every group, read (and recorded, as a
+        settings field is) through here: the `auto` batch size's share of free memory."""
+        value = self.cfg.get("batch_size_safety_margin")
+        value = S.default_of("batch_size_safety_margin") if value is None else float(value)
+        S.record_read("batch_size_safety_margin", value)
+        return value
+
     def report_progress(self, done: int, total: int, unit: str = "step", detail: str = "") -> None:
         """Tell the orchestrator how far the task is (`step 412/1000 loss 0.31`): the live
         table shows it and the ETA projects the task's time left from it
@@ -161,6 +197,8 @@ class StageContext:
         if done < total and now - self._reported_at < PROGRESS_EVERY_S:
             return
         self._reported_at = now
+        if self.on_step is not None:
+            self.on_step(done, total)
         self.heartbeat(progress_line(done, total, unit, detail))
 
     def input(self, name: str) -> Path:

@@ -1,10 +1,10 @@
-"""A stage on a task's gang: `training.parallel_strategy: none | data_parallel | fsdp`.
+"""A stage on a task's gang: the task's `Gang` (pita/core/parallel.py) run as k ranks.
 
 `pita.training.ddp.launch_ranks` starts k local ranks through torch's `elastic_launch` and
 knows ranks and tensors; this module knows the task: how many ranks it gets
-(`gang_world_size`, from `training.parallel_strategy`, `system.gpu_mode` and the gang) and
-how a stage body runs on each of them (`run_stage`), with a per-rank `StageContext` whose
-logger and heartbeat reach the task's own.
+(`gang_world_size`, from the task's gang and `system.gpu_mode`) and how a stage body runs
+on each of them (`run_stage`), with a per-rank `StageContext` whose logger and heartbeat
+reach the task's own. Nothing here reads `training.parallel_strategy`: the planner decided.
 
 A stage opts in by calling `run_stage(ctx, body, *args)`; `body(ctx, dist, *args)` is a
 module-level function that runs on every rank (or once, with `dist=None`, on one device):
@@ -14,16 +14,16 @@ module-level function that runs on every rank (or once, with `dist=None`, on one
         return run_stage(ctx, _train, items)
 
     def _train(ctx, dist, items):        # dist: pita.training.ddp.DistContext or None
-        model = wrap_model(model, dist, dist.strategy if dist else "none")
+        model = apply_gang(model, dist, precision)   # DDP / FSDP2 / the model itself
         ...                              # each rank trains on dist.shard(batch)
         if dist is not None and not dist.is_main:
             return {}                    # rank 0 writes ctx.out_dir and the result
         ...
 
-Inside a rank: `dist.rank`, `dist.world_size`, `dist.device`, `dist.strategy`
-("data_parallel" | "fsdp"), the default process group is initialised (gloo on CPU, NCCL
-on CUDA), and `ctx.logger` / `ctx.heartbeat` forward to the worker's task log (rank 0 at
-INFO, the others at WARNING, tagged "[rank r]").
+Inside a rank: `dist.rank`, `dist.world_size`, `dist.device`, `dist.gang` (the task's gang
+on this world), the default process group is initialised (gloo on CPU, NCCL on CUDA), and
+`ctx.logger` / `ctx.heartbeat` forward to the worker's task log (rank 0 at INFO, the others
+at WARNING, tagged "[rank r]").
 """
 
 from __future__ import annotations
@@ -33,33 +33,33 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from pita.core.tasks import TASK_STRATEGIES
+from omegaconf import OmegaConf
+
+from pita.core.parallel import Gang, Strategy
 from pita.runtime.context import ModelCache, StageContext
 
-GANG_STRATEGIES = ("data_parallel", "fsdp")  # the strategies that train on k ranks
+_WHAT = {Strategy.DDP: "DDP", Strategy.FSDP: "FSDP2 (fully_shard)"}
 
 
-def parallel_strategy(ctx: StageContext) -> str:
-    """How the task uses its gang: the planner's `task.strategy` (pita/experiment/gangs.py:
-    a TRL stage under fsdp on CPU runs ddp, a task too large for one device fsdp whatever the
-    key says), else `training.parallel_strategy` ("none" when the key is absent; a plan
-    written before tasks carried a strategy). A run sends its workers the key resolved,
-    never `auto` (pita/experiment/strategy.py); an unresolved `auto` here means one rank."""
-    planned = TASK_STRATEGIES.get(str(getattr(ctx.task, "strategy", "none")))
-    if planned is not None:
-        return planned
-    return str(ctx.training.parallel_strategy)
+def _why(planned: Gang, gang: Gang) -> str:
+    """The strategy's config name, and why when the planner chose it over the config's."""
+    if planned.asked is None or planned.asked is gang.strategy:
+        return gang.strategy.key
+    why = f"the planner's choice; training.parallel_strategy={planned.asked.key}"
+    return f"{gang.strategy.key} ({why})"
 
 
 def gang_world_size(ctx: StageContext) -> int:
-    """Ranks for this task: 1 unless `parallel_strategy(ctx)` is data_parallel or fsdp.
+    """Ranks for this task: its gang's (`ctx.task.gang`, set by the planner, the sizer and a
+    resize); 1 under no gang strategy.
 
     On CUDA: the GPUs pinned to the task (as `system.gpu_mode` allows). Off CUDA (a `fake:`
-    or CPU gang, tests): `task.gpus` gloo processes simulate the gang's devices.
+    or CPU gang, tests): `gang.world` gloo processes simulate the gang's devices.
     """
     from pita.training.precision import training_device
 
-    if parallel_strategy(ctx) not in GANG_STRATEGIES:
+    gang = ctx.task.gang
+    if not gang.ranked:
         return 1
     gpu_mode = str(ctx.system.gpu_mode)
     if gpu_mode in ("cpu", "single_gpu"):
@@ -67,7 +67,7 @@ def gang_world_size(ctx: StageContext) -> int:
     choice = training_device(gpu_mode, ctx.device)
     if choice.device != "cpu":
         return choice.n_devices
-    return max(1, int(ctx.task.gpus))
+    return gang.world
 
 
 _STOPPED = "__pita_stopped_at_step__"  # a rank's return value: it stopped at a checkpoint
@@ -96,7 +96,7 @@ def _stage_rank(dist: Any, body: Callable[..., Any], snapshot: dict[str, Any], a
 
     from pita.core.tasks import TaskSpec
 
-    dist.strategy = snapshot["strategy"]
+    dist.gang = Gang.from_dict(snapshot["gang"])
     logger = logging.getLogger(f"pita.task.{snapshot['task']['id']}.rank{dist.rank}")
     logger.handlers.clear()
     logger.propagate = False
@@ -112,20 +112,37 @@ def _stage_rank(dist: Any, body: Callable[..., Any], snapshot: dict[str, Any], a
         device=dist.device,
         models=ModelCache(1),
         heartbeat=heartbeat,
+        on_step=dist.step,  # every rank: the gang's stall watch (pita.training.ddp.StallRule)
     )
     from pita.core.errors import StoppedAtCheckpoint
+    from pita.core.schema import recording_reads
 
     try:
-        return body(ctx, dist, *args)
+        with recording_reads() as reads:  # sent to the worker: the task's manifest lists them
+            result = body(ctx, dist, *args)
+        dist.send("reads", reads)
+        return result
     except StoppedAtCheckpoint as stop:  # every rank stops at the same step: not a failure
         return {_STOPPED: stop.step}
+
+
+def stall_rule(ctx: StageContext) -> Any:
+    """The gang's `StallRule`: `executor.gang_stall_s` when set, else derived from its own
+    step times (pita.training.ddp.StallRule)."""
+    from pita.core.schema import ExecutorConfig, settings
+    from pita.training.ddp import StallRule
+
+    executor = ctx.cfg.get("executor")
+    plain = OmegaConf.to_container(executor, resolve=True) if executor is not None else {}
+    assert isinstance(plain, dict), "executor is a mapping"
+    return StallRule(after_s=settings(ExecutorConfig, plain).gang_stall_s)
 
 
 def run_stage(
     ctx: StageContext, body: Callable[..., Any], *args: Any, world_size: int | None = None
 ) -> Any:
     """`body(ctx, dist, *args)` on this process (dist=None), or on every rank of the task's
-    gang when `training.parallel_strategy` is data_parallel or fsdp; returns rank 0's result.
+    gang when the task has a gang strategy (`gang_world_size`); returns rank 0's result.
 
     Each rank gets its own StageContext (same task, config and out_dir; device cuda:r or
     cpu); only rank 0 should write into `ctx.out_dir`. `body` must be a module-level
@@ -135,23 +152,28 @@ def run_stage(
     import torch
     from omegaconf import OmegaConf
 
+    from pita.core.schema import record_read
+    from pita.runtime import ray_slot
     from pita.training.ddp import DataParallelError, launch_ranks
 
+    # a Ray gang (pita/runtime/ray_slot.py): its ranks are slot actors, one device each
+    launch = ray_slot.launcher() or launch_ranks
     world = gang_world_size(ctx) if world_size is None else world_size
+    if launch is not launch_ranks:
+        world = ray_slot.gang_size()
     if world <= 1:
         return body(ctx, None, *args)
-    strategy = parallel_strategy(ctx)
-    strategy = strategy if strategy in GANG_STRATEGIES else "data_parallel"
-    what = "DDP" if strategy == "data_parallel" else "FSDP2 (fully_shard)"
-    key = str(ctx.training.parallel_strategy)
-    why = "" if key == strategy else f" (the planner's choice; training.parallel_strategy={key})"
-    ctx.logger.info("gang strategy %s%s: %s over %d ranks", strategy, why, what, world)
+    planned = ctx.task.gang
+    # a caller's `world_size` on a task without a gang strategy (a test's gang): DDP
+    gang = Gang(planned.strategy if planned.ranked else Strategy.DDP, world, planned.nodes)
+    what = _WHAT[gang.strategy]
+    ctx.logger.info("gang strategy %s: %s over %d ranks", _why(planned, gang), what, world)
     snapshot = {
         "task": ctx.task.to_dict(),
         "cfg": OmegaConf.to_container(ctx.cfg, resolve=True),
         "run_dir": str(ctx.run_dir),
         "out_dir": str(ctx.out_dir),
-        "strategy": strategy,
+        "gang": gang.to_dict(),
     }
 
     def on_message(kind: str, rank: int, payload: Any) -> None:
@@ -160,14 +182,18 @@ def run_stage(
             ctx.logger.log(level, message)
         elif kind == "heartbeat":
             ctx.heartbeat(payload)
+        elif kind == "reads":  # the keys a rank read: the task read them
+            for key, value in payload.items():
+                record_read(key, value)
 
     try:
-        result = launch_ranks(
+        result = launch(
             _stage_rank,
             world,
             args=(body, snapshot, tuple(args)),
             device_type=torch.device(ctx.device).type,
             on_message=on_message,
+            stall=stall_rule(ctx),
         )[0]
     except DataParallelError:
         ctx.logger.error("k-rank task failed:\n%s", traceback.format_exc(limit=3))

@@ -41,12 +41,13 @@ def checkpoint_plan(ctx: StageContext) -> CheckpointPlan:
     """How this task checkpoints, as values (see `CheckpointPlan`): its folder
     (`TaskPaths.checkpoints`), `training.checkpoint_every` / `checkpoint_every_minutes`, its
     `checkpoint_identity`, `system.trust_group`, and the state by parameter name when the
-    task runs under a gang strategy (`pita.runtime.gang.parallel_strategy`)."""
+    task runs under a gang strategy (its `Gang`, whatever its world), as each rank's
+    shards under FSDP."""
+    from pita.core.parallel import Strategy
     from pita.core.paths import TaskPaths
-    from pita.runtime.gang import GANG_STRATEGIES, parallel_strategy
     from pita.training.checkpoint import CheckpointPlan
 
-    by_name = parallel_strategy(ctx) in GANG_STRATEGIES
+    by_name = ctx.task.gang.ranked
     return CheckpointPlan(
         TaskPaths(ctx.run_dir, ctx.task.id).checkpoints,
         ctx.training.checkpoint_every,
@@ -54,6 +55,7 @@ def checkpoint_plan(ctx: StageContext) -> CheckpointPlan:
         identity=checkpoint_identity(ctx),
         trust_group=ctx.system.trust_group,
         by_name=by_name,
+        sharded=ctx.task.gang.strategy is Strategy.FSDP,  # each rank writes its shards
         # a gang strategy's task (its checkpoints resume on any k) honours the run's request
         # to stop at a checkpoint (it restarts on a larger gang, pita/core/growth.py)
         stop_file=TaskPaths(ctx.run_dir, ctx.task.id).stop_request if by_name else None,

@@ -18,7 +18,10 @@ import sys
 from typing import Literal
 
 # What an exception raised by a stage can be: a subset of pita.core.errors.FailureClass.
-StageFailure = Literal["oom", "cuda_fault", "error"]
+StageFailure = Literal["oom", "cuda_fault", "killed", "stalled", "error"]
+# An exception may carry its class (`failure_class`): a gang's rank that died of a signal
+# (pita.training.ddp.RankDied: "killed") or stopped stepping (GangStalled: "stalled").
+_OWN_CLASSES = ("killed", "stalled")
 
 # Sticky or hardware faults: after one of these the CUDA context is unusable (or suspect), so
 # the worker process must be replaced. Checked first: "CUDA kernel errors might be
@@ -89,6 +92,9 @@ def _inspect_text(exc: BaseException) -> bool:
 
 
 def _classify_one(exc: BaseException) -> StageFailure:
+    own = getattr(exc, "failure_class", None)
+    if own in _OWN_CLASSES:
+        return own  # type: ignore[return-value]
     text = _BOILERPLATE.sub("", str(exc))
     inspect_text = _inspect_text(exc)
     if inspect_text and _FAULT.search(text):
@@ -107,7 +113,9 @@ def _classify_one(exc: BaseException) -> StageFailure:
 
 
 def classify_exception(exc: BaseException) -> StageFailure:
-    """``"oom"``, ``"cuda_fault"`` or ``"error"`` for an exception raised by a stage.
+    """``"oom"``, ``"cuda_fault"``, ``"killed"`` / ``"stalled"`` (a gang's rank died or
+    stopped stepping: the exception's own ``failure_class``) or ``"error"`` for an
+    exception raised by a stage.
 
     Looks through the explicit and implicit chain (``__cause__``, ``__context__``), so an
     out-of-memory error re-raised as another exception keeps its class. A fault anywhere in
@@ -122,4 +130,6 @@ def classify_exception(exc: BaseException) -> StageFailure:
         cur = cur.__cause__ or cur.__context__
     if "cuda_fault" in found:
         return "cuda_fault"
-    return "oom" if "oom" in found else "error"
+    if "oom" in found:
+        return "oom"
+    return next((c for c in _OWN_CLASSES if c in found), "error")

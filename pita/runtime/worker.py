@@ -179,6 +179,7 @@ def execute_task(
 
     from pita.core.journal import run_folder_problem
     from pita.core.paths import Artifact, TaskPaths, atomic_write_json, nan_numbers
+    from pita.core.schema import recording_reads
     from pita.runtime.context import StageContext, resolve_function
 
     paths = TaskPaths(run_dir, task.id)
@@ -206,6 +207,7 @@ def execute_task(
         heartbeat = first_step.heartbeat
         cpu0 = cpu_seconds()
         cfg, settings = _stage_config(cfg_dict, task)
+        seed_task_globals(cfg_dict, task)
         ctx = StageContext(
             task=task,
             cfg=cfg,
@@ -218,7 +220,8 @@ def execute_task(
             heartbeat=heartbeat,
             chain_merged=True,
         )
-        result = fn(ctx) or {}
+        with recording_reads() as reads:  # the config keys this task computed with
+            result = fn(ctx) or {}
         wall = round(time.time() - t0, 3)
         result = {"task_id": task.id, "wall_s": wall, "attempt": attempt, **result}
         if first_step.seconds is not None:  # dispatch -> first step: the sizer's start-up
@@ -235,7 +238,7 @@ def execute_task(
         atomic_write_json(tmp / Artifact.RESULT, result)
         logger.info("done in %.2fs", wall)
         _close(logger)
-        paths.commit(tmp, required=task.outputs)
+        paths.commit(tmp, required=task.outputs, reads=reads)
         shutil.rmtree(
             paths.checkpoints, ignore_errors=True
         )  # in-task checkpoints: no longer needed
@@ -274,6 +277,18 @@ def execute_task(
             return False, "error", run_file, {}
         message = f"{type(exc).__name__}: {exc}".strip().splitlines()
         return False, failure, (message[0][:500] if message else ""), {}
+
+
+def seed_task_globals(cfg_dict: dict, task) -> int:
+    """Seed the global generators (Python, numpy, torch) for this task: a function of the
+    run seed and the task id, so a task draws the same stream on any worker, on a retry and
+    in-process, and two tasks draw different ones (a forked worker would otherwise continue
+    its forkserver's stream, the same in every worker). Returns the seed."""
+    from pita.core.forked_worker import reseed_globals
+    from pita.models.seeds import example_seed
+
+    run_seed = int((cfg_dict.get("experiment") or {}).get("seed") or 0)
+    return reseed_globals(example_seed(run_seed, "global-generators", task.id))
 
 
 _CONFIG_CACHE: dict = {
@@ -440,16 +455,12 @@ def _close(logger: logging.Logger) -> None:
 
 
 def _warm_ranks(cfg_dict: dict) -> None:
-    """A run that trains on gangs (`training.parallel_strategy` data_parallel / fsdp): start
-    this worker's forkserver now, so it imports torch and transformers while other tasks
-    run and a later gang's ranks fork warm (pita.training.ddp.warm_forkserver; a no-op
-    once it runs)."""
-    from pita.core.schema import TrainingConfig, settings
+    """A run that trains on gangs (`pita.core.parallel.run_trains_on_gangs`): start this
+    worker's forkserver now, so it imports torch and transformers while other tasks run and
+    a later gang's ranks fork warm (pita.training.ddp.warm_forkserver; a no-op once it runs)."""
+    from pita.core.parallel import run_trains_on_gangs
 
-    if settings(TrainingConfig, cfg_dict.get("training")).parallel_strategy in (
-        "data_parallel",
-        "fsdp",
-    ):
+    if run_trains_on_gangs(cfg_dict):
         from pita.training.ddp import warm_forkserver
 
         warm_forkserver()

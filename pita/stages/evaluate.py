@@ -38,8 +38,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pita.algos.registry import GUIDED, REFERENCE
+from pita.algos.registry import ALGORITHMS, GUIDED, REFERENCE
 from pita.core.paths import Artifact, atomic_write_json
+from pita.core.schema import ValueGuidedConfig
 from pita.runtime.batching import generation_batch_size
 from pita.runtime.context import StageContext
 
@@ -90,21 +91,19 @@ def generation_rule(ctx: StageContext) -> SamplingRule:
 
 
 def guided_rule(ctx: StageContext, algo: str) -> SamplingRule:
-    gen = ctx.generation
-    return SamplingRule(
-        int(ctx.cfg.algos[algo].guidance.top_k), float(gen.temperature), float(gen.top_p)
-    )
+    """`algos.<algo>.guidance.top_k` under the generation temperature and top-p (read through
+    `ctx.algo_settings`: recorded, so a resume that changes it re-runs this task)."""
+    gen, guided = ctx.generation, ctx.algo_settings(algo, ValueGuidedConfig)
+    assert guided is not None, f"algos.{algo}: a guided chain's own settings"
+    return SamplingRule(int(guided.guidance.top_k), float(gen.temperature), float(gen.top_p))
 
 
 def reference_rules(ctx: StageContext) -> list[SamplingRule]:
     """The generation rule, then each distinct rule of an enabled guided algorithm."""
     rules = [generation_rule(ctx)]
     for algo in GUIDED:
-        if (
-            algo in ctx.cfg.algos
-            and ctx.cfg.algos[algo].enabled
-            and guided_rule(ctx, algo) not in rules
-        ):
+        guided = ctx.algo_settings(algo, ALGORITHMS[algo].schema)
+        if guided is not None and guided.enabled and guided_rule(ctx, algo) not in rules:
             rules.append(guided_rule(ctx, algo))
     return rules
 

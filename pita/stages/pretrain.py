@@ -150,7 +150,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     from pita.models.catalog import resolve_family
     from pita.models.tiny import build_tiny_llama
     from pita.runtime.kit import checkpoint_plan, task_tracker
-    from pita.training.ddp import full_state_dict, wrap_model
+    from pita.training.ddp import apply_gang, full_state_dict
     from pita.training.loop import (
         TrainStep,
         compile_model,
@@ -161,6 +161,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     )
     from pita.training.precision import training_device, training_precision
     from pita.training.report import write_training_report
+    from pita.training.shards import save_consolidated, save_hf_config, sharded_model
 
     tr, pcfg = ctx.training, ctx.pretrain
     world = dist.world_size if dist else 1
@@ -205,8 +206,9 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     model.to(device).train()
     checkpointing = enable_gradient_checkpointing(model, tr.gradient_checkpointing, ctx.logger)
     compiled = compile_model(model, tr.compile, tr.compile_mode, logger=ctx.logger)
+    precision = training_precision(tr, device, logger=ctx.logger)
     # DDP all-reduces the gradients; FSDP2 shards the model in place (the optimizer comes after)
-    net = wrap_model(model, dist)
+    net = apply_gang(model, dist, precision)
     wd = pcfg.weight_decay
     optim = torch.optim.AdamW(
         model.parameters(), lr=pcfg.lr, weight_decay=tr.weight_decay if wd is None else wd
@@ -220,7 +222,7 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
     step = TrainStep(
         net,
         optim,
-        training_precision(tr, device, logger=ctx.logger),
+        precision,
         scheduler=sched,
         max_grad_norm=tr.max_grad_norm,
         clear_cache_interval=ctx.system.clear_cache_interval,
@@ -304,11 +306,17 @@ def _pretrain(ctx: StageContext, dist=None) -> dict:
             extra=partial(dict, rng=rng_after),  # the data RNG's state after this step
         )
 
-    state = full_state_dict(model, dist) if dist is not None else None  # FSDP2: gathered
+    consolidated = sharded_model(dist)  # FSDP2: each rank writes its shards, merged by file
+    if consolidated:
+        save_consolidated(model, ctx.out_dir / Artifact.MODEL, dist.rank)
+    state = full_state_dict(model, dist) if dist is not None and not consolidated else None
     if dist is not None and not dist.is_main:
         return {}  # rank 0 writes the model and the report
     model.eval()
-    model.save_pretrained(ctx.out_dir / Artifact.MODEL, state_dict=state)
+    if consolidated:
+        save_hf_config(model, ctx.out_dir / Artifact.MODEL)
+    else:
+        model.save_pretrained(ctx.out_dir / Artifact.MODEL, state_dict=state)
     task.save_tokenizer(str(ctx.out_dir / Artifact.MODEL))
     perf = write_training_report(
         ctx.out_dir,

@@ -8,7 +8,7 @@
 - `report`: `training_metrics.png` and `performance_summary.txt` in the task folder
   (`trainer_metrics_callback` records a TRL / transformers Trainer for it).
 - `ddp`: `training.parallel_strategy=data_parallel | fsdp`: k local ranks through torch's elastic_launch
-  (`launch_ranks`, `wrap_model`: DDP or FSDP2, `FullState` for checkpoints).
+  (`launch_ranks`, `apply_gang`: DDP or FSDP2, `FullState` for checkpoints).
 - `checkpoint`: in-task checkpoints in a folder (`Checkpointer`, the TRL Trainer's).
 - `tracking`: the `logger` group's backends (`open_tracker`, `trl_callback`).
 

@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _LEGACY_RE = re.compile(r"^step-(\d+)\.pt$")  # an older pita's pickle: never loaded
 FORMAT = "pita-checkpoint-2"
+FORMAT_SHARDED = "pita-checkpoint-3-sharded"  # + shards/: each rank's safetensors (FSDP2)
 MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
 STATE = "state.json"
@@ -128,15 +129,17 @@ def check_manifest(
     identity: dict[str, Any],
     max_step: int | None = None,
     trust_group: bool = False,
+    formats: tuple[str, ...] = (FORMAT,),
 ) -> str | None:
     """Why the checkpoint `folder` (named for `step`) may not be restored, or None
-    (`trust_group`: files of your group's members count as yours, `system.trust_group`)."""
+    (`trust_group`: files of your group's members count as yours, `system.trust_group`;
+    `formats`: the manifest formats the reader knows)."""
     from pita.core.safe_files import UnsafeFile, check_folder, read_control
 
     try:
         check_folder(folder, trust_group)
         manifest = json.loads(read_control(folder / name, trust_group=trust_group))
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        if not isinstance(manifest, dict) or manifest.get("format") not in formats:
             return f"its {name} is not a pita checkpoint manifest"
         if manifest.get("step") != step:
             return f"its manifest says step {manifest.get('step')}, its name step {step}"
@@ -280,6 +283,80 @@ def rank_zero_says(*flags: bool) -> tuple[bool, ...]:
     return tuple(bool(v) for v in packed.tolist())
 
 
+def rank_zero_int(value: int) -> int:
+    """`value` as rank 0 of the process group has it (a broadcast; itself outside a gang)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return int(value)
+    packed = torch.tensor([int(value)], dtype=torch.long)
+    if dist.get_backend() == "nccl":
+        packed = packed.to(f"cuda:{torch.cuda.current_device()}")
+    dist.broadcast(packed, src=0)
+    return int(packed.item())
+
+
+def any_rank(flag: bool) -> bool:
+    """`flag` is true on some rank of the process group (an all-reduce; itself outside one)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return bool(flag)
+    packed = torch.tensor([int(flag)])
+    if dist.get_backend() == "nccl":
+        packed = packed.to(f"cuda:{torch.cuda.current_device()}")
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+    return bool(packed.item())
+
+
+# --- sharded checkpoints (FSDP2: pita.training.shards) -------------------------------------
+
+_FORMATS = (FORMAT, FORMAT_SHARDED)
+
+
+def _shards_refused(path: Path, trust_group: bool = False) -> str | None:
+    """Why the shards of a verified checkpoint may not be read (`check_shards`: headers,
+    placement, coverage against rank 0's index), or None; None for a gathered one."""
+    from pita.core.safe_files import read_control
+    from pita.training.shards import SHARDS, check_shards, hf_storage
+
+    try:
+        state = json.loads(read_control(path / STATE, MAX_STATE_BYTES, trust_group))
+    except (OSError, ValueError) as exc:
+        return f"its {STATE} is unreadable ({exc})"
+    has_index = isinstance(state, dict) and "shard_index" in state
+    if not has_index and not (path / SHARDS).exists():
+        return None  # gathered: tensors.safetensors holds everything
+    if not has_index:
+        return f"its {SHARDS}/ has no index in {STATE}"
+    if hf_storage() is None:
+        return "it is sharded and this torch lacks the safetensors storage to read it"
+    return check_shards(path / SHARDS, state["shard_index"])
+
+
+def _load_shards(state: dict[str, Any], objects: dict[str, Any], path: Path) -> None:
+    """Read a sharded checkpoint's shards into its `ShardedState` objects (every rank, its
+    own shards, whatever k wrote them) and give each its JSON rest; ValueError when the
+    objects are not those the checkpoint holds."""
+    from pita.training.shards import SHARDS, ShardedState, read_shards
+
+    rests = state.get("sharded") or {}
+    targets: dict[str, dict[str, Any]] = {}
+    for name in rests:
+        obj = objects.get(name)
+        if not isinstance(obj, ShardedState):
+            raise ValueError(f"it holds the shards of {name!r}, which this task does not shard")
+        targets[name] = obj.tensors()[0]
+    flat = {f"{name}/{k}": v for name, mine in targets.items() for k, v in mine.items()}
+    if set(flat) != set(state["shard_index"]):
+        raise ValueError("its tensors are not this model's and optimizer's")
+    read_shards(flat, path / SHARDS)
+    for name, mine in targets.items():
+        objects[name].load_shards(mine, rests[name])
+
+
 class _Built:
     """A state already built (on every rank of a gang) that `save` writes as it is."""
 
@@ -342,7 +419,10 @@ class Checkpointer:
         if not _usable_folder(self.folder, self.logger, self.writer, self.trust_group):
             return None
         for n, path in self._found():
-            why = check_manifest(path, MANIFEST, n, self.identity, max_step, self.trust_group)
+            why = check_manifest(
+                path, MANIFEST, n, self.identity, max_step, self.trust_group, _FORMATS
+            )
+            why = why or _shards_refused(path, self.trust_group)
             if why is None:
                 return n, path
             if self.writer:
@@ -361,18 +441,22 @@ class Checkpointer:
         self.max_step = max_step
         if not self.enabled and self.stop_file is None:
             return 0, {}
-        latest = self.latest(max_step)
+        latest = self._agreed_latest(max_step)
         if latest is None:
             return 0, {}
         n, path = latest
+        state, unreadable = None, None
         try:
             state = load_state(path, self.trust_group)
         except Exception as exc:  # noqa: BLE001 - verified, yet unreadable: start over
+            unreadable = exc
+        if self._any_rank(unreadable is not None):  # the gang starts over together
             if self.writer:
-                move_aside(path, f"unreadable ({exc})", self.logger)
+                move_aside(path, f"unreadable ({unreadable or 'on another rank'})", self.logger)
             return 0, {}
+        assert state is not None
         try:
-            self._load(n, state, step, objects)
+            self._load(n, state, step, objects, path)
         except Exception as exc:  # verified, yet not this model's (a forged proof): never again
             if self.writer:
                 move_aside(path, f"does not fit this task ({exc})", self.logger)
@@ -384,11 +468,30 @@ class Checkpointer:
         self._last_save = time.monotonic()
         return n, state.get("extra", {})
 
+    def _agreed_latest(self, max_step: int | None) -> tuple[int, Path] | None:
+        """`latest`, as rank 0 finds it on a gang (the ranks must load the same checkpoint:
+        a sharded load is a collective); rank 0 alone verifies and moves aside."""
+        if not self.collective:
+            return self.latest(max_step)
+        found = self.latest(max_step) if self.writer else None
+        n = rank_zero_int(found[0] if found else -1)
+        if n < 0:
+            return None
+        return found if found is not None else (n, self.folder / f"step-{n}")
+
+    def _any_rank(self, flag: bool) -> bool:
+        """`flag` on any rank of the gang (an all-reduce; the flag itself on one process)."""
+        return any_rank(flag) if self.collective else flag
+
     @staticmethod
-    def _load(n: int, state: dict[str, Any], step: Any, objects: dict[str, Any]) -> None:
+    def _load(
+        n: int, state: dict[str, Any], step: Any, objects: dict[str, Any], path: Path
+    ) -> None:
         """Put a loaded checkpoint into the objects, the TrainStep and torch's RNG."""
         import torch
 
+        if "shard_index" in state:  # every rank reads its shards (a collective)
+            _load_shards(state, objects, path)
         for name, obj in objects.items():
             if obj is not None and name in state:
                 obj.load_state_dict(state[name])
@@ -421,10 +524,11 @@ class Checkpointer:
         """Save after optimizer step `n` when due (`objects()` / `extra()` are only built then).
 
         `collective`: every rank calls this; each builds `objects()`' state when due, the
-        writer saves it. When the orchestrator asked the task to stop (`stop_file`) and
-        steps remain, the checkpoint is written whether due or not and every rank raises
+        writer saves it (`ShardedState` objects: each rank writes its own shards). When the
+        orchestrator asked the task to stop (`stop_file`) and steps remain, the checkpoint is written whether due or not and every rank raises
         `StoppedAtCheckpoint` (rank 0 decides for the gang, so all stop at the same step)."""
         from pita.core.errors import StoppedAtCheckpoint
+        from pita.training.shards import ShardedState
 
         if not self._stepped and self.writer:  # the time a start or a resize costs ends here
             self.logger.info("%s: the first optimizer step of this attempt", FIRST_STEP.format(n))
@@ -433,14 +537,18 @@ class Checkpointer:
             due, stop = self._decide_on_every_rank(n)
             if not (due or stop):
                 return False
-            state = {k: v.state_dict() for k, v in objects().items() if v is not None}
-            if self.writer:
-                self.save(
-                    n,
-                    {k: _Built(v) for k, v in state.items()},
-                    step=step,
-                    extra=extra() if extra else {},
-                )
+            built = {k: v for k, v in objects().items() if v is not None}
+            if any(isinstance(v, ShardedState) for v in built.values()):  # every rank writes
+                self.save(n, built, step=step, extra=extra() if extra and self.writer else {})
+            else:  # every rank builds the state (FSDP2 gathers: a collective), rank 0 writes
+                state = {k: v.state_dict() for k, v in built.items()}
+                if self.writer:
+                    self.save(
+                        n,
+                        {k: _Built(v) for k, v in state.items()},
+                        step=step,
+                        extra=extra() if extra else {},
+                    )
         else:
             due, stop = self.due(n), self._stop_asked(n)
             if not self.writer or not (due or stop):
@@ -474,10 +582,68 @@ class Checkpointer:
         *,
         step: Any = None,
         extra: dict[str, Any] | None = None,
-    ) -> Path:
-        import torch
+    ) -> Path | None:
+        """Write checkpoint `step-<n>/` (the writer; with `ShardedState` objects every rank
+        calls this and writes its shards) and keep only it; -> its folder (None off rank 0)."""
+        from pita.training.shards import ShardedState
 
-        from pita.core.paths import follow_umask
+        if any(isinstance(v, ShardedState) for v in objects.values()):
+            return self._save_sharded(n, objects, step=step, extra=extra)
+        state = self._state(objects, step, extra)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.folder / f".step-{n}.{os.getpid()}.tmp"
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            save_state(tmp, state)
+            return self._commit(tmp, n, FORMAT)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _save_sharded(
+        self, n: int, objects: dict[str, Any], *, step: Any, extra: dict[str, Any] | None
+    ) -> Path | None:
+        """Every rank writes the shards it holds of the `ShardedState` objects into
+        `shards/` of the temporary folder (DCP, safetensors, no `.metadata`); then rank 0
+        writes the rest (`state.json`, the shards' index) and the proof over every file,
+        and renames the folder. Collectives: every rank calls this at the same step."""
+        from pita.training.shards import SHARDS, ShardedState, barrier, index_of, write_shards
+
+        tensors: dict[str, Any] = {}
+        rests: dict[str, Any] = {}
+        for name, obj in objects.items():
+            if isinstance(obj, ShardedState):
+                mine, rests[name] = obj.tensors()
+                tensors.update({f"{name}/{k}": v for k, v in mine.items()})
+        tmp = self.folder / f".step-{n}.shards.tmp"  # one name for the gang (rank 0's pid differs)
+        if self.writer:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / SHARDS).mkdir(parents=True)
+        barrier()
+        final = None
+        try:
+            write_shards(tensors, tmp / SHARDS)
+            if self.writer:
+                rest = {k: v for k, v in objects.items() if not isinstance(v, ShardedState)}
+                state = self._state(rest, step, extra)
+                state.update(sharded=rests, shard_index=index_of(tensors))
+                save_state(tmp, state)
+                final = self._commit(tmp, n, FORMAT_SHARDED)
+        except BaseException:
+            if self.writer:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        barrier()  # the checkpoint is committed before any rank moves on (or stops)
+        return final
+
+    def _state(
+        self, objects: dict[str, Any], step: Any, extra: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """What rank 0 writes: the objects' state, torch's RNG streams, the loop's extra
+        state and the TrainStep's counter, metric rows and GradScaler."""
+        import torch
 
         if step is not None and hasattr(step, "flush"):
             step.flush()  # steps not read back yet (training.sync_every) belong in the checkpoint
@@ -495,21 +661,19 @@ class Checkpointer:
             state["train_step"] = step.step
             state["metric_rows"] = step.metrics.rows
             state["scaler"] = step.scaler.state_dict() if step.scaler.is_enabled() else None
-        self.folder.mkdir(parents=True, exist_ok=True)
+        return state
+
+    def _commit(self, tmp: Path, n: int, fmt: str) -> Path:
+        """The proof over every file of the finished `tmp`, then `tmp` renamed `step-<n>`
+        and the older checkpoints removed."""
+        from pita.core.paths import follow_umask
+
         final = self.folder / f"step-{n}"
-        tmp = self.folder / f".step-{n}.{os.getpid()}.tmp"
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            save_state(tmp, state)
-            write_manifest(tmp, MANIFEST, n, self.identity)
-            follow_umask(tmp)  # safetensors writes 0600: a teammate's resume must read it
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        write_manifest(tmp, MANIFEST, n, self.identity, format=fmt)
+        follow_umask(tmp)  # safetensors writes 0600: a teammate's resume must read it
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
         for p in self.folder.iterdir():  # keep only the newest
             m = _STEP_RE.match(p.name)
             if m and int(m.group(1)) != n:
@@ -548,12 +712,21 @@ class CheckpointPlan:
     trust_group: bool = False
     by_name: bool = False
     stop_file: Path | None = None  # the run asks the task to checkpoint and stop (growth)
+    sharded: bool = False  # FSDP2: each rank writes its own shards (`pita.training.shards`)
 
     def checkpointer(
         self, logger: logging.Logger | None = None, *, writer: bool = True, collective: bool = False
     ) -> Checkpointer:
         """A hand-written loop's `Checkpointer` (`writer`: rank 0 of a gang writes, every
-        rank restores; `collective`: a gang's ranks all build the state when a save is due)."""
+        rank restores; `collective`: a gang's ranks all build the state when a save is due).
+        A sharded plan on a torch without the safetensors storage says once that the gang
+        gathers instead."""
+        if self.sharded and writer and not self.shards:
+            (logger or log).info(
+                "checkpoints: this torch has no safetensors storage for DCP "
+                "(torch.distributed.checkpoint.hf_storage): the gang gathers the state and "
+                "rank 0 writes it"
+            )
         return Checkpointer(
             self.folder,
             self.every_steps,
@@ -566,12 +739,25 @@ class CheckpointPlan:
             stop_file=self.stop_file,
         )
 
+    @property
+    def shards(self) -> bool:
+        """Each rank writes its shards: a sharded plan, and torch has the storage for it."""
+        from pita.training.shards import hf_storage
+
+        return self.sharded and hf_storage() is not None
+
     def objects(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
-        """What the `Checkpointer` saves and restores for a model and its optimizer: their
-        full state by parameter name (`pita.training.ddp.FullState`) under a gang strategy,
-        whatever k (1 included), else the objects themselves (a one-process task's format)."""
+        """What the `Checkpointer` saves and restores for a model and its optimizer: under
+        FSDP2 (`shards`) the shards each rank holds (`pita.training.shards.ShardedState`),
+        under another gang strategy their full state by parameter name
+        (`pita.training.ddp.FullState`), whatever k (1 included), else the objects
+        themselves (a one-process task's format)."""
         if not self.by_name:
             return model, optimizer
+        if self.shards:
+            from pita.training.shards import ShardedState
+
+            return ShardedState(model), ShardedState(model, optimizer)
         from pita.training.ddp import FullState
 
         return FullState(model), FullState(model, optimizer)
@@ -631,11 +817,18 @@ def _trl_checkpoints(folder: Path) -> list[tuple[int, Path]]:
 def _pickles_load_safely(folder: Path) -> str | None:
     """Why a torch pickle in a Trainer checkpoint would not load with `weights_only=True`
     (transformers' own allow-list for numpy RNG states), or None. Checked before the
-    Trainer sees the folder: a planted pickle is refused here, it never runs."""
+    Trainer sees the folder: a planted pickle is refused here, it never runs. DCP files
+    (accelerate's FSDP `SHARDED_STATE_DICT`: `.metadata` + `*.distcp`) are refused
+    outright: pita's TRL stages save FSDP's full state (`trl_common.fsdp_kwargs`)."""
     import torch
     from transformers.trainer_pt_utils import safe_globals
 
     for p in sorted(folder.rglob("*")):
+        if p.name == ".metadata" or p.suffix == ".distcp":  # accelerate's SHARDED_STATE_DICT
+            return (
+                f"{p.relative_to(folder)} is a torch.distributed.checkpoint file (its .metadata "
+                "is a pickle DCP reads with pickle.load), never read"
+            )
         if p.suffix in _PICKLES and p.is_file():
             try:
                 with safe_globals():

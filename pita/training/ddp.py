@@ -11,12 +11,14 @@ What a rank gets (`entry`'s first argument, a `DistContext`):
 - `dist.rank`, `dist.world_size`, `dist.device` ("cuda:<rank>" or "cpu"), `dist.backend`
   ("nccl" | "gloo"); the default process group is initialised before `entry` runs
   (`torch.distributed.group.WORLD`), and destroyed after it returns.
-- `dist.shard(n)`: this rank's indices of an n-item batch (DistributedSampler's split).
+- `dist.gang`: the task's `Gang` (pita/core/parallel.py) on this world: DDP or FSDP2.
+- `dist.shard(n)`: this rank's indices of an n-item batch (torch's `DistributedSampler`).
 - `dist.log(msg)` / `dist.send("heartbeat", msg)`: reach the caller's `on_message(kind,
   rank, payload)` (a queue drained by a thread of the caller), so every rank's lines and
   heartbeats end in the task's log.
-- `wrap_model(model, dist, strategy)`: DDP, or FSDP2 (`fully_shard` per transformer block
-  and the root; `MixedPrecisionPolicy` on CUDA only), or the model itself on one rank.
+- `apply_gang(model, dist, precision)`: the one function that applies the gang to a model
+  (DDP, or FSDP2: `fully_shard` per block the model names in `_no_split_modules`, then the
+  root, mixed precision from the run's `Precision`), or the model itself on one process.
 
 How it keeps its promises:
 - A failing rank: its exception line goes to the caller with a timestamp; the agent stops
@@ -48,6 +50,7 @@ import multiprocessing
 import os
 import pickle
 import queue as queue_mod
+import re
 import select
 import signal
 import tempfile
@@ -55,8 +58,9 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -66,21 +70,67 @@ from pita.core.forked_worker import (  # ranks and CPU workers: one PRELOAD
     gang_preload,
     start_forkserver,
 )
+from pita.core.parallel import Gang, Strategy
+from pita.core.worker_pool import RANKS_DIR_PREFIX  # swept once this process is dead
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("none", "data_parallel", "fsdp")
 _HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
 class DataParallelError(RuntimeError):
     """A rank of a k-rank task failed (the message names the rank and the error).
-    `startup`: it failed before any rank formed its process group (the rendezvous, Gloo's
-    "connectFullMesh failed ... Connection closed by peer"): no rank ran the stage."""
+    `startup`: no rank got past its process group (the rendezvous, Gloo's "connectFullMesh
+    failed ... Connection closed by peer"): no rank ran the stage (`launch_ranks` retries)."""
 
-    def __init__(self, message: str, startup: bool = False):
-        super().__init__(message)
-        self.startup = startup
+    startup: bool = False
+
+
+class RankDied(DataParallelError):
+    """A rank was killed by a signal (the kernel's OOM killer sends SIGKILL) or died without
+    a word: the gang's fault, not the stage's code. The task is retried (`killed`), from its
+    checkpoint when it wrote one."""
+
+    failure_class = "killed"
+
+
+class GangStalled(DataParallelError):
+    """No step from a rank for longer than the gang's stall bound (`StallRule`): the ranks
+    were killed; the task is retried (`stalled`)."""
+
+    failure_class = "stalled"
+
+
+# What a rank's collective says when a peer vanished: the peer is the cause, not this rank.
+PEER_LOST = re.compile(
+    r"Connection reset by peer|Connection closed by peer|Broken pipe|ECONNRESET|EPIPE"
+    r"|NCCL communicator was aborted|remote process exited",
+    re.I,
+)
+PEER_LOST_GRACE_S = 2.0  # a rank that lost a peer waits this long before it exits: see _rank_main
+STEP_FACTOR = 20.0  # a derived stall bound: this many times the longest gap between two steps
+
+
+@dataclass(frozen=True)
+class StallRule:
+    """When a gang counts as stalled: a rank reported no step for `after_s` seconds when set
+    (`executor.gang_stall_s`, from the moment every rank joined the process group), else for
+    STEP_FACTOR x the longest gap between two of the gang's steps seen so far, at least
+    `floor_s` — derived only once the gang has stepped: a stage that reports no steps, or
+    is still loading its models, is bounded by `executor.task_timeout_s` and the collectives'
+    timeout, never killed for a step time nobody measured. A rank whose last report was its
+    loop's last step (saving the model follows) is not expected to step again."""
+
+    after_s: float | None = None
+    floor_s: float = 300.0
+
+    def bound(self, longest_gap_s: float | None) -> float | None:
+        """Seconds without a step that count as a stall; None: not judged yet."""
+        if self.after_s is not None:
+            return self.after_s
+        if longest_gap_s is None:
+            return None
+        return max(self.floor_s, STEP_FACTOR * longest_gap_s)
 
 
 @dataclass
@@ -92,20 +142,30 @@ class DistContext:
     device: str  # "cuda:<rank>" or "cpu"
     backend: str  # "nccl" | "gloo"
     _queue: Any = None
-    strategy: str = "data_parallel"  # "data_parallel" | "fsdp" (set by pita.runtime.gang)
+    # the task's gang on this world (set by pita.runtime.gang; DDP for a bare launch_ranks)
+    gang: Gang = field(default_factory=lambda: Gang(Strategy.DDP))
+
+    def __post_init__(self) -> None:
+        if self.gang.world != self.world_size:
+            self.gang = self.gang.resized(self.world_size)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     @property
+    def strategy(self) -> str:
+        """The gang's strategy by its config name ("data_parallel" | "fsdp"), as logged."""
+        return self.gang.strategy.key
+
+    @property
     def group(self) -> Any:
         """The process group of the gang (the default one)."""
         return dist_mod.group.WORLD
 
-    def shard(self, n_items: int) -> list[int]:
+    def shard(self, n_items: int, pad: bool = True) -> list[int]:
         """This rank's indices of an n-item batch (see `shard_indices`)."""
-        return shard_indices(n_items, self.rank, self.world_size)
+        return shard_indices(n_items, self.rank, self.world_size, pad)
 
     def send(self, kind: str, payload: Any) -> None:
         """A message to the caller (`on_message(kind, rank, payload)`): "log", "heartbeat"."""
@@ -115,59 +175,68 @@ class DistContext:
     def log(self, message: str, level: int = logging.INFO) -> None:
         self.send("log", (level, message))
 
+    def step(self, done: int, total: int) -> None:
+        """Tell the caller this rank made a step (the gang's stall watch, `StallRule`)."""
+        self.send("step", (int(done), int(total)))
+
     def barrier(self) -> None:
         dist_mod.barrier()
 
 
-def shard_indices(n_items: int, rank: int, world_size: int) -> list[int]:
-    """DistributedSampler's split: strided, padded by wrapping so every rank gets
-    ceil(n / world) items (a padded batch counts its first items twice)."""
-    per_rank = -(-n_items // world_size)
-    indices = list(range(n_items))
-    indices += indices[: per_rank * world_size - n_items]
-    return indices[rank::world_size]
+def shard_indices(n_items: int, rank: int, world_size: int, pad: bool = True) -> list[int]:
+    """This rank's indices of an n-item batch: torch's `DistributedSampler` in order (strided;
+    padded by wrapping so every rank gets ceil(n / world) items: a padded batch counts its
+    first items twice). `pad=False`: only the rank's real items (a loop that weighs each
+    item by its share of the batch, as the value trainer does, must not count one twice)."""
+    from torch.utils.data import DistributedSampler
+
+    sampler = DistributedSampler(
+        range(n_items), num_replicas=world_size, rank=rank, shuffle=False, drop_last=False
+    )
+    indices = list(sampler)
+    return indices if pad else indices[: len(range(rank, n_items, world_size))]
 
 
-# --- wrapping a model -------------------------------------------------------------------------
+# --- applying a gang to a model ---------------------------------------------------------------
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks FSDP2 shards one by one: the children of the model's largest
-    `ModuleList` (a Llama's / GPT-2's layers)."""
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
-    if not lists:
-        return []
-    biggest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
-    return list(biggest)
+    """The blocks FSDP2 shards one by one: the modules whose class a Hugging Face model names
+    in its `_no_split_modules` (what accelerate's FSDP auto-wrap reads: a Llama's / GPT-2's
+    decoder layers), that of the model and of every pretrained model inside it (a value
+    model's backbone). None named: the root alone is sharded."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if m is not model and type(m).__name__ in names]
 
 
-def wrap_model(
-    model: torch.nn.Module, dist: DistContext | None, strategy: str | None = None
+def apply_gang(
+    model: torch.nn.Module, dist: DistContext | None, precision: Any = None
 ) -> torch.nn.Module:
-    """The model a rank trains (already on `dist.device`): DDP (`data_parallel`), FSDP2
-    (`fsdp`: `fully_shard` per transformer block, then the root; a bf16 compute /
-    fp32 reduce `MixedPrecisionPolicy` on CUDA only), or `model` itself on one process.
+    """The model a rank trains (already on `dist.device`) under its gang (`dist.gang`), as
+    torchtitan's `parallelize`: DDP; FSDP2 (`fully_shard` on each of `transformer_blocks`,
+    then the root, with a `MixedPrecisionPolicy` from the run's precision: parameters in its
+    compute dtype, gradients reduced in fp32; none in fp32, as on the CPU); or `model`
+    itself on one process. `precision`: a `pita.training.precision.Precision` (None: fp32).
 
     FSDP2 shards in place: the returned object *is* `model`, whose parameters are now
-    DTensors (an optimizer must be built after this call). `strategy` defaults to
-    `dist.strategy`."""
-    strategy = strategy or (dist.strategy if dist is not None else "none")
-    if dist is None or dist.world_size == 1 or strategy == "none":
+    DTensors (an optimizer must be built after this call)."""
+    if dist is None or dist.world_size == 1 or dist.gang.runs is Strategy.NONE:
         return model
-    if strategy == "fsdp":
+    if dist.gang.runs is Strategy.FSDP:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         kwargs: dict[str, Any] = {}
-        if dist.device.startswith("cuda"):
+        compute = getattr(precision, "autocast_dtype", None)
+        if compute is not None:
             kwargs["mp_policy"] = MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+                param_dtype=compute, reduce_dtype=torch.float32
             )
         for block in transformer_blocks(model):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
         return model
-    if strategy != "data_parallel":
-        raise ValueError(f"parallel strategy {strategy!r}: expected one of {STRATEGIES}")
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [torch.device(dist.device).index] if dist.device.startswith("cuda") else None
@@ -229,7 +298,7 @@ class FullState:
 def gathered(net: Any, dist: DistContext | None) -> Iterator[None]:
     """FSDP2: the root module's own parameters unsharded while the body reads the model
     outside its forward (held-out diagnostics); every rank must enter. No-op otherwise."""
-    if dist is None or dist.world_size == 1 or dist.strategy != "fsdp":
+    if dist is None or dist.world_size == 1 or dist.gang.runs is not Strategy.FSDP:
         yield
         return
     net.unshard()
@@ -291,9 +360,10 @@ def _rank_main(
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
     dist_mod.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    queue.put(("formed", rank, None))  # past the rendezvous: a failure now is the stage's
+    queue.put(("started", rank, os.getpid()))  # the stall watch's clock starts, and may kill it
     try:
         result = entry(DistContext(rank, world, device, backend, queue), *args)
+        queue.put(("done", rank, None))
         # Plain pickle (a copy): torch's queue pickler would share tensors through file
         # descriptors that vanish when this process exits before the caller reads them.
         return pickle.dumps(result)
@@ -301,6 +371,8 @@ def _rank_main(
         # When a rank fails its peers fail too ("connection closed by peer"): the caller
         # reports the earliest error, the cause.
         queue.put(("error", rank, (time.time(), _first_line(exc))))
+        if PEER_LOST.search(str(exc)):  # a peer died: let the launcher see its death first
+            time.sleep(PEER_LOST_GRACE_S)
         raise
     finally:
         dist_mod.destroy_process_group()
@@ -316,14 +388,112 @@ def warm_forkserver() -> None:
     start_forkserver(extra=gang_preload())
 
 
+WATCH_EVERY_S = 0.5  # how often the stall watch looks at its ranks' steps
+
+
+def _proc_state(pid: int) -> str:
+    """A process's state letter from /proc (T: stopped; "" when it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+class _GangWatch:
+    """The caller's view of its ranks, fed by the drain: their pids ("started"), steps,
+    results ("done") and errors. With a `StallRule`, a thread kills a gang one of whose
+    ranks made no step for longer than the rule's bound, and says which rank."""
+
+    def __init__(self, world: int, rule: StallRule | None):
+        self.world, self.rule = world, rule
+        self.pids: dict[int, int] = {}
+        self.done: set[int] = set()
+        self.errors: dict[int, tuple[float, str]] = {}
+        self.last: dict[int, tuple[float, int, int]] = {}  # rank -> (time, done, total)
+        self.longest_gap: float | None = None
+        self.since: float | None = None  # when every rank had joined
+        self.stalled = ""  # the line naming the stalled rank, once the watch killed the gang
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def started(self, rank: int, pid: int) -> None:
+        self.pids[rank] = pid
+        if len(self.pids) == self.world:
+            self.since = time.monotonic()
+            if self.rule is not None and self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pita-gang-watch")
+                self._thread.daemon = True
+                self._thread.start()
+
+    def step(self, rank: int, done: int, total: int) -> None:
+        now = time.monotonic()
+        prev = self.last.get(rank)
+        if prev is not None and (done, total) == prev[1:]:
+            return  # no progress: the clock keeps running (a new phase's step 1 is progress)
+        if prev is not None:
+            self.longest_gap = max(self.longest_gap or 0.0, now - prev[0])
+        self.last[rank] = (now, done, total)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _stepping(self, rank: int) -> bool:
+        """Whether `rank` is still expected to step: not finished, and its last step report
+        is not its loop's last (saving a model after it is no step, and may take long)."""
+        last = self.last.get(rank)
+        return rank not in self.done and (last is None or last[1] < last[2])
+
+    def _quietest(self, now: float) -> tuple[int, float] | None:
+        """(the rank to blame, seconds since its last step): a stopped rank first; None
+        when no rank is expected to step."""
+        assert self.since is not None
+        quiet = {
+            r: now - (self.last[r][0] if r in self.last else self.since)
+            for r in range(self.world)
+            if self._stepping(r)
+        }
+        if not quiet:
+            return None
+        stopped = [r for r in quiet if _proc_state(self.pids.get(r, 0)) in ("T", "t")]
+        rank = stopped[0] if stopped else max(quiet, key=lambda r: quiet[r])
+        return rank, max(quiet.values())
+
+    def _run(self) -> None:
+        assert self.rule is not None
+        while not self._stop.wait(WATCH_EVERY_S):
+            found = self._quietest(time.monotonic())
+            if found is None:
+                continue
+            rank, quiet = found
+            bound = self.rule.bound(self.longest_gap)
+            if bound is not None and quiet > bound:
+                self.stalled = self._line(rank, quiet, bound)
+                for pid in self.pids.values():  # a stopped process dies of SIGKILL too
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                return
+
+    def _line(self, rank: int, quiet: float, bound: float) -> str:
+        pid = self.pids.get(rank, 0)
+        state = " stopped," if _proc_state(pid) in ("T", "t") else ""
+        at = self.last.get(rank)
+        where = f"after step {at[1]}/{at[2]}" if at else "before its first step"
+        rule = self.rule
+        how = (
+            f"executor.gang_stall_s={bound:g}"
+            if rule is not None and rule.after_s is not None
+            else f"the bound derived from its step time: {bound:.0f} s"
+        )
+        return (
+            f"rank {rank} of {self.world} (pid {pid},{state} {where}) made no step for "
+            f"{quiet:.0f} s ({how}); the gang was killed"
+        )
+
+
 def _drain(
-    queue: Any,
-    on_message: Callable[[str, int, Any], None] | None,
-    errors: dict,
-    formed: set[int] | None = None,
+    queue: Any, on_message: Callable[[str, int, Any], None] | None, watch: _GangWatch
 ) -> None:
-    """Forward ranks' messages until the None sentinel; keep their errors and which ranks
-    formed their process group (`formed`)."""
+    """Forward ranks' messages until the None sentinel; what the watch needs goes to it."""
     while True:
         try:
             item = queue.get(timeout=0.5)
@@ -335,10 +505,13 @@ def _drain(
             return
         kind, rank, payload = item
         if kind == "error":
-            errors.setdefault(rank, payload)
-        elif kind == "formed":
-            if formed is not None:
-                formed.add(rank)
+            watch.errors.setdefault(rank, payload)
+        elif kind == "started":
+            watch.started(rank, int(payload))
+        elif kind == "done":
+            watch.done.add(rank)
+        elif kind == "step":
+            watch.step(rank, *payload)
         elif on_message is not None:
             try:
                 on_message(kind, rank, payload)
@@ -346,18 +519,36 @@ def _drain(
                 log.exception("forwarding a rank's %s failed", kind)
 
 
-def _failure(
-    exc: Exception, errors: dict, world_size: int, formed: set[int] | frozenset = frozenset()
-) -> DataParallelError:
-    """The earliest rank error the ranks reported, else the launcher's record of the first
-    failed rank (a rank killed by a signal leaves no traceback). `formed`: the ranks that
-    got past their process group; none did: a start-up fault (`DataParallelError.startup`)."""
-    made = _failure_message(exc, errors, world_size)
-    made.startup = not formed
-    return made
+def _signal_death(exc: Exception, watch: _GangWatch) -> RankDied | None:
+    """A rank the launcher saw die of a signal without a Python error of its own (SIGKILL
+    from the OOM killer, SIGSEGV), or a rank that said nothing while every rank that spoke
+    only lost a peer: the gang's cause, named with its signal."""
+    for rank, failure in sorted((getattr(exc, "failures", None) or {}).items()):
+        if failure.exitcode is not None and failure.exitcode < 0 and rank not in watch.errors:
+            name = failure.signal_name()
+            oom = " (what the kernel's OOM killer sends)" if name == "SIGKILL" else ""
+            return RankDied(f"rank {rank} of {watch.world} died of {name}{oom}, pid {failure.pid}")
+    lost_peer = watch.errors and all(PEER_LOST.search(m) for _, m in watch.errors.values())
+    silent = [r for r in range(watch.world) if r not in watch.errors and r not in watch.done]
+    if lost_peer and silent:
+        rank, (_, message) = min(watch.errors.items(), key=lambda item: item[1][0])
+        return RankDied(
+            f"rank {silent[0]} of {watch.world} died without an error (pid "
+            f"{watch.pids.get(silent[0], '?')}); rank {rank} lost it: {message}"[:700]
+        )
+    return None
 
 
-def _failure_message(exc: Exception, errors: dict, world_size: int) -> DataParallelError:
+def _failure(exc: Exception, watch: _GangWatch) -> DataParallelError:
+    """Why the gang failed: the stall watch's line; else a rank that died of a signal
+    (`_signal_death`); else the earliest rank error the ranks reported; else the launcher's
+    record of the first failed rank."""
+    world_size, errors = watch.world, watch.errors
+    if watch.stalled:
+        return GangStalled(watch.stalled)
+    died = _signal_death(exc, watch)
+    if died is not None:
+        return died
     if errors:
         rank, (_, message) = min(errors.items(), key=lambda item: item[1][0])
         return DataParallelError(f"rank {rank} of {world_size} failed: {message}")
@@ -384,6 +575,7 @@ def launch_ranks(
     threads_per_rank: int | None = None,
     timeout_s: float = 1800.0,
     start_method: str = "forkserver",
+    stall: StallRule | None = None,
 ) -> list[Any]:
     """Run `entry(dist, *args)` on `world_size` local ranks; their return values by rank.
 
@@ -391,12 +583,15 @@ def launch_ranks(
     return something small. `device_type` "cuda" puts rank r on cuda:r (NCCL); "cpu" uses
     gloo; None = cuda when this process sees at least `world_size` GPUs. `backend`
     overrides the choice. `threads_per_rank` (CPU) defaults to this process's torch
-    threads / world_size. Raises `DataParallelError` naming the failed rank.
+    threads / world_size. Raises `DataParallelError` naming the failed rank: `RankDied` for a
+    rank killed by a signal, `GangStalled` when `stall` is given and a rank made no step
+    (`DistContext.step`) for longer than its bound (the ranks are then killed).
 
-    A gang that fails before any rank formed its process group (the rendezvous, Gloo's
-    full mesh: `DataParallelError.startup`, no rank ran `entry`) is started once more: a start-up fault, not the task's (a cold
-    forkserver's first gang under load once failed in Gloo's connectFullMesh and the
-    identical rerun passed). The task log says so (`on_message`'s "log").
+    A gang that fails before any rank got past its process group (the rendezvous, Gloo's
+    full mesh: `DataParallelError.startup`, no rank ran `entry`) is started once more: a
+    start-up fault, not the task's (a cold forkserver's first gang under load once failed
+    in Gloo's connectFullMesh and the identical rerun passed). The task log says so
+    (`on_message`'s "log").
     """
     launch = functools.partial(
         _launch,
@@ -409,6 +604,7 @@ def launch_ranks(
         threads_per_rank=threads_per_rank,
         timeout_s=timeout_s,
         start_method=start_method,
+        stall=stall,
     )
     try:
         return launch()
@@ -433,6 +629,7 @@ def _launch(
     threads_per_rank: int | None,
     timeout_s: float,
     start_method: str,
+    stall: StallRule | None,
 ) -> list[Any]:
     """One start of `launch_ranks`' gang."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -465,10 +662,9 @@ def _launch(
             "launch_ranks off the main thread: the launcher cannot stop its ranks on a signal"
         )
     queue = multiprocessing.get_context(start_method).Queue()
-    errors: dict[int, tuple[float, str]] = {}
-    formed: set[int] = set()
+    watch = _GangWatch(world_size, stall)
     drain = threading.Thread(
-        target=_drain, args=(queue, on_message, errors, formed), name="pita-ranks", daemon=True
+        target=_drain, args=(queue, on_message, watch), name="pita-ranks", daemon=True
     )
     drain.start()
     saved = {
@@ -476,7 +672,8 @@ def _launch(
         for name in _HANDLED_SIGNALS
         if threading.current_thread() is threading.main_thread()
     }
-    log_dir = tempfile.mkdtemp(prefix="pita-ranks-")
+    # named after this process: a sweep removes the folders of dead ones (a killed worker)
+    log_dir = tempfile.mkdtemp(prefix=f"{RANKS_DIR_PREFIX}{os.getpid()}-")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -507,13 +704,18 @@ def _launch(
         )
     except ChildFailedError as exc:
         _stop_drain(queue, drain)
-        raise _failure(exc, errors, world_size, formed) from exc
+        failure = _failure(exc, watch)
+        failure.startup = not watch.pids  # no rank got past its process group
+        raise failure from exc
     except (RendezvousError, dist_mod.DistNetworkError) as exc:  # the agent's own rendezvous
         _stop_drain(queue, drain)
-        raise DataParallelError(
-            f"the {world_size} ranks' rendezvous failed: {_first_line(exc)}", startup=not formed
-        ) from exc
+        failure = DataParallelError(
+            f"the {world_size} ranks' rendezvous failed: {_first_line(exc)}"
+        )
+        failure.startup = not watch.pids
+        raise failure from exc
     finally:
+        watch.stop()
         for name, handler in saved.items():
             signal.signal(getattr(signal, name), handler)
         import shutil
