@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -176,32 +177,40 @@ def forecasts(devices: list[int], cache: Path, work: Path, extra: list[str]) -> 
     return report
 
 
-def big_dry_run(cache: Path) -> dict:
-    """The 34,292-task dry run, unsized and sized, timed one after the other."""
-    out = {}
-    for name, extra in (("unsized", []), ("sized", ["training.parallel_strategy=data_parallel"])):
-        t0, cpu0 = time.perf_counter(), _children_cpu()
-        text = subprocess.run(
-            [*RUN, *BIG, *extra],
-            capture_output=True,
-            text=True,
-            env=_env(cache),
-            cwd=ROOT,
-            check=True,
-        ).stdout
-        plan = re.search(r"Plan: (\d+) tasks", text)
-        sized = re.search(r"\((\d+) tasks sized in ([\d.]+) s\)", text)
-        out[name] = {
-            "wall_s": round(time.perf_counter() - t0, 1),
-            "cpu_s": round(_children_cpu() - cpu0, 1),
-            "tasks": int(plan.group(1)) if plan else None,
-            "sized": int(sized.group(1)) if sized else 0,
-            "sizing_s": float(sized.group(2)) if sized else 0.0,
-            "load_after": round(os.getloadavg()[0], 2),
-        }
-    out["ratio"] = round(out["sized"]["wall_s"] / out["unsized"]["wall_s"], 2)
-    out["cpu_ratio"] = round(out["sized"]["cpu_s"] / out["unsized"]["cpu_s"], 2)
-    return out
+def big_dry_run(cache: Path, repeat: int = 1) -> dict:
+    """The 34,292-task dry run, unsized and sized, alternately `repeat` times each: on a
+    shared machine the load moves between two runs, so each ratio is also taken per pair
+    and the median is reported."""
+    runs: dict[str, list[dict]] = {"unsized": [], "sized": []}
+    for _ in range(repeat):
+        for name, extra in (
+            ("unsized", []),
+            ("sized", ["training.parallel_strategy=data_parallel"]),
+        ):
+            runs[name].append(_timed_dry_run(cache, extra))
+    pairs = list(zip(runs["unsized"], runs["sized"]))
+    return {
+        **runs,
+        "ratio": round(statistics.median(s["wall_s"] / u["wall_s"] for u, s in pairs), 2),
+        "cpu_ratio": round(statistics.median(s["cpu_s"] / u["cpu_s"] for u, s in pairs), 2),
+    }
+
+
+def _timed_dry_run(cache: Path, extra: list[str]) -> dict:
+    t0, cpu0 = time.perf_counter(), _children_cpu()
+    text = subprocess.run(
+        [*RUN, *BIG, *extra], capture_output=True, text=True, env=_env(cache), cwd=ROOT, check=True
+    ).stdout
+    plan = re.search(r"Plan: (\d+) tasks", text)
+    sized = re.search(r"\((\d+) tasks sized in ([\d.]+) s\)", text)
+    return {
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "cpu_s": round(_children_cpu() - cpu0, 1),
+        "tasks": int(plan.group(1)) if plan else None,
+        "sized": int(sized.group(1)) if sized else 0,
+        "sizing_s": float(sized.group(2)) if sized else 0.0,
+        "load_after": round(os.getloadavg()[0], 2),
+    }
 
 
 def _children_cpu() -> float:
@@ -218,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", default="1,4,8", help="fake device counts, run in this order")
     parser.add_argument("--cache", type=Path, help="PITA_CACHE_DIR (default: a fresh folder)")
     parser.add_argument("--big-dry-run", action="store_true")
+    parser.add_argument("--repeat", type=int, default=2, help="--big-dry-run: pairs to run")
     parser.add_argument("overrides", nargs="*", help="more Hydra overrides for every run")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
@@ -226,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     cache.mkdir(parents=True, exist_ok=True)
     report: dict = {"cache": str(cache), "runs": str(work)}
     if args.big_dry_run:
-        report["big_dry_run"] = big_dry_run(cache)
+        report["big_dry_run"] = big_dry_run(cache, args.repeat)
     else:
         devices = [int(x) for x in args.devices.split(",") if x.strip()]
         report.update(forecasts(devices, cache, work, args.overrides))
