@@ -539,7 +539,7 @@ def _start_session(
         if any(t.elastic for t in plan.tasks.values()):  # gangs fork ranks from warm workers
             executor.extra_env[WARM_FORKSERVER] = "1"
     if hasattr(executor, "prepare"):  # Ray: slots reserved, warm actors, shared storage checked
-        executor.prepare(run_dir, stage_modules(plan, done))
+        executor.prepare(run_dir, stage_modules(plan, done), bool(cfg.executor.preimport))
     executor.warm_up([(d.index,) for d in gpu.devices][: len(plan.tasks) - len(done)])
     scheduler = make_scheduler(cfg, gpu)
     if hasattr(executor, "nodes_of"):  # Ray: a gang goes on one node when one has room
