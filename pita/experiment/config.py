@@ -282,7 +282,7 @@ def _schema_errors(resolved: dict) -> list[str]:
     dataset = resolved.get("dataset")
     name = dataset.get("name") if isinstance(dataset, dict) else None
     own = plugin_schemas().get(str(name)) if name else None
-    if own is None:
+    if own is None or not isinstance(dataset, dict):
         return schema_errors(resolved, PitaConfig)
     rest = {k: v for k, v in resolved.items() if k != "dataset"}
     return schema_errors(rest, PitaConfig) + schema_errors(dataset, own, "dataset.")
