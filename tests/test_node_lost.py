@@ -96,3 +96,27 @@ def test_a_task_the_devices_left_cannot_hold_stops_the_run_with_one_line():
         "pretrain.goal_walk.tiny needs 2 device(s) with 800 MB each; after losing Ray node(s) "
         "bbbbbbbb (10.0.0.2) the cluster has 0"
     )
+
+
+def test_a_gang_goes_on_one_node_when_one_has_room_and_spans_nodes_when_none_has():
+    """Slots 0-1 on node a, 2-3 on node b (as a Ray run numbers them): with slot 1 busy a
+    2-rank gang takes node b's two; with one slot busy on each node it takes one of each."""
+    scheduler = Scheduler([DeviceState(i, 1000, 1000) for i in range(4)])
+    scheduler.node_of = {0: "a", 1: "a", 2: "b", 3: "b"}
+    scheduler.devices[1].running["other"] = 100
+    gang = task_spec("gang", gpus=2, mem_mb=200)
+    assert scheduler.place([gang]) == [(gang, [2, 3])]
+    scheduler.release("gang")
+    scheduler.devices[3].running["another"] = 100
+    assert scheduler.place([gang]) == [(gang, [0, 2])]
+
+
+def test_time_report_labels_name_the_ray_node_of_each_device():
+    from pita.results.timeline import with_nodes
+
+    events = [
+        {"event": "task_running", "task": "t", "devices": [0, 2], "nodes": ["a" * 56, "b" * 56]},
+        {"event": "task_running", "task": "u", "devices": [1]},  # a local run: no nodes
+    ]
+    labels = ["CPU 0", "CPU 1", "CPU 2"]
+    assert with_nodes(labels, events) == ["CPU 0 @ aaaaaaaa", "CPU 1", "CPU 2 @ bbbbbbbb"]

@@ -38,6 +38,7 @@ def simulated_cluster(nodes: int, env: dict | None = None, **node_args) -> Itera
 
     saved = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
+    _reread_ray_config()  # a local Ray earlier in this process left token mode cached
     with session_lock("ray"):
         cluster = Cluster(
             initialize_head=True,
@@ -60,6 +61,16 @@ def simulated_cluster(nodes: int, env: dict | None = None, **node_args) -> Itera
                 os.environ.pop("RAY_AUTH_MODE", None)
             else:
                 os.environ["RAY_AUTH_MODE"] = saved
+            _reread_ray_config()
+
+
+def _reread_ray_config() -> None:
+    """Ray caches its config (the auth mode among it) and its token per process: read
+    them again."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def _ray_args(cluster, *more: str) -> list[str]:
@@ -102,6 +113,7 @@ class _Holder:
 
 
 @pytest.mark.slow
+@pytest.mark.cluster
 def test_a_four_rank_fsdp_gang_over_two_nodes_matches_one_process(tmp_path):
     """Issue 41 item 1: pretrain on 4 FSDP ranks, 2 on each of 2 nodes (one rank actor per
     slot, c10d on rank 0's node), matches one process: loss curve and weights within 1e-5."""
@@ -164,6 +176,7 @@ def _wait_for(predicate, timeout: float, what: str):
 
 
 @pytest.mark.slow
+@pytest.mark.cluster
 def test_a_node_removed_while_its_task_runs(tmp_path):
     """Issue 41 item 4: the node under a running task dies (its raylet and workers killed);
     the task fails as `node_lost` (its own retries untouched: executor.max_retries=0), runs
@@ -203,6 +216,8 @@ def test_a_node_removed_while_its_task_runs(tmp_path):
     assert len(done_ids) == len(set(done_ids)) == 17
     log = (run_dir / "run.log").read_text()
     assert f"Ray node(s) {started['nodes'][0][:8]}" in log and "lost" in log
+    assert f"start {slow} on CPU {started['devices'][0]} @ {started['nodes'][0][:8]}" in log
+    assert f"@ {started['nodes'][0][:8]}" in (run_dir / "results" / "time.md").read_text()
 
 
 def _running(run_dir: Path, task_id: str) -> dict | None:
@@ -232,6 +247,7 @@ if _hide:  # this node's own view of the filesystem: an empty folder where the r
 
 
 @pytest.mark.slow
+@pytest.mark.cluster
 def test_a_node_that_cannot_see_the_run_folder_is_one_line_before_any_task(tmp_path):
     """Issue 41 item 6: one node mounts its own empty folder where the run folder lives (a
     node-local disk: its processes run in a mount namespace of their own); before any task
@@ -270,6 +286,7 @@ def test_a_node_that_cannot_see_the_run_folder_is_one_line_before_any_task(tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.cluster
 def test_a_gang_that_loses_a_node_resumes_from_its_checkpoint_on_the_ranks_left(tmp_path):
     """Issue 41 item 4: a 4-rank FSDP pretrain over 2 nodes loses the node of ranks 2-3 once a
     checkpoint is committed; it restarts on the 2 devices left from that checkpoint (its own
@@ -314,3 +331,19 @@ def test_a_gang_that_loses_a_node_resumes_from_its_checkpoint_on_the_ranks_left(
     log = run_dir / "tasks" / pretrain / "log.txt"
     text = "\n".join(p.read_text() for p in run_dir.rglob("*.log*") if p.is_file())
     assert "resumed from checkpoint" in text + (log.read_text() if log.is_file() else "")
+
+
+def test_the_slurm_script_outside_an_allocation_is_one_line_and_exit_2():
+    """scripts/ray_on_slurm.sh starts Ray on the nodes of a SLURM allocation; outside one it
+    says so (its run inside SLURM could not be tried here)."""
+    import subprocess
+
+    from tests.conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "ray_on_slurm.sh")], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "error: scripts/ray_on_slurm.sh runs inside a SLURM allocation (sbatch or salloc)"
+    ]

@@ -351,6 +351,9 @@ def algo_errors(algos: dict) -> list[str]:
     values checked when it is enabled), and what relates its keys."""
     errors = []
     for name, algo in algos.items():
+        if name not in ALGORITHMS and dict(algo) == {"enabled": False}:
+            continue  # what `algos=[...]` writes for a plugin the config lacks: the run
+            # resumes after the plugin is uninstalled (pita/experiment/cli_extras.py)
         if name not in ALGORITHMS:
             from pita.core.plugins import failure_hint
 
