@@ -102,13 +102,14 @@ def _rank(dist, mode: str, args: dict, folder: str) -> dict:
     """One rank: FSDP2 model, one AdamW step, one checkpoint save measured on rank 0."""
     import torch
 
+    from pita.core.parallel import Gang, Strategy
     from pita.training.checkpoint import CheckpointPlan
-    from pita.training.ddp import wrap_model
+    from pita.training.ddp import apply_gang
 
-    dist.strategy = "fsdp"
+    dist.gang = Gang(Strategy.FSDP, dist.world_size)
     model = _build(args)
     params = sum(p.numel() for p in model.parameters())
-    wrap_model(model, dist)
+    apply_gang(model, dist)  # fp32 on the CPU
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, args["vocab"], (1, 16))
     model(input_ids=ids, labels=ids).loss.backward()

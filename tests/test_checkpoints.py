@@ -371,31 +371,32 @@ def test_sigkilled_value_training_resumes_from_its_checkpoint_like_an_uninterrup
     assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
 
 
-def _tiny_model_and_adam(seed: int):
+def _tiny_model_and_adam(seed: int, tied: bool = False):
     import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pita.models.tiny import build_tiny_llama
-
-    model = build_tiny_llama(
-        16,
-        n_layer=1,
-        d_model=16,
-        n_head=2,
-        max_position=32,
-        pad_token_id=0,
-        eos_token_id=1,
-        seed=seed,
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=16,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
     )
+    model = LlamaForCausalLM(config)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-@pytest.mark.parametrize("files", [1, 8])
+@pytest.mark.parametrize("files, tied", [(1, False), (8, False), (1, True)])
 def test_a_sharded_checkpoint_round_trips_the_model_and_the_optimizer_on_one_process(
-    tmp_path, monkeypatch, files
+    tmp_path, monkeypatch, files, tied
 ):
     """`ShardedState` on one process (FSDP2's format at k=1, no process group), its shards
-    in one file or cut into 8 or more (`shards.FILES`: what a large model's rank writes): the model
-    and every optimizer entry come back exactly, param groups by JSON."""
+    in one file or cut into 8 or more (`shards.FILES`: what a large model's rank writes),
+    tied embeddings written once: the model and every optimizer entry come back exactly,
+    param groups by JSON."""
     import torch
 
     import pita.training.shards as shards
@@ -405,7 +406,7 @@ def test_a_sharded_checkpoint_round_trips_the_model_and_the_optimizer_on_one_pro
     if files > 1:
         monkeypatch.setattr(shards, "MIN_FILE", 0)  # this tiny state cut as a large one is
 
-    model, optim = _tiny_model_and_adam(0)
+    model, optim = _tiny_model_and_adam(0, tied)
     ids = torch.randint(0, 16, (2, 8))
     for _ in range(2):
         model(input_ids=ids, labels=ids).loss.backward()
@@ -415,7 +416,7 @@ def test_a_sharded_checkpoint_round_trips_the_model_and_the_optimizer_on_one_pro
     Checkpointer(tmp_path, 1).maybe_save(2, lambda: saved)
     written = len(list(tmp_path.glob("step-2/shards/*.safetensors")))
     assert written == 1 if files == 1 else written >= files, written
-    fresh, fresh_optim = _tiny_model_and_adam(1)
+    fresh, fresh_optim = _tiny_model_and_adam(1, tied)
     restored = {"model": ShardedState(fresh), "optimizer": ShardedState(fresh, fresh_optim)}
     assert Checkpointer(tmp_path, 1).restore(max_step=4, **restored)[0] == 2
     a, b = model.state_dict(), fresh.state_dict()

@@ -115,3 +115,39 @@ def test_each_task_seeds_the_global_generators_from_its_id():
     again = draws("QSharp.a.b.r0.train")
     assert first == again
     assert all(x != y for x, y in zip(first, other))
+
+
+def test_a_trl_gangs_ranks_fork_with_its_trainer_imported():
+    """The run names its gang tasks' stage modules (PITA_GANG_STAGES); a worker's forkserver
+    preloads them and their WARM_IMPORTS, so a DPO gang's ranks fork with TRL's DPO trainer
+    imported instead of importing it each (15-19 s to the first step without)."""
+    from pita.core.dag import Plan
+    from pita.core.forked_worker import gang_preload
+    from pita.experiment.run import gang_stage_modules
+    from tests.conftest import task_spec
+
+    plan = Plan()
+    plan.add(task_spec("dpo.train", algo="DPO", fn="pita.algos.dpo:train", gpus=2))
+    plan.add(task_spec("dpo.collect", algo="DPO", stage="collect", fn="pita.algos.dpo:collect"))
+    plan.add(task_spec("eval", stage="evaluate", fn="pita.stages.evaluate:evaluate"))
+    modules = gang_stage_modules(plan, set())
+    assert modules == "pita.algos.dpo"  # only a gang's stage: one-device tasks add nothing
+    assert gang_preload(modules) == ["pita.algos.dpo", "trl.trainer.dpo_trainer"]
+    assert gang_stage_modules(plan, {"dpo.train"}) == ""  # done: nothing to preload
+    assert gang_preload("pita.no_such_module") == []  # a head start only: never an error
+
+
+def test_a_stage_reports_its_first_step():
+    """dispatch -> first optimizer step: the first `step n/N` line a stage reports (a gang's
+    rank 0 forwards its own), not a generation's `prompts` line."""
+    from pita.runtime.worker import FirstStep
+
+    seen: list[str] = []
+    first = FirstStep(0.0, seen.append)
+    first.heartbeat("prompts 3/10 sampling")
+    assert first.seconds is None
+    first.heartbeat("step 1/104 loss=0.71")
+    at = first.seconds
+    first.heartbeat("step 6/104 loss=0.70")
+    assert at is not None and first.seconds == at
+    assert seen == ["prompts 3/10 sampling", "step 1/104 loss=0.71", "step 6/104 loss=0.70"]

@@ -117,13 +117,12 @@ def _stage_rank(dist: Any, body: Callable[..., Any], snapshot: dict[str, Any], a
     from pita.core.errors import StoppedAtCheckpoint
     from pita.core.schema import recording_reads
 
-    try:
-        with recording_reads() as reads:  # sent to the worker: the task's manifest lists them
+    with recording_reads() as reads:  # returned: the task's manifest lists every rank's reads
+        try:
             result = body(ctx, dist, *args)
-        dist.send("reads", reads)
-        return result
-    except StoppedAtCheckpoint as stop:  # every rank stops at the same step: not a failure
-        return {_STOPPED: stop.step}
+        except StoppedAtCheckpoint as stop:  # every rank stops at the same step: no failure
+            result = {_STOPPED: stop.step}
+    return result, reads
 
 
 def stall_rule(ctx: StageContext) -> Any:
@@ -184,22 +183,23 @@ def run_stage(
             ctx.logger.log(level, message)
         elif kind == "heartbeat":
             ctx.heartbeat(payload)
-        elif kind == "reads":  # the keys a rank read: the task read them
-            for key, value in payload.items():
-                record_read(key, value)
 
     try:
-        result = launch(
+        returned = launch(
             _stage_rank,
             world,
             args=(body, snapshot, tuple(args)),
             device_type=torch.device(ctx.device).type,
             on_message=on_message,
             stall=stall_rule(ctx),
-        )[0]
+        )
     except DataParallelError:
         ctx.logger.error("k-rank task failed:\n%s", traceback.format_exc(limit=3))
         raise
+    for _, reads in returned:  # the keys any rank read: the task read them
+        for key, value in reads.items():
+            record_read(key, value)
+    result = returned[0][0]
     if isinstance(result, dict) and _STOPPED in result:  # the gang stopped at a checkpoint
         from pita.core.errors import StoppedAtCheckpoint
 

@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Client
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,41 @@ def _task_logger(task_id: str, log_path: Path) -> logging.Logger:
     return logger
 
 
+class FirstStep:
+    """Seconds from a task's start to its first optimizer step: the first progress line a
+    stage reports in steps (`step 1/400 ...`, pita.core.progress.progress_line), on one
+    process or from rank 0 of its gang. Recorded in the task's result (`first_step_s`) and
+    from there in the duration history: the measured start-up of that stage kind on k
+    ranks that the sizer reads (pita/core/elastic.py GangStartup)."""
+
+    def __init__(self, t0: float, forward: Callable[[str], None]):
+        self.t0, self.forward = t0, forward
+        self.seconds: float | None = None
+
+    def heartbeat(self, message: str) -> None:
+        if self.seconds is None and _is_step(message):
+            self.seconds = time.time() - self.t0
+        self.forward(message)
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its waited-for children."""
+    import resource
+
+    own, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _is_step(message: str) -> bool:
+    from pita.core.progress import PROGRESS_RE
+
+    m = PROGRESS_RE.match(message or "")
+    return m is not None and m["unit"] == "step" and int(m["done"]) >= 1
+
+
 def execute_task(
     task,
     cfg_dict: dict,
@@ -167,6 +203,9 @@ def execute_task(
         )
         fn = resolve_function(task.fn)
         reset_peak_memory()
+        first_step = FirstStep(t0, heartbeat)
+        heartbeat = first_step.heartbeat
+        cpu0 = cpu_seconds()
         cfg, settings = _stage_config(cfg_dict, task)
         seed_task_globals(cfg_dict, task)
         ctx = StageContext(
@@ -185,6 +224,11 @@ def execute_task(
             result = fn(ctx) or {}
         wall = round(time.time() - t0, 3)
         result = {"task_id": task.id, "wall_s": wall, "attempt": attempt, **result}
+        if first_step.seconds is not None:  # dispatch -> first step: the sizer's start-up
+            result.setdefault("first_step_s", round(first_step.seconds, 3))
+        # this process's CPU seconds in the task (a gang's ranks are not its children): the
+        # work the forecast learns, whatever else ran on the cores (pita/core/host_share.py)
+        result.setdefault("cpu_s", round(cpu_seconds() - cpu0, 3))
         bad = nan_numbers(result)
         if bad:  # a NaN metric is a failed task, not a row of the results table
             raise FloatingPointError(f"NaN value(s) in the stage's result: {', '.join(bad[:5])}")
@@ -241,9 +285,11 @@ def seed_task_globals(cfg_dict: dict, task) -> int:
     in-process, and two tasks draw different ones (a forked worker would otherwise continue
     its forkserver's stream, the same in every worker). Returns the seed."""
     from pita.core.forked_worker import reseed_globals
+    from pita.core.schema import default_of
     from pita.models.seeds import example_seed
 
-    run_seed = int((cfg_dict.get("experiment") or {}).get("seed") or 0)
+    seed = (cfg_dict.get("experiment") or {}).get("seed")
+    run_seed = int(seed if seed is not None else default_of("experiment.seed"))
     return reseed_globals(example_seed(run_seed, "global-generators", task.id))
 
 

@@ -318,7 +318,8 @@ def _guidance_mode(ctx: StageContext) -> str | None:
     """This row's guidance mode (`algos.<NAME>.guidance.mode`), None for an unguided row."""
     if ctx.task.algo not in GUIDED:
         return None
-    return str(ctx.cfg.algos[ctx.task.algo].guidance.mode)
+    guided = ctx.algo_settings(ctx.task.algo, ValueGuidedConfig)  # recorded: resume sees it
+    return None if guided is None else str(guided.guidance.mode)
 
 
 def _oracle(task, examples, algo: str, eta, mode: str | None = None) -> float | None:
@@ -330,10 +331,5 @@ def _oracle(task, examples, algo: str, eta, mode: str | None = None) -> float | 
     if algo in REFERENCE:
         return task.reference_pass_at_1(examples)
     if algo in GUIDED and eta is not None and mode in OPTIMUM_MODES:
-        return task.optimal_pass_at_1(float(eta), examples)
-    return None
-    if algo in REFERENCE:
-        return task.reference_pass_at_1(examples)
-    if algo in GUIDED and eta is not None:
         return task.optimal_pass_at_1(float(eta), examples)
     return None

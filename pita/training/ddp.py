@@ -26,6 +26,13 @@ How it keeps its promises:
   k failed: <Type>: <message>")` naming the earliest failure (its peers fail next, with
   "connection closed by peer"). An out-of-memory text is kept, so the executor's classifier
   calls it `oom`.
+- A rank that dies of a signal (the OOM killer's SIGKILL) reports nothing; the launcher sees
+  its exit: `RankDied("rank r of k died of SIGKILL ...")`, class `killed`, never the
+  survivors' "Connection reset by peer" (a rank that lost a peer waits 2 s before it exits,
+  so the launcher sees the dead rank first).
+- A stalled rank (SIGSTOP, a hung collective): ranks report steps (`DistContext.step`); with
+  a `StallRule`, a watch thread kills every rank of a gang one of whose ranks made no step
+  for the rule's bound: `GangStalled`, class `stalled`, naming the rank.
 - No orphans: every rank sets `prctl(PR_SET_PDEATHSIG, SIGKILL)` (its parent under spawn is
   the worker) and watches the worker through a pidfd (under forkserver its parent is the
   forkserver, which outlives the worker while any rank lives): `_die_with`.
@@ -44,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import multiprocessing
 import os
@@ -65,7 +73,10 @@ from typing import Any
 import torch
 import torch.distributed as dist_mod
 
-from pita.core.forked_worker import start_forkserver  # ranks and CPU workers: one PRELOAD
+from pita.core.forked_worker import (  # ranks and CPU workers: one PRELOAD
+    gang_preload,
+    start_forkserver,
+)
 from pita.core.parallel import Gang, Strategy
 from pita.core.worker_pool import RANKS_DIR_PREFIX  # swept once this process is dead
 
@@ -75,7 +86,11 @@ _HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
 class DataParallelError(RuntimeError):
-    """A rank of a k-rank task failed (the message names the rank and the error)."""
+    """A rank of a k-rank task failed (the message names the rank and the error).
+    `startup`: no rank got past its process group (the rendezvous, Gloo's "connectFullMesh
+    failed ... Connection closed by peer"): no rank ran the stage (`launch_ranks` retries)."""
+
+    startup: bool = False
 
 
 class RankDied(DataParallelError):
@@ -375,8 +390,9 @@ def _rank_main(
 
 def warm_forkserver() -> None:
     """Start this process's forkserver with torch, transformers and pita's training modules
-    imported (no-op when it runs already): the ranks of every later gang fork from it."""
-    start_forkserver()
+    imported, and the run's gang stages with their trainers (TRL's for a TRL stage:
+    `gang_preload`); a no-op when it runs already: the ranks of every later gang fork from it."""
+    start_forkserver(extra=gang_preload())
 
 
 WATCH_EVERY_S = 0.5  # how often the stall watch looks at its ranks' steps
@@ -577,9 +593,55 @@ def launch_ranks(
     threads / world_size. Raises `DataParallelError` naming the failed rank: `RankDied` for a
     rank killed by a signal, `GangStalled` when `stall` is given and a rank made no step
     (`DistContext.step`) for longer than its bound (the ranks are then killed).
+
+    A gang that fails before any rank got past its process group (the rendezvous, Gloo's
+    full mesh: `DataParallelError.startup`, no rank ran `entry`) is started once more: a
+    start-up fault, not the task's (a cold forkserver's first gang under load once failed
+    in Gloo's connectFullMesh and the identical rerun passed). The task log says so
+    (`on_message`'s "log").
     """
+    launch = functools.partial(
+        _launch,
+        entry,
+        world_size,
+        args,
+        backend,
+        device_type=device_type,
+        on_message=on_message,
+        threads_per_rank=threads_per_rank,
+        timeout_s=timeout_s,
+        start_method=start_method,
+        stall=stall,
+    )
+    try:
+        return launch()
+    except DataParallelError as exc:
+        if not exc.startup:
+            raise
+        note = f"gang start-up fault ({exc}); starting the {world_size} ranks once more"
+        log.warning("%s", note)
+        if on_message is not None:
+            on_message("log", 0, (logging.WARNING, note))
+        return launch()
+
+
+def _launch(
+    entry: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any],
+    backend: str | None,
+    *,
+    device_type: str | None,
+    on_message: Callable[[str, int, Any], None] | None,
+    threads_per_rank: int | None,
+    timeout_s: float,
+    start_method: str,
+    stall: StallRule | None,
+) -> list[Any]:
+    """One start of `launch_ranks`' gang."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if world_size < 1:
@@ -649,7 +711,16 @@ def launch_ranks(
         )
     except ChildFailedError as exc:
         _stop_drain(queue, drain)
-        raise _failure(exc, watch) from exc
+        failure = _failure(exc, watch)
+        failure.startup = not watch.pids  # no rank got past its process group
+        raise failure from exc
+    except (RendezvousError, dist_mod.DistNetworkError) as exc:  # the agent's own rendezvous
+        _stop_drain(queue, drain)
+        failure = DataParallelError(
+            f"the {world_size} ranks' rendezvous failed: {_first_line(exc)}"
+        )
+        failure.startup = not watch.pids
+        raise failure from exc
     finally:
         watch.stop()
         for name, handler in saved.items():

@@ -170,7 +170,7 @@ class ShardedState:
             get_optimizer_state_dict,
         )
 
-        if self.optimizer is None:
+        if self.optimizer is None:  # tied weights once: safetensors refuses shared storage
             return _unshared(get_model_state_dict(self.model)), {}
         osd = get_optimizer_state_dict(self.model, self.optimizer)
         tensors: dict[str, Any] = {}
@@ -188,12 +188,13 @@ class ShardedState:
         """Put the tensors `read_shards` filled (`tensors()`' keys) and the JSON `rest`
         into the model / optimizer."""
         from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
             set_model_state_dict,
             set_optimizer_state_dict,
         )
 
-        if self.optimizer is None:
-            set_model_state_dict(self.model, tensors)
+        if self.optimizer is None:  # the keys `tensors()` gives (a tied weight's first name)
+            set_model_state_dict(self.model, tensors, options=StateDictOptions(strict=False))
             return
         state: dict[str, dict[str, Any]] = {}
         for key, value in {**tensors, **rest.get("scalars", {})}.items():
@@ -211,12 +212,19 @@ class ShardedState:
 
 def _unshared(state: dict[str, Any]) -> dict[str, Any]:
     """`state` without the later names of a tensor met twice (tied weights: the embedding
-    kept, `lm_head.weight` dropped), as `save_pretrained` writes it."""
-    seen: set[int] = set()
+    kept, `lm_head.weight` dropped, as `save_pretrained` writes it; safetensors refuses
+    two names on one storage). Met twice: the same storage, offset and shape."""
+    seen: set[tuple] = set()
     out = {}
     for key, value in state.items():
-        if id(value) not in seen:
-            seen.add(id(value))
+        local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor's shard
+        where = (
+            (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(value.shape))
+            if local.numel()
+            else (id(value),)
+        )
+        if where not in seen:
+            seen.add(where)
             out[key] = value
     return out
 
