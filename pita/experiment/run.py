@@ -596,7 +596,7 @@ def _start_session(
         # a gang's ranks fork with their stage's trainer imported (TRL for TRL stages)
         executor.extra_env[GANG_STAGES] = gang_stage_modules(plan, done)
     if hasattr(executor, "prepare"):  # Ray: slots reserved, warm actors, shared storage checked
-        executor.prepare(run_dir, stage_modules(plan, done))
+        executor.prepare(run_dir, stage_modules(plan, done), bool(cfg.executor.preimport))
     executor.warm_up([(d.index,) for d in gpu.devices][: len(plan.tasks) - len(done)])
     scheduler = make_scheduler(cfg, gpu)
     if hasattr(executor, "nodes_of"):  # Ray: a gang goes on one node when one has room
