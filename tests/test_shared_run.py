@@ -190,7 +190,14 @@ def test_a_teammate_resumes_a_group_writable_run_with_trust_group(shared_place):
     [line] = refused.stderr.strip().splitlines()
     assert "owned by uid 0" in line and "needs system.trust_group=true" in line
 
-    resumed = _as_teammate(["resume_from=" + str(run), "system.trust_group=true"], home)
+    # the owner's stage overrides are code: the teammate runs them only by stating them
+    # (pita/experiment/code_keys.py), else one line per key naming the owner
+    resume = ["resume_from=" + str(run), "system.trust_group=true"]
+    unstated = _as_teammate(resume, home)
+    assert unstated.returncode == 2, unstated.stdout + unstated.stderr
+    assert all("set by user root (uid 0)" in ln for ln in unstated.stderr.strip().splitlines())
+    stages = [o for o in sleep_overrides() if "stage_overrides" in o]
+    resumed = _as_teammate([*resume, *stages], home)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     mate_uid = int(subprocess.run(["id", "-u", MATE], capture_output=True, text=True).stdout)
     assert (run / "tasks" / MERGE).stat().st_uid == mate_uid  # the teammate redid it
@@ -242,7 +249,7 @@ def test_a_teammates_code_bearing_key_is_refused_until_the_owner_states_it(tmp_p
     the saved config; the owner's next resume ran it, as the owner. Now it is one line naming
     the teammate, until the owner states it again."""
     from pita.experiment.cli import load_resume_config
-    from pita.experiment.code_keys import foreign_code_errors, record, stated_keys
+    from pita.experiment.code_keys import code_bearing, foreign_code_errors, record, stated_keys
 
     mate = _mate_uid()
     run = _shared_run(tmp_path, ["experiment=smoke", key], owner=mate)
@@ -252,6 +259,10 @@ def test_a_teammates_code_bearing_key_is_refused_until_the_owner_states_it(tmp_p
         name = key.lstrip("+").split("=")[0]
         assert line.startswith(f"{name}=") and f"set by user {MATE} (uid {mate})" in line, line
         assert foreign_code_errors(cfg, run, stated_keys([key])) == []  # stated again: yours
+        # ... and stating it again on a resume works (a typed dict of a saved config did not
+        # take a dotlist merge: "Value 'AnyNode' is not a supported primitive type")
+        again, _ = load_resume_config(str(run), ["system.trust_group=true", key])
+        assert code_bearing(again) == code_bearing(cfg)
         record(cfg, run)  # ... and once you ran with it, it is yours on later resumes
         assert foreign_code_errors(cfg, run, set()) == []
     finally:

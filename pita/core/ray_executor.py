@@ -286,16 +286,18 @@ class RayExecutor:
             )
         return sizes
 
-    def prepare(self, run_dir: str | Path, warm_stages: str = "") -> None:
+    def prepare(self, run_dir: str | Path, warm_stages: str = "", preimport: bool = True) -> None:
         """Reserve the slots, start their actors and check that every node shares the run
-        folder, before the first task (ConfigError, one line: the run stops, exit 2)."""
+        folder, before the first task (ConfigError, one line: the run stops, exit 2). With
+        `preimport` (executor.preimport) each actor then imports torch and the stages."""
         from pita.core.paths import RunPaths
         from pita.core.ray_cluster import check_shared_storage
 
         self.warm_stages = warm_stages
         self._start_slots(warm=False)  # the probe first: it answers before torch is imported
         check_shared_storage(self.ray, self.slot_list, RunPaths(run_dir).workers)
-        for slot in self.slot_list:
+        self.preimport = preimport
+        for slot in self.slot_list if preimport else ():
             slot.actor.warm.remote()  # queued before any task: the first one starts warm
 
     def _start_slots(self, warm: bool = True) -> None:
@@ -332,7 +334,7 @@ class RayExecutor:
             )
             .remote(slot.index, self.run_task, self.warm_stages)
         )
-        if warm:
+        if warm and getattr(self, "preimport", True):
             actor.warm.remote()  # queued before any task: the first one starts warm
         return actor
 
@@ -384,14 +386,14 @@ class RayExecutor:
         lost = self._lost_nodes({s.node for s in slots}, wait=died is not None or len(slots) > 1)
         if died is not None or len(slots) > 1:  # dead, or a gang's ranks maybe in a collective
             self._replace([s for s in slots if s.node not in self.lost])
+        what = f"{died}" if outcome is None else f"{outcome.failure}: {outcome.message}"
         if lost:
             where = ", ".join(f"{n[:8]} ({self.lost[n]})" for n in sorted(lost))
-            what = f"{died}" if died is not None else f"{outcome.failure}: {outcome.message}"
             return TaskOutcome(
                 task.id, False, "node_lost", f"Ray node {where} lost: {what.splitlines()[0][:300]}"
             )
-        if died is not None:  # the worker died: same class as a killed local worker
-            return TaskOutcome(task.id, False, "killed", f"Ray worker lost: {died}")
+        if outcome is None:  # the worker died: same class as a killed local worker
+            return TaskOutcome(task.id, False, "killed", f"Ray worker lost: {what}")
         return outcome
 
     def _lost_nodes(self, nodes: set[str], wait: bool) -> set[str]:

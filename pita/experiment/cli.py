@@ -329,15 +329,35 @@ def apply_resume_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
             )
         if key.startswith("~"):
             raise ConfigError(f"{o}: a key cannot be removed on resume; set it to another value")
+        dot = OmegaConf.from_dotlist([f"{bare}={value}"])
         try:
-            merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{bare}={value}"]))
+            merged = OmegaConf.merge(cfg, dot)
         except Exception as exc:
             if type(exc).__name__ == "ConfigKeyError":
                 raise ConfigError(with_hint(f"{bare}: {UNKNOWN_KEY}")) from None
-            raise ConfigError(f"{o}: {_first_line(exc)}") from None
+            merged = _update_typed(cfg, bare, dot, f"{o}: {_first_line(exc)}")
         assert isinstance(merged, DictConfig)  # a mapping merged into a mapping
         cfg = merged
     return cfg
+
+
+def _update_typed(cfg: DictConfig, key: str, dot: DictConfig, why: str) -> DictConfig:
+    """A copy of `cfg` with `key` set to its value in `dot` by `OmegaConf.update`: merging a
+    dotlist into a typed dict of a saved config (`executor.stage_overrides`, Dict[str, Dict[
+    str, str]]) fails in OmegaConf ("Value 'AnyNode' is not a supported primitive type"),
+    so a resume could not state such a key again. ConfigError(`why`) when that fails too."""
+    import copy
+
+    from omegaconf import ListConfig
+
+    leaf = OmegaConf.select(dot, key)
+    value = OmegaConf.to_container(leaf) if isinstance(leaf, (DictConfig, ListConfig)) else leaf
+    out = copy.deepcopy(cfg)
+    try:
+        OmegaConf.update(out, key, value, merge=True)
+    except Exception:
+        raise ConfigError(why) from None
+    return out
 
 
 def preflight(

@@ -193,11 +193,7 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
         for t in plan.tasks.values():
             if t.elastic:
                 print(f"  {t.id:58s} k={t.gpus}")
-        print(
-            f"Predicted makespan: ~{format_duration(sized['makespan_s'])} with these ranks, "
-            f"~{format_duration(sized['rigid_makespan_s'])} with the least ranks each "
-            f"({sized['sized']} tasks sized in {sized['sizing_s']:.2f} s)."
-        )
+        print(makespan_line(sized, no_history(plan, durations)))
     for line in gang_notes(plan):
         print(line)
     eta = Eta(plan.tasks, set(), durations, make_scheduler(cfg, gpu))
@@ -217,11 +213,33 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
     print(history_line(plan, durations))
 
 
+def no_history(plan: Plan, durations: TaskDurations) -> bool:
+    """True when no task of `plan` has a measured duration (its own or its kind's)."""
+    return bool(plan.tasks) and all(durations.history(t) is None for t in plan.tasks.values())
+
+
+def makespan_line(sized: dict[str, Any], blind: bool) -> str:
+    """The sized dry run's makespans; without any measured duration only their ratio means
+    something (work units in seconds were 40x short of a first GPU run, issue 45)."""
+    if blind:
+        ratio = sized["makespan_s"] / max(1e-9, sized["rigid_makespan_s"])
+        return (
+            f"Predicted makespan: unknown without measured durations; on work units these ranks "
+            f"take {ratio:.0%} of the least ranks' ({sized['sized']} tasks sized in "
+            f"{sized['sizing_s']:.2f} s)."
+        )
+    return (
+        f"Predicted makespan: ~{format_duration(sized['makespan_s'])} with these ranks, "
+        f"~{format_duration(sized['rigid_makespan_s'])} with the least ranks each "
+        f"({sized['sized']} tasks sized in {sized['sizing_s']:.2f} s)."
+    )
+
+
 def wall_time_line(seconds: float, source: str, plan: Plan, durations: TaskDurations) -> str:
     """The dry run's estimate; none when no task has a measured duration (its own or its
     kind's): work units only order the tasks, and in seconds they were 40x short of a first
     run on a GPU (33 s for a run whose pretrain alone took 22 min, issue 45)."""
-    if plan.tasks and all(durations.history(t) is None for t in plan.tasks.values()):
+    if no_history(plan, durations):
         return (
             f"Estimated wall time: unknown until tasks have run here: none of the "
             f"{len(plan.tasks)} tasks has a measured duration on these devices yet (this run "
@@ -578,7 +596,7 @@ def _start_session(
         # a gang's ranks fork with their stage's trainer imported (TRL for TRL stages)
         executor.extra_env[GANG_STAGES] = gang_stage_modules(plan, done)
     if hasattr(executor, "prepare"):  # Ray: slots reserved, warm actors, shared storage checked
-        executor.prepare(run_dir, stage_modules(plan, done))
+        executor.prepare(run_dir, stage_modules(plan, done), bool(cfg.executor.preimport))
     executor.warm_up([(d.index,) for d in gpu.devices][: len(plan.tasks) - len(done)])
     scheduler = make_scheduler(cfg, gpu)
     if hasattr(executor, "nodes_of"):  # Ray: a gang goes on one node when one has room

@@ -285,9 +285,11 @@ def seed_task_globals(cfg_dict: dict, task) -> int:
     in-process, and two tasks draw different ones (a forked worker would otherwise continue
     its forkserver's stream, the same in every worker). Returns the seed."""
     from pita.core.forked_worker import reseed_globals
+    from pita.core.schema import default_of
     from pita.models.seeds import example_seed
 
-    run_seed = int((cfg_dict.get("experiment") or {}).get("seed") or 0)
+    seed = (cfg_dict.get("experiment") or {}).get("seed")
+    run_seed = int(seed if seed is not None else default_of("experiment.seed"))
     return reseed_globals(example_seed(run_seed, "global-generators", task.id))
 
 
