@@ -118,3 +118,21 @@ def test_cpu_seconds_are_the_work_whatever_else_ran():
         {"event": "task_done", "task": "a", "wall_s": 30.0, "cpu_s": 10.0, "ts": 30.0},
     ]
     assert work_walls(events, share) == {"a": 10.0}
+
+
+def test_the_live_eta_learns_other_users_load_from_its_finished_tasks():
+    """A task that computed 5 s of CPU in 20 s while the run asked 2 of 2 cores felt 6 other
+    threads (2 / (2 + 6) = a quarter of a core each); the ETA then forecasts with that, not
+    with the load average (which overstates niced or waiting processes)."""
+    plan = _plan(3)
+    eta = Eta(plan.tasks, set(), TaskDurations(), _scheduler(3, HostShare(2.0, 1)))
+    eta.outside = lambda ours: 100.0  # a load average that says far more
+    eta.task_started(plan.tasks["t0"], 0.0)
+    eta.task_started(plan.tasks["t1"], 0.0)
+    eta.task_ended(plan.tasks["t0"], 20.0, wall_s=20.0, cpu_s=5.0)
+    assert eta.felt == [pytest.approx(6.0)]
+    assert eta.durations.history(plan.tasks["t2"])[0] == pytest.approx(5.0)  # its CPU seconds
+    eta.task_ended(plan.tasks["t1"], 20.0, wall_s=20.0, cpu_s=5.0)
+    eta.finished |= {"t0", "t1"}
+    # t2 alone: 5 s of work at 2 / (1 + 6) of a core
+    assert eta.estimate({}, 20.0).seconds == pytest.approx(5.0 * 7 / 2)

@@ -76,19 +76,31 @@ class ShareClock:
     demand: float = 0.0
     running: dict[str, tuple[float, float]] = field(default_factory=dict)  # id -> (V0, demand)
     began: dict[str, float] = field(default_factory=dict)  # id -> wall time it started
+    asked: float = 0.0  # integral of the run's demand over wall time
+    asked_at: dict[str, float] = field(default_factory=dict)  # id -> `asked` when it started
 
     def advance(self, now: float) -> float:
         """Bring the virtual clock to `now`; returns it."""
         if self.at is not None and now > self.at:
             self.virtual += (now - self.at) * self.share.rate(self.demand)
+            self.asked += (now - self.at) * self.demand
         self.at = now if self.at is None else max(self.at, now)
         return self.virtual
+
+    def mean_demand(self, task_id: str, now: float) -> float:
+        """The run's mean demand (cores asked) while the running task ran."""
+        ran = self.running_for(task_id, now)
+        self.advance(now)
+        if ran <= 0 or task_id not in self.asked_at:
+            return self.demand
+        return (self.asked - self.asked_at[task_id]) / ran
 
     def start(self, task_id: str, demand: float, now: float) -> None:
         self.advance(now)
         self.stop(task_id, now)  # a retry's new attempt: the old one ended
         self.running[task_id] = (self.virtual, demand)
         self.began[task_id] = now
+        self.asked_at[task_id] = self.asked
         self.demand += demand
 
     def worked(self, task_id: str, now: float) -> float | None:
@@ -109,6 +121,7 @@ class ShareClock:
         done = self.advance(now) - self.running[task_id][0]
         self.demand = max(0.0, self.demand - self.running.pop(task_id)[1])
         self.began.pop(task_id, None)
+        self.asked_at.pop(task_id, None)
         return done
 
 
@@ -155,3 +168,14 @@ def outside_load(ours: float) -> float:
     except (AttributeError, OSError):
         return 0.0
     return max(0.0, load - ours - 1.0)
+
+
+def felt_outside(share: HostShare, cpu: float, wall: float, demand: float) -> float | None:
+    """Other users' load as a finished task felt it: a task that computed `cpu` seconds in
+    `wall` while the run asked `demand` cores progressed at cpu / threads / wall, which the
+    model reads as cores / (demand + outside). None: the task did not compute (a sleep)."""
+    work = cpu / max(1, share.threads)
+    if work < CPU_BOUND_S or wall <= 0:
+        return None
+    rate = min(1.0, work / wall)
+    return max(0.0, share.cores / max(rate, 1e-3) - max(demand, 1.0))

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pita.core.host_share import ShareClock, outside_load
+from pita.core.host_share import ShareClock, felt_outside, outside_load
 from pita.core.parallel_executor import Scheduler, fresh_scheduler, simulate_remaining
 from pita.core.tasks import TaskSpec
 
@@ -214,6 +214,7 @@ class Eta:
         host = getattr(scheduler, "host", None)
         self.clock = ShareClock(host) if host is not None else None
         self.outside: Callable[[float], float] = outside_load  # other users' runnable threads
+        self.felt: list[float] = []  # ... as this run's last finished tasks felt them
 
     def task_started(self, task: TaskSpec, now: float) -> None:
         if self.clock is not None:
@@ -232,8 +233,14 @@ class Eta:
         work = float(wall_s)
         if self.clock is not None and task.id in self.clock.running:
             ran = self.clock.running_for(task.id, now)
+            asked = self.clock.mean_demand(task.id, now)
             done = self.clock.stop(task.id, now) or 0.0
             work = self.clock.share.work(work, done / ran if ran > 0 else 1.0, cpu_s, task.gpus)
+            felt = None
+            if cpu_s is not None and task.gpus <= 1:
+                felt = felt_outside(self.clock.share, cpu_s, float(wall_s), asked)
+            if felt is not None:  # what other users' load really took, not the load average
+                self.felt = [*self.felt[-7:], felt]
         self.durations.observe(task, work)
 
     def _scheduler(self) -> Scheduler:
@@ -241,7 +248,8 @@ class Eta:
         out = fresh_scheduler(self.scheduler)
         if out.host is not None:
             ours = self.clock.demand if self.clock is not None else 0.0
-            out.host = replace(out.host, external=self.outside(ours))
+            felt = sorted(self.felt)[len(self.felt) // 2] if self.felt else None
+            out.host = replace(out.host, external=self.outside(ours) if felt is None else felt)
         return out
 
     def worked(self, task_id: str, started: float, now: float) -> float:
