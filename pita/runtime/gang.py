@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import traceback
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -138,6 +139,22 @@ def stall_rule(ctx: StageContext) -> Any:
     return StallRule(after_s=settings(ExecutorConfig, plain).gang_stall_s)
 
 
+def _on_message(
+    logger: logging.Logger, heartbeat: Callable[[str], None], kind: str, rank: int, payload: Any
+) -> None:
+    """A rank's message to the task: its log line, its heartbeat, the config keys it read."""
+    from pita.core.schema import record_read
+
+    if kind == "log":
+        level, message = payload
+        logger.log(level, message)
+    elif kind == "heartbeat":
+        heartbeat(payload)
+    elif kind == "reads":  # the keys a rank read: the task read them
+        for key, value in payload.items():
+            record_read(key, value)
+
+
 def run_stage(
     ctx: StageContext, body: Callable[..., Any], *args: Any, world_size: int | None = None
 ) -> Any:
@@ -152,7 +169,6 @@ def run_stage(
     import torch
     from omegaconf import OmegaConf
 
-    from pita.core.schema import record_read
     from pita.runtime import ray_slot
     from pita.training.ddp import DataParallelError, launch_ranks
 
@@ -176,23 +192,13 @@ def run_stage(
         "gang": gang.to_dict(),
     }
 
-    def on_message(kind: str, rank: int, payload: Any) -> None:
-        if kind == "log":
-            level, message = payload
-            ctx.logger.log(level, message)
-        elif kind == "heartbeat":
-            ctx.heartbeat(payload)
-        elif kind == "reads":  # the keys a rank read: the task read them
-            for key, value in payload.items():
-                record_read(key, value)
-
     try:
         result = launch(
             _stage_rank,
             world,
             args=(body, snapshot, tuple(args)),
             device_type=torch.device(ctx.device).type,
-            on_message=on_message,
+            on_message=partial(_on_message, ctx.logger, ctx.heartbeat),
             stall=stall_rule(ctx),
         )[0]
     except DataParallelError:
