@@ -52,14 +52,8 @@ from pita.core.schema import (  # noqa: F401 (the dataclasses' old home re-expor
     leaf_fields,
     schema_errors,
 )
+from pita.experiment.dataset_choice import dataset_keys  # noqa: F401 (its old home)
 from pita.experiment.trl_options import open_trl_dict, trl_option_errors
-
-
-def dataset_keys(dataset_cfg: Any) -> dict[str, Any]:
-    """The keys a dataset config actually sets (None = not this task's key)."""
-    if isinstance(dataset_cfg, DictConfig):
-        dataset_cfg = OmegaConf.to_container(dataset_cfg, resolve=True)
-    return {k: v for k, v in dict(dataset_cfg).items() if v is not None}
 
 
 def register_configs() -> None:
