@@ -221,6 +221,7 @@ def run_mode(
     if elastic:
         pool.extra_env["PITA_WARM_FORKSERVER"] = "1"  # as run.py does for elastic tasks
     scheduler = make_scheduler(cfg, gpu)
+    scheduler.host = None  # the stand-in tasks sleep: they share no cores (host_share.py)
     startup: dict[str, dict[str, float]] = {}
     sizer = None
     try:

@@ -4,6 +4,9 @@
 - `hang DIR`: launch 2 ranks that write `rank<r>.pid` into DIR and sleep (a worker to SIGKILL).
 - `value DIR STRATEGY`: tests/test_gang_training.py's value-training task on 2 ranks,
   checkpointing every 2 steps, in the run folder DIR (a task to SIGKILL mid-way).
+- `startup_fault DIR`: launch 2 ranks (forked from this process) of which rank 1 dies
+  before its process group forms, the first time only (a marker in DIR); print the notes
+  the launcher logged and the ranks' results as JSON.
 - `orchestrator DIR`: start a child `hang` process that dies with this one as a pool worker
   does (PR_SET_PDEATHSIG SIGTERM), write `worker.pid`, and wait (an orchestrator to SIGKILL).
 """
@@ -32,6 +35,33 @@ def _hang(dist, folder: str) -> None:
     time.sleep(600)
 
 
+def _startup_fault(folder: str) -> None:
+    """Rank 1's process exits inside its first init_process_group (the ranks fork from this
+    process, so they run this wrapper): its peer's rendezvous fails for real."""
+    import torch.distributed as tdist
+
+    from pita.training.ddp import launch_ranks
+
+    real = tdist.init_process_group
+
+    def dies_once(*args, **kwargs):
+        marker = Path(folder, "rank1-died")
+        if os.environ.get("RANK") == "1" and not marker.exists():
+            marker.write_text(str(os.getpid()))
+            os._exit(1)
+        return real(*args, **kwargs)
+
+    tdist.init_process_group = dies_once
+    notes: list[str] = []
+
+    def on_message(kind, rank, payload):
+        if kind == "log":
+            notes.append(payload[1])
+
+    out = launch_ranks(_ports, 2, device_type="cpu", start_method="fork", on_message=on_message)
+    print(json.dumps({"notes": notes, "ranks": out}), flush=True)
+
+
 def main(mode: str, folder: str) -> None:
     from pita.training.ddp import launch_ranks
 
@@ -43,6 +73,8 @@ def main(mode: str, folder: str) -> None:
         from tests.test_gang_training import CHECKPOINTED, value_train_in
 
         value_train_in(Path(folder), sys.argv[3], 2, *CHECKPOINTED)
+    elif mode == "startup_fault":
+        _startup_fault(folder)
     elif mode == "orchestrator":
         code = (
             "from pita.runtime.worker import _die_with_parent; _die_with_parent(); "

@@ -369,3 +369,82 @@ def test_sigkilled_value_training_resumes_from_its_checkpoint_like_an_uninterrup
     a = load_file(str(task / "value_model" / "model.safetensors"))
     b = load_file(str(clean / "tasks" / VALUE_TRAIN / "value_model" / "model.safetensors"))
     assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
+
+
+def _tiny_model_and_adam(seed: int, tied: bool = False):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=16,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
+    model = LlamaForCausalLM(config)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("files, tied", [(1, False), (8, False), (1, True)])
+def test_a_sharded_checkpoint_round_trips_the_model_and_the_optimizer_on_one_process(
+    tmp_path, monkeypatch, files, tied
+):
+    """`ShardedState` on one process (FSDP2's format at k=1, no process group), its shards
+    in one file or cut into 8 or more (`shards.FILES`: what a large model's rank writes),
+    tied embeddings written once: the model and every optimizer entry come back exactly,
+    param groups by JSON."""
+    import torch
+
+    import pita.training.shards as shards
+    from pita.training.checkpoint import Checkpointer
+    from pita.training.shards import ShardedState
+
+    if files > 1:
+        monkeypatch.setattr(shards, "MIN_FILE", 0)  # this tiny state cut as a large one is
+
+    model, optim = _tiny_model_and_adam(0, tied)
+    ids = torch.randint(0, 16, (2, 8))
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optim.step()
+        optim.zero_grad()
+    saved = {"model": ShardedState(model), "optimizer": ShardedState(model, optim)}
+    Checkpointer(tmp_path, 1).maybe_save(2, lambda: saved)
+    written = len(list(tmp_path.glob("step-2/shards/*.safetensors")))
+    assert written == 1 if files == 1 else written >= files, written
+    fresh, fresh_optim = _tiny_model_and_adam(1, tied)
+    restored = {"model": ShardedState(fresh), "optimizer": ShardedState(fresh, fresh_optim)}
+    assert Checkpointer(tmp_path, 1).restore(max_step=4, **restored)[0] == 2
+    a, b = model.state_dict(), fresh.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    sa, sb = optim.state_dict(), fresh_optim.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for i, entry in sa["state"].items():
+        assert all(torch.equal(v, sb["state"][i][k]) for k, v in entry.items())
+
+
+def test_without_torch_s_safetensors_storage_fsdp_gathers_and_says_so_once(tmp_path, monkeypatch):
+    """A torch without `hf_storage`: a sharded plan falls back to the gathered full state,
+    and the task log says so in one line."""
+    import logging
+
+    import pita.training.shards as shards
+    from pita.training.checkpoint import CheckpointPlan
+    from pita.training.ddp import FullState
+
+    monkeypatch.setattr(shards, "hf_storage", lambda: None)
+    plan = CheckpointPlan(tmp_path, 1, by_name=True, sharded=True)
+    lines: list[str] = []
+    logger = logging.getLogger("test.ckpt.fallback")
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    plan.checkpointer(logger)
+    model, optim = _tiny_model_and_adam(0)
+    assert all(isinstance(o, FullState) for o in plan.objects(model, optim))
+    assert len([ln for ln in lines if "no safetensors storage" in ln]) == 1, lines

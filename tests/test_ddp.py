@@ -108,8 +108,23 @@ def test_ddp_on_two_gloo_processes_matches_one_process_on_the_full_batch():
 
 
 def test_a_failing_rank_raises_with_its_error():
-    with pytest.raises(DataParallelError, match=r"rank 1 of 2 failed: .*rank one is broken"):
+    with pytest.raises(DataParallelError, match=r"rank 1 of 2 failed: .*rank one is broken") as e:
         launch_ranks(_fail_on_rank_one, 2, backend="gloo", device_type="cpu", timeout_s=60)
+    assert not e.value.startup  # the gang had formed: the stage's failure, not retried
+
+
+def test_a_gang_that_fails_to_form_is_started_once_more(tmp_path):
+    """Rank 1 dies inside its first init_process_group: the rendezvous fails before any step,
+    a start-up fault; the launcher starts the gang once more (noted in the task log) and the
+    task goes on."""
+    proc = _gang_process("startup_fault", tmp_path)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0
+    report = json.loads(out.strip().splitlines()[-1])
+    assert (tmp_path / "rank1-died").exists()  # the first gang really lost a rank
+    assert [r["sum"] for r in report["ranks"]] == [3.0, 3.0]  # the second gang formed
+    assert len(report["notes"]) == 1
+    assert report["notes"][0].startswith("gang start-up fault (rank 1 of 2 failed")
 
 
 @pytest.mark.slow

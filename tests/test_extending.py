@@ -5,6 +5,7 @@ the example package examples/my_pita registers an algorithm (Copycat) and a data
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -25,8 +26,14 @@ def _run(args: list[str], cwd: Path):
 
 
 def test_own_algorithm_and_dataset_are_planned_without_editing_pita(tmp_path):
-    proc = _run(["dry_run=true"], tmp_path)
+    """Planned with the dataset's own key set on the command line (`dataset.length`, which
+    pita's DatasetConfig lacks: my_pita.short_walk.SCHEMA declares it); a typo of it is one
+    line, exit 2."""
+    proc = _run(["dry_run=true", "dataset.length=3"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    typo = _run(["dry_run=true", "dataset.lenght=3"], tmp_path)
+    assert typo.returncode == 2 and "dataset.lenght" in typo.stderr, typo.stderr
+    assert len(typo.stderr.strip().splitlines()) == 1, typo.stderr
     assert "Copycat.short_walk.tiny.r0.train" in proc.stdout
     assert "Copycat.short_walk.tiny.r0.evaluate " in proc.stdout + " "
     assert "pretrain.short_walk.tiny" in proc.stdout
@@ -71,3 +78,45 @@ def test_an_installed_plugin_never_breaks_algos_lists(tmp_path):
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith("error: algos.Copycat.enabled: algorithm Copycat is installed but not")
     assert "/algo@algos.Copycat" in line
+
+
+def _fenced(markdown: str) -> list[tuple[str, str]]:
+    """(language, body) of each fenced block of `markdown`."""
+    import re
+
+    return [(m[1], m[2]) for m in re.finditer(r"```(\w*)\n(.*?)```", markdown, re.S)]
+
+
+def test_the_docs_are_the_example_as_written(tmp_path):
+    """docs/extending.md, as a new user reads it: its toml block is the example's
+    pyproject.toml (comments aside), every `ctx.<name>` it names is a StageContext attribute,
+    every example path it names exists, and its command runs (as a dry run: the slow
+    end-to-end test above runs it to the end)."""
+    import re
+    import shlex
+
+    from pita.runtime.context import StageContext
+
+    doc = (ROOT / "docs" / "extending.md").read_text()
+    blocks = _fenced(doc)
+    [toml] = [body for lang, body in blocks if lang == "toml"]
+    project = (EXAMPLE / "pyproject.toml").read_text().splitlines()
+    lines = [ln.split("#")[0].rstrip() for ln in toml.splitlines()]
+    lines = [ln for ln in lines if ln]
+    assert lines and all(ln in project for ln in lines), lines
+    [yaml] = [body for lang, body in blocks if lang == "yaml"]  # the dataset's config file
+    own = (EXAMPLE / "conf" / "dataset" / "short_walk.yaml").read_text()
+    assert yaml in own, yaml
+    context = {f.name for f in dataclasses.fields(StageContext)} | set(dir(StageContext))
+    named = set(re.findall(r"ctx\.(\w+)", doc))
+    assert named and named <= context, named - context
+    for path in set(re.findall(r"`(examples/my_pita/[\w./-]+)`", doc)):
+        assert (ROOT / path).exists(), path
+    [commands] = [body for lang, body in blocks if not lang and "run_parallel.py" in body]
+    [command] = [c for c in commands.splitlines() if c.startswith("python run_parallel.py")]
+    args = shlex.split(command.split("#")[0])[2:]
+    args = [str(ROOT / a) if a.startswith("examples/") else a for a in args]
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(EXAMPLE / "src")])}
+    proc = run_cli([*args, "dry_run=true"], tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Copycat.short_walk.tiny.r0.train" in proc.stdout

@@ -92,10 +92,29 @@ def test_a_gangs_ranks_send_back_the_keys_they_read(tmp_path):
 
 def test_the_derived_stall_bound_follows_the_step_time_above_a_floor():
     rule = StallRule()
-    assert rule.bound(None) == 900.0  # before a step: loading models, restoring a checkpoint
+    assert rule.bound(None) is None  # no step time measured yet: nothing to judge by
     assert rule.bound(0.5) == 300.0  # fast steps: the floor
     assert rule.bound(60.0) == 1200.0  # 20 x the longest gap between two steps
     assert StallRule(after_s=7.0).bound(60.0) == 7.0  # executor.gang_stall_s wins
+
+
+def test_a_new_phase_is_progress_and_the_last_step_ends_the_watch():
+    """A stage that steps through two loops (a probe, then training) reports step 1 of the
+    second after the last of the first: progress, not a stall. After a rank's last step
+    (saving the model follows, however long) it is no longer expected to step."""
+    from pita.training.ddp import _GangWatch
+
+    watch = _GangWatch(2, None)
+    for rank in (0, 1):
+        watch.started(rank, 0)
+        watch.step(rank, 199, 200)
+        watch.step(rank, 200, 200)  # the probe's last step
+    assert watch._quietest(time.monotonic() + 10_000) is None
+    watch.step(1, 1, 50)  # the training loop's first step
+    rank, quiet = watch._quietest(time.monotonic() + 10)
+    assert rank == 1 and 9 < quiet < 11
+    watch.step(1, 1, 50)  # the same step again is no progress: the clock keeps running
+    assert watch._quietest(time.monotonic() + 10)[1] > 9
 
 
 def test_a_dead_workers_rank_folder_is_swept(tmp_path):

@@ -160,3 +160,75 @@ def test_a_lora_adapter_counts_only_its_own_gradients_and_optimizer_state():
     # hidden 512, MLP 2048, 4 blocks: 4 x (4 x 8 x 1024 + 3 x 8 x 2560) adapter parameters
     assert lora.grads == 4.0 * 4 * (4 * 8 * 1024 + 3 * 8 * 2560)
     assert lora.optimizer == 2 * lora.grads < full.optimizer / 10
+
+
+def _llama():
+    """A Llama of ~17M parameters (68 MB in fp32): large enough that MB rounding is < 1 %."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _state_bytes_on_rank(dist) -> dict[str, int]:
+    """Bytes this rank holds of parameters, gradients and AdamW state after one step, under
+    DDP and then FSDP2 (pita's own `apply_gang`; a DTensor counts its local shard)."""
+    import torch
+
+    from pita.core.parallel import Gang, Strategy
+    from pita.training.ddp import apply_gang
+
+    def local(t) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    out = {}
+    for strategy in (Strategy.DDP, Strategy.FSDP):
+        dist.gang = Gang(strategy, dist.world_size)
+        model = _llama()
+        net = apply_gang(model, dist)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(dist.rank))
+        net(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        params = sum(local(p) for p in model.parameters())
+        grads = sum(local(p.grad) for p in model.parameters() if p.grad is not None)
+        states = sum(local(v) for s in opt.state.values() for v in s.values() if v.dim() > 0)
+        out[strategy.value] = params + grads + states
+    return out
+
+
+@pytest.mark.slow  # one 2-rank launch (DDP, then FSDP2), ~17M parameters on CPU
+def test_the_estimate_divides_what_fsdp_really_divides_and_ddp_really_replicates():
+    """issue 45: the estimate (`TrainingMemory.per_rank_mb`) against what 2 gloo ranks really
+    hold after an AdamW step of a 17M-parameter Llama under pita's `apply_gang`: DDP every
+    byte of parameters, gradients and optimizer state on each rank; FSDP2 half of them (plus
+    dim-0 padding), the estimate adding one block gathered unsharded. An estimate that did
+    not divide the optimizer state (or replicated FSDP's parameters) fails by ~P."""
+    from pita.training.ddp import launch_ranks, transformer_blocks
+
+    model = _llama()
+    p = sum(t.numel() * t.element_size() for t in model.parameters())
+    block = max(
+        sum(t.numel() * t.element_size() for t in b.parameters()) for b in transformer_blocks(model)
+    )
+    mem = TrainingMemory(p, p, 2 * p, 0.0, 0.0, block, True, "measured")
+    ranks = launch_ranks(_state_bytes_on_rank, 2, device_type="cpu")
+    for measured in ranks:
+        ddp = (mem.per_rank_mb("ddp", 2) - WORKER_OVERHEAD_MB) * MB
+        assert abs(ddp - measured["ddp"]) <= MB, (ddp / MB, measured["ddp"] / MB)
+        fsdp = (mem.per_rank_mb("fsdp", 2) - WORKER_OVERHEAD_MB) * MB
+        held = measured["fsdp"]
+        assert held < 0.6 * measured["ddp"], held / measured["ddp"]  # really divided
+        # the estimate: the rank's half, plus the block it gathers (not held after the step)
+        assert held - MB <= fsdp <= held * 1.02 + block + MB, (fsdp / MB, held / MB, block / MB)

@@ -231,3 +231,25 @@ def test_build_from_omegaconf():
     task = build_task(cfg)
     assert task.num_nodes == 20 and task.seed == 3 and task.train_size is None
     assert task.reference_pass_at_1() == pytest.approx(0.1415, abs=5e-4)
+
+
+def test_the_optimum_column_is_only_on_rows_whose_eta_is_its_scale(task):
+    """issue 45: `optimum_pass@1` (π* ∝ π_ref·e^{η r}) is on the reference's rows and on the
+    guided rows whose offset is that optimum's soft-Q (guidance.mode bernoulli, mle: Q#,
+    Q#-HF); PITA's `expectation*` modes scale η otherwise, so its rows have none (0.558 at
+    η = 2 beside PITA's 0.684 read as a bound PITA beat); unguided rows have none."""
+    from omegaconf import OmegaConf
+
+    from pita.experiment.cli_extras import conf_dir
+    from pita.stages.evaluate import _oracle
+
+    examples = task.test_examples()[:50]
+    assert _oracle(task, examples, "reference", 0.0) == task.reference_pass_at_1(examples)
+    assert _oracle(task, examples, "QSharp", 2.0, "bernoulli") == task.optimal_pass_at_1(
+        2.0, examples
+    )
+    assert _oracle(task, examples, "QSharp-HF", 2.0, "mle") is not None
+    pita_mode = OmegaConf.load(conf_dir() / "algo" / "pita.yaml").guidance.mode  # PITA's own
+    assert pita_mode.startswith("expectation")
+    assert _oracle(task, examples, "PITA", 2.0, pita_mode) is None
+    assert _oracle(task, examples, "GRPO", None) is None

@@ -294,9 +294,10 @@ def test_a_resize_whose_larger_gang_fails_falls_back_to_the_old_ranks(tmp_path):
 
 
 def test_only_elastic_tasks_whose_checkpoints_resume_on_any_k_are_grown():
-    """pita's own loops, DPO / RPO and the reward model (tests/test_trl_gang.py shows their
-    resume on another k); not GRPO (TRL samples per rank: another k samples others). The
-    registry rows say which (`growable_stages`); the planner copies it onto each task."""
+    """pita's own loops, DPO / RPO, GRPO / GRPO-HF and the reward model (tests/test_trl_gang.py
+    shows their resume on another k; GRPO since its completions are seeded per row, issue
+    45); not a sharded stage. The registry rows say which (`growable_stages`); the planner
+    copies it onto each task."""
     from pita.algos.registry import can_grow
     from pita.core.growth import growable
 
@@ -313,12 +314,12 @@ def test_only_elastic_tasks_whose_checkpoints_resume_on_any_k_are_grown():
         ("RPO", "train", "pita.algos.dpo:train"),
         ("QSharp-HF", "reward_model", "pita.algos.reward_model:train_reward_model"),
         ("GRPO-HF", "reward_model", "pita.algos.reward_model:train_reward_model"),
+        ("GRPO", "train", "pita.algos.grpo:train"),
+        ("GRPO-HF", "train", "pita.algos.grpo:train_hf"),
     ]
     for row in grown:
         assert can_grow(*row), row
     not_grown = [
-        ("GRPO", "train", "pita.algos.grpo:train"),
-        ("GRPO-HF", "train", "pita.algos.grpo:train_hf"),
         ("DPO", "collect", "pita.algos.dpo:collect"),
         ("DPO", "train", "my.own:train"),  # a stage override: none of the row's business
     ]
@@ -337,7 +338,11 @@ def test_the_planner_marks_the_growable_tasks_from_the_registry():
     )
     plan = build_plan(cfg, make_gpu_manager(cfg))
     grows = {tid for tid, t in plan.tasks.items() if t.growable}
-    assert grows == {"pretrain.goal_walk.tiny", "QSharp.goal_walk.tiny.r0.train"}
+    assert grows == {
+        "pretrain.goal_walk.tiny",
+        "QSharp.goal_walk.tiny.r0.train",
+        "GRPO.goal_walk.tiny.r0.train",  # its completions seeded per row (issue 45)
+    }
 
 
 def test_a_trl_task_with_checkpoints_off_still_saves_when_the_run_asks(tmp_path):

@@ -89,6 +89,7 @@ def test_eta_learns_work_and_forecasts_wall_time():
     while it ran), and the rest of the plan is forecast as wall time on the shared cores."""
     plan = _plan(4)
     eta = Eta(plan.tasks, set(), TaskDurations(), _scheduler(4, HostShare(2.0, 1)))
+    eta.outside = lambda ours: 0.0  # nobody else on the host
     for tid in plan.tasks:
         eta.task_started(plan.tasks[tid], 0.0)
     eta.task_ended(plan.tasks["t0"], 20.0, wall_s=20.0)  # 4 tasks on 2 cores: 10 s of work
@@ -99,4 +100,21 @@ def test_eta_learns_work_and_forecasts_wall_time():
     assert left.seconds == pytest.approx(0.0, abs=1e-6)
     # from scratch: 4 tasks of 10 s of work on 2 cores = 20 s of wall time
     fresh = Eta(plan.tasks, set(), eta.durations, _scheduler(4, HostShare(2.0, 1)))
+    fresh.outside = lambda ours: 0.0
     assert fresh.estimate({}, 0.0).seconds == pytest.approx(20.0)
+    fresh.outside = lambda ours: 4.0  # 4 threads of other users' work: 8 on 2 cores
+    assert fresh.estimate({}, 0.0).seconds == pytest.approx(40.0)
+
+
+def test_cpu_seconds_are_the_work_whatever_else_ran():
+    """A task that computed is learned from its CPU seconds (other users' load does not
+    inflate them); a task that waited (no CPU) from its wall time x the modelled rate."""
+    share = HostShare(2.0, 1)
+    assert share.work(wall=30.0, rate=0.5, cpu=10.0) == 10.0
+    assert share.work(wall=30.0, rate=0.5, cpu=0.01) == 15.0  # a sleep: its wall x rate
+    assert share.work(wall=30.0, rate=0.5, cpu=10.0, ranks=2) == 15.0  # ranks' CPU unseen
+    events = [
+        {"event": "task_running", "task": "a", "devices": [0], "ts": 0.0},
+        {"event": "task_done", "task": "a", "wall_s": 30.0, "cpu_s": 10.0, "ts": 30.0},
+    ]
+    assert work_walls(events, share) == {"a": 10.0}

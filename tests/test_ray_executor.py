@@ -148,9 +148,10 @@ def test_a_k_device_training_task_runs_one_rank_on_each_of_its_slot_actors(two_g
     assert len(nodes[0]) == 56 and nodes[0] == nodes[1]  # a Ray node id, hex
 
 
-def test_no_gang_is_planned_larger_than_the_largest_ray_node():
-    """A 4-GPU cluster of two 2-GPU nodes: a training gang may hold at most 2 (one node);
-    a task that needs more is refused before the run."""
+def test_no_gang_is_planned_larger_than_the_largest_gang():
+    """`largest_gang` bounds every gang and refuses a task that needs more before the run (on
+    Ray it is every slot of the cluster: a gang's ranks may span nodes,
+    tests/test_ray_multinode.py)."""
     from pita.core.errors import ConfigError
     from pita.experiment import cli
     from pita.experiment.plan import plan_experiment
@@ -161,11 +162,11 @@ def test_no_gang_is_planned_larger_than_the_largest_ray_node():
     )
     plan = plan_experiment(cfg, 4, device_mb=[80 * 1024] * 4, device_kind="cuda", largest_gang=2)
     # under data_parallel a training task's k is chosen at dispatch from `ranks`
-    # (docs/DESIGN.md, elastic sizing): never more than one node's devices
+    # (docs/DESIGN.md, elastic sizing): never more than `largest_gang`
     most = {
         max(t.ranks or [t.gpus]) for t in plan.tasks.values() if t.stage in ("pretrain", "train")
     }
     assert most == {2}
     cfg = cli.compose_config([*only("reference"), "model.gpus_per_task=3"])
-    with pytest.raises(ConfigError, match="largest node of the Ray cluster has 2"):
+    with pytest.raises(ConfigError, match="needs 3 devices but a task may hold at most 2"):
         plan_experiment(cfg, 4, device_mb=[80 * 1024] * 4, device_kind="cuda", largest_gang=2)

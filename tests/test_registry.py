@@ -27,6 +27,21 @@ NAMES = frozenset(ALGORITHMS)
 # "reference" is also a model role, an input name and a family key: a comparison with it is
 # an algorithm-name branch only when the other side is about the algorithm.
 AMBIGUOUS = frozenset({"reference"})
+# The stage functions the table names ("pita.algos.grpo:train"): a list of them outside the
+# table picks algorithms as surely as a list of names (growth's old `TRL_STAGES`).
+STAGE_FUNCTIONS = frozenset(
+    [fn for row in ALGORITHMS.values() for fn in row.functions.values()]
+    + list(registry.SHARED_FUNCTIONS.values())
+)
+
+
+def _stage_function(value: object) -> bool:
+    """True for a stage function of the table or a `module:` prefix of one."""
+    if not isinstance(value, str) or ":" not in value:
+        return False
+    return value in STAGE_FUNCTIONS or (
+        value.endswith(":") and any(f.startswith(value) for f in STAGE_FUNCTIONS)
+    )
 
 
 def _names_in(node: ast.AST) -> set[str]:
@@ -79,6 +94,8 @@ def _branch(node: ast.AST) -> str | None:
             return f"a table keyed by {sorted(keys)}"
     if isinstance(node, ast.MatchValue) and _names_in(node) - AMBIGUOUS:
         return f"case {sorted(_names_in(node))}"
+    if isinstance(node, ast.Constant) and _stage_function(node.value):
+        return f"names the stage function {node.value!r}"
     return None
 
 
@@ -120,15 +137,18 @@ def test_the_check_sees_the_branches_it_forbids(tmp_path):
                 'e = {"DPO": 1}[algo]',
                 'f = cfg.algos["QSharp"]',
                 'VALUE = ["PITA", "QSharp-HF"]',
+                'g = task.fn in ("pita.algos.dpo:train", "pita.algos.grpo:train")',
+                'h = task.fn.startswith("pita.algos.qsharp:")',
                 'ok1 = role == "reference"',  # a model role, not an algorithm
                 'ok2 = ctx.has_input("reference")',
                 'ok3 = stage.endswith("_merge")',
+                'ok4 = PRELOAD = ("pita.algos.value_training", "pita.stages.pretrain")',
             ]
         )
         + "\n"
     )
     hits = name_branches(pkg)
-    assert [h.split(":")[:2] for h in hits] == [["pita/bad.py", str(i)] for i in range(1, 8)]
+    assert [h.split(":")[:2] for h in hits] == [["pita/bad.py", str(i)] for i in range(1, 10)]
 
 
 # ---- each row declares its stages -------------------------------------------------------------

@@ -519,3 +519,24 @@ def test_wandb_offline_folders_of_a_retried_task_sync_as_one_run(tmp_path, monke
         steps,
     )  # the kill lost its steps
     assert steps[2] == [8, 9, 10]  # 6-7 were on disk already; 8 was not
+
+
+def test_help_says_where_the_default_mlflow_store_is(tmp_path):
+    """issue 45: `--help` (the schema's help of logger.tracking_uri) names the store
+    `mlflow_folder` really picks: outputs/mlflow/ for a run under outputs/, the run's own
+    logs/mlflow/ only outside it."""
+    import dataclasses
+
+    from pita.core.schema import LoggerConfig
+    from pita.training.tracking import mlflow_folder
+
+    (field,) = [f for f in dataclasses.fields(LoggerConfig) if f.name == "tracking_uri"]
+    help_text = field.metadata["help"]
+    run = tmp_path / "outputs" / "goal_walk" / "2026-01-01_00-00-00"
+    assert mlflow_folder(run) == (tmp_path / "outputs" / "mlflow").resolve()
+    assert "outputs/mlflow/mlflow.db" in help_text
+    assert (
+        mlflow_folder(tmp_path / "elsewhere")
+        == (tmp_path / "elsewhere").resolve() / "logs" / "mlflow"
+    )
+    assert "<run>/logs/mlflow/" in help_text

@@ -375,7 +375,7 @@ def _logged(folder: Path) -> list[dict]:
 def test_trl_stages_stopped_and_resumed_on_other_ranks_match_an_uninterrupted_run(
     tmp_path, monkeypatch
 ):
-    """Growth's premise for the TRL stages it grows (pita/core/growth.py `TRL_STAGES`): DPO,
+    """Growth's premise for the TRL stages it grows (pita/algos/registry.py `growable_stages`): DPO,
     GRPO and the reward model, each asked to stop at step 2 on one process, resumed on 2 ranks
     (a resize) and asked to stop after step 3, resumed on 2 ranks to the end (a retry, or a
     fallback to the old gang), each from the Trainer's own checkpoint

@@ -117,6 +117,35 @@ def test_values_trl_checks_only_at_trainer_start_are_refused_before_the_run():
     )
 
 
+def test_every_number_passed_through_has_a_ceiling():
+    """issue 45: `dataset_num_proc=100000` asked `datasets` for 100,000 processes and
+    `max_length=1000000000` passed; each number TRL gets from `trl` / `reward_trl` has a
+    ceiling by what it counts (pita/experiment/trl_values.py `CEILINGS`), one line each."""
+    from pita.experiment.trl_options import REWARD_CONFIG, TRL_CONFIGS, trl_fields
+    from pita.experiment.trl_values import CEILINGS, OTHER_CEILING, ceiling_error
+
+    procs, length = _errors(DPO={"trl": {"dataset_num_proc": 100000, "max_length": 10**9}})
+    assert (
+        procs
+        == "algos.DPO.trl.dataset_num_proc=100000: at most 1,024 (processes); pita passes it to TRL"
+    )
+    assert length.startswith("algos.DPO.trl.max_length=1000000000: at most 131,072 (tokens)")
+    [steps] = _errors(GRPO={"trl": {"logging_steps": 1e12}})
+    assert "at most 10,000,000 (a count or size)" in steps
+    [coef] = _errors(GRPO={"trl": {"epsilon": 1e300}})
+    assert coef.startswith("algos.GRPO.trl.epsilon=1e+300: at most 1,000,000 in magnitude")
+    [rm] = _errors(**{"GRPO-HF": {"reward_trl": {"dataset_num_proc": 5000}}})
+    assert rm.startswith("algos.GRPO-HF.reward_trl.dataset_num_proc=5000: at most 1,024")
+    ok = {"dataset_num_proc": 8, "max_length": 4096, "logging_steps": 4, "label_smoothing": 0.1}
+    assert _errors(DPO={"trl": ok}) == []
+    for config in [*TRL_CONFIGS.values(), REWARD_CONFIG]:  # every numeric field: some ceiling
+        for field, kinds in trl_fields(*config).items():
+            if kinds & {"int", "float"}:
+                ceiling = next((c for p, c, _ in CEILINGS if p.search(field)), OTHER_CEILING)
+                assert ceiling_error(field, field, ceiling * 10) is not None, field
+                assert ceiling_error(field, field, ceiling) is None, field
+
+
 @pytest.mark.parametrize(
     ("option", "package"),
     [({"optim": "adamw_bnb_8bit"}, "bitsandbytes"), ({"deepspeed": "/x/ds.json"}, "deepspeed")],

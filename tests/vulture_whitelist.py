@@ -72,6 +72,7 @@ weights_bytes  # pita/runtime/batch_size/search.py MemoryEstimate: the batch-siz
 # --- config keys (pita/core/schema.py fields) read by name ---------------------------------------
 trl  # pita/algos/trl_common.py: trl_options(ctx, key) reads algos.<NAME>.<key> by name, key="trl"
 reward_trl  # the same, key="reward_trl" (the reward model's TRL options)
+dataset_file  # experiment.dataset_file: pita/experiment/dataset_choice.py reads it by name (.get)
 _.bounded  # pita/core/schema.py Rule.bounded: tests/test_schema.py checks every numeric key has one
 resume_safe_keys  # pita/core/schema.py: tests/test_affects.py ties docs/operations.md's resume sentence to it
 describe_keys  # the same: the sentence's text, derived from the fields' `affects`

@@ -98,28 +98,24 @@ class Algorithm:
 # GROWTH: the stages whose checkpoints resume on any k with the numbers of an uninterrupted run.
 # - pita's own loops (pretrain, the value trainer): full-state checkpoints (pita/training/ddp.py
 #   `FullState`; tests/test_growth.py);
-# - DPO / RPO training and the proxy reward model of the -HF variants, from the Trainer's own
-#   checkpoint (`resume_from_checkpoint`: model, optimizer, step). accelerate's seedable
-#   sampler deals the same batches at any k and the Trainer skips the seen ones; they draw no
-#   random numbers (TRL's `disable_dropout`), so the per-rank RNG files a checkpoint of
-#   another k lacks do not matter. pita adds the gang's loss sums and TRL's unlogged metrics to
-#   the checkpoint and logs the last step (pita/algos/trl_common.py). Measured (DPO and the
-#   reward model, 1 rank stopped, resumed on 2 and stopped, resumed on 2): every logged value,
-#   the result and the weights within 1.2e-7 of one process' run; without those additions
-#   DPO's first log after a stop was off (loss by 2.6e-3, TRL's reward accuracy by 0.25) and
-#   so was train_loss (1.4e-3):
+# - DPO / RPO training, GRPO / GRPO-HF training and the proxy reward model of the -HF
+#   variants, from the Trainer's own checkpoint (`resume_from_checkpoint`: model, optimizer,
+#   step). accelerate's seedable sampler deals the same batches at any k (whole global batches
+#   only: `trl_common.whole_batches`; GRPO's sampler takes whole groups) and the Trainer skips
+#   the seen ones; they draw no random numbers of the process (TRL's `disable_dropout`; GRPO
+#   samples each completion from its own seed of prompt, step and place in its group,
+#   `grpo._row_seeds`, not from the rank's stream seeded seed + rank), so the per-rank RNG
+#   files a checkpoint of another k lacks do not matter. pita adds the gang's loss sums and
+#   TRL's unlogged metrics to the checkpoint and logs the last step (pita/algos/trl_common.py).
+#   Measured (DPO and the reward model, 1 rank stopped, resumed on 2 and stopped, resumed on
+#   2): every logged value, the result and the weights within 1.2e-7 of one process' run;
+#   without those additions DPO's first log after a stop was off (loss by 2.6e-3, TRL's reward
+#   accuracy by 0.25) and so was train_loss (1.4e-3):
 #   tests/test_trl_gang.py::test_trl_stages_stopped_and_resumed_on_other_ranks_match_an_uninterrupted_run
-#   (RPO is DPO's stage with an SFT term: not run separately).
-# Not grown:
-# - GRPO / GRPO-HF's train: TRL seeds each rank with `set_seed(seed, device_specific=True)`
-#   (seed + rank) and samples completions from the process's global RNG, so k ranks sample
-#   other completions than one process (already so for the k chosen at dispatch,
-#   tests/test_trl_gang.py), and on a resume the Trainer looks for `rng_state_<rank>.pth`,
-#   which a checkpoint written on another k lacks (rank 0 does not even continue its own
-#   stream). Measured (2 of 4 steps on 1 rank, the rest on 2): weights 0.026 apart, the last
-#   logged KL 1.49 against 1.14; resumed on the same k it is exact. Growing it would take TRL
-#   generating with seeds per prompt and step (as pita's `generate(row_seeds=...)`), not per
-#   process.
+#   (GRPO in the same test; RPO is DPO's stage with an SFT term, GRPO-HF's train GRPO's with
+#   another reward: not run separately). Before GRPO's completions were seeded per row, 2 of
+#   4 steps on 1 rank and the rest on 2 ended with weights 0.026 apart and the last logged KL
+#   1.49 against 1.14 (issue 45).
 
 # Stages every chain shares unless an algorithm names its own function.
 SHARED_FUNCTIONS: dict[str, str] = {
@@ -252,6 +248,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             schema=GRPOConfig,
             gang_stages=("train",),
             trl_stages=("train",),
+            growable_stages=("train",),
         ),
         Algorithm(
             "GRPO-HF",
@@ -271,7 +268,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             schema=GRPOHFConfig,
             gang_stages=("reward_model", "train"),
             trl_stages=("reward_model", "train"),
-            growable_stages=("reward_model",),
+            growable_stages=("reward_model", "train"),
         ),
     )
 }

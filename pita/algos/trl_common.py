@@ -219,7 +219,7 @@ def whole_batches(trainer_cls: type, global_batch: int) -> type:
     (tests/test_trl_gang.py::test_trl_stages_on_two_ranks_match_one_process)."""
     from torch.utils.data import RandomSampler
 
-    class WholeBatches(trainer_cls):  # type: ignore[misc, valid-type]
+    class WholeBatches(trainer_cls):
         def _get_train_sampler(self, train_dataset=None):
             sampler = super()._get_train_sampler(train_dataset)
             if type(sampler) is not RandomSampler or sampler.replacement:

@@ -105,24 +105,46 @@ def set_ranks(task: TaskSpec, k: int) -> None:
 
 
 def curve_key(task: TaskSpec) -> str:
-    """Tasks that scale alike: the same stage of the same model family (model size)."""
-    return f"{task.stage}|{task.family}"
+    """Tasks that scale alike: the same stage of the same algorithm (its trainer: TRL's DPO
+    and pita's value training start and scale differently) on the same model family."""
+    return f"{task.algo}|{task.stage}|{task.family}"
 
 
 class GangStartup:
-    """Seconds a k-rank gang costs before its first step, beyond a one-rank task."""
+    """Seconds a k-rank gang costs before its first step, beyond a one-rank task.
+
+    Per stage kind (`curve_key`) when its tasks reported their first step (`first_step_s`,
+    dispatch -> first optimizer step, pita/runtime/worker.py) on one rank and on k: the
+    difference of the means (a TRL gang whose ranks import TRL pays seconds a value-training
+    gang does not); else what gangs measured beyond one rank (`observe`); else the defaults."""
 
     def __init__(self, defaults: Mapping[int, float] | None = None):
         self.defaults = dict(DEFAULT_STARTUP_S if defaults is None else defaults)
         self.seen: dict[int, list[float]] = {}
+        self.first: dict[str, dict[int, list[float]]] = {}  # curve -> k -> first-step s
 
     def observe(self, k: int, seconds: float) -> None:
         if k > 1 and seconds >= 0:
             self.seen.setdefault(k, []).append(float(seconds))
 
-    def __call__(self, k: int) -> float:
+    def observe_first_step(self, curve: str, k: int, seconds: float) -> None:
+        """A task of `curve` reached its first step `seconds` after dispatch on k ranks."""
+        if k >= 1 and seconds >= 0:
+            self.first.setdefault(curve, {}).setdefault(int(k), []).append(float(seconds))
+
+    def of_curve(self, k: int, curve: str | None) -> float | None:
+        """The measured start-up of `curve`'s k-rank gangs beyond its one-rank tasks, or None."""
+        by = self.first.get(curve or "", {})
+        if not by.get(k) or not by.get(1):
+            return None
+        return max(0.0, sum(by[k]) / len(by[k]) - sum(by[1]) / len(by[1]))
+
+    def __call__(self, k: int, curve: str | None = None) -> float:
         if k <= 1:
             return 0.0
+        measured = self.of_curve(k, curve)
+        if measured is not None:
+            return measured
         if self.seen.get(k):
             return sum(self.seen[k]) / len(self.seen[k])
         known = sorted(self.defaults.items())
@@ -167,7 +189,8 @@ class SpeedupCurves:
                     continue
                 for k, tk in by.items():
                     if k > 1:
-                        a = (k * max(1e-9, tk - self.startup(k)) / t1 - 1) / (k - 1)
+                        start = self.startup(k, str(entry.get("curve")))
+                        a = (k * max(1e-9, tk - start) / t1 - 1) / (k - 1)
                         pairs.setdefault(str(entry.get("curve")), []).append(min(1.0, max(0.0, a)))
             self._alpha = {c: sorted(v)[len(v) // 2] for c, v in pairs.items()}
         return self._alpha
@@ -183,13 +206,14 @@ class SpeedupCurves:
         """Expected seconds of `task` on k ranks, start-up included."""
         if k <= 1:
             return one_rank_s
-        return one_rank_s / speedup(k, self.alpha(task)[0]) + self.startup(k)
+        return one_rank_s / speedup(k, self.alpha(task)[0]) + self.startup(k, curve_key(task))
 
     def one_rank(self, task: TaskSpec, seconds: float, k: int) -> float:
         """The one-rank seconds that a k-rank wall time stands for (for the ETA's estimates)."""
         if k <= 1:
             return seconds
-        return max(0.0, seconds - self.startup(k)) * speedup(k, self.alpha(task)[0])
+        start = self.startup(k, curve_key(task))
+        return max(0.0, seconds - start) * speedup(k, self.alpha(task)[0])
 
 
 @dataclass
@@ -240,6 +264,7 @@ class Sizer:
         self.version = version  # changes when the duration estimates do (cached paths)
         self._paths: tuple[Any, dict[str, float]] | None = None
         self._order: tuple[Any, list[str]] | None = None
+        self._longest: list[Any] = [[], 0]  # ids by path to the end, first one unfinished
         self.margin = 0.02  # predicted ends closer than this share count as equal
         self.slack = 0.1  # big plans: a path this much shorter than the longest: least k
         self.curves = curves
@@ -259,8 +284,13 @@ class Sizer:
         return [k for k in task.ranks if k <= self.choices[-1]] or task.ranks[:1]
 
     def observe(self, task: TaskSpec, wall_s: float, result: Mapping[str, Any]) -> None:
-        """A task finished on `task.gpus` ranks: its seconds at that k (the curve), and the
+        """A task finished on `task.gpus` ranks: its first step (`first_step_s`: its kind's
+        start-up at that k), its seconds at that k (the curve, elastic tasks), and the
         gang's start-up when the stage measured it (`gang_startup_s` in its result)."""
+        first = result.get("first_step_s")  # one-rank tasks too: the kind's baseline
+        if isinstance(first, (int, float)):
+            self.curves.startup.observe_first_step(curve_key(task), task.gpus, float(first))
+            self.curves._alpha = None  # the start-up a fit subtracts changed
         if not task.elastic:
             return
         startup = result.get("gang_startup_s")
@@ -281,11 +311,25 @@ class Sizer:
         if (
             self._paths is None
             or self._paths[0] != stamp
-            or any(tid not in self._paths[1] for tid in tasks)
+            or len(tasks) > len(self._paths[1])  # `tasks` only shrinks while estimates hold
         ):
             seconds = {tid: self.seconds(t, 1) for tid, t in tasks.items()}
             self._paths = (stamp, paths_to_end(tasks, seconds))
+            by_path = sorted(self._paths[1], key=lambda tid: -self._paths[1][tid])
+            self._longest = [by_path, 0]
         return self._paths[1]
+
+    def longest(self, tasks: Mapping[str, TaskSpec]) -> float:
+        """The longest path to the end among `tasks` (after `paths(tasks)`): the first of
+        the tasks sorted by path that is still in `tasks`; a task gone from them (finished)
+        never comes back, so the scan resumes where it stopped."""
+        by_path, start = self._longest
+        path_s = self._paths[1] if self._paths is not None else {}
+        for i in range(start, len(by_path)):
+            if by_path[i] in tasks:
+                self._longest[1] = i
+                return path_s[by_path[i]]
+        return 0.0
 
     def _by_priority(self, tasks: Mapping[str, TaskSpec]) -> list[str] | None:
         """Ids by priority, highest first: sorted once per duration estimate on a big plan
@@ -316,7 +360,7 @@ class Sizer:
         one = self.seconds(task, 1)
         path_s = self.paths(remaining)
         big = len(remaining) > self.window  # a small plan is simulated whole: milliseconds
-        longest = max(path_s.get(tid, 0.0) for tid in remaining) if big else 0.0
+        longest = self.longest(remaining) if big else 0.0
         if not task.elastic or (big and path_s.get(task.id, one) < (1 - self.slack) * longest):
             least = self.ranks_of(task)[0] if task.elastic else task.gpus
             sizing = Sizing(task.id, least, {}, 0.0, time.perf_counter() - t0, simulated=False)

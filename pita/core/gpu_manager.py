@@ -239,7 +239,7 @@ class GPUManager:
         validate_devices_spec(spec)
         self.threads_per_worker = threads_per_worker
         self.devices: list[Device] = self._discover(spec, cpu_workers, threads_per_worker)
-        # the most devices one task may hold at once (a Ray cluster: its largest node's)
+        # the most devices one task may hold at once (every device: on Ray a gang spans nodes)
         self.largest_gang: int = len(self.devices)
 
     # ---- discovery ---------------------------------------------------------------------

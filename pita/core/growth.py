@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pita.core.elastic import set_ranks
+from pita.core.elastic import GangStartup, curve_key, set_ranks
 from pita.core.errors import STOPPED
 from pita.core.progress import parse_progress, task_left
 from pita.core.tasks import TaskSpec
@@ -115,9 +115,15 @@ class GrowthPolicy:
     def grown_left(self, task: TaskSpec, left: float, k: int) -> float:
         """Seconds left after a resize to k ranks now: the stop and checkpoint, the gang's
         start-up on k, and what is left of the work at k ranks' pace."""
-        now = max(1e-9, self.seconds(task, task.gpus) - self.startup(task.gpus))
-        then = max(1e-9, self.seconds(task, k) - self.startup(k))
-        return self.stop_cost() + self.startup(k) + left * then / now
+        now = max(1e-9, self.seconds(task, task.gpus) - self._startup(task, task.gpus))
+        then = max(1e-9, self.seconds(task, k) - self._startup(task, k))
+        return self.stop_cost() + self._startup(task, k) + left * then / now
+
+    def _startup(self, task: TaskSpec, k: int) -> float:
+        """The start-up of `task`'s kind on k ranks where it was measured (`GangStartup`)."""
+        if isinstance(self.startup, GangStartup):
+            return self.startup(k, curve_key(task))
+        return self.startup(k)
 
     def decide(self, running: Iterable[RunningTask], idle: int) -> list[Grow]:
         """Resizes worth asking for with `idle` devices free, highest priority first."""

@@ -17,23 +17,34 @@ model here (processor sharing, as the kernel's scheduler does for busy threads):
 Since every running task progresses at the same rate, one virtual clock serves them all
 (V(t) = integral of rate): a task that starts at V0 with w seconds of work ends when V
 reaches V0 + w, so the simulation keeps its heap of end times and stays O(log n) an event.
-What this does not see: load from outside the run (other users' processes) and memory
-bandwidth; the orchestrator's own CPU is small beside a task's.
+Other users' processes take their share too: `HostShare.external`, their runnable threads
+(the load average less the run's own, `outside_load`), read when the dry run or the live ETA
+forecasts. A finished task is learned from its CPU seconds where it computed (they do not
+depend on who else ran), else from its wall time x the modelled rate. Not modelled: memory
+bandwidth, and load that comes or goes after the forecast.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+# A task whose CPU seconds say it computed at least this long is learned from them (below:
+# from its wall time and the modelled rate: a sleeping or waiting task has no CPU to count)
+CPU_BOUND_S = 1.0
+
 
 @dataclass(frozen=True)
 class HostShare:
-    """`cores` the run's tasks share; each rank of a task runs `threads` torch threads."""
+    """`cores` the run's tasks share; each rank of a task runs `threads` torch threads;
+    `external`: runnable threads of other processes (other users' work) that take their
+    share of the cores too."""
 
     cores: float
     threads: int = 1
+    external: float = 0.0
 
     def demand(self, task: Any) -> float:
         """Cores a task asks for: k ranks, each with threads / k of the worker's (at least 1)."""
@@ -42,7 +53,17 @@ class HostShare:
 
     def rate(self, demand: float) -> float:
         """Seconds of its own work each running task does per second while `demand` cores are asked."""
-        return 1.0 if demand <= self.cores else self.cores / demand
+        asked = demand + self.external
+        return 1.0 if asked <= self.cores else self.cores / asked
+
+    def work(self, wall: float, rate: float, cpu: float | None, ranks: int = 1) -> float:
+        """A finished task's work: its CPU seconds per thread when it ran on one rank and
+        computed (whatever else shared the cores: other users' load included), else its wall
+        time x `rate`, the host's mean modelled rate while it ran (a gang's ranks are not
+        the worker's children: their CPU is not counted)."""
+        if cpu is not None and ranks <= 1 and cpu / max(1, self.threads) >= CPU_BOUND_S:
+            return min(wall, cpu / max(1, self.threads))
+        return wall * rate
 
 
 @dataclass
@@ -124,3 +145,13 @@ ENDS = ("task_done", "task_failed", "task_retry", "task_resized", "task_stopped"
 @dataclass(frozen=True)
 class _Ranks:
     gpus: int
+
+
+def outside_load(ours: float) -> float:
+    """Runnable threads on the host that are not the run's: the 1-minute load average less
+    the run's own demand and the orchestrator's thread (0 where the OS has no load average)."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+    return max(0.0, load - ours - 1.0)

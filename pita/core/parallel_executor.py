@@ -22,10 +22,11 @@ its measured peak, and applies the retry policy of docs/DESIGN.md §3:
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -95,6 +96,8 @@ class Scheduler:
         )
         self.passed_over: dict[str, int] = {}
         self.held: dict[int, str] = {}  # device -> the task it is held for (last place() call)
+        # device -> its Ray node: a gang goes on one node when one has room (empty: one machine)
+        self.node_of: dict[int, str] = {}
 
     def available_mb(self, d: DeviceState) -> int:
         """Free memory minus what running tasks reserved but have not allocated yet.
@@ -130,20 +133,39 @@ class Scheduler:
         soonest = max(could, key=lambda d: (self.available_mb(d), -len(d.running), -d.index))
         return [soonest.index]
 
-    def place(self, ready: list[TaskSpec]) -> list[tuple[TaskSpec, list[int]]]:
-        """Assign as many ready tasks as fit now; mutates device reservations."""
+    def _one_node(self, candidates: list[DeviceState], k: int) -> list[DeviceState]:
+        """k of `candidates` on one node (the node with the most of them free, packed as
+        `place` packs), or [] when no node has k: the gang then spans nodes."""
+        by_node: dict[str, list[DeviceState]] = {}
+        for d in candidates:
+            by_node.setdefault(self.node_of.get(d.index, ""), []).append(d)
+        best = max(by_node.values(), key=len)
+        if len(best) < k:
+            return []
+        return sorted(best, key=lambda d: (len(d.running), -self.available_mb(d), d.index))[:k]
+
+    def place(
+        self, ready: Iterable[TaskSpec], presorted: bool = False
+    ) -> list[tuple[TaskSpec, list[int]]]:
+        """Assign as many ready tasks as fit now; mutates device reservations. `presorted`:
+        `ready` is in dispatch order already (highest priority first, ties in plan order:
+        the simulation keeps it so, and passes a lazy sequence it may stop reading)."""
         placements = []
         blocked: set[int] = set()  # devices held back for a waiting gang or large task
         waiting: list[str] = []  # tasks that did not fit, in priority order
         self.held = {}
-        for task in sorted(ready, key=self.priority, reverse=True):
-            if all(len(d.running) >= self.max_tasks for d in self.devices):
+        cap = self.max_tasks
+        # the devices with a free slot, in device order (a simulation asks this millions of
+        # times: most devices are full, the others are few)
+        open_devices = [d for d in self.devices if len(d.running) < cap]
+        for task in ready if presorted else sorted(ready, key=self.priority, reverse=True):
+            if not open_devices:
                 break  # every device is full: the rest wait (a plan of 100k tasks stays fast)
             per_device_mb = per_device(task)
             candidates = [
                 d
-                for d in self.devices
-                if d.index not in blocked and self._eligible(d, per_device_mb)
+                for d in open_devices
+                if d.index not in blocked and self.available_mb(d) >= per_device_mb
             ]
             if len(candidates) < task.gpus:
                 for index in self._hold_for(task, per_device_mb, blocked):
@@ -159,8 +181,12 @@ class Scheduler:
             chosen = sorted(
                 candidates, key=lambda d: (len(d.running), -self.available_mb(d), d.index)
             )[: task.gpus]
+            if task.gpus > 1 and self.node_of:
+                chosen = self._one_node(candidates, task.gpus) or chosen
             for d in chosen:
                 d.running[task.id] = per_device_mb
+            if any(len(d.running) >= cap for d in chosen):
+                open_devices = [d for d in open_devices if len(d.running) < cap]
             placements.append((task, sorted(d.index for d in chosen)))
             self.passed_over.pop(task.id, None)
             for tid in waiting:  # a lower-priority task started while these waited
@@ -170,7 +196,8 @@ class Scheduler:
 
     def release(self, task_id: str) -> None:
         for d in self.devices:
-            d.running.pop(task_id, None)
+            if task_id in d.running:
+                del d.running[task_id]
 
 
 def simulate(
@@ -201,6 +228,10 @@ def simulate(
         for d in t.deps:
             dependants.setdefault(d, []).append(tid)
     ready_ids = {tid for tid, n in waiting_on.items() if n == 0}
+    # the ready tasks in dispatch order (the scheduler's priority, then plan order), kept
+    # sorted as tasks become ready and start: no sort of thousands of ready tasks an event
+    rank = lambda tid: (-scheduler.priority(plan.tasks[tid]), order[tid])  # noqa: E731
+    queue = sorted((rank(tid), tid) for tid in ready_ids)
     running: list[tuple[float, str]] = []  # (virtual end, id)
     placement: dict[str, list[int]] = {}
     unstarted = set(plan.tasks)
@@ -212,8 +243,8 @@ def simulate(
             for tid in sorted(fresh, key=order.__getitem__):
                 on_ready(plan.tasks[tid], clock.now, ends_now, unstarted)
         fresh = set()
-        ready = [plan.tasks[tid] for tid in sorted(ready_ids, key=order.__getitem__)]
-        for task, devs in scheduler.place(ready):
+        for task, devs in scheduler.place((plan.tasks[tid] for _, tid in queue), presorted=True):
+            del queue[bisect.bisect_left(queue, (rank(task.id), task.id))]
             placement[task.id] = devs
             if starts is not None:
                 starts[task.id] = clock.now
@@ -233,6 +264,7 @@ def simulate(
             if waiting_on[child] == 0:
                 ready_ids.add(child)
                 fresh.add(child)
+                bisect.insort(queue, (rank(child), child))
     return placement, clock.now
 
 
@@ -370,12 +402,11 @@ class DagRunner:
                     attempt = self.attempts.get(task.id, 0) + 1
                     self.attempts[task.id] = attempt
                     self.placement[task.id] = devices
+                    where = self._where(devices)
+                    if where:  # on Ray: the gang carries its ranks' nodes to the worker
+                        task.gang = replace(task.gang, nodes=tuple(where["nodes"]))
                     self._journal(
-                        "task_running",
-                        task=task.id,
-                        devices=devices,
-                        attempt=attempt,
-                        **self._where(devices),
+                        "task_running", task=task.id, devices=devices, attempt=attempt, **where
                     )
                     self.on_event("running", task, devices)
                     if self.grower is not None:
@@ -546,8 +577,18 @@ class DagRunner:
         if outcome.ok:
             self.done.add(task.id)
             self.summary.done.append(task.id)
+            result = outcome.result or {}
+            measured = {  # the stage's start-up, the worker's CPU seconds (host_share.py)
+                k: result[k]
+                for k in ("first_step_s", "cpu_s")
+                if isinstance(result.get(k), (int, float))
+            }
             self._journal(
-                "task_done", task=task.id, wall_s=outcome.wall_s, worker_pid=outcome.worker_pid
+                "task_done",
+                task=task.id,
+                wall_s=outcome.wall_s,
+                worker_pid=outcome.worker_pid,
+                **measured,
             )
             self.on_event("done", task, outcome)
             if self.sizer is not None:
@@ -572,6 +613,7 @@ class DagRunner:
             self.on_event("retry", task, outcome)
             pending[task.id] = task
             self._drop_lost_devices(pending)
+            self._fit_devices_left(task, self.executor.lost_nodes_line())
             return
         own = attempt - self.nodes_lost.get(task.id, 0)  # attempts that ended in its own faults
         if outcome.failure in RETRYABLE and own <= self.max_retries:

@@ -309,3 +309,64 @@ class TaskPaths:
             if file_sha256(self.final / rel) != entry.get("sha256"):
                 return f"{rel} does not match its sha256"
         return None
+
+
+# What pita adds below a run folder: a task's folder name is its id plus at most this
+# (`.tmp-<id>-<pid>`, `<id>.attempt<N>.stopped-at-<step>`), and no path pita writes inside a
+# run folder is longer than the folder's own path plus RUN_PATH_EXTRA bytes (task folder,
+# checkpoint shards, model files).
+TASK_NAME_EXTRA = 48
+RUN_PATH_EXTRA = 1024
+
+
+def _limits(path: Path) -> tuple[int, int]:
+    """(longest name, longest path) in bytes on the file system that will hold `path`."""
+    probe = path
+    while not os.path.exists(probe) and probe != probe.parent:  # never raises ENAMETOOLONG
+        probe = probe.parent
+    try:
+        return os.pathconf(probe, "PC_NAME_MAX"), os.pathconf(probe, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        return 255, 4096
+
+
+def _short(text: str, keep: int = 40) -> str:
+    return text if len(text) <= 2 * keep + 3 else f"{text[:keep]}...{text[-keep:]}"
+
+
+def path_length_errors(run_dir: Path | str, task_ids: Iterable[str] = ()) -> list[str]:
+    """Why this run folder, or a task folder inside it, is too long a name or path for its
+    file system (the kernel's ENAMETOOLONG, as one line before anything is created)."""
+    folder = Path(run_dir).absolute()
+    name_max, path_max = _limits(folder)
+    errors = [
+        f"run folder {_short(str(folder))}: the name {_short(part, 20)!r} is "
+        f"{len(part.encode())} bytes, over the file system's {name_max} per name; shorten "
+        f"experiment.name or hydra.run.dir"
+        for part in folder.parts
+        if len(part.encode()) > name_max
+    ]
+    size = len(str(folder).encode())
+    if not errors and size + RUN_PATH_EXTRA > path_max:
+        errors.append(
+            f"run folder {_short(str(folder))}: its path is {size} bytes; with what pita writes "
+            f"inside (up to {RUN_PATH_EXTRA} bytes more) it passes the file system's {path_max}"
+            f"-byte limit; choose a shorter folder"
+        )
+    long_ids = [t for t in task_ids if len(t.encode()) + TASK_NAME_EXTRA > name_max]
+    if long_ids:
+        errors.append(
+            f"task {_short(long_ids[0])}: its folder name would pass the file system's "
+            f"{name_max} bytes per name ({len(long_ids)} task(s)); shorten the names task ids "
+            f"are made of (model.name, dataset.name, the algorithm's)"
+        )
+    return errors
+
+
+def writable_log(path: Path) -> Path:
+    """`path`, or `<stem>.uid<N><suffix>` beside it when `path` exists and this user may not
+    append to it (a teammate's log in a shared run from before its modes were the group's):
+    a log file is never a reason for a worker or a resume to die."""
+    if os.path.lexists(path) and not os.access(path, os.W_OK):
+        return path.with_name(f"{path.stem}.uid{os.geteuid()}{path.suffix}")
+    return path

@@ -23,10 +23,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pita.core.host_share import ShareClock
+from pita.core.host_share import ShareClock, outside_load
 from pita.core.parallel_executor import Scheduler, fresh_scheduler, simulate_remaining
 from pita.core.tasks import TaskSpec
 
@@ -213,24 +213,36 @@ class Eta:
         # seconds each would take alone (pita/core/host_share.py)
         host = getattr(scheduler, "host", None)
         self.clock = ShareClock(host) if host is not None else None
+        self.outside: Callable[[float], float] = outside_load  # other users' runnable threads
 
     def task_started(self, task: TaskSpec, now: float) -> None:
         if self.clock is not None:
             self.clock.start(task.id, self.clock.share.demand(task), now)
 
-    def task_ended(self, task: TaskSpec, now: float, wall_s: float | None = None) -> None:
-        """A task ended; `wall_s`: it finished in that time, and its work is learned (its wall
-        time x the host's mean rate while it ran)."""
+    def task_ended(
+        self, task: TaskSpec, now: float, wall_s: float | None = None, cpu_s: float | None = None
+    ) -> None:
+        """A task ended; `wall_s`: it finished in that time, and its work is learned
+        (`HostShare.work`: its CPU seconds `cpu_s`, or its wall time x the host's mean rate
+        while it ran)."""
         if wall_s is None:
             if self.clock is not None:
                 self.clock.stop(task.id, now)
             return
         work = float(wall_s)
         if self.clock is not None and task.id in self.clock.running:
-            began = now - self.clock.running_for(task.id, now)
+            ran = self.clock.running_for(task.id, now)
             done = self.clock.stop(task.id, now) or 0.0
-            work *= done / (now - began) if now > began else 1.0
+            work = self.clock.share.work(work, done / ran if ran > 0 else 1.0, cpu_s, task.gpus)
         self.durations.observe(task, work)
+
+    def _scheduler(self) -> Scheduler:
+        """A fresh copy of the run's scheduler; its host share counts other users' load now."""
+        out = fresh_scheduler(self.scheduler)
+        if out.host is not None:
+            ours = self.clock.demand if self.clock is not None else 0.0
+            out.host = replace(out.host, external=self.outside(ours))
+        return out
 
     def worked(self, task_id: str, started: float, now: float) -> float:
         """Seconds of its own work a running task has done (its wall time on its own cores)."""
@@ -281,11 +293,19 @@ class Eta:
                 s, source = pace[task_kind(t)], PACE
             seconds[tid] = s
             weight[source] = weight.get(source, 0.0) + s
-        out.seconds = simulate_remaining(
-            left, fresh_scheduler(self.scheduler), seconds, set(started) & set(left)
-        )
+        out.seconds = simulate_remaining(left, self._scheduler(), seconds, set(started) & set(left))
         out.source = max(weight, key=lambda k: weight[k])
         return out
+
+    def source(self) -> str:
+        """Where most of the unfinished tasks' expected seconds come from (no simulation)."""
+        rate = self.durations.rate(list(self.tasks.values()))
+        weight: dict[str, float] = {}
+        for tid, t in self.tasks.items():
+            if tid not in self.finished:
+                s, source = self.durations.estimate(t, rate)
+                weight[source] = weight.get(source, 0.0) + self.at_ranks(t, s)
+        return max(weight, key=lambda k: weight[k]) if weight else THIS_RUN
 
     def remaining(
         self,
@@ -521,8 +541,11 @@ class Progress:
             self._first.pop(task.id, None)
             if self.eta is None:
                 return
-            if kind != "skipped":
-                self.eta.task_ended(task, now, info.wall_s if kind == "done" else None)
+            if kind == "done":
+                cpu = (info.result or {}).get("cpu_s")
+                self.eta.task_ended(task, now, info.wall_s, cpu if isinstance(cpu, float) else None)
+            elif kind != "skipped":
+                self.eta.task_ended(task, now)
             if kind in ("done", "failed", "skipped"):
                 self.eta.finished.add(task.id)
             self._eta_stale = True

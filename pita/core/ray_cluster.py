@@ -9,8 +9,8 @@ waits for it at most `executor.ray_placement_timeout_s` (a cluster that cannot g
 one line naming what was asked per bundle and what each node offers, never a hang: another
 job holding the devices is the usual cause), and starts one `SlotWorker` actor in each
 bundle (pita/runtime/ray_slot.py). Slot i is device i of the scheduler; slots are numbered
-node by node, so a gang the scheduler packs on consecutive free slots lands on one node
-when one node has room (`node_of`) and spans nodes only when it must.
+node by node, and the scheduler puts a gang on one node when one node has k free slots
+(`Scheduler.node_of`, pita/core/parallel_executor.py), across nodes only when none has.
 
 Before the first task every node reads a probe the orchestrator wrote into the run folder
 and writes one back (`check_shared_storage`): a node that does not share the run folder is

@@ -1,25 +1,34 @@
-"""Run tasks as Ray tasks on an existing Ray cluster (`executor=ray`).
+"""Run tasks on an existing Ray cluster (`executor=ray`), on one node or many.
 
 pita does not build its own cluster: beyond one machine it hands tasks to Ray (or runs
 whole experiments under SLURM with Hydra's submitit launcher, `conf/hydra/launcher/`).
-With `executor=ray`, the DAG runner and scheduler stay the same; each task becomes one
-Ray task asking for `num_gpus=task.gpus`, and Ray pins it (`CUDA_VISIBLE_DEVICES`) on
-whichever node has room. A k-device training task is one such task: Ray gives it k GPUs
-of one node (a Ray task never spans nodes, so no placement group is needed), and its stage
-starts the same k-rank launcher there as a local worker does; the planner makes no gang
-larger than the largest node (`largest_node`). Under SLURM (Hydra's submitit launcher) a
-run uses its job's GPUs: `system.devices=auto` keeps the ones `CUDA_VISIBLE_DEVICES` names
-(pita/core/gpu_manager.py `visible_devices`). The run folder must be on a filesystem every
-node mounts.
-The scheduler's device slots are the cluster's GPUs (or CPUs when it has none), read
-from `ray.cluster_resources()`.
+With `executor=ray` the DAG runner and scheduler stay the same; the scheduler's devices
+are the cluster's slots (its GPUs, or its CPUs when it has none, from
+`ray.cluster_resources()`), numbered node by node.
+
+At the run's start (`prepare`) the slots are reserved in one placement group within
+`executor.ray_placement_timeout_s` and a warm `SlotWorker` actor starts in each
+(pita/core/ray_cluster.py, pita/runtime/ray_slot.py); every node then proves it sees the
+run folder (a probe written here, read there, answered). A one-device task runs on its
+slot's actor, as on a local worker. A k-device task runs one rank on each of its k slots'
+actors, on one node when one has room, across nodes when it must: rank 0 runs the stage and
+its `run_stage` starts the other ranks through Ray with RANK / WORLD_SIZE / MASTER_ADDR /
+MASTER_PORT (c10d on rank 0's node). So the largest gang is every slot of the cluster
+(`largest_node`), and `fsdp` means every device of the cluster. The run folder must be on a
+filesystem every node mounts.
+
+A lost node (its raylet gone: the actors on it die, or a gang's surviving ranks fail): the
+tasks that ran there end as `node_lost`, which `DagRunner` retries on the devices left
+without counting against the task's own retries (pita/core/parallel_executor.py).
 
 Install: `pip install "ray[default]"`; start a cluster (`ray start --head` ...), then
-`python run_parallel.py executor=ray executor.ray_address=<head>:6379`.
+`python run_parallel.py executor=ray executor.ray_address=<head>:6379`
+(docs/operations.md, "On a Ray cluster").
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -277,16 +286,18 @@ class RayExecutor:
             )
         return sizes
 
-    def prepare(self, run_dir: str | Path, warm_stages: str = "") -> None:
+    def prepare(self, run_dir: str | Path, warm_stages: str = "", preimport: bool = True) -> None:
         """Reserve the slots, start their actors and check that every node shares the run
-        folder, before the first task (ConfigError, one line: the run stops, exit 2)."""
+        folder, before the first task (ConfigError, one line: the run stops, exit 2). With
+        `preimport` (executor.preimport) each actor then imports torch and the stages."""
         from pita.core.paths import RunPaths
         from pita.core.ray_cluster import check_shared_storage
 
         self.warm_stages = warm_stages
         self._start_slots(warm=False)  # the probe first: it answers before torch is imported
         check_shared_storage(self.ray, self.slot_list, RunPaths(run_dir).workers)
-        for slot in self.slot_list:
+        self.preimport = preimport
+        for slot in self.slot_list if preimport else ():
             slot.actor.warm.remote()  # queued before any task: the first one starts warm
 
     def _start_slots(self, warm: bool = True) -> None:
@@ -323,7 +334,7 @@ class RayExecutor:
             )
             .remote(slot.index, self.run_task, self.warm_stages)
         )
-        if warm:
+        if warm and getattr(self, "preimport", True):
             actor.warm.remote()  # queued before any task: the first one starts warm
         return actor
 
@@ -373,14 +384,14 @@ class RayExecutor:
         if outcome is not None and (not isinstance(outcome, TaskOutcome) or outcome.ok):
             return outcome  # (a test's own run_task may answer anything)
         lost = self._lost_nodes({s.node for s in slots}, wait=died is not None or len(slots) > 1)
+        if died is not None or len(slots) > 1:  # dead, or a gang's ranks maybe in a collective
+            self._replace([s for s in slots if s.node not in self.lost])
         if lost:
             where = ", ".join(f"{n[:8]} ({self.lost[n]})" for n in sorted(lost))
             what = f"{died}" if died is not None else f"{outcome.failure}: {outcome.message}"
             return TaskOutcome(
                 task.id, False, "node_lost", f"Ray node {where} lost: {what.splitlines()[0][:300]}"
             )
-        if died is not None or len(slots) > 1:
-            self._replace([s for s in slots if s.node not in self.lost])
         if died is not None:  # the worker died: same class as a killed local worker
             return TaskOutcome(task.id, False, "killed", f"Ray worker lost: {died}")
         return outcome
@@ -493,6 +504,7 @@ def _connect(ray: Any, address: str | None) -> None:
             address=None if address in (None, "local") else address,
             ignore_reinit_error=True,
             log_to_driver=False,
+            logging_level=logging.WARNING,  # its "Connecting to ..." lines: not on stderr
         )
     except (ConnectionError, RuntimeError, ValueError, _ray_auth_error()) as exc:
         first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)

@@ -38,11 +38,26 @@ def _caller_groups() -> set[int]:
 _GROUP_SHARED = [False]  # this process runs a run shared with its group (system.trust_group)
 
 
+_UMASK_BEFORE: list[int] = []  # the process umask before sharing cleared its group bits
+
+
 def share_with_group(on: bool) -> None:
     """Make `trust_group` the default of every check in this process: the orchestrator of a
     run with `system.trust_group=true` reads the saved config, plan, journal, lock and
-    manifests its teammates wrote, without each reader passing the flag along."""
+    manifests its teammates wrote, without each reader passing the flag along.
+
+    And what this process creates from now on is the group's to write too: the umask's group
+    bits are cleared (022 -> 002), so the worker logs, run.log, journal, task folders and
+    results a teammate's resume appends to or replaces are group-writable (issue 43: a
+    teammate's resume died on the owner's 0644 worker logs). Workers inherit it. `on=False`
+    restores the umask this process had."""
     _GROUP_SHARED[0] = bool(on)
+    if on and not _UMASK_BEFORE:
+        before = os.umask(0o022)
+        _UMASK_BEFORE.append(before)
+        os.umask(before & ~0o070)
+    elif not on and _UMASK_BEFORE:
+        os.umask(_UMASK_BEFORE.pop())
 
 
 def group_shared() -> bool:

@@ -288,7 +288,7 @@ class ExecutorConfig:
     gang_stall_s: Optional[float] = spec(
         "A k-rank task (a gang) one of whose ranks makes no training step for this long is "
         "killed and retried as `stalled` (seconds). None: 20 x the longest gap between two "
-        "of its steps so far, at least 300 s; 900 s before its first step.",
+        "of its steps so far, at least 300 s, once it has stepped twice.",
         None,
         gt=0,
         note="seconds",
@@ -467,7 +467,8 @@ class LoggerConfig:
         affects="record",
     )
     tracking_uri: Optional[str] = spec(
-        "MLflow tracking URI (None = a sqlite store in <run>/logs/mlflow/mlflow.db).",
+        "MLflow tracking URI (None = one sqlite store outputs/mlflow/mlflow.db for every run "
+        "under outputs/; a run folder outside outputs/: <run>/logs/mlflow/).",
         None,
         affects="record",
     )

@@ -57,7 +57,7 @@ from pita.core.forked_worker import (
     start_forked_worker,
     start_forkserver,
 )
-from pita.core.paths import pythonpath_with
+from pita.core.paths import pythonpath_with, writable_log
 from pita.core.tasks import TaskSpec
 
 log = logging.getLogger(__name__)
@@ -354,7 +354,7 @@ class WorkerPool:
         log_path = None
         if self.log_dir is not None:  # a worker's own stdout/stderr (library noise, crashes)
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            log_path = self.log_dir / f"worker-{worker_id}.log"
+            log_path = writable_log(self.log_dir / f"worker-{worker_id}.log")
         proc: WorkerProcess
         if self.fork_workers:
             log_file = None if log_path is None else str(log_path)

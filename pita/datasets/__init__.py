@@ -125,6 +125,26 @@ def _module(name: str):
     return module
 
 
+def plugin_schemas() -> dict[str, type]:
+    """name -> the `SCHEMA` of each installed dataset plugin that declares one: a dataclass
+    subclassing `pita.core.schema.DatasetConfig` with the dataset's own keys (docs/extending.md;
+    registered with Hydra as `dataset_schema/<name>`, which the dataset's config file names
+    in its defaults). A plugin that fails to import is skipped here (its run says so)."""
+    import dataclasses
+
+    from pita.core.schema import DatasetConfig
+
+    out: dict[str, type] = {}
+    for name in PLUGINS:
+        try:
+            schema = getattr(_module(name), "SCHEMA", None)
+        except ValueError:  # failed to import: reported when a run selects it
+            continue
+        if dataclasses.is_dataclass(schema) and issubclass(schema, DatasetConfig):  # type: ignore[arg-type]
+            out[name] = schema  # type: ignore[assignment]
+    return out
+
+
 def with_defaults(dataset_cfg: Mapping) -> dict:
     """`dataset_cfg` with the task's own defaults (its module's DEFAULTS) under it."""
     cfg = _as_dict(dataset_cfg)

@@ -145,7 +145,8 @@ def _yaml_error(exc: BaseException | None) -> str | None:
                 except ValueError:
                     pass
                 where = f"{name}:{mark.line + 1}:{mark.column + 1}"
-            return f"{where}: YAML syntax error: {exc.problem or exc.context}"
+            label = "YAML" if isinstance(exc, yaml.constructor.ConstructorError) else "YAML syntax"
+            return f"{where}: {label} error: {exc.problem or exc.context}"
         exc = exc.__cause__ or exc.__context__
     return None
 
@@ -328,15 +329,35 @@ def apply_resume_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
             )
         if key.startswith("~"):
             raise ConfigError(f"{o}: a key cannot be removed on resume; set it to another value")
+        dot = OmegaConf.from_dotlist([f"{bare}={value}"])
         try:
-            merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{bare}={value}"]))
+            merged = OmegaConf.merge(cfg, dot)
         except Exception as exc:
             if type(exc).__name__ == "ConfigKeyError":
                 raise ConfigError(with_hint(f"{bare}: {UNKNOWN_KEY}")) from None
-            raise ConfigError(f"{o}: {_first_line(exc)}") from None
+            merged = _update_typed(cfg, bare, dot, f"{o}: {_first_line(exc)}")
         assert isinstance(merged, DictConfig)  # a mapping merged into a mapping
         cfg = merged
     return cfg
+
+
+def _update_typed(cfg: DictConfig, key: str, dot: DictConfig, why: str) -> DictConfig:
+    """A copy of `cfg` with `key` set to its value in `dot` by `OmegaConf.update`: merging a
+    dotlist into a typed dict of a saved config (`executor.stage_overrides`, Dict[str, Dict[
+    str, str]]) fails in OmegaConf ("Value 'AnyNode' is not a supported primitive type"),
+    so a resume could not state such a key again. ConfigError(`why`) when that fails too."""
+    import copy
+
+    from omegaconf import ListConfig
+
+    leaf = OmegaConf.select(dot, key)
+    value = OmegaConf.to_container(leaf) if isinstance(leaf, (DictConfig, ListConfig)) else leaf
+    out = copy.deepcopy(cfg)
+    try:
+        OmegaConf.update(out, key, value, merge=True)
+    except Exception:
+        raise ConfigError(why) from None
+    return out
 
 
 def preflight(
@@ -357,12 +378,10 @@ def preflight(
 
     absolutize_paths(cfg)
     validate(cfg, project_root=PROJECT_ROOT)
-    from pita.experiment.config import path_secret_error
+    from pita.core.paths import path_length_errors
 
-    folder = run_dir or LAST_COMPOSE.get("run_dir") or planned_run_dir(cfg, overrides or [])
-    secret = path_secret_error(folder)  # written into run_info.json, run.log, the caches
-    if secret:
-        raise ConfigError(secret)
+    folder = run_dir or _planned_folder(cfg, overrides or [])
+    _check_run_folder(folder)
     from pita.experiment.preflight import check_launcher  # SLURM without sbatch: exit 2 now
 
     check_launcher(remote_launcher(), overrides)
@@ -370,7 +389,9 @@ def preflight(
         return
     gpu = make_gpu_manager(cfg)
     if run_dir is None:
-        build_plan(cfg, gpu)
+        too_long = path_length_errors(folder, build_plan(cfg, gpu).tasks)
+        if too_long:
+            raise ConfigError(too_long)
     else:
         from pita.core.dag import Plan
 
@@ -387,6 +408,28 @@ def preflight(
         gpu.kind,
         output_dir=run_dir if run_dir is not None else planned_run_dir(cfg, overrides or []),
     )
+    if errors:
+        raise ConfigError(errors)
+
+
+def _planned_folder(cfg: DictConfig, overrides: list[str]) -> Path:
+    """Where a new run will be: a typed `hydra.run.dir` (the composition leaves Hydra's keys
+    out), else the composed one, resolved."""
+    from pita.experiment.preflight import planned_run_dir
+
+    if any(o.startswith("hydra.run.dir=") for o in overrides):
+        return planned_run_dir(cfg, overrides)
+    return Path(LAST_COMPOSE.get("run_dir") or planned_run_dir(cfg, []))
+
+
+def _check_run_folder(folder: Path) -> None:
+    """The run folder's path holds no secret (pita writes it into run_info.json, run.log and
+    its caches) and fits its file system's name and path limits (ConfigError)."""
+    from pita.core.paths import path_length_errors
+    from pita.experiment.config import path_secret_error
+
+    secret = path_secret_error(folder)
+    errors = [secret] if secret else path_length_errors(folder)
     if errors:
         raise ConfigError(errors)
 
@@ -417,7 +460,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.help:
         _print_help(args)
         sys.exit(0)
-    _exit_2_on_config_error(lambda: _refuse_secrets(argv))
+    _exit_2_on_config_error(lambda: _check_arguments(argv))
     overrides = _exit_2_on_config_error(lambda: _expanded_algos(args))
     info_only = bool(args.hydra_help or args.cfg or args.info or args.shell_completion)
     cfg: DictConfig | None = None  # Hydra's --info / --cfg / completion need no run config
@@ -450,12 +493,21 @@ def _exit_2_on_config_error(fn: Callable[[], T]) -> T:
         sys.exit(2)
 
 
-def _refuse_secrets(argv: list[str]) -> None:
-    """No argument holds a secret (pita/experiment/config.py): before anything composes,
-    prints or writes the command line."""
+FOLDER_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "resume_from")  # run folders, as typed
+
+
+def _check_arguments(argv: list[str]) -> None:
+    """No argument holds a secret (pita/experiment/config.py), before anything composes,
+    prints or writes the command line; no run folder typed is too long a name or path for
+    its file system (pita/core/paths.py), before anything stats it (ENAMETOOLONG)."""
+    from pita.core.paths import path_length_errors
     from pita.experiment.config import command_line_secret_errors
 
     errors = command_line_secret_errors(argv)
+    for arg in argv if not errors else []:
+        key, sep, value = arg.partition("=")
+        if sep and key.lstrip("+") in FOLDER_KEYS and value not in ("", "auto", "null"):
+            errors += path_length_errors(value.strip("'\""))
     if errors:
         raise ConfigError(errors)
 
@@ -496,6 +548,11 @@ def _resume(resume: str, implicit: bool, overrides: list[str], args: Any) -> int
             rest = _same_run_overrides(resume, rest, args)
         cfg, run_dir = load_resume_config(resume, rest)
         preflight(cfg, run_dir=run_dir)
+        from pita.experiment.code_keys import foreign_code_errors, stated_keys
+
+        foreign = foreign_code_errors(cfg, run_dir, stated_keys(rest))  # a teammate's code
+        if foreign:
+            raise ConfigError(foreign)
         return cfg, run_dir
 
     cfg, run_dir = _exit_2_on_config_error(resumed_config)
@@ -619,7 +676,9 @@ def _setup_console_logging(run_dir: Path | None = None) -> None:
     console.setFormatter(logging.Formatter("%(message)s"))
     root.handlers[:] = [console]
     if run_dir is not None:
-        file = logging.FileHandler(RunPaths(run_dir).run_log, mode="a")
+        from pita.core.paths import writable_log
+
+        file = logging.FileHandler(writable_log(RunPaths(run_dir).run_log), mode="a")
         file.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
         root.handlers.append(file)
 

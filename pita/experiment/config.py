@@ -52,8 +52,11 @@ from pita.core.schema import (  # noqa: F401 (the dataclasses' old home re-expor
     leaf_fields,
     schema_errors,
 )
+from pita.core.yaml_bound import install as _bound_yaml_aliases
 from pita.experiment.dataset_choice import dataset_keys  # noqa: F401 (its old home)
 from pita.experiment.trl_options import open_trl_dict, trl_option_errors
+
+_bound_yaml_aliases()  # every YAML read through OmegaConf from here on: pita/core/yaml_bound.py
 
 
 def register_configs() -> None:
@@ -64,6 +67,12 @@ def register_configs() -> None:
     cs.store(name="pita_schema", node=PitaConfig)
     for name, schema in ALGO_SCHEMAS.items():  # conf/algo/<x>.yaml: defaults: [<name>, _self_]
         cs.store(group="algo", name=name, node=open_trl_dict(schema))
+    from pita.datasets import plugin_schemas
+
+    # a plugin dataset's own keys: its conf/dataset/<x>.yaml's defaults name
+    # `optional /dataset_schema@_here_: <x>` (docs/extending.md)
+    for name, schema in plugin_schemas().items():
+        cs.store(group="dataset_schema", name=name, node=schema)
 
 
 # ---------------------------------------------------------------------------------------
@@ -224,7 +233,7 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
     non_finite = non_finite_errors(resolved)
     if non_finite:  # the range checks below would compare NaN and pass
         raise ConfigError(non_finite)
-    errors = [with_hint(e) for e in schema_errors(resolved, PitaConfig)]
+    errors = [with_hint(e) for e in _schema_errors(resolved)]
     errors += secret_errors(resolved)
     try:
         validate_devices_spec(cfg.system.devices)
@@ -257,6 +266,20 @@ def validate(cfg: DictConfig, *, project_root: Path | None = None) -> None:
             errors.append(str(exc))
     if errors:
         raise ConfigError(errors)
+
+
+def _schema_errors(resolved: dict) -> list[str]:
+    """`schema_errors` of the whole config, the dataset against its own schema when it is a
+    plugin that declares one (`pita.datasets.plugin_schemas`: keys DatasetConfig lacks)."""
+    from pita.datasets import plugin_schemas
+
+    dataset = resolved.get("dataset")
+    name = dataset.get("name") if isinstance(dataset, dict) else None
+    own = plugin_schemas().get(str(name)) if name else None
+    if own is None or not isinstance(dataset, dict):
+        return schema_errors(resolved, PitaConfig)
+    rest = {k: v for k, v in resolved.items() if k != "dataset"}
+    return schema_errors(rest, PitaConfig) + schema_errors(dataset, own, "dataset.")
 
 
 def known_keys() -> list[str]:
@@ -322,6 +345,9 @@ def algo_errors(algos: dict) -> list[str]:
     values checked when it is enabled), and what relates its keys."""
     errors = []
     for name, algo in algos.items():
+        if name not in ALGORITHMS and dict(algo) == {"enabled": False}:
+            continue  # what `algos=[...]` writes for a plugin the config lacks: the run
+            # resumes after the plugin is uninstalled (pita/experiment/cli_extras.py)
         if name not in ALGORITHMS:
             from pita.core.plugins import failure_hint
 

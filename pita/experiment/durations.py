@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -156,8 +156,10 @@ class DurationKey:
         return f"{t.id}|{t.num_shards}|{t.fn}|{self.device_kind}|{self.print}"
 
     def kind(self, t: Any) -> str:
-        """Tasks that differ only by size: algo, stage, dataset, family, shards, device kind."""
-        return f"{t.algo}|{t.stage}|{t.dataset}|{t.family}|{t.num_shards}|{t.fn}|{self.device_kind}"
+        """Tasks that differ only by size: algo, stage, dataset, family, device kind. Not the
+        shard count: a shard's size is its share of the examples (`task_size`), so a run on
+        8 devices estimates its shards from a run on 1."""
+        return f"{t.algo}|{t.stage}|{t.dataset}|{t.family}|{t.fn}|{self.device_kind}"
 
     def describe(self, t: Any) -> dict[str, Any]:
         return {"kind": self.kind(t), "size": task_size(t, self.cfg)}
@@ -173,19 +175,30 @@ class DurationHistory:
 
     exact: dict[str, float]
     by_kind: dict[str, list[tuple[float, float]]]
+    # (kind, size) -> seconds: a dry run of 34,292 tasks asks for each task several times
+    _memo: dict[tuple[str, float], float | None] = field(default_factory=dict, repr=False)
+    _sizes: dict[tuple[str, int], float] = field(default_factory=dict, repr=False)
 
     def scaled(self, task: Any, key: DurationKey) -> float | None:
         """Seconds of `task` from earlier tasks of its kind: with two sizes or more, a line
         through them (a fixed start-up plus seconds per unit of size, `fit_line`); with one,
         in proportion to size (the start-up scales too: an over-estimate for a larger task)."""
-        seen = self.by_kind.get(key.kind(task))
+        kind = key.kind(task)
+        seen = self.by_kind.get(kind)
         if not seen:
             return None
-        size = _product(task_size(task, key.cfg))
-        line = fit_line(seen)
-        if line is not None:
-            return line[0] + line[1] * size
-        return sum(wall * size / old for wall, old in seen) / len(seen)
+        sized = (task.id, task.num_shards)  # what task_size reads does not change in a run
+        if sized not in self._sizes:
+            self._sizes[sized] = _product(task_size(task, key.cfg))
+        size = self._sizes[sized]
+        if (kind, size) not in self._memo:
+            line = fit_line(seen)
+            self._memo[kind, size] = (
+                line[0] + line[1] * size
+                if line is not None
+                else sum(wall * size / old for wall, old in seen) / len(seen)
+            )
+        return self._memo[kind, size]
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float] | None:
@@ -227,15 +240,19 @@ def load_history(path: Path | None = None) -> DurationHistory:
 
 
 def load_rank_history(path: Path | None = None) -> dict[str, dict[str, Any]]:
-    """Recorded seconds per rank count: key -> {"curve": stage|family, "by_ranks": {k: s}}
-    (what pita/core/elastic.py fits speedup curves from); entries without them are left out."""
+    """Recorded seconds per rank count: key -> {"curve": algo|stage|family, "by_ranks": {k:
+    s}, "first_step": {k: s}} (what pita/core/elastic.py fits speedup curves and each kind's
+    gang start-up from); entries with neither are left out."""
     path = path or durations_cache_path()
 
     def parse(v: Any) -> dict[str, Any] | None:
-        if not isinstance(v, dict) or not isinstance(v.get("by_ranks"), dict):
+        if not isinstance(v, dict) or not isinstance(v.get("curve"), str):
             return None
-        by = {str(int(r)): float(x) for r, x in v["by_ranks"].items()}
-        return {"curve": str(v["curve"]), "by_ranks": by}
+        out: dict[str, Any] = {"curve": v["curve"]}
+        for name in ("by_ranks", "first_step"):  # seconds, and dispatch -> first step, per k
+            if isinstance(v.get(name), dict):
+                out[name] = {str(int(r)): float(x) for r, x in v[name].items()}
+        return out if len(out) > 1 else None
 
     data = user_cache.read_json(path, "durations")
     parsed = user_cache.entries(data, path, "durations", parse)
@@ -274,6 +291,7 @@ def record_durations(
     if events is None:
         events = read_events(RunPaths(run_dir).journal)
     walls = work_walls(events, share)
+    firsts = first_steps(events)
     ranks = ranks_of(events)
     if not walls:
         return 0
@@ -286,10 +304,14 @@ def record_durations(
                 entry: dict[str, Any] = {"wall_s": round(one, 3), "run": str(run_dir)}
                 if isinstance(key, DurationKey):  # kind and size: scaled for another config
                     entry.update(key.describe(t))
+                old = data.get(key(t))
+                old = old if isinstance(old, dict) else {}
                 if getattr(t, "elastic", False):
-                    old = data.get(key(t))
-                    by = dict(old.get("by_ranks") or {}) if isinstance(old, dict) else {}
+                    by = dict(old.get("by_ranks") or {})
                     entry.update(curve=curve_key(t), by_ranks={**by, str(k): round(wall, 3)})
+                if tid in firsts:  # the kind's start-up on k ranks (GangStartup)
+                    seen = dict(old.get("first_step") or {})
+                    entry.update(curve=curve_key(t), first_step={**seen, str(k): firsts[tid]})
                 data[key(t)] = entry
 
     return len(walls) if user_cache.update_json(path, "durations", add) else 0
@@ -303,10 +325,29 @@ def done_walls(events: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def work_walls(events: list[dict[str, Any]], share: HostShare | None) -> dict[str, float]:
-    """task id -> the work of its (last) finished attempt: its wall_s x the host's mean rate
-    while it ran (pita/core/host_share.py), or wall_s itself without a share (GPUs)."""
+    """task id -> the work of its (last) finished attempt (`HostShare.work`: its CPU seconds,
+    or its wall_s x the host's mean rate while it ran; pita/core/host_share.py), or wall_s
+    itself without a share (GPUs)."""
     walls = done_walls(events)
     if share is None:
         return walls
-    rates = mean_rates(events, share)
-    return {tid: wall * rates.get(tid, 1.0) for tid, wall in walls.items()}
+    rates, ranks = mean_rates(events, share), ranks_of(events)
+    cpu = {
+        e["task"]: float(e["cpu_s"])
+        for e in events
+        if e.get("event") == "task_done" and isinstance(e.get("cpu_s"), (int, float))
+    }
+    return {
+        tid: share.work(wall, rates.get(tid, 1.0), cpu.get(tid), ranks.get(tid, 1))
+        for tid, wall in walls.items()
+    }
+
+
+def first_steps(events: list[dict[str, Any]]) -> dict[str, float]:
+    """task id -> seconds from its dispatch to its first step (`first_step_s` of its last
+    task_done event, where the stage reported steps)."""
+    return {
+        e["task"]: round(float(e["first_step_s"]), 3)
+        for e in events
+        if e.get("event") == "task_done" and isinstance(e.get("first_step_s"), (int, float))
+    }

@@ -146,13 +146,13 @@ def size_training_gangs(
 ) -> None:
     """Set the gang (`TaskSpec.set_gang`) and `mem_mb` of every training task of `plan`
     (see the module docstring), from the gang the planner gave it; no gang is larger than
-    `largest_gang` (a Ray cluster's largest node). Raises ConfigError when a task fits no
+    `largest_gang` (the most devices a task may hold). Raises ConfigError when a task fits no
     gang of this run."""
     from pita.experiment.estimates import ModelSizes, _plain, training_memory
 
     plain = _plain(cfg)
     sizes = ModelSizes()
-    # a gang of k gets the k largest devices at best (on one node: a Ray task never spans two)
+    # a gang of k gets the k largest devices at best
     best = sorted(device_mb, reverse=True)[: largest_gang or None]
     for t in plan.tasks.values():
         if not is_training(t):

@@ -292,7 +292,8 @@ def plan_experiment(
 ) -> Plan:
     """Build the task DAG. `distribute(n_parts)` gives shard fractions weighted by device;
     `device_kind` ("cuda" | "fake" | "cpu") says whether a TRL stage can shard (FSDP);
-    `largest_gang`: the most devices one task may hold (a Ray cluster's largest node).
+    `largest_gang`: the most devices one task may hold (None: every device; on a Ray cluster
+    every device too, since a gang's ranks may span nodes).
     `training.parallel_strategy=auto` is resolved for these devices first (a no-op in a
     run: `run()` resolved it already, for the workers too: pita/experiment/strategy.py)."""
     from pita.experiment.strategy import resolved_config
@@ -385,8 +386,8 @@ def check_resources(
             )
         if largest_gang is not None and t.gpus > largest_gang:
             raise ConfigError(
-                f"model.gpus_per_task={t.gpus}: task {t.id} needs {t.gpus} devices of one node "
-                f"but the largest node of the Ray cluster has {largest_gang}; lower it"
+                f"model.gpus_per_task={t.gpus}: task {t.id} needs {t.gpus} devices but a task "
+                f"may hold at most {largest_gang}; lower it"
             )
         if device_mb:
             best = sum(sorted(device_mb, reverse=True)[: t.gpus])

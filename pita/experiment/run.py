@@ -26,8 +26,9 @@ from omegaconf import DictConfig, OmegaConf
 from pita.core.dag import Plan
 from pita.core.errors import ConfigError, ExecutorBroken
 from pita.core.executor import Executor
+from pita.core.forked_worker import GANG_STAGES
 from pita.core.gpu_manager import GPUManager
-from pita.core.host_share import HostShare
+from pita.core.host_share import HostShare, outside_load
 from pita.core.journal import RUN_FILE_ERRNOS, Journal, RunFileError, read_events, run_file_error
 from pita.core.parallel import Strategy
 from pita.core.parallel_executor import DagRunner, DeviceState, Scheduler, simulate
@@ -106,7 +107,8 @@ def make_scheduler(cfg: DictConfig, gpu: GPUManager) -> Scheduler:
 
 def host_share(cfg: DictConfig, gpu: GPUManager, tasks_per_device: int) -> HostShare | None:
     """The cores the run's tasks share when they compute on this host's CPU (`fake:` devices,
-    CPU slots), each rank with its workers' torch threads; None on GPUs (pita/core/host_share.py)."""
+    CPU slots), each rank with its workers' torch threads, and the other processes' load
+    now; None on GPUs (pita/core/host_share.py)."""
     from pita.core.resources import host_cores, thread_budget
 
     kind = compute_kind(cfg, gpu)
@@ -114,7 +116,7 @@ def host_share(cfg: DictConfig, gpu: GPUManager, tasks_per_device: int) -> HostS
         return None
     n = len(gpu.devices)
     threads = thread_budget(kind, n, tasks_per_device, int(cfg.system.threads_per_worker))
-    return HostShare(float(host_cores()), threads)
+    return HostShare(float(host_cores()), threads, outside_load(0.0))
 
 
 def compute_kind(cfg: DictConfig, gpu: GPUManager) -> str:
@@ -191,21 +193,60 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
         for t in plan.tasks.values():
             if t.elastic:
                 print(f"  {t.id:58s} k={t.gpus}")
-        print(
-            f"Predicted makespan: ~{format_duration(sized['makespan_s'])} with these ranks, "
-            f"~{format_duration(sized['rigid_makespan_s'])} with the least ranks each "
-            f"({sized['sized']} tasks sized in {sized['sizing_s']:.2f} s)."
-        )
+        print(makespan_line(sized, no_history(plan, durations)))
     for line in gang_notes(plan):
         print(line)
     eta = Eta(plan.tasks, set(), durations, make_scheduler(cfg, gpu))
-    if sized:
+    if sized:  # the sized simulation is the ETA's (the same durations at the chosen ranks)
         from pita.experiment.sizing import wire_eta
 
-        eta = wire_eta(eta, sized["sizer"])
-    seconds, source = eta.remaining({}, time.time())
-    print(f"Estimated wall time: ~{format_duration(seconds)} ({source}).")
+        seconds, source = sized["makespan_s"], wire_eta(eta, sized["sizer"]).source()
+    else:
+        seconds, source = eta.remaining({}, time.time())
+    print(wall_time_line(seconds, source, plan, durations))
+    host = eta.scheduler.host
+    if host is not None and host.external >= 0.5:  # the estimate counts them: say so
+        print(
+            f"The host's {host.cores:g} cores are shared with {host.external:.1f} busy threads "
+            f"of other processes now (load average); the estimate counts them."
+        )
     print(history_line(plan, durations))
+
+
+def no_history(plan: Plan, durations: TaskDurations) -> bool:
+    """True when no task of `plan` has a measured duration (its own or its kind's)."""
+    return bool(plan.tasks) and all(durations.history(t) is None for t in plan.tasks.values())
+
+
+def makespan_line(sized: dict[str, Any], blind: bool) -> str:
+    """The sized dry run's makespans; without any measured duration only their ratio means
+    something (work units in seconds were 40x short of a first GPU run, issue 45)."""
+    if blind:
+        ratio = sized["makespan_s"] / max(1e-9, sized["rigid_makespan_s"])
+        return (
+            f"Predicted makespan: unknown without measured durations; on work units these ranks "
+            f"take {ratio:.0%} of the least ranks' ({sized['sized']} tasks sized in "
+            f"{sized['sizing_s']:.2f} s)."
+        )
+    return (
+        f"Predicted makespan: ~{format_duration(sized['makespan_s'])} with these ranks, "
+        f"~{format_duration(sized['rigid_makespan_s'])} with the least ranks each "
+        f"({sized['sized']} tasks sized in {sized['sizing_s']:.2f} s)."
+    )
+
+
+def wall_time_line(seconds: float, source: str, plan: Plan, durations: TaskDurations) -> str:
+    """The dry run's estimate; none when no task has a measured duration (its own or its
+    kind's): work units only order the tasks, and in seconds they were 40x short of a first
+    run on a GPU (33 s for a run whose pretrain alone took 22 min, issue 45)."""
+    if no_history(plan, durations):
+        return (
+            f"Estimated wall time: unknown until tasks have run here: none of the "
+            f"{len(plan.tasks)} tasks has a measured duration on these devices yet (this run "
+            f"records them in $PITA_CACHE_DIR/task_durations.json; its live ETA learns from "
+            f"its own finished tasks)."
+        )
+    return f"Estimated wall time: ~{format_duration(seconds)} ({source})."
 
 
 def history_line(plan: Plan, durations: TaskDurations) -> str:
@@ -323,6 +364,11 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
         plan = change.plan
     if resumed:
         check_plan_fits(plan, gpu, cfg)
+    from pita.core.paths import path_length_errors
+
+    too_long = path_length_errors(run_dir, plan.tasks)  # ENAMETOOLONG mid-run otherwise
+    if too_long:
+        raise ConfigError(too_long)
     if cfg.dry_run:
         warn_stage_overrides(cfg, plan)
         print_dry_run(plan, cfg, gpu)
@@ -336,6 +382,9 @@ def run(cfg: DictConfig, run_dir: Path | str, *, resumed: bool = False) -> int:
                 from pita.experiment.resume_fix import apply_change
 
                 apply_change(cfg, run_dir, change)
+            from pita.experiment.code_keys import record
+
+            record(cfg, run_dir)  # the code-bearing values this user runs with (their choice)
             rewrite = bool(absolutized) or recorded or strategy_line is not None  # saved config
             return _run_locked(cfg, run_dir, paths, gpu, plan, resumed, rewrite)
         except RunFileError as exc:  # the journal cannot be opened: immutable, read-only
@@ -511,6 +560,20 @@ def stage_modules(plan: Plan, done: set[str]) -> str:
     )
 
 
+def gang_stage_modules(plan: Plan, done: set[str]) -> str:
+    """The stage modules of the tasks still to run that may run on a gang (elastic, or more
+    than one device), comma-separated (pita.core.forked_worker.gang_preload reads it)."""
+    return ",".join(
+        sorted(
+            {
+                t.fn.split(":")[0]
+                for tid, t in plan.tasks.items()
+                if tid not in done and (t.elastic or t.gpus > 1)
+            }
+        )
+    )
+
+
 def _start_session(
     cfg: DictConfig, paths: RunPaths, gpu: GPUManager, plan: Plan, done: set[str], journal: Journal
 ) -> Session:
@@ -530,10 +593,14 @@ def _start_session(
         executor.extra_env[WARM_STAGES] = stage_modules(plan, done)
         if any(t.elastic for t in plan.tasks.values()):  # gangs fork ranks from warm workers
             executor.extra_env[WARM_FORKSERVER] = "1"
+        # a gang's ranks fork with their stage's trainer imported (TRL for TRL stages)
+        executor.extra_env[GANG_STAGES] = gang_stage_modules(plan, done)
     if hasattr(executor, "prepare"):  # Ray: slots reserved, warm actors, shared storage checked
-        executor.prepare(run_dir, stage_modules(plan, done))
+        executor.prepare(run_dir, stage_modules(plan, done), bool(cfg.executor.preimport))
     executor.warm_up([(d.index,) for d in gpu.devices][: len(plan.tasks) - len(done)])
     scheduler = make_scheduler(cfg, gpu)
+    if hasattr(executor, "nodes_of"):  # Ray: a gang goes on one node when one has room
+        scheduler.node_of = dict(enumerate(executor.nodes_of(range(len(gpu.devices)))))
     monitor = Monitor(
         gpu,
         executor,

@@ -17,7 +17,12 @@ line each). trl_options.py checks the field names and cheap types; this module c
   pita never pushes to a hub, and the value would be written into the run folder
   (`.hydra/config.yaml`, `run_info.json`, every task's `result.json` and log);
 - `trust_remote_code` anywhere under `trl` (TRL's own field, `model_init_kwargs`): refused,
-  naming `model.trust_remote_code`, the one switch for every model pita loads.
+  naming `model.trust_remote_code`, the one switch for every model pita loads;
+- ceilings: every number passed through has one (`CEILINGS`, by what the field's name says
+  it counts: processes, tokens, steps and sizes, a port, seconds; any other number: at most
+  `OTHER_CEILING` in magnitude), so `dataset_num_proc=100000` (100,000 processes asked of
+  `datasets`) or `max_length=1000000000` is one line before the run, naming the key and its
+  ceiling, like every size of pita's own schema.
 """
 
 from __future__ import annotations
@@ -42,6 +47,22 @@ FILE_OPTIONS = ("deepspeed", "fsdp_config", "accelerator_config")
 MAX_OPTION_FILE_BYTES = 2**20
 _ENUMERATES = re.compile(r"supported values|possible values|must be one of", re.IGNORECASE)
 _QUOTED = re.compile(r"'([A-Za-z0-9_.\-]+)'|`([A-Za-z0-9_.\-]+)`")
+
+# (what the field's name says it counts, its ceiling, the unit named in the message); the
+# first match wins. The schema's own ceilings for the same things: threads_per_worker 1,024,
+# dataset.max_new_tokens 131,072, dataset.train_size 10,000,000.
+CEILINGS: tuple[tuple[re.Pattern[str], float, str], ...] = (
+    (re.compile(r"num_proc|num_workers|parallel_size|prefetch_factor"), 1_024, "processes"),
+    (re.compile(r"port$"), 65_535, "a TCP port"),
+    (re.compile(r"timeout"), 604_800, "seconds (a week)"),
+    (re.compile(r"length|tokens"), 131_072, "tokens"),
+    (
+        re.compile(r"size|steps|num_|iterations|limit|_mb$|multiple_of|print|epochs"),
+        10_000_000,
+        "a count or size",
+    ),
+)
+OTHER_CEILING = 1e6  # coefficients, probabilities, temperatures: any larger one is a typo
 
 # optimizer value -> (module to import, pip name): transformers' trainer_optimizer.py
 _BNB = ("bitsandbytes", "bitsandbytes")
@@ -286,10 +307,26 @@ def guard_error(prefix: str, field: str, value: Any) -> str | None:
     return secret_error(f"{prefix}.{field}", field, value)
 
 
+def ceiling_error(key: str, field: str, value: Any) -> str | None:
+    """`key=value: at most <ceiling> (<unit>)` for a number above its field's ceiling
+    (`CEILINGS`; in magnitude for a field no rule names)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    for pattern, ceiling, unit in CEILINGS:
+        if pattern.search(field):
+            if value > ceiling:
+                return f"{key}={value!r}: at most {ceiling:,} ({unit}); pita passes it to TRL"
+            return None
+    if abs(value) > OTHER_CEILING:
+        return f"{key}={value!r}: at most {OTHER_CEILING:,.0f} in magnitude; pita passes it to TRL"
+    return None
+
+
 def value_error(key: str, field: str, value: Any, config: tuple[str, str]) -> str | None:
-    """The value of an existing TRL field that TRL would refuse only in the task: a missing
-    package, a value outside its choices, an unsafe or unreadable file."""
-    line = _package_error(key, field, value)
+    """The value of an existing TRL field that TRL would refuse only in the task: a number
+    above its ceiling, a missing package, a value outside its choices, an unsafe or
+    unreadable file."""
+    line = ceiling_error(key, field, value) or _package_error(key, field, value)
     choices = field_choices(*config)
     if line is None and field in choices:
         line = _choice_error(key, value, choices[field], config[1])

@@ -118,13 +118,12 @@ def _stage_rank(dist: Any, body: Callable[..., Any], snapshot: dict[str, Any], a
     from pita.core.errors import StoppedAtCheckpoint
     from pita.core.schema import recording_reads
 
-    try:
-        with recording_reads() as reads:  # sent to the worker: the task's manifest lists them
+    with recording_reads() as reads:  # returned: the task's manifest lists every rank's reads
+        try:
             result = body(ctx, dist, *args)
-        dist.send("reads", reads)
-        return result
-    except StoppedAtCheckpoint as stop:  # every rank stops at the same step: not a failure
-        return {_STOPPED: stop.step}
+        except StoppedAtCheckpoint as stop:  # every rank stops at the same step: no failure
+            result = {_STOPPED: stop.step}
+    return result, reads
 
 
 def stall_rule(ctx: StageContext) -> Any:
@@ -142,17 +141,12 @@ def stall_rule(ctx: StageContext) -> Any:
 def _on_message(
     logger: logging.Logger, heartbeat: Callable[[str], None], kind: str, rank: int, payload: Any
 ) -> None:
-    """A rank's message to the task: its log line, its heartbeat, the config keys it read."""
-    from pita.core.schema import record_read
-
+    """A rank's message to the task: its log line, its heartbeat."""
     if kind == "log":
         level, message = payload
         logger.log(level, message)
     elif kind == "heartbeat":
         heartbeat(payload)
-    elif kind == "reads":  # the keys a rank read: the task read them
-        for key, value in payload.items():
-            record_read(key, value)
 
 
 def run_stage(
@@ -169,6 +163,7 @@ def run_stage(
     import torch
     from omegaconf import OmegaConf
 
+    from pita.core.schema import record_read
     from pita.runtime import ray_slot
     from pita.training.ddp import DataParallelError, launch_ranks
 
@@ -182,8 +177,10 @@ def run_stage(
     planned = ctx.task.gang
     # a caller's `world_size` on a task without a gang strategy (a test's gang): DDP
     gang = Gang(planned.strategy if planned.ranked else Strategy.DDP, world, planned.nodes)
-    what = _WHAT[gang.strategy]
-    ctx.logger.info("gang strategy %s: %s over %d ranks", _why(planned, gang), what, world)
+    nodes = len(set(planned.nodes))
+    on = f" on {nodes} Ray nodes" if nodes > 1 else ""  # a Ray gang across nodes
+    how = (_why(planned, gang), _WHAT[gang.strategy], world, on)
+    ctx.logger.info("gang strategy %s: %s over %d ranks%s", *how)
     snapshot = {
         "task": ctx.task.to_dict(),
         "cfg": OmegaConf.to_container(ctx.cfg, resolve=True),
@@ -191,19 +188,22 @@ def run_stage(
         "out_dir": str(ctx.out_dir),
         "gang": gang.to_dict(),
     }
-
     try:
-        result = launch(
+        returned = launch(
             _stage_rank,
             world,
             args=(body, snapshot, tuple(args)),
             device_type=torch.device(ctx.device).type,
             on_message=partial(_on_message, ctx.logger, ctx.heartbeat),
             stall=stall_rule(ctx),
-        )[0]
+        )
     except DataParallelError:
         ctx.logger.error("k-rank task failed:\n%s", traceback.format_exc(limit=3))
         raise
+    for _, reads in returned:  # the keys any rank read: the task read them
+        for key, value in reads.items():
+            record_read(key, value)
+    result = returned[0][0]
     if isinstance(result, dict) and _STOPPED in result:  # the gang stopped at a checkpoint
         from pita.core.errors import StoppedAtCheckpoint
 

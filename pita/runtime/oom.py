@@ -113,7 +113,9 @@ def _classify_one(exc: BaseException) -> StageFailure:
 
 
 def classify_exception(exc: BaseException) -> StageFailure:
-    """``"oom"``, ``"cuda_fault"`` or ``"error"`` for an exception raised by a stage.
+    """``"oom"``, ``"cuda_fault"``, ``"killed"`` / ``"stalled"`` (a gang's rank died or
+    stopped stepping: the exception's own ``failure_class``) or ``"error"`` for an
+    exception raised by a stage.
 
     Looks through the explicit and implicit chain (``__cause__``, ``__context__``), so an
     out-of-memory error re-raised as another exception keeps its class. A fault anywhere in

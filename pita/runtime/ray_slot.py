@@ -66,7 +66,7 @@ class _Forward:
 
     def put(self, item: tuple) -> None:
         kind, rank, payload = item
-        if self.on_message is not None and kind in ("log", "heartbeat", "reads"):
+        if self.on_message is not None and kind in ("log", "heartbeat"):
             self.on_message(kind, rank, payload)
 
 

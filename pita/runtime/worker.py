@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Client
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,41 @@ def _task_logger(task_id: str, log_path: Path) -> logging.Logger:
     return logger
 
 
+class FirstStep:
+    """Seconds from a task's start to its first optimizer step: the first progress line a
+    stage reports in steps (`step 1/400 ...`, pita.core.progress.progress_line), on one
+    process or from rank 0 of its gang. Recorded in the task's result (`first_step_s`) and
+    from there in the duration history: the measured start-up of that stage kind on k
+    ranks that the sizer reads (pita/core/elastic.py GangStartup)."""
+
+    def __init__(self, t0: float, forward: Callable[[str], None]):
+        self.t0, self.forward = t0, forward
+        self.seconds: float | None = None
+
+    def heartbeat(self, message: str) -> None:
+        if self.seconds is None and _is_step(message):
+            self.seconds = time.time() - self.t0
+        self.forward(message)
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its waited-for children."""
+    import resource
+
+    own, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _is_step(message: str) -> bool:
+    from pita.core.progress import PROGRESS_RE
+
+    m = PROGRESS_RE.match(message or "")
+    return m is not None and m["unit"] == "step" and int(m["done"]) >= 1
+
+
 def execute_task(
     task,
     cfg_dict: dict,
@@ -140,7 +176,6 @@ def execute_task(
     committed atomically (manifest last); on failure the temporary folder, with the log
     and error.json, is kept as `tasks/<id>.attempt<N>.failed/` and resume ignores it.
     """
-
     from pita.core.journal import run_folder_problem
     from pita.core.paths import TaskPaths
     from pita.core.schema import recording_reads
@@ -155,17 +190,18 @@ def execute_task(
         return False, "error", why, {}
     t0 = time.time()
     try:
-        where = (device, os.environ.get("CUDA_VISIBLE_DEVICES"), os.getpid())
-        logger.info(
-            "task %s (attempt %d) on %s, CUDA_VISIBLE_DEVICES=%r, pid %d", task.id, attempt, *where
-        )
+        where = (task.id, attempt, device, os.environ.get("CUDA_VISIBLE_DEVICES"), os.getpid())
+        logger.info("task %s (attempt %d) on %s, CUDA_VISIBLE_DEVICES=%r, pid %d", *where)
         fn = resolve_function(task.fn)
         reset_peak_memory()
-        ctx = _stage_context(task, cfg_dict, run_dir, tmp, logger, device, models, heartbeat)
+        first_step = FirstStep(t0, heartbeat)
+        cpu0 = cpu_seconds()
+        ctx = _stage_context(
+            task, cfg_dict, run_dir, tmp, logger, device, models, first_step.heartbeat
+        )
         with recording_reads() as reads:  # the config keys this task computed with
-            result = fn(ctx) or {}
-        wall = round(time.time() - t0, 3)
-        result = {"task_id": task.id, "wall_s": wall, "attempt": attempt, **result}
+            returned = fn(ctx) or {}
+        result = _result(task.id, attempt, t0, returned, first_step, cpu0)
         _commit(paths, tmp, logger, task.outputs, result, reads)
         return True, None, "", result
     except StoppedAtCheckpoint as stop:  # asked to stop (a resize): not a failure
@@ -183,6 +219,21 @@ def execute_task(
         if run_file is not None:
             return False, "error", run_file, {}
         return False, failure, _one_line(exc), {}
+
+
+def _result(
+    task_id: str, attempt: int, t0: float, returned: dict, first_step: Any, cpu0: float
+) -> dict:
+    """The stage's result with the task's id, wall seconds and attempt, its dispatch -> first
+    step seconds (the sizer's start-up) and this process's CPU seconds in the task (a gang's
+    ranks are not its children): the work the forecast learns, whatever else ran on the
+    cores (pita/core/host_share.py)."""
+    wall = round(time.time() - t0, 3)
+    result = {"task_id": task_id, "wall_s": wall, "attempt": attempt, **returned}
+    if first_step.seconds is not None:
+        result.setdefault("first_step_s", round(first_step.seconds, 3))
+    result.setdefault("cpu_s", round(cpu_seconds() - cpu0, 3))
+    return result
 
 
 def _one_line(exc: BaseException) -> str:
@@ -295,9 +346,11 @@ def seed_task_globals(cfg_dict: dict, task) -> int:
     in-process, and two tasks draw different ones (a forked worker would otherwise continue
     its forkserver's stream, the same in every worker). Returns the seed."""
     from pita.core.forked_worker import reseed_globals
+    from pita.core.schema import default_of
     from pita.models.seeds import example_seed
 
-    run_seed = int((cfg_dict.get("experiment") or {}).get("seed") or 0)
+    seed = (cfg_dict.get("experiment") or {}).get("seed")
+    run_seed = int(seed if seed is not None else default_of("experiment.seed"))
     return reseed_globals(example_seed(run_seed, "global-generators", task.id))
 
 

@@ -311,7 +311,11 @@ def evaluate_merge(ctx: StageContext) -> dict:
         if extra is not None:
             row.update(extra([examples[r["example"]] for r in recs], [r["response"] for r in recs]))
         oracle = _oracle(
-            task, [examples[i] for i in sorted({r["example"] for r in recs})], ctx.task.algo, eta
+            task,
+            [examples[i] for i in sorted({r["example"] for r in recs})],
+            ctx.task.algo,
+            eta,
+            _guidance_mode(ctx),
         )
         if oracle is not None:
             row["optimum_pass@1"] = oracle
@@ -322,13 +326,29 @@ def evaluate_merge(ctx: StageContext) -> dict:
     return {"rows": rows}
 
 
-def _oracle(task, examples, algo: str, eta) -> float | None:
+# Guidance modes whose η is the inverse temperature of π* ∝ π_ref·e^{η r}: their offset
+# (log E[e^{η r}], pita/algos/guidance.py) is that optimum's soft-Q, so its pass@1 is the
+# bound the row approaches. `expectation*` (PITA's preference odds) scale η otherwise: no
+# optimum on their rows (a 0.558 beside PITA's 0.684 at η = 2 read as a bound it beat).
+OPTIMUM_MODES = ("bernoulli", "mle")
+
+
+def _guidance_mode(ctx: StageContext) -> str | None:
+    """This row's guidance mode (`algos.<NAME>.guidance.mode`), None for an unguided row."""
+    if ctx.task.algo not in GUIDED:
+        return None
+    guided = ctx.algo_settings(ctx.task.algo, ValueGuidedConfig)  # recorded: resume sees it
+    return None if guided is None else str(guided.guidance.mode)
+
+
+def _oracle(task, examples, algo: str, eta, mode: str | None = None) -> float | None:
     """The analytic value where the task knows it (goal-walk): π_ref's pass@1 for the
-    reference, the KL-regularised optimum p·e^η / (1 − p + p·e^η) for guided η."""
+    reference, the KL-regularised optimum p·e^η / (1 − p + p·e^η) for guided η whose mode
+    is on that scale (`OPTIMUM_MODES`)."""
     if not hasattr(task, "optimal_pass_at_1"):
         return None
     if algo in REFERENCE:
         return task.reference_pass_at_1(examples)
-    if algo in GUIDED and eta is not None:
+    if algo in GUIDED and eta is not None and mode in OPTIMUM_MODES:
         return task.optimal_pass_at_1(float(eta), examples)
     return None

@@ -322,14 +322,13 @@ def _shards_refused(path: Path, trust_group: bool = False) -> str | None:
     from pita.core.safe_files import read_control
     from pita.training.shards import SHARDS, check_shards, hf_storage
 
+    if not os.path.lexists(path / SHARDS):
+        return None  # gathered: tensors.safetensors holds everything (a stray index: `_load`)
     try:
         state = json.loads(read_control(path / STATE, MAX_STATE_BYTES, trust_group))
     except (OSError, ValueError) as exc:
         return f"its {STATE} is unreadable ({exc})"
-    has_index = isinstance(state, dict) and "shard_index" in state
-    if not has_index and not (path / SHARDS).exists():
-        return None  # gathered: tensors.safetensors holds everything
-    if not has_index:
+    if not isinstance(state, dict) or "shard_index" not in state:
         return f"its {SHARDS}/ has no index in {STATE}"
     if hf_storage() is None:
         return "it is sharded and this torch lacks the safetensors storage to read it"

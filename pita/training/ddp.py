@@ -26,6 +26,13 @@ How it keeps its promises:
   k failed: <Type>: <message>")` naming the earliest failure (its peers fail next, with
   "connection closed by peer"). An out-of-memory text is kept, so the executor's classifier
   calls it `oom`.
+- A rank that dies of a signal (the OOM killer's SIGKILL) reports nothing; the launcher sees
+  its exit: `RankDied("rank r of k died of SIGKILL ...")`, class `killed`, never the
+  survivors' "Connection reset by peer" (a rank that lost a peer waits 2 s before it exits,
+  so the launcher sees the dead rank first).
+- A stalled rank (SIGSTOP, a hung collective): ranks report steps (`DistContext.step`); with
+  a `StallRule`, a watch thread kills every rank of a gang one of whose ranks made no step
+  for the rule's bound: `GangStalled`, class `stalled`, naming the rank.
 - No orphans: every rank sets `prctl(PR_SET_PDEATHSIG, SIGKILL)` (its parent under spawn is
   the worker) and watches the worker through a pidfd (under forkserver its parent is the
   forkserver, which outlives the worker while any rank lives): `_die_with`.
@@ -44,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import multiprocessing
 import os
@@ -66,7 +74,10 @@ from typing import Any
 import torch
 import torch.distributed as dist_mod
 
-from pita.core.forked_worker import start_forkserver  # ranks and CPU workers: one PRELOAD
+from pita.core.forked_worker import (  # ranks and CPU workers: one PRELOAD
+    gang_preload,
+    start_forkserver,
+)
 from pita.core.parallel import Gang, Strategy
 from pita.core.worker_pool import RANKS_DIR_PREFIX  # swept once this process is dead
 
@@ -76,7 +87,11 @@ _HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
 class DataParallelError(RuntimeError):
-    """A rank of a k-rank task failed (the message names the rank and the error)."""
+    """A rank of a k-rank task failed (the message names the rank and the error).
+    `startup`: no rank got past its process group (the rendezvous, Gloo's "connectFullMesh
+    failed ... Connection closed by peer"): no rank ran the stage (`launch_ranks` retries)."""
+
+    startup: bool = False
 
 
 class RankDied(DataParallelError):
@@ -107,20 +122,22 @@ STEP_FACTOR = 20.0  # a derived stall bound: this many times the longest gap bet
 @dataclass(frozen=True)
 class StallRule:
     """When a gang counts as stalled: a rank reported no step for `after_s` seconds when set
-    (`executor.gang_stall_s`), else for STEP_FACTOR x the longest gap between two of the
-    gang's steps seen so far, at least `floor_s`; before the first step, `first_step_s`
-    (loading models and restoring a checkpoint take longer than a step). The clock starts
-    once every rank has joined the process group: start-up is the rendezvous timeout's."""
+    (`executor.gang_stall_s`, from the moment every rank joined the process group), else for
+    STEP_FACTOR x the longest gap between two of the gang's steps seen so far, at least
+    `floor_s` — derived only once the gang has stepped: a stage that reports no steps, or
+    is still loading its models, is bounded by `executor.task_timeout_s` and the collectives'
+    timeout, never killed for a step time nobody measured. A rank whose last report was its
+    loop's last step (saving the model follows) is not expected to step again."""
 
     after_s: float | None = None
     floor_s: float = 300.0
-    first_step_s: float = 900.0
 
-    def bound(self, longest_gap_s: float | None) -> float:
+    def bound(self, longest_gap_s: float | None) -> float | None:
+        """Seconds without a step that count as a stall; None: not judged yet."""
         if self.after_s is not None:
             return self.after_s
         if longest_gap_s is None:
-            return max(self.floor_s, self.first_step_s)
+            return None
         return max(self.floor_s, STEP_FACTOR * longest_gap_s)
 
 
@@ -374,8 +391,9 @@ def _rank_main(
 
 def warm_forkserver() -> None:
     """Start this process's forkserver with torch, transformers and pita's training modules
-    imported (no-op when it runs already): the ranks of every later gang fork from it."""
-    start_forkserver()
+    imported, and the run's gang stages with their trainers (TRL's for a TRL stage:
+    `gang_preload`); a no-op when it runs already: the ranks of every later gang fork from it."""
+    start_forkserver(extra=gang_preload())
 
 
 WATCH_EVERY_S = 0.5  # how often the stall watch looks at its ranks' steps
@@ -418,8 +436,8 @@ class _GangWatch:
     def step(self, rank: int, done: int, total: int) -> None:
         now = time.monotonic()
         prev = self.last.get(rank)
-        if prev is not None and done <= prev[1]:
-            return  # no progress: the clock keeps running
+        if prev is not None and (done, total) == prev[1:]:
+            return  # no progress: the clock keeps running (a new phase's step 1 is progress)
         if prev is not None:
             self.longest_gap = max(self.longest_gap or 0.0, now - prev[0])
         self.last[rank] = (now, done, total)
@@ -427,14 +445,23 @@ class _GangWatch:
     def stop(self) -> None:
         self._stop.set()
 
-    def _quietest(self, now: float) -> tuple[int, float]:
-        """(the rank to blame, seconds since its last step): a stopped rank first."""
+    def _stepping(self, rank: int) -> bool:
+        """Whether `rank` is still expected to step: not finished, and its last step report
+        is not its loop's last (saving a model after it is no step, and may take long)."""
+        last = self.last.get(rank)
+        return rank not in self.done and (last is None or last[1] < last[2])
+
+    def _quietest(self, now: float) -> tuple[int, float] | None:
+        """(the rank to blame, seconds since its last step): a stopped rank first; None
+        when no rank is expected to step."""
         assert self.since is not None
         quiet = {
             r: now - (self.last[r][0] if r in self.last else self.since)
             for r in range(self.world)
-            if r not in self.done
+            if self._stepping(r)
         }
+        if not quiet:
+            return None
         stopped = [r for r in quiet if _proc_state(self.pids.get(r, 0)) in ("T", "t")]
         rank = stopped[0] if stopped else max(quiet, key=lambda r: quiet[r])
         return rank, max(quiet.values())
@@ -442,11 +469,12 @@ class _GangWatch:
     def _run(self) -> None:
         assert self.rule is not None
         while not self._stop.wait(WATCH_EVERY_S):
-            if len(self.done) == self.world:
-                return
-            rank, quiet = self._quietest(time.monotonic())
+            found = self._quietest(time.monotonic())
+            if found is None:
+                continue
+            rank, quiet = found
             bound = self.rule.bound(self.longest_gap)
-            if quiet > bound:
+            if bound is not None and quiet > bound:
                 self.stalled = self._line(rank, quiet, bound)
                 for pid in self.pids.values():  # a stopped process dies of SIGKILL too
                     with contextlib.suppress(ProcessLookupError):
@@ -566,8 +594,54 @@ def launch_ranks(
     threads / world_size. Raises `DataParallelError` naming the failed rank: `RankDied` for a
     rank killed by a signal, `GangStalled` when `stall` is given and a rank made no step
     (`DistContext.step`) for longer than its bound (the ranks are then killed).
+
+    A gang that fails before any rank got past its process group (the rendezvous, Gloo's
+    full mesh: `DataParallelError.startup`, no rank ran `entry`) is started once more: a
+    start-up fault, not the task's (a cold forkserver's first gang under load once failed
+    in Gloo's connectFullMesh and the identical rerun passed). The task log says so
+    (`on_message`'s "log").
     """
+    launch = functools.partial(
+        _launch,
+        entry,
+        world_size,
+        args,
+        backend,
+        device_type=device_type,
+        on_message=on_message,
+        threads_per_rank=threads_per_rank,
+        timeout_s=timeout_s,
+        start_method=start_method,
+        stall=stall,
+    )
+    try:
+        return launch()
+    except DataParallelError as exc:
+        if not exc.startup:
+            raise
+        note = f"gang start-up fault ({exc}); starting the {world_size} ranks once more"
+        log.warning("%s", note)
+        if on_message is not None:
+            on_message("log", 0, (logging.WARNING, note))
+        return launch()
+
+
+def _launch(
+    entry: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any],
+    backend: str | None,
+    *,
+    device_type: str | None,
+    on_message: Callable[[str, int, Any], None] | None,
+    threads_per_rank: int | None,
+    timeout_s: float,
+    start_method: str,
+    stall: StallRule | None,
+) -> list[Any]:
+    """One start of `launch_ranks`' gang."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
     device_type, backend, threads_per_rank = _rank_devices(
@@ -577,7 +651,9 @@ def launch_ranks(
         warm_forkserver()
     queue = multiprocessing.get_context(start_method).Queue()
     watch = _GangWatch(world_size, stall)
-    drain = threading.Thread(target=_drain, args=(queue, on_message, watch), daemon=True)
+    drain = threading.Thread(
+        target=_drain, args=(queue, on_message, watch), name="pita-ranks", daemon=True
+    )
     drain.start()
     # named after this process: a sweep removes the folders of dead ones (a killed worker)
     log_dir = tempfile.mkdtemp(prefix=f"{RANKS_DIR_PREFIX}{os.getpid()}-")
@@ -592,7 +668,16 @@ def launch_ranks(
             returned = elastic_launch(config, _rank_main)(os.getpid(), *rank_args, timeout_s)
     except ChildFailedError as exc:
         _stop_drain(queue, drain)
-        raise _failure(exc, watch) from exc
+        failure = _failure(exc, watch)
+        failure.startup = not watch.pids  # no rank got past its process group
+        raise failure from exc
+    except (RendezvousError, dist_mod.DistNetworkError) as exc:  # the agent's own rendezvous
+        _stop_drain(queue, drain)
+        failure = DataParallelError(
+            f"the {world_size} ranks' rendezvous failed: {_first_line(exc)}"
+        )
+        failure.startup = not watch.pids
+        raise failure from exc
     finally:
         watch.stop()
         shutil.rmtree(log_dir, ignore_errors=True)

@@ -5,9 +5,9 @@ and optimizer state at every save; the models FSDP2 exists for, those that fit o
 sharded, could not be checkpointed. Here every rank writes its own shards through torch's
 distributed checkpoint (DCP) with the Hugging Face safetensors storage
 (`torch.distributed.checkpoint.hf_storage`): `HuggingFaceStorageWriter(...,
-save_distributed=True)` writes one `shard-<r>-model-00001-of-00001.safetensors` per rank
-whose header records where each shard sits in its full tensor (`DCP_SHARDING_INFO`:
-`saved_offsets`), and no `.metadata` at all; `HuggingFaceStorageReader` rebuilds DCP's
+save_distributed=True)` writes each rank's `shard-<r>-model-<i>-of-<n>.safetensors` (n
+files of a few tensors each, `FILES`), whose headers record where each shard sits in its
+full tensor (`DCP_SHARDING_INFO`: `saved_offsets`), and no `.metadata` at all; `HuggingFaceStorageReader` rebuilds DCP's
 metadata from those headers, so DCP's pickled `.metadata` (read with `pickle.load`) is
 never written nor read. DCP reshards on load: a checkpoint written by k ranks loads on
 any k (1 included, no process group).
@@ -45,6 +45,11 @@ from typing import Any
 from pita.core.parallel import Strategy
 
 SHARDS = "shards"  # the subfolder of a checkpoint that holds the ranks' safetensors
+# Each rank's shards go in files of about 1/FILES of the state (at least MIN_FILE bytes over
+# the gang; a larger tensor alone in its file): DCP builds a whole file's bytes in memory
+# (twice: each tensor's, then the file's) before writing it, so one file per rank would
+# add twice the rank's shards to its peak (bench/checkpoint_memory.py).
+FILES, MIN_FILE = 8, 64 << 20
 MAX_HEADER = 100 << 20  # safetensors' own bound on a header (100 MB)
 # bytes per element of each safetensors dtype (a dtype not listed is refused)
 _DTYPE_BYTES = {
@@ -115,11 +120,13 @@ def write_shards(tensors: dict[str, Any], folder: Path) -> None:
     found = hf_storage()
     assert found is not None, "write_shards needs torch's HuggingFaceStorageWriter"
     writer, _, flag = found
+    kwargs: dict[str, Any] = {flag: True}
+    if "fqn_to_index_mapping" in inspect.signature(writer.__init__).parameters:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        kwargs["fqn_to_index_mapping"] = _files_of(tensors, max(MIN_FILE, total // FILES))
     folder.mkdir(parents=True, exist_ok=True)
     with _quiet():
-        dcp.save(
-            tensors, storage_writer=writer(str(folder), **{flag: True}), no_dist=not _in_gang()
-        )
+        dcp.save(tensors, storage_writer=writer(str(folder), **kwargs), no_dist=not _in_gang())
 
 
 def read_shards(targets: dict[str, Any], folder: Path) -> None:
@@ -163,7 +170,7 @@ class ShardedState:
             get_optimizer_state_dict,
         )
 
-        if self.optimizer is None:
+        if self.optimizer is None:  # tied weights once: safetensors refuses shared storage
             return _unshared(get_model_state_dict(self.model)), {}
         osd = get_optimizer_state_dict(self.model, self.optimizer)
         tensors: dict[str, Any] = {}
@@ -181,12 +188,13 @@ class ShardedState:
         """Put the tensors `read_shards` filled (`tensors()`' keys) and the JSON `rest`
         into the model / optimizer."""
         from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
             set_model_state_dict,
             set_optimizer_state_dict,
         )
 
-        if self.optimizer is None:
-            set_model_state_dict(self.model, tensors)
+        if self.optimizer is None:  # the keys `tensors()` gives (a tied weight's first name)
+            set_model_state_dict(self.model, tensors, options=StateDictOptions(strict=False))
             return
         state: dict[str, dict[str, Any]] = {}
         for key, value in {**tensors, **rest.get("scalars", {})}.items():
@@ -204,12 +212,19 @@ class ShardedState:
 
 def _unshared(state: dict[str, Any]) -> dict[str, Any]:
     """`state` without the later names of a tensor met twice (tied weights: the embedding
-    kept, `lm_head.weight` dropped), as `save_pretrained` writes it."""
-    seen: set[int] = set()
+    kept, `lm_head.weight` dropped, as `save_pretrained` writes it; safetensors refuses
+    two names on one storage). Met twice: the same storage, offset and shape."""
+    seen: set[tuple] = set()
     out = {}
     for key, value in state.items():
-        if id(value) not in seen:
-            seen.add(id(value))
+        local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor's shard
+        where = (
+            (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(value.shape))
+            if local.numel()
+            else (id(value),)
+        )
+        if where not in seen:
+            seen.add(where)
             out[key] = value
     return out
 
