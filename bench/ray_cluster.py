@@ -93,18 +93,22 @@ class _Cluster:
 def warm(experiment: str, slots: int) -> dict:
     args = [f"experiment={experiment}"]
     with tempfile.TemporaryDirectory() as local_dir:
-        local, _ = _run(
+        local, local_run = _run(
             [*args, "system.devices=cpu", f"executor.cpu_workers={slots}"], Path(local_dir)
         )
+        local_tasks = _speedup(local_run)
     with _Cluster(1, slots) as address, tempfile.TemporaryDirectory() as ray_dir:
-        ray_wall, _ = _run(
+        ray_wall, ray_run = _run(
             [*args, "executor=ray", f"executor.ray_address={address}"], Path(ray_dir)
         )
+        ray_tasks = _speedup(ray_run)
     return {
         "experiment": experiment,
         "slots": slots,
         "local_wall_s": round(local, 1),
         "ray_wall_s": round(ray_wall, 1),
+        "local_tasks": local_tasks,  # the tasks' own seconds, and first start to last end
+        "ray_tasks": ray_tasks,
         "ray_over_local_wall": round(ray_wall / local, 3),
         "target": "<= 1.25",
     }

@@ -22,7 +22,12 @@ Where it departs from the paper / TRL defaults:
   `example` column), so prompts are never re-tokenized and completions are ids from the
   start. The `prompt` text column is only what TRL passes to reward functions (ours read
   `example` and `completion_ids`) and its logs.
-- Sampling uses `generation.temperature / top_k / top_p`, as evaluation does.
+- Sampling uses `generation.temperature / top_k / top_p`, as evaluation does, through pita's
+  own sampler (`pita.models.generation.generate`) with one seed per completion: (stage seed,
+  optimizer step, example, its place in the group), not TRL's per-process stream (seed +
+  rank), so k ranks sample what one process samples and a checkpoint resumes on any k
+  (tests/test_trl_gang.py). vLLM, `min_p`, `repetition_penalty` or `generation_kwargs` keep
+  TRL's sampler, with a warning that the ranks then sample otherwise.
 - `algos.<NAME>.trl.<field>` sets any other GRPOConfig field (`scale_rewards=false`,
   `loss_type=dr_grpo`, ...). With `algos.<NAME>.peft` (LoRA) TRL computes the KL reference
   by disabling the adapter, so it is the round's start policy: π_ref in round 0, round

@@ -307,6 +307,7 @@ def _plugins() -> None:
             )
             continue
         for row in rows:
+            assert isinstance(row, Algorithm)  # `bad` refused every other kind
             ALGORITHMS[row.name] = row
             if row.schema not in ALGO_SCHEMAS.values():  # conf/algo yaml: defaults [<name>]
                 ALGO_SCHEMAS[f"{row.name}_schema"] = row.schema

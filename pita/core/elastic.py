@@ -314,9 +314,9 @@ class Sizer:
             or len(tasks) > len(self._paths[1])  # `tasks` only shrinks while estimates hold
         ):
             seconds = {tid: self.seconds(t, 1) for tid, t in tasks.items()}
-            self._paths = (stamp, paths_to_end(tasks, seconds))
-            by_path = sorted(self._paths[1], key=lambda tid: -self._paths[1][tid])
-            self._longest = [by_path, 0]
+            paths = paths_to_end(tasks, seconds)
+            self._paths = (stamp, paths)
+            self._longest = [sorted(paths, key=lambda tid: -paths[tid]), 0]
         return self._paths[1]
 
     def longest(self, tasks: Mapping[str, TaskSpec]) -> float:

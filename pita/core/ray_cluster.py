@@ -100,10 +100,6 @@ def number_slots(bundle_nodes: list[str]) -> list[Slot]:
     return [Slot(i, b, bundle_nodes[b]) for i, b in enumerate(ranked)]
 
 
-def alive_nodes(ray: Any) -> set[str]:
-    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-
-
 def check_shared_storage(
     ray: Any, slots: list[Slot], folder: Path, timeout_s: float = PROBE_TIMEOUT_S
 ) -> None:
@@ -115,7 +111,7 @@ def check_shared_storage(
     tmp = probe.with_suffix(".tmp")
     tmp.write_text(token)
     os.replace(tmp, probe)
-    first = {}
+    first: dict[str, Slot] = {}
     for slot in slots:
         first.setdefault(slot.node, slot)
     replies = {node: Path(f"{probe}-{node[:12]}") for node in first}

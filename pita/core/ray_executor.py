@@ -386,14 +386,14 @@ class RayExecutor:
         lost = self._lost_nodes({s.node for s in slots}, wait=died is not None or len(slots) > 1)
         if died is not None or len(slots) > 1:  # dead, or a gang's ranks maybe in a collective
             self._replace([s for s in slots if s.node not in self.lost])
+        what = f"{died}" if outcome is None else f"{outcome.failure}: {outcome.message}"
         if lost:
             where = ", ".join(f"{n[:8]} ({self.lost[n]})" for n in sorted(lost))
-            what = f"{died}" if died is not None else f"{outcome.failure}: {outcome.message}"
             return TaskOutcome(
                 task.id, False, "node_lost", f"Ray node {where} lost: {what.splitlines()[0][:300]}"
             )
-        if died is not None:  # the worker died: same class as a killed local worker
-            return TaskOutcome(task.id, False, "killed", f"Ray worker lost: {died}")
+        if outcome is None:  # the worker died: same class as a killed local worker
+            return TaskOutcome(task.id, False, "killed", f"Ray worker lost: {what}")
         return outcome
 
     def _lost_nodes(self, nodes: set[str], wait: bool) -> set[str]:

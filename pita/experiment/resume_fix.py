@@ -42,7 +42,7 @@ import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -280,7 +280,8 @@ def plan_change(
     if not keys and not edited:
         return None
     plan = build(cfg)
-    touched = touched_tasks(old, plan, run_dir, new, run_safe, keys, bool(edited))
+    now = cast("dict[str, Any]", new)
+    touched = touched_tasks(old, plan, run_dir, now, run_safe, keys, bool(edited))
     return Change(keys, plan, touched, edited)
 
 

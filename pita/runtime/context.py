@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -119,7 +119,7 @@ def algo_settings(cfg: DictConfig, name: str, schema: type[T]) -> T | None:
         return None
     plain = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
     assert isinstance(plain, dict), "an algorithm's group is a mapping"
-    return S.settings(schema, plain, f"algos.{name}.")
+    return S.settings(schema, cast("dict[str, Any]", plain), f"algos.{name}.")
 
 
 @dataclass

@@ -32,7 +32,7 @@ import logging
 import traceback
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import OmegaConf
 
@@ -135,7 +135,7 @@ def stall_rule(ctx: StageContext) -> Any:
     executor = ctx.cfg.get("executor")
     plain = OmegaConf.to_container(executor, resolve=True) if executor is not None else {}
     assert isinstance(plain, dict), "executor is a mapping"
-    return StallRule(after_s=settings(ExecutorConfig, plain).gang_stall_s)
+    return StallRule(after_s=settings(ExecutorConfig, cast("dict[str, Any]", plain)).gang_stall_s)
 
 
 def _on_message(

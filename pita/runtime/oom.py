@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Literal
+from typing import Literal, cast
 
 # What an exception raised by a stage can be: a subset of pita.core.errors.FailureClass.
 StageFailure = Literal["oom", "cuda_fault", "killed", "stalled", "error"]
@@ -94,7 +94,7 @@ def _inspect_text(exc: BaseException) -> bool:
 def _classify_one(exc: BaseException) -> StageFailure:
     own = getattr(exc, "failure_class", None)
     if own in _OWN_CLASSES:
-        return own  # type: ignore[return-value]
+        return cast(StageFailure, own)
     text = _BOILERPLATE.sub("", str(exc))
     inspect_text = _inspect_text(exc)
     if inspect_text and _FAULT.search(text):
@@ -132,4 +132,4 @@ def classify_exception(exc: BaseException) -> StageFailure:
         return "cuda_fault"
     if "oom" in found:
         return "oom"
-    return next((c for c in _OWN_CLASSES if c in found), "error")
+    return next((cast(StageFailure, c) for c in _OWN_CLASSES if c in found), "error")

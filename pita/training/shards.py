@@ -74,7 +74,7 @@ def hf_storage() -> tuple[Any, Any, str] | None:
         from torch.distributed.checkpoint import hf_storage as mod
     except ImportError:
         try:
-            from torch.distributed.checkpoint import _hf_storage as mod  # type: ignore[no-redef]
+            from torch.distributed.checkpoint import _hf_storage as mod
         except ImportError:
             return None
     writer = getattr(mod, "HuggingFaceStorageWriter", None) or getattr(
