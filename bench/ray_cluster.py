@@ -110,6 +110,7 @@ def warm(experiment: str, slots: int) -> dict:
         "ray_wall_s": round(ray_wall, 1),
         "local_tasks": local_tasks,  # the tasks' own seconds, and first start to last end
         "ray_tasks": ray_tasks,
+        "ray_run": str(ray_run),  # kept for its journal and results/time.md
         "ray_over_local_wall": round(ray_wall / local, 3),
         "target": "<= 1.25",
     }
