@@ -110,6 +110,7 @@ def reached_by_context(root: Path, start: str) -> set[str]:
 LAUNCH_AND_UNPACK = {
     "pita.runtime.gang:run_stage",
     "pita.runtime.gang:gang_world_size",
+    "pita.runtime.gang:stall_rule",
     "pita.runtime.kit:checkpoint_plan",
     "pita.runtime.kit:checkpoint_identity",
     "pita.runtime.kit:task_tracker",

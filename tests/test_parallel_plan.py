@@ -72,7 +72,8 @@ def test_registry_rows_say_which_stages_run_trl_and_which_grow():
         assert set(row.growable_stages) <= set(row.gang_stages), row.name
     assert runs_trl("DPO", "train", "pita.algos.dpo:train")
     assert not runs_trl("QSharp", "train", "pita.algos.qsharp:train")
-    assert not can_grow("GRPO", "train", "pita.algos.grpo:train")
+    assert can_grow("GRPO", "train", "pita.algos.grpo:train")  # seeded per row (issue 45)
+    assert not can_grow("DPO", "collect", "pita.algos.dpo:collect")  # not a gang stage
     assert can_grow("any", "pretrain", "pita.stages.pretrain:pretrain")
 
 

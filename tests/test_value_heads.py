@@ -25,6 +25,21 @@ V, PAD, EOS = 12, 10, 11
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [3]]
 
 
+def _sample(ref, prompts, factory, max_new_tokens: int, batch_size: int, **kw):
+    """`generate` sampling with the tests' pad and EOS under the hooks `factory` makes."""
+    return generate(
+        ref,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        pad_token_id=PAD,
+        eos_token_id=[EOS],
+        do_sample=True,
+        offset_hook_factory=factory,
+        **kw,
+    )
+
+
 def _v_model(seed: int = 0, num_atoms: int = 1) -> ValueModel:
     from transformers import LlamaModel
 
@@ -133,19 +148,7 @@ def test_v_hook_offsets_equal_recomputation_during_decoding(mode, generation_top
         return hooks[-1]
 
     gen = torch.Generator().manual_seed(0)
-    generate(
-        ref,
-        PROMPTS,
-        max_new_tokens=5,
-        batch_size=4,
-        pad_token_id=PAD,
-        eos_token_id=[EOS],
-        do_sample=True,
-        top_k=3,
-        generator=gen,
-        offset_hook_factory=factory,
-        force_full_length=True,
-    )
+    _sample(ref, PROMPTS, factory, 5, 4, top_k=3, generator=gen, force_full_length=True)
     [rec] = hooks
     assert len(rec.calls) == 5 and stats.steps == 5
     assert (
@@ -180,19 +183,8 @@ def test_v_hook_falls_back_when_the_fed_token_was_not_a_candidate():
     torch.nn.init.normal_(
         ref.lm_head.weight, std=0.01
     )  # flat π_ref: samples often outside the top-2
-    generate(
-        ref,
-        PROMPTS,
-        max_new_tokens=4,
-        batch_size=4,
-        pad_token_id=PAD,
-        eos_token_id=[EOS],
-        do_sample=True,
-        top_k=0,
-        generator=torch.Generator().manual_seed(3),
-        offset_hook_factory=factory,
-        force_full_length=True,
-    )
+    gen = torch.Generator().manual_seed(3)
+    _sample(ref, PROMPTS, factory, 4, 4, top_k=0, generator=gen, force_full_length=True)
     [rec] = hooks
     assert rec.hook.stats.forwards > 4 + 1  # some fallbacks happened
     for prefixes, cand, off in rec.calls:
@@ -340,18 +332,8 @@ def test_v_hook_with_finished_rows_stays_one_forward_per_step_and_exact_on_live_
         return hooks[-1]
 
     prompts = PROMPTS * 4
-    out = generate(
-        ref,
-        prompts,
-        max_new_tokens=6,
-        batch_size=16,
-        pad_token_id=PAD,
-        eos_token_id=[EOS],
-        do_sample=True,
-        top_k=3,
-        generator=torch.Generator().manual_seed(0),
-        offset_hook_factory=factory,
-    )
+    gen = torch.Generator().manual_seed(0)
+    out = _sample(ref, prompts, factory, 6, 16, top_k=3, generator=gen)
     lengths = [len(r) for r in out.responses]
     assert min(lengths) < max(lengths)  # some rows finished early
     [rec] = hooks

@@ -169,7 +169,6 @@ class RolloutCollector:
             return []
         prompts = [list(ex.prompt_ids) for _, ex in rows]
         row_examples = [ex for _, ex in rows]
-
         # 1. roll-in: whole responses from the current policy π^k
         total = 2 * len(rows)  # prompts generated: the roll-ins, then as many roll-outs
         roll_in = self._generate(
@@ -198,24 +197,31 @@ class RolloutCollector:
         responses = [pre + ro for pre, ro in zip(prefixes, rollouts)]
         rewards = score_in_batches(self.task, row_examples, responses, self.reward_batch_size)
         origin = "guided" if self.hook_factory is not None else "reference"
+        names = ("example", "prompt", "prefix", "rollout", "reward")
         records = [
-            {
-                "example": i,
-                "prompt": p,
-                "prefix": pre,
-                "rollout": ro,
-                "reward": r,
-                "roll_in": origin,
-            }
+            {**dict(zip(names, (i, p, pre, ro, r))), "roll_in": origin}
             for (i, _), p, pre, ro, r in zip(rows, prompts, prefixes, rollouts, rewards)
         ]
         if pairs:  # 5. the roll-in's own continuation, and the preference label
-            originals = score_in_batches(self.task, row_examples, roll_in, self.reward_batch_size)
-            for rec, key, y, c, r_old in zip(records, keys, roll_in, cuts, originals):
-                rng = random.Random(self.row_seed("label", *key))
-                label, prob = preference_label(rec["reward"], r_old, bradley_terry_beta, rng)
-                rec.update(original=y[c:], reward_original=r_old, label=label, pref_prob=prob)
+            self._label(records, keys, row_examples, roll_in, cuts, bradley_terry_beta)
         return records
+
+    def _label(
+        self,
+        records: list[dict],
+        keys: list[tuple[int, int]],
+        row_examples: list[Any],
+        roll_in: list[list[int]],
+        cuts: list[int],
+        beta: float,
+    ) -> None:
+        """Each record with the roll-in's own continuation, its reward and the preference
+        label between the two (Bradley–Terry with `beta`, seeded per record)."""
+        originals = score_in_batches(self.task, row_examples, roll_in, self.reward_batch_size)
+        for rec, key, y, c, r_old in zip(records, keys, roll_in, cuts, originals):
+            rng = random.Random(self.row_seed("label", *key))
+            label, prob = preference_label(rec["reward"], r_old, beta, rng)
+            rec.update(original=y[c:], reward_original=r_old, label=label, pref_prob=prob)
 
 
 def ground_truth_pairs(
@@ -305,42 +311,62 @@ def collect_shard(ctx: Any, *, pairs: bool) -> tuple[list[dict], dict]:
     Returns (records, stats)."""
     import time
 
-    from pita.runtime.batching import generation_batch_size
-
     t0 = time.perf_counter()
-
     ref_dir = ctx.reference_model()
     reference = ctx.load_model(ref_dir)
     task = ctx.build_task()
-    tok = task.tokenizer
     examples = task.train_examples()
     dc, gen, algo = ctx.data_collection, ctx.generation, ctx.algo_as(ValueGuidedConfig)
     if dc.max_examples:
         examples = examples[: dc.max_examples]
     part = ctx.shard_slice(len(examples))
     indices = list(range(len(examples)))[part]
-    hook: HookFactory | None = None
-    roll_in_top_k = int(gen.top_k)
-    if ctx.has_input("guide") and float(algo.guidance.eta) != 0:  # round k > 0: π^k = guided π_ref
-        from pita.algos.guidance import guided_hook_factory
+    hook, roll_in_top_k = _roll_in_guide(ctx, algo, int(gen.top_k))
+    prompts = [examples[i].prompt_ids for i in indices]
+    generator = _rollout_collector(ctx, reference, task, hook, roll_in_top_k, prompts)
+    samples = algo.samples_per_example or dc.samples_per_example  # per-algo override, if any
+    if dc.recipe == "ground_truth_vs_first_wrong":
+        hook = None  # one offline round of π_ref samples (module docstring)
+    records, dropped = _run_recipe(
+        generator, dc, indices, [examples[i] for i in indices], samples, pairs
+    )
+    stats = _shard_stats(records, len(indices), hook, dropped, pairs)
+    stats["collect_s"] = round(time.perf_counter() - t0, 2)
+    ctx.logger.info("collected %s", stats)
+    from pita.models.placement import placement_lines
 
-        hook = guided_hook_factory(ctx, ctx.input("guide"), float(algo.guidance.eta))
-        roll_in_top_k = int(algo.guidance.top_k)
+    stats["run_log_lines"] = placement_lines(
+        reference, "reference"
+    )  # a sharded π_ref's layers, for run.log
+    return records, stats
+
+
+def _rollout_collector(
+    ctx: Any,
+    reference: Any,
+    task: Any,
+    hook: HookFactory | None,
+    roll_in_top_k: int,
+    prompts: list[list[int]],
+) -> RolloutCollector:
+    """The shard's `RolloutCollector` from `generation.*` and `data_collection.*`, its batch
+    sizes probed on the task's device with the models collect really holds: π_ref on the
+    shard's longest prompt and full max_new_tokens, plus the guide when guided. (Without
+    the model it had nothing to measure and logged "no CUDA device" on GPUs.)"""
+    from pita.runtime.batching import generation_batch_size
+
+    gen, tok = ctx.generation, task.tokenizer
     max_new = int(gen.max_new_tokens or task.max_new_tokens)
-    # The probe measures on the task's device with the models collect really holds: π_ref
-    # on the shard's longest prompt and full max_new_tokens, plus the guide when guided.
-    # (Without the model it had nothing to measure and logged "no CUDA device" on GPUs.)
-    guide = [hook.model] if hook is not None else []
     batch = generation_batch_size(
         ctx,
         gen.batch_size,
         model=reference,
-        prompts=[examples[i].prompt_ids for i in indices],
+        prompts=prompts,
         max_new_tokens=max_new,
-        extra_models=guide,
+        extra_models=[hook.model] if hook is not None else [],
         fallback=256,
     )
-    generator = RolloutCollector(
+    return RolloutCollector(
         reference,
         task,
         batch_size=batch,
@@ -352,59 +378,68 @@ def collect_shard(ctx: Any, *, pairs: bool) -> tuple[list[dict], dict]:
         rollout_top_k=int(gen.top_k),
         roll_in_hook_factory=hook,
         roll_in_top_k=roll_in_top_k,
-        reward_batch_size=generation_batch_size(ctx, dc.reward_batch_size, fallback=32),
+        reward_batch_size=generation_batch_size(
+            ctx, ctx.data_collection.reward_batch_size, fallback=32
+        ),
         seed=ctx.seed,
         report=ctx.report_progress,
     )
-    samples = algo.samples_per_example or dc.samples_per_example  # per-algo override, if any
-    recipe = dc.recipe
-    dropped = None
-    if recipe == "ground_truth_vs_first_wrong":
-        hook = None  # one offline round of π_ref samples (module docstring)
-        records, dropped = ground_truth_pairs(
-            generator,
-            indices,
-            [examples[i] for i in indices],
-            max_tries=int(dc.max_tries),
-            pairs=pairs,
+
+
+def _roll_in_guide(ctx: Any, algo: Any, top_k: int) -> tuple[HookFactory | None, int]:
+    """(the roll-in's guidance hook, its top-k): from round 1 on (a `guide` input and η != 0)
+    π^k is π_ref guided by the previous round's value model, on its top-k tokens."""
+    if not ctx.has_input("guide") or float(algo.guidance.eta) == 0:
+        return None, top_k
+    from pita.algos.guidance import guided_hook_factory
+
+    hook = guided_hook_factory(ctx, ctx.input("guide"), float(algo.guidance.eta))
+    return hook, int(algo.guidance.top_k)
+
+
+def _run_recipe(
+    generator: RolloutCollector,
+    dc: Any,
+    indices: list[int],
+    examples: list[Any],
+    samples: int,
+    pairs: bool,
+) -> tuple[list[dict], int | None]:
+    """(the shard's records, prompts dropped for want of a wrong sample or None) by
+    `data_collection.recipe`."""
+    if dc.recipe == "ground_truth_vs_first_wrong":
+        return ground_truth_pairs(
+            generator, indices, examples, max_tries=int(dc.max_tries), pairs=pairs
         )
-    elif recipe == "rollouts":
-        records = generator.collect(
-            indices,
-            [examples[i] for i in indices],
-            samples,
-            pairs=pairs,
-            bradley_terry_beta=float(dc.bradley_terry_beta),
-        )
-    else:
-        raise ValueError(
-            f"data_collection.recipe={recipe!r}: allowed: rollouts | ground_truth_vs_first_wrong"
-        )
-    # sums, not means: collect_merge adds up every number of the shards' results
-    stats = {
-        "prompts": len(indices),
+    if dc.recipe == "rollouts":
+        beta = float(dc.bradley_terry_beta)
+        return generator.collect(
+            indices, examples, samples, pairs=pairs, bradley_terry_beta=beta
+        ), None
+    raise ValueError(
+        f"data_collection.recipe={dc.recipe!r}: allowed: rollouts | ground_truth_vs_first_wrong"
+    )
+
+
+def _shard_stats(
+    records: list[dict], prompts: int, hook: Any, dropped: int | None, pairs: bool
+) -> dict[str, Any]:
+    """A shard's numbers: sums, not means (collect_merge adds up every number of the shards'
+    results)."""
+    stats: dict[str, Any] = {
+        "prompts": prompts,
         "records": len(records),
         "guided": hook is not None,
         "reward_sum": sum(r["reward"] for r in records),
-        "collect_s": round(time.perf_counter() - t0, 2),
     }
     if dropped is not None:
         stats["dropped_no_wrong_sample"] = dropped
     if pairs:
         stats["reward_roll_in_sum"] = sum(r["reward_original"] for r in records)
         stats["label_sum"] = sum(r["label"] for r in records)
-    if hook is not None:
-        stats["value_forwards"], stats["decode_steps"] = (
-            hook.stats.forwards,
-            hook.stats.steps,
-        )  # 1 per step
-    ctx.logger.info("collected %s", stats)
-    from pita.models.placement import placement_lines
-
-    stats["run_log_lines"] = placement_lines(
-        reference, "reference"
-    )  # a sharded π_ref's layers, for run.log
-    return records, stats
+    if hook is not None:  # 1 value forward per decoding step
+        stats["value_forwards"], stats["decode_steps"] = hook.stats.forwards, hook.stats.steps
+    return stats
 
 
 def write_jsonl(path: Any, rows: Sequence[dict]) -> None:

@@ -36,6 +36,7 @@ import json
 import random
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from pita.core.paths import Artifact
 from pita.core.schema import PreferenceConfig, RewardModelMixin
@@ -124,14 +125,11 @@ def collect(ctx: StageContext) -> dict:
     response is chosen, ties give no pair). Shared by DPO and GRPO-HF (whose reward model
     learns from the same pairs). Assumes the task's rewards tell responses apart.
     """
-    from pita.models.generation import generate
-    from pita.models.seeds import example_seed
-    from pita.runtime.batching import generation_batch_size
+    from pita.models.placement import placement_lines
 
     # The task (its tokenizer and verifier) and the policy that samples this round.
     ref_dir = ctx.reference_model()
     task = ctx.build_task()
-    tok = task.tokenizer
     policy_dir = str(ctx.input("guide") / Artifact.MODEL) if ctx.has_input("guide") else ref_dir
     policy = ctx.load_model(policy_dir)
     ctx.logger.info("sampling with %s", policy_dir)
@@ -141,13 +139,57 @@ def collect(ctx: StageContext) -> dict:
     indices = list(range(len(all_examples)))[ctx.shard_slice(len(all_examples))]
     k = samples_per_example(ctx)
     examples = [all_examples[i] for i in indices for _ in range(k)]
-    gen = ctx.generation
+    responses = _sample(ctx, policy, task, examples, [(i, s) for i in indices for s in range(k)])
+    rewards = _rewards(ctx, task, examples, responses)
+    binary = all(r in (0.0, 1.0) for r in rewards)
+    # Pairs per prompt, in token space.
+    prompts = [(i, all_examples[i]) for i in indices]
+    groups = [
+        (responses[j * k : (j + 1) * k], rewards[j * k : (j + 1) * k]) for j in range(len(indices))
+    ]
+    n_pairs, n_with_pairs = _write_pairs(
+        ctx.out_dir / Artifact.PAIRS,
+        task,
+        prompts,
+        groups,
+        binary,
+        pair_settings(ctx).pairs_per_example,
+    )
+    ctx.logger.info(
+        "%d prompts x %d samples: mean reward %.4f (%s), %d pairs from %d prompts",
+        len(indices),
+        k,
+        sum(rewards) / max(1, len(rewards)),
+        "binary" if binary else "real-valued",
+        n_pairs,
+        n_with_pairs,
+    )
+    return {
+        "prompts": len(indices),
+        "samples": len(examples),
+        "pairs": n_pairs,
+        "prompts_with_pairs": n_with_pairs,
+        "reward_sum": sum(rewards),
+        "run_log_lines": placement_lines(policy, "policy"),
+    }
+
+
+def _sample(
+    ctx: StageContext, policy: Any, task: Any, examples: list[Any], keys: list[tuple[int, int]]
+) -> list[list[int]]:
+    """One sampled response per example (`generation.*`); sample s of prompt i (`keys`) from
+    its own stream: the same on any shard (pita/models/seeds.py)."""
+    from pita.models.generation import generate
+    from pita.models.seeds import example_seed
+    from pita.runtime.batching import generation_batch_size
+
+    gen, tok = ctx.generation, task.tokenizer
     prompts = [e.prompt_ids for e in examples]
     max_new = int(gen.max_new_tokens or task.max_new_tokens)
     bs = generation_batch_size(
         ctx, gen.batch_size, model=policy, prompts=prompts, max_new_tokens=max_new
     )
-    out = generate(
+    return generate(
         policy,
         prompts,
         max_new_tokens=max_new,
@@ -158,68 +200,50 @@ def collect(ctx: StageContext) -> dict:
         temperature=gen.temperature,
         top_k=gen.top_k,
         top_p=gen.top_p,
-        # sample s of prompt i from its own stream: the same on any shard (pita/models/seeds.py)
-        row_seeds=[example_seed(ctx.seed, "sample", i, s) for i in indices for s in range(k)],
+        row_seeds=[example_seed(ctx.seed, "sample", i, s) for i, s in keys],
         on_batch=lambda done: ctx.report_progress(done, len(prompts), "prompts", "sampling"),
-    )
+    ).responses
 
-    # Rewards in batches of data_collection.reward_batch_size (one verifier call per batch).
+
+def _rewards(
+    ctx: StageContext, task: Any, examples: list[Any], responses: list[list[int]]
+) -> list[float]:
+    """Rewards in batches of data_collection.reward_batch_size (one verifier call each)."""
+    from pita.runtime.batching import generation_batch_size
+
     rb = generation_batch_size(ctx, ctx.data_collection.reward_batch_size, fallback=256)
     rewards: list[float] = []
     for start in range(0, len(examples), rb):
-        rewards += task.rewards(examples[start : start + rb], out.responses[start : start + rb])
-    binary = all(r in (0.0, 1.0) for r in rewards)
+        rewards += task.rewards(examples[start : start + rb], responses[start : start + rb])
+    return rewards
 
-    # Pairs per prompt, in token space.
-    max_pairs = pair_settings(ctx).pairs_per_example
+
+def _write_pairs(
+    path: Path,
+    task: Any,
+    prompts: list[tuple[int, Any]],
+    groups: list[tuple[list, list]],
+    binary: bool,
+    max_pairs: int,
+) -> tuple[int, int]:
+    """`pairs.jsonl`: each prompt's preference pairs among its samples (`groups`: their
+    responses and rewards); a correct target joins as a chosen response. -> (pairs, prompts
+    with a pair)."""
     n_pairs = n_with_pairs = 0
-    with open(ctx.out_dir / Artifact.PAIRS, "w") as f:
-        for j, i in enumerate(indices):
-            ex = all_examples[i]
+    with open(path, "w") as f:
+        for (i, ex), (responses, rewards) in zip(prompts, groups):
             target = None
             if ex.target_ids is not None and task.rewards([ex], [ex.target_ids])[0] >= 1.0:
                 target = ex.target_ids
             pairs = preference_pairs(
-                out.responses[j * k : (j + 1) * k],
-                rewards[j * k : (j + 1) * k],
-                binary=binary,
-                max_pairs=max_pairs,
-                target=target,
+                responses, rewards, binary=binary, max_pairs=max_pairs, target=target
             )
             for chosen, rejected in pairs:
-                f.write(
-                    json.dumps(
-                        {
-                            "example": i,
-                            "prompt": list(ex.prompt_ids),
-                            "chosen": chosen,
-                            "rejected": rejected,
-                        }
-                    )
-                    + "\n"
-                )
+                row = {"example": i, "prompt": list(ex.prompt_ids), "chosen": chosen}
+                f.write(json.dumps({**row, "rejected": rejected}) + "\n")
             n_pairs += len(pairs)
             n_with_pairs += bool(pairs)
-    mean_reward = sum(rewards) / max(1, len(rewards))
-    ctx.logger.info(
-        "%d prompts x %d samples: mean reward %.4f (%s), %d pairs from %d prompts",
-        len(indices),
-        k,
-        mean_reward,
-        "binary" if binary else "real-valued",
-        n_pairs,
-        n_with_pairs,
-    )
-    from pita.models.placement import placement_lines
-
-    return {
-        "prompts": len(indices),
-        "samples": len(examples),
-        "pairs": n_pairs,
-        "prompts_with_pairs": n_with_pairs,
-        "reward_sum": sum(rewards),
-        "run_log_lines": placement_lines(policy, "policy"),
-    }
+    return n_pairs, n_with_pairs
 
 
 def read_pairs(folders: Sequence[Path]) -> list[dict]:
@@ -309,7 +333,6 @@ def _train(ctx: StageContext, dist: object = None) -> dict:
     """`train` on one rank (or alone): the TRL Trainer finds the gang through accelerate."""
     import torch
     from datasets import Dataset
-    from trl import DPOConfig
 
     from pita.algos.trl_common import (
         effective_batch,
@@ -319,21 +342,12 @@ def _train(ctx: StageContext, dist: object = None) -> dict:
         quiet,
         stage_log_callback,
         train_and_save,
-        training_args,
-        trl_options,
         whole_batches,
     )
     from pita.models.loading import load_tokenizer
 
-    algo = ctx.algo_as(PreferenceConfig)
     # Data first (fail before loading models): the pairs of every round so far, shuffled.
-    records = read_pairs(ctx.inputs("data"))
-    if not records:
-        raise RuntimeError(
-            "no preference pairs were collected (every prompt's samples were all right or all "
-            "wrong); raise data_collection.samples_per_example"
-        )
-    random.Random(ctx.seed).shuffle(records)
+    records = _shuffled_pairs(ctx.inputs("data"), ctx.seed)
 
     # Models: the policy starts from the previous round (else π_ref); the frozen reference is π_ref.
     ref_dir, start_dir = ctx.reference_model(), policy_start_dir(ctx)
@@ -343,25 +357,8 @@ def _train(ctx: StageContext, dist: object = None) -> dict:
     ref_model.requires_grad_(False)
     torch.manual_seed(ctx.seed)
 
-    sft = float(algo.sft_weight)
-    loss = (
-        {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, sft]}
-        if sft > 0
-        else {"loss_type": ["sigmoid"]}
-    )
     batch = effective_batch(ctx)  # the global batch: each epoch draws whole ones
-    args = training_args(
-        ctx,
-        DPOConfig,
-        batch_size=batch,
-        lr=float(algo.lr),
-        epochs=int(algo.epochs),
-        steps=int(algo.steps),
-        beta=float(algo.beta),
-        max_length=None,
-        options=trl_options(ctx),
-        **loss,
-    )
+    args = _dpo_config(ctx, batch)
     ids = pairs_as_ids(records, tok.eos_token_id)
     trainer = quiet(
         whole_batches(token_dpo_trainer(), batch)(
@@ -383,19 +380,56 @@ def _train(ctx: StageContext, dist: object = None) -> dict:
         ref_dir,
     )
 
-    _, end = train_and_save(
-        ctx,
-        trainer,
-        tok,
-        Artifact.MODEL,
-        (
-            "train_loss",
-            "rewards/accuracies",
-            "rewards/margins",
-            "rewards/chosen",
-            "rewards/rejected",
-            "logps/chosen",
-            "logps/rejected",
-        ),
-    )
+    _, end = train_and_save(ctx, trainer, tok, Artifact.MODEL, _DPO_METRICS)
     return {"pairs": len(records), "start": start_dir, **end}
+
+
+# what a DPO task's result keeps of TRL's last logs
+_DPO_METRICS = (
+    "train_loss",
+    "rewards/accuracies",
+    "rewards/margins",
+    "rewards/chosen",
+    "rewards/rejected",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+def _shuffled_pairs(folders: Sequence[Path], seed: int) -> list[dict]:
+    """The pairs of every round so far (`read_pairs`), shuffled by the task's seed; none is
+    an error (every prompt's samples were all right or all wrong)."""
+    records = read_pairs(folders)
+    if not records:
+        raise RuntimeError(
+            "no preference pairs were collected (every prompt's samples were all right or all "
+            "wrong); raise data_collection.samples_per_example"
+        )
+    random.Random(seed).shuffle(records)
+    return records
+
+
+def _dpo_config(ctx: StageContext, batch: int) -> Any:
+    """DPOConfig from `algos.<NAME>.*`: sigmoid loss, plus TRL's SFT term on the chosen
+    responses when `sft_weight` > 0 (RPO)."""
+    from trl import DPOConfig
+
+    from pita.algos.trl_common import training_args, trl_options
+
+    algo = ctx.algo_as(PreferenceConfig)
+    sft = float(algo.sft_weight)
+    loss: dict[str, Any] = {"loss_type": ["sigmoid"]}
+    if sft > 0:
+        loss = {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, sft]}
+    return training_args(
+        ctx,
+        DPOConfig,
+        batch_size=batch,
+        lr=float(algo.lr),
+        epochs=int(algo.epochs),
+        steps=int(algo.steps),
+        beta=float(algo.beta),
+        max_length=None,
+        options=trl_options(ctx),
+        **loss,
+    )

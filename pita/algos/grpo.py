@@ -211,9 +211,60 @@ def _seeded_completions(trainer, prompt_ids: list, row_seeds: list[int]):
     return out.responses, None
 
 
+# what a GRPO task's result keeps of TRL's last logs
+_GRPO_METRICS = (
+    "train_loss",
+    "reward",
+    "reward_std",
+    "kl",
+    "entropy",
+    "frac_reward_zero_std",
+    "true_reward",
+)
+
+
+def _grpo_config(ctx: StageContext, batch: int, group: int, max_completion: int) -> Any:
+    """GRPOConfig from `algos.<NAME>.*` and `generation.*` (sampling), dropout off."""
+    from trl import GRPOConfig
+
+    from pita.algos.trl_common import training_args, trl_options
+
+    algo, gen = ctx.algo_as(GRPOSettings), ctx.generation
+    return training_args(
+        ctx,
+        GRPOConfig,
+        batch_size=batch,
+        lr=float(algo.lr),
+        epochs=int(algo.epochs),
+        steps=int(algo.steps),
+        beta=float(algo.beta),
+        num_generations=group,
+        max_completion_length=max_completion,
+        temperature=float(gen.temperature),
+        top_k=int(gen.top_k),
+        top_p=float(gen.top_p),
+        disable_dropout=True,
+        log_completions=False,
+        options=trl_options(ctx),
+    )
+
+
+def _kl_reference(trainer: Any, beta: float, lora: bool, start_dir: str) -> str:
+    """What the KL term regularises towards, for the log: TRL loads a reference model
+    exactly when beta > 0 without LoRA (with LoRA: the policy with its adapter disabled)."""
+    ref_model = getattr(trainer, "ref_model", None)
+    assert (ref_model is None) == (beta == 0.0 or lora), (
+        "TRL loads a KL reference exactly when beta > 0 (without LoRA)"
+    )
+    if beta == 0.0:
+        return "none (beta=0)"
+    if ref_model is None:
+        return f"{start_dir} (LoRA: the policy with its adapter disabled)"
+    return trainer.accelerator.unwrap_model(ref_model).config._name_or_path
+
+
 def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
     """GRPO from the round's starting policy against π_ref; saves the policy to out_dir/model."""
-    from trl import GRPOConfig
 
     from pita.algos.trl_common import (
         effective_batch,
@@ -223,12 +274,10 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
         quiet,
         stage_log_callback,
         train_and_save,
-        training_args,
-        trl_options,
     )
     from pita.models.loading import load_tokenizer
 
-    algo, gen = ctx.algo_as(GRPOSettings), ctx.generation
+    algo = ctx.algo_as(GRPOSettings)
     batch, group = effective_batch(ctx), int(algo.num_generations)
     if batch % group:
         raise ValueError(
@@ -243,23 +292,7 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
     # round-k policy (started from round k−1's) is still regularised towards π_ref.
     policy.config._name_or_path = ref_dir
 
-    args = training_args(
-        ctx,
-        GRPOConfig,
-        batch_size=batch,
-        lr=float(algo.lr),
-        epochs=int(algo.epochs),
-        steps=int(algo.steps),
-        beta=float(algo.beta),
-        num_generations=group,
-        max_completion_length=int(algo.max_completion_length or task.max_new_tokens),
-        temperature=float(gen.temperature),
-        top_k=int(gen.top_k),
-        top_p=float(gen.top_p),
-        disable_dropout=True,
-        log_completions=False,
-        options=trl_options(ctx),
-    )
+    args = _grpo_config(ctx, batch, group, int(algo.max_completion_length or task.max_new_tokens))
     lora = lora_config(ctx)
     trainer_cls = token_grpo_trainer([e.prompt_ids for e in examples], ctx.seed)
     trainer = quiet(
@@ -273,17 +306,7 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
             peft_config=lora,
         )
     )
-    ref_model = getattr(trainer, "ref_model", None)
-    assert (ref_model is None) == (float(algo.beta) == 0.0 or lora is not None), (
-        "TRL loads a KL reference exactly when beta > 0 (without LoRA)"
-    )
-    kl_ref = (
-        "none (beta=0)"
-        if float(algo.beta) == 0.0
-        else f"{start_dir} (LoRA: the policy with its adapter disabled)"
-        if ref_model is None
-        else trainer.accelerator.unwrap_model(ref_model).config._name_or_path
-    )
+    kl_ref = _kl_reference(trainer, float(algo.beta), lora is not None, start_dir)
     ctx.logger.info(
         "GRPO on %d prompts, groups of %d; policy from %s, KL reference %s",
         len(examples),
@@ -291,22 +314,7 @@ def run_grpo(ctx: StageContext, task, examples: Sequence, reward_fn) -> dict:
         start_dir,
         kl_ref,
     )
-
-    _, end = train_and_save(
-        ctx,
-        trainer,
-        tok,
-        Artifact.MODEL,
-        (
-            "train_loss",
-            "reward",
-            "reward_std",
-            "kl",
-            "entropy",
-            "frac_reward_zero_std",
-            "true_reward",
-        ),
-    )
+    _, end = train_and_save(ctx, trainer, tok, Artifact.MODEL, _GRPO_METRICS)
     first: dict[str, Any] = next((r for r in trainer.state.log_history if "reward" in r), {})
     return {
         "prompts": len(examples),

@@ -163,6 +163,38 @@ _POLICY_MODELS: dict[str, tuple[Held, ...]] = {
 # GRPO's train also samples its groups from the policy.
 _GRPO_TRAIN = (*_POLICY_MODELS["train"], Held("policy", "generate"))
 
+
+def _value_guided(name: str, module: str) -> Algorithm:
+    """A value-guided row (PITA, Q#): `module`'s collect and train, its value model trained
+    on a gang (pita's own loop: grows at a checkpoint)."""
+    return Algorithm(
+        name,
+        _VALUE_ROUND,
+        {"collect": f"{module}:collect", "train": f"{module}:train"},
+        guided=True,
+        outputs=_VALUE_OUTPUTS,
+        models=_VALUE_MODELS,
+        schema=ValueGuidedConfig,
+        gang_stages=("train",),
+        growable_stages=("train",),
+    )
+
+
+def _preference(name: str) -> Algorithm:
+    """A row of DPO's stages (DPO, RPO: the same trainer; `sft_weight` tells them apart)."""
+    return Algorithm(
+        name,
+        _VALUE_ROUND,
+        {"collect": "pita.algos.dpo:collect", "train": "pita.algos.dpo:train"},
+        outputs=_POLICY_OUTPUTS,
+        models=_POLICY_MODELS,
+        schema=PreferenceConfig,
+        gang_stages=("train",),
+        trl_stages=("train",),
+        growable_stages=("train",),
+    )
+
+
 # Insertion order is the report's row order.
 ALGORITHMS: dict[str, Algorithm] = {
     a.name: a
@@ -176,28 +208,8 @@ ALGORITHMS: dict[str, Algorithm] = {
             schema=ReferenceConfig,
         ),
         # value-guided decoding (pita/algos/qsharp.py, pita_algo.py, qsharp_hf.py)
-        Algorithm(
-            "PITA",
-            _VALUE_ROUND,
-            {"collect": "pita.algos.pita_algo:collect", "train": "pita.algos.pita_algo:train"},
-            guided=True,
-            outputs=_VALUE_OUTPUTS,
-            models=_VALUE_MODELS,
-            schema=ValueGuidedConfig,
-            gang_stages=("train",),
-            growable_stages=("train",),
-        ),
-        Algorithm(
-            "QSharp",
-            _VALUE_ROUND,
-            {"collect": "pita.algos.qsharp:collect", "train": "pita.algos.qsharp:train"},
-            guided=True,
-            outputs=_VALUE_OUTPUTS,
-            models=_VALUE_MODELS,
-            schema=ValueGuidedConfig,
-            gang_stages=("train",),
-            growable_stages=("train",),
-        ),
+        _value_guided("PITA", "pita.algos.pita_algo"),
+        _value_guided("QSharp", "pita.algos.qsharp"),
         Algorithm(
             "QSharp-HF",
             _HF_ROUND,
@@ -225,28 +237,8 @@ ALGORITHMS: dict[str, Algorithm] = {
         # DPO is plain DPO (`sft_weight: 0`, as the papers ran it); RPO is the same trainer with
         # an SFT term on the chosen responses (`sft_weight: 1`, TRL's sigmoid+sft): two rows so
         # that neither is reported under the other's name
-        Algorithm(
-            "DPO",
-            _VALUE_ROUND,
-            {"collect": "pita.algos.dpo:collect", "train": "pita.algos.dpo:train"},
-            outputs=_POLICY_OUTPUTS,
-            models=_POLICY_MODELS,
-            schema=PreferenceConfig,
-            gang_stages=("train",),
-            trl_stages=("train",),
-            growable_stages=("train",),
-        ),
-        Algorithm(
-            "RPO",
-            _VALUE_ROUND,
-            {"collect": "pita.algos.dpo:collect", "train": "pita.algos.dpo:train"},
-            outputs=_POLICY_OUTPUTS,
-            models=_POLICY_MODELS,
-            schema=PreferenceConfig,
-            gang_stages=("train",),
-            trl_stages=("train",),
-            growable_stages=("train",),
-        ),
+        _preference("DPO"),
+        _preference("RPO"),
         Algorithm(
             "GRPO",
             ("train", "evaluate"),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from pita.core.paths import Artifact
 from pita.core.schema import RewardModelMixin
@@ -103,30 +104,20 @@ def _train_reward_model(ctx: StageContext, dist: object = None) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification
-    from trl import RewardConfig, RewardTrainer
+    from trl import RewardTrainer
 
-    from pita.algos.dpo import read_pairs
     from pita.algos.trl_common import (
         effective_batch,
         quiet,
         stage_log_callback,
         train_and_save,
-        training_args,
-        trl_options,
         whole_batches,
     )
     from pita.models.loading import load_tokenizer
     from pita.models.reward_scorer import RewardScorer
 
-    algo = ctx.algo_as(RewardModelMixin)
     # Data: every round's pairs, split by prompt into train / held-out.
-    records = read_pairs(ctx.inputs("data"))
-    train_pairs, heldout = split_by_prompt(records, HELDOUT_FRACTION, ctx.seed)
-    if not train_pairs:
-        raise RuntimeError(
-            f"{len(records)} preference pairs: too few to train a reward model; raise "
-            "data_collection.samples_per_example or the number of training prompts"
-        )
+    train_pairs, heldout = _split_pairs(ctx.inputs("data"), ctx.seed)
     dataset = Dataset.from_dict(
         {
             "chosen_ids": [r["prompt"] + r["chosen"] for r in train_pairs],
@@ -144,16 +135,7 @@ def _train_reward_model(ctx: StageContext, dist: object = None) -> dict:
     model.config.pad_token_id = tok.pad_token_id
 
     batch = effective_batch(ctx)  # the global batch: each epoch draws whole ones
-    args = training_args(
-        ctx,
-        RewardConfig,
-        batch_size=batch,
-        lr=float(algo.reward_lr),
-        epochs=int(algo.reward_epochs),
-        max_length=None,
-        disable_dropout=True,
-        options=trl_options(ctx, "reward_trl"),
-    )
+    args = _reward_config(ctx, batch)
     trainer = quiet(
         whole_batches(RewardTrainer, batch)(
             model=model,
@@ -176,14 +158,54 @@ def _train_reward_model(ctx: StageContext, dist: object = None) -> dict:
     if not trainer.is_world_process_zero():
         return end  # rank 0's result is the task's
     scorer = RewardScorer(model, tok, _scorer_batch(ctx), padding_side="right")
+    return {**_accuracies(scorer, train_pairs, heldout, ctx.logger), **end}
+
+
+def _reward_config(ctx: StageContext, batch: int) -> Any:
+    """RewardConfig from `algos.<NAME>.reward_*` (dropout off: the resume on any k draws no
+    random numbers) and `algos.<NAME>.reward_trl`."""
+    from trl import RewardConfig
+
+    from pita.algos.trl_common import training_args, trl_options
+
+    algo = ctx.algo_as(RewardModelMixin)
+    return training_args(
+        ctx,
+        RewardConfig,
+        batch_size=batch,
+        lr=float(algo.reward_lr),
+        epochs=int(algo.reward_epochs),
+        max_length=None,
+        disable_dropout=True,
+        options=trl_options(ctx, "reward_trl"),
+    )
+
+
+def _split_pairs(folders: Any, seed: int) -> tuple[list[dict], list[dict]]:
+    """Every round's pairs (`read_pairs`), split by prompt into (train, held-out); too few
+    to train on is an error."""
+    from pita.algos.dpo import read_pairs
+
+    records = read_pairs(folders)
+    train_pairs, heldout = split_by_prompt(records, HELDOUT_FRACTION, seed)
+    if not train_pairs:
+        raise RuntimeError(
+            f"{len(records)} preference pairs: too few to train a reward model; raise "
+            "data_collection.samples_per_example or the number of training prompts"
+        )
+    return train_pairs, heldout
+
+
+def _accuracies(scorer: Any, train_pairs: list[dict], heldout: list[dict], logger: Any) -> dict:
+    """The reward model's pairwise accuracy on (the first 2000) training and the held-out
+    pairs, logged; with the pair counts, for the result."""
     result = {
         "pairs": len(train_pairs),
         "heldout_pairs": len(heldout),
         "train_accuracy": pairwise_accuracy(scorer, train_pairs[:2000]),
         "heldout_accuracy": pairwise_accuracy(scorer, heldout),
-        **end,
     }
-    ctx.logger.info(
+    logger.info(
         "pairwise accuracy: train %.3f, held-out %.3f",
         result["train_accuracy"],
         result["heldout_accuracy"],

@@ -475,6 +475,64 @@ def applied_options(args: Any, ctx: StageContext, key: str = "trl") -> dict[str,
     return out
 
 
+def _checkpointing_field(config_cls: type) -> str:
+    """transformers 5 renamed gradient_checkpointing (a deprecated alias that warns) to
+    activation_checkpointing: the name `config_cls` has."""
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    new = "activation_checkpointing"
+    return new if new in names else "gradient_checkpointing"
+
+
+def _loader_fields(ctx: StageContext, on_cuda: bool) -> dict[str, Any]:
+    """The Trainer's dataloader workers and pinning: algos.<NAME>.num_workers (the seed
+    guide's key) wins; 0 there defers to training.num_workers; -1 = auto: this worker's
+    thread budget - 1, at most 4 (`dataloader_kwargs`)."""
+    from pita.training.loop import dataloader_kwargs
+
+    tr = ctx.training
+    workers = ctx.algo_as(TrainedConfig).num_workers or tr.num_workers
+    loader = dataloader_kwargs(workers, tr.pin_memory, "cuda" if on_cuda else "cpu")
+    return {
+        "dataloader_num_workers": loader["num_workers"],
+        "dataloader_pin_memory": loader["pin_memory"],
+    }
+
+
+def _house_fields(ctx: StageContext) -> dict[str, Any]:
+    """What every pita TRL stage sets alike: a constant lr (a fair lr sweep: no hidden decay
+    schedule), `training.*`'s decay, clipping and compile, the task's seed, about 20 log
+    lines per run whatever its length, no tracker and no progress bar of TRL's own."""
+    tr = ctx.training
+    return dict(
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=tr.weight_decay,
+        max_grad_norm=tr.max_grad_norm,
+        torch_compile=bool(tr.compile),
+        seed=ctx.seed,
+        data_seed=ctx.seed,
+        logging_steps=0.05,
+        # TRL opens no tracker of its own (W&B would get a second run per task, MLflow its
+        # refused file store): train_with_report forwards TRL's logs to the task's tracker
+        report_to="none",
+        run_name=ctx.task.id,
+        push_to_hub=False,
+        disable_tqdm=True,
+    )
+
+
+def _saving_fields(ctx: StageContext) -> dict[str, Any]:
+    """Where and when the Trainer checkpoints (every training.checkpoint_every steps into
+    tasks/<id>.checkpoints/); a gang saves by time too: rank 0's clock decides for every
+    rank (time_checkpoint_callback)."""
+    from pita.runtime.kit import checkpoint_plan
+
+    return {
+        "output_dir": str(ctx.out_dir / Artifact.TRAINER_SCRATCH),
+        **checkpoint_plan(ctx).trl_kwargs(),
+    }
+
+
 def training_args(
     ctx: StageContext,
     config_cls: type,
@@ -495,9 +553,6 @@ def training_args(
     """
     import torch
 
-    from pita.runtime.kit import checkpoint_plan
-    from pita.training.loop import dataloader_kwargs
-
     offline()
     tr = ctx.training
     on_cuda = torch.device(ctx.device).type == "cuda" and torch.cuda.is_available()
@@ -508,73 +563,31 @@ def training_args(
             f"take an equal share; use a multiple of {world}"
         )
     micro, accum = micro_batches(ctx, batch_size // world)  # each rank's share of the batch
-    # algos.<NAME>.num_workers (the seed guide's key) wins; 0 there defers to training.num_workers;
-    # -1 = auto: this worker's thread budget - 1, at most 4 (`dataloader_kwargs`)
-    workers = ctx.algo_as(TrainedConfig).num_workers or tr.num_workers
-    loader = dataloader_kwargs(workers, tr.pin_memory, "cuda" if on_cuda else "cpu")
-    # transformers 5 renamed gradient_checkpointing (a deprecated alias that warns) to activation_checkpointing
-    names = {f.name for f in dataclasses.fields(config_cls)}
-    checkpointing = (
-        "activation_checkpointing"
-        if "activation_checkpointing" in names
-        else "gradient_checkpointing"
-    )
     sharding = fsdp_kwargs(ctx, on_cuda)
-    extra = {checkpointing: bool(tr.gradient_checkpointing) and not sharding, **extra}
-
-    # a gang saves by time too: rank 0's clock decides for every rank (time_checkpoint_callback)
-    saving = {
-        "output_dir": str(ctx.out_dir / Artifact.TRAINER_SCRATCH),
-        **checkpoint_plan(ctx).trl_kwargs(),
-    }
+    extra = {_checkpointing_field(config_cls): tr.gradient_checkpointing and not sharding, **extra}
     kwargs = dict(
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=accum,
         learning_rate=lr,
         num_train_epochs=epochs,
         max_steps=steps if steps > 0 else -1,
-        lr_scheduler_type="constant",  # a fair lr sweep: no hidden decay schedule
-        warmup_steps=0,
-        weight_decay=tr.weight_decay,
-        max_grad_norm=tr.max_grad_norm,
         use_cpu=not on_cuda,
-        dataloader_num_workers=loader["num_workers"],
-        dataloader_pin_memory=loader["pin_memory"],
-        torch_compile=bool(tr.compile),
-        seed=ctx.seed,
-        data_seed=ctx.seed,
-        logging_steps=0.05,  # about 20 log lines per run, whatever its length
-        # TRL opens no tracker of its own (W&B would get a second run per task, MLflow its
-        # refused file store): train_with_report forwards TRL's logs to the task's tracker
-        report_to="none",
-        run_name=ctx.task.id,
-        **saving,  # checkpoints every training.checkpoint_every steps into tasks/<id>.checkpoints/
-        push_to_hub=False,
-        disable_tqdm=True,
+        **_loader_fields(ctx, on_cuda),
+        **_house_fields(ctx),
+        **_saving_fields(ctx),  # checkpoints into tasks/<id>.checkpoints/
         **precision_flags(ctx),
         **sharding,
         **extra,
     )
     if options:
-        ctx.logger.info(
-            "algos.%s.trl: %s",
-            ctx.task.algo,
-            ", ".join(f"{k}={v!r}" for k, v in options.items()),
-        )
+        shown = ", ".join(f"{k}={v!r}" for k, v in options.items())
+        ctx.logger.info("algos.%s.trl: %s", ctx.task.algo, shown)
     args = config_cls(**{**kwargs, **(options or {})})
-    ctx.logger.info(
-        "%s: effective batch %d = %d micro x %d accumulation x %d rank(s), lr %.2e, %s, %s, "
-        "device %s",
-        config_cls.__name__,
-        batch_size,
-        micro,
-        accum,
-        world,
-        lr,
-        f"{steps} steps" if steps > 0 else f"{epochs} epoch(s)",
-        "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-        ctx.device,
-    )
+    shape = f"effective batch {batch_size} = {micro} micro x {accum} accumulation x {world} rank(s)"
+    length = f"{steps} steps" if steps > 0 else f"{epochs} epoch(s)"
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    what = (config_cls.__name__, shape, lr, length, precision, ctx.device)
+    ctx.logger.info("%s: %s, lr %.2e, %s, %s, device %s", *what)
     return args
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from pita.core.parallel import Gang, Strategy
@@ -59,6 +60,21 @@ DEFAULT_STARTUP_S = {1: 0.0, 2: 3.0, 4: 5.0, 8: 9.0}
 def speedup(k: int, alpha: float) -> float:
     """s(k) = k / (1 + alpha (k - 1)): 1 at k = 1, k at alpha = 0, 1 at alpha = 1."""
     return k / (1.0 + alpha * (k - 1))
+
+
+def _beyond(
+    window: list[str], remaining: Mapping[str, TaskSpec], path_s: Mapping[str, float]
+) -> dict[str, float]:
+    """What lies beyond the window after each of its tasks: its longest path through a
+    dependant outside the window (0 when the whole plan is simulated)."""
+    inside = set(window)
+    tail = dict.fromkeys(window, 0.0)
+    for tid, t in remaining.items():
+        if tid not in inside:
+            for d in t.deps:
+                if d in inside:
+                    tail[d] = max(tail[d], path_s.get(tid, 0.0))
+    return tail
 
 
 def rank_choices(max_ranks: int, n_devices: int) -> list[int]:
@@ -358,36 +374,11 @@ class Sizer:
             for tid in window
             if tid != task.id
         }
-        # what lies beyond the window after a task of it: its longest path through a
-        # dependant outside the window (0 when the whole plan is simulated)
-        inside = set(window)
-        tail = dict.fromkeys(window, 0.0)
-        for tid, t in remaining.items():
-            if tid not in inside:
-                for d in t.deps:
-                    if d in inside:
-                        tail[d] = max(tail[d], path_s.get(tid, 0.0))
+        tail = _beyond(window, remaining, path_s)
         base = {tid: remaining[tid] for tid in window}
         first = list(running_left)  # the others in their priority order, as the runner does
-        fixed = set(running_left) | set(self.decisions)  # started, or sized and waiting
-
-        def later(t: TaskSpec, now: float, ends: dict[str, float], sched: Any) -> float | None:
-            """An elastic task that becomes ready inside the simulation is sized there, cheaply,
-            as its own decision would: the k whose gang ends first given when the devices
-            free up, at most the devices idle then (so no simulated gang waits holding
-            devices; the run shrinks a gang that waits past its prediction)."""
-            if not t.elastic or t.id in fixed or t.id == task.id:
-                return None
-            free_at = sorted(
-                max([now, *(ends.get(x, now) for x in d.running)]) for d in sched.devices
-            )
-            choices = self.ranks_of(t)
-            k = min(choices, key=lambda k: (free_at[k - 1] + self.seconds(t, k), k))
-            idle = sum(1 for at in free_at if at <= now)
-            k = max([c for c in choices if c <= min(k, idle)] or choices[:1])
-            set_ranks(t, k)
-            return self.seconds(t, k)
-
+        fixed = set(running_left) | set(self.decisions) | {task.id}  # started, or sized
+        later = partial(self._size_in_simulation, fixed)
         predicted: dict[int, float] = {}
         starts: dict[int, float] = {}
         own: dict[int, float] = {}
@@ -400,24 +391,37 @@ class Sizer:
             predicted[k] = max(end_at[tid] + tail[tid] for tid in start_at)
             starts[k] = start_at.get(task.id, 0.0)
             own[k] = end_at.get(task.id, starts[k]) + tail[task.id]
-        # the earliest predicted end; within `margin` of it (a smaller difference is within
-        # the estimates' error) the k whose own chain ends first: when another chain sets
-        # the end, a shorter chain here is time the later decisions can give that one
-        choices = self.ranks_of(task)
-        margin = self.margin * predicted[choices[0]]
-        near = [k for k in choices if predicted[k] <= min(predicted.values()) + margin]
-        best = min(near, key=lambda k: (round(own[k], 6), k))
-        sizing = Sizing(
-            task.id,
-            best,
-            predicted,
-            starts[best],
-            time.perf_counter() - t0,
-            simulated=True,
-            simulations=len(predicted),
-        )
+        best = self._best(self.ranks_of(task), predicted, own)
+        elapsed = time.perf_counter() - t0
+        sizing = Sizing(task.id, best, predicted, starts[best], elapsed, True, len(predicted))
         self.decisions[task.id] = sizing
         return sizing
+
+    def _best(self, choices: list[int], predicted: dict[int, float], own: dict[int, float]) -> int:
+        """The earliest predicted end; within `margin` of it (a smaller difference is within
+        the estimates' error) the k whose own chain ends first: when another chain sets the
+        end, a shorter chain here is time the later decisions can give that one."""
+        margin = self.margin * predicted[choices[0]]
+        near = [k for k in choices if predicted[k] <= min(predicted.values()) + margin]
+        return min(near, key=lambda k: (round(own[k], 6), k))
+
+    def _size_in_simulation(
+        self, fixed: set[str], t: TaskSpec, now: float, ends: dict[str, float], sched: Any
+    ) -> float | None:
+        """An elastic task that becomes ready inside the simulation is sized there, cheaply,
+        as its own decision would: the k whose gang ends first given when the devices
+        free up, at most the devices idle then (so no simulated gang waits holding
+        devices; the run shrinks a gang that waits past its prediction). None: not
+        sized here (not elastic, started, sized already, or the task being decided)."""
+        if not t.elastic or t.id in fixed:
+            return None
+        free_at = sorted(max([now, *(ends.get(x, now) for x in d.running)]) for d in sched.devices)
+        choices = self.ranks_of(t)
+        k = min(choices, key=lambda k: (free_at[k - 1] + self.seconds(t, k), k))
+        idle = sum(1 for at in free_at if at <= now)
+        k = max([c for c in choices if c <= min(k, idle)] or choices[:1])
+        set_ranks(t, k)
+        return self.seconds(t, k)
 
     def prioritize(self, tasks: Mapping[str, TaskSpec]) -> None:
         """Dispatch priority = the seconds from a task to the end of the plan (its longest

@@ -332,7 +332,9 @@ class RayExecutor:
                     self.group, placement_group_bundle_index=slot.bundle
                 ),
             )
-            .remote(slot.index, self.run_task, self.warm_stages)
+            # stage imports (TRL's trainers) on GPU slots only, as local workers: on CPU slots
+            # the cores are the run's compute (pita/runtime/worker.py `main`)
+            .remote(slot.index, self.run_task, self.warm_stages if self.kind == "gpu" else "")
         )
         if warm and getattr(self, "preimport", True):
             actor.warm.remote()  # queued before any task: the first one starts warm

@@ -53,16 +53,10 @@ from pita.core.schema import (  # noqa: F401 (the dataclasses' old home re-expor
     schema_errors,
 )
 from pita.core.yaml_bound import install as _bound_yaml_aliases
+from pita.experiment.dataset_choice import dataset_keys  # noqa: F401 (its old home)
 from pita.experiment.trl_options import open_trl_dict, trl_option_errors
 
 _bound_yaml_aliases()  # every YAML read through OmegaConf from here on: pita/core/yaml_bound.py
-
-
-def dataset_keys(dataset_cfg: Any) -> dict[str, Any]:
-    """The keys a dataset config actually sets (None = not this task's key)."""
-    if isinstance(dataset_cfg, DictConfig):
-        dataset_cfg = OmegaConf.to_container(dataset_cfg, resolve=True)
-    return {k: v for k, v in dict(dataset_cfg).items() if v is not None}
 
 
 def register_configs() -> None:

@@ -53,6 +53,13 @@ def changed_keys(selected: dict[str, Any], from_file: dict[str, Any]) -> list[st
     return [k for k in keys if selected.get(k) != from_file.get(k)]
 
 
+def dataset_keys(dataset_cfg: Any) -> dict[str, Any]:
+    """The keys a dataset config actually sets (None = not this task's key)."""
+    if isinstance(dataset_cfg, DictConfig):
+        dataset_cfg = OmegaConf.to_container(dataset_cfg, resolve=True)
+    return {k: v for k, v in dict(dataset_cfg).items() if v is not None}
+
+
 def dataset_override_errors(cfg: DictConfig) -> list[str]:
     """One line when `dataset.*` keys set the selected dataset but `experiment.datasets`
     lists other files only: the keys would reach no task."""
@@ -60,10 +67,9 @@ def dataset_override_errors(cfg: DictConfig) -> list[str]:
     chosen = cfg.experiment.get("dataset_file")
     if not listed or not chosen or any(is_selected(cfg, d) for d in listed):
         return []
-    from pita.experiment.config import dataset_keys
-    from pita.experiment.plan import CONF_DIR
+    from pita.experiment.cli_extras import conf_dir
 
-    path = CONF_DIR / "dataset" / f"{chosen}.yaml"
+    path = conf_dir() / "dataset" / f"{chosen}.yaml"
     if not path.is_file():  # a file of --config-dir: nothing to compare with
         return []
     own = dataset_keys(OmegaConf.load(path))

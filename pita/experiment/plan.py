@@ -299,18 +299,10 @@ def plan_experiment(
     from pita.experiment.strategy import resolved_config
 
     cfg, _ = resolved_config(cfg, device_kind, n_devices)
-    n_shards = (
-        n_devices if cfg.executor.max_shards == 0 else min(n_devices, cfg.executor.max_shards)
-    )
-    n_shards = max(1, n_shards)
-    shard_ranges = (
-        distribute(n_shards)
-        if distribute
-        else [(i / n_shards, (i + 1) / n_shards) for i in range(n_shards)]
-    )
+    shard_ranges = _shard_ranges(cfg, n_devices, distribute)
     from pita.datasets import is_offline  # issue 23: a hub family is fine-tuned on offline tasks
 
-    planner = Planner(cfg, n_devices, [tuple(r) for r in shard_ranges], largest_gang)
+    planner = Planner(cfg, n_devices, shard_ranges, largest_gang)
     algos = enabled_algos(cfg)
     for ds_name in list(cfg.experiment.datasets) or [cfg.dataset.name]:
         ds_cfg = _group_cfg(cfg, "dataset", ds_name)
@@ -344,6 +336,16 @@ def plan_experiment(
     check_resources(plan, n_devices, device_mb, largest_gang)
     critical_path_priorities(plan)
     return plan
+
+
+def _shard_ranges(cfg: DictConfig, n_devices: int, distribute: Any) -> list[tuple[float, float]]:
+    """The fractions of a shardable stage's items each shard takes: one shard per device (at
+    most `executor.max_shards`), weighted by `distribute(n)` when given, else equal."""
+    most = cfg.executor.max_shards
+    n_shards = max(1, n_devices if most == 0 else min(n_devices, most))
+    if distribute:
+        return [(r[0], r[1]) for r in distribute(n_shards)]
+    return [(i / n_shards, (i + 1) / n_shards) for i in range(n_shards)]
 
 
 def _built_in_run(name: str, family_cfg: dict[str, Any]) -> bool:

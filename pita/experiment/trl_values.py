@@ -118,7 +118,7 @@ BACKEND_PACKAGES = {"deepspeed": ("deepspeed", "deepspeed")}
 
 
 def _class_node(module: str, name: str) -> tuple[ast.Module, ast.ClassDef] | None:
-    from pita.experiment.trl_options import _module_file, _parse
+    from pita.experiment.trl_source import _module_file, _parse
 
     path = _module_file(module)
     if path is None:
@@ -129,7 +129,7 @@ def _class_node(module: str, name: str) -> tuple[ast.Module, ast.ClassDef] | Non
 
 
 def _resolve(tree: ast.Module, module: str, name: str) -> str:
-    from pita.experiment.trl_options import _base_module
+    from pita.experiment.trl_source import _base_module
 
     return _base_module(tree, module, name) or module
 
@@ -201,7 +201,7 @@ def _choices_of(module: str, tree: ast.Module, stmt: Any) -> set[str]:
 def field_choices(module: str, name: str) -> dict[str, frozenset[str]]:
     """field -> the string values TRL's `trl.trainer.<module>.<name>` accepts, for the
     fields whose source says so (see the module docstring); other fields are absent."""
-    from pita.experiment.trl_options import trl_fields
+    from pita.experiment.trl_source import trl_fields
 
     names = set(trl_fields(module, name))  # a help text quotes other fields too: not values
     out: dict[str, frozenset[str]] = {}

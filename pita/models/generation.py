@@ -39,10 +39,12 @@ Per step only the sampled token's two log-probs are kept, never a [B, V] tensor.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from functools import partial
+from typing import Any, Protocol
 
 import torch
 
@@ -64,6 +66,15 @@ class GenerationOutput:
     def kl(self) -> list[float]:
         """Per-sequence Monte-Carlo KL(π‖π_model) = Σ_t [logprobs - base_logprobs]."""
         return [sum(a) - sum(b) for a, b in zip(self.logprobs, self.base_logprobs)]
+
+    def put(self, rows: Sequence[int], tokens: Any, lps: Any, blps: Any, lengths: Any) -> None:
+        """A batch's outputs (in batch order) into the prompts' `rows`, each cut to its
+        length."""
+        for b, i in enumerate(rows):
+            length = lengths[b]
+            self.responses[i] = tokens[b][:length]
+            self.logprobs[i] = lps[b][:length]
+            self.base_logprobs[i] = blps[b][:length]
 
 
 class OffsetHook(Protocol):
@@ -115,10 +126,18 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
 
 
-def _check_prompts(prompts: Sequence[Sequence[int]]) -> None:
+def _check_prompts(
+    prompts: Sequence[Sequence[int]], row_seeds: Sequence[int] | None = None, generator: Any = None
+) -> None:
+    """No empty prompt; `row_seeds`, when given, one per prompt and no `generator` beside."""
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty; a prompt needs at least one token (e.g. BOS)")
+    n = len(prompts)
+    if row_seeds is not None and (generator is not None or len(row_seeds) != n):
+        raise ValueError(
+            f"row_seeds: one seed per prompt ({len(row_seeds)} for {n}), and no generator"
+        )
 
 
 # --- token selection ----------------------------------------------------------------------
@@ -249,6 +268,22 @@ def _left_pad(
     return ids.to(device), mask.to(device)
 
 
+def _check_sampling(
+    batch_size: int, max_new_tokens: int, temperature: float, top_k: int, top_p: float
+) -> None:
+    """One clear ValueError for a sampling setting `generate` cannot honour."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: must be >= 1")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature}: must be > 0 (use do_sample=False)")
+    if top_k < 0:
+        raise ValueError(f"top_k={top_k}: must be >= 0 (0 disables it)")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p}: must be in (0, 1]")
+
+
 def generate(
     model: torch.nn.Module,
     prompts: list[list[int]],
@@ -276,70 +311,50 @@ def generate(
     called once per batch; see :class:`OffsetHook`. ``on_batch(done)`` is called after
     each batch with the number of prompts done (a stage's progress report).
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size}: must be >= 1")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature}: must be > 0 (use do_sample=False)")
-    if top_k < 0:
-        raise ValueError(f"top_k={top_k}: must be >= 0 (0 disables it)")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p={top_p}: must be in (0, 1]")
-    _check_prompts(prompts)
     n = len(prompts)
-    if row_seeds is not None and (generator is not None or len(row_seeds) != n):
-        raise ValueError(
-            f"row_seeds: one seed per prompt ({len(row_seeds)} for {n}), and no generator"
-        )
+    _check_sampling(batch_size, max_new_tokens, temperature, top_k, top_p)
+    _check_prompts(prompts, row_seeds, generator)
     out = GenerationOutput([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)])
     if n == 0 or max_new_tokens == 0:
         return out
-
     device = model_device(model)
-    eos = torch.as_tensor(
-        [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device
+    eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    one_batch = partial(
+        _generate_batch,
+        model,
+        keep={"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {},
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad_token_id,
+        eos=torch.as_tensor(eos_ids, device=device),
+        do_sample=do_sample,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        generator=generator,
+        force_full_length=force_full_length,
     )
-    keep = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
     order = sorted(range(n), key=lambda i: -len(prompts[i]))
+    with _eval_mode(model), torch.inference_mode():
+        for start in range(0, n, batch_size):
+            idx = order[start : start + batch_size]
+            hook = offset_hook_factory() if offset_hook_factory is not None else None
+            seeds = [row_seeds[i] for i in idx] if row_seeds is not None and do_sample else None
+            uniforms = row_uniforms(seeds, max_new_tokens, device) if seeds is not None else None
+            out.put(idx, *one_batch([prompts[i] for i in idx], hook=hook, uniforms=uniforms))
+            if on_batch is not None:
+                on_batch(min(n, start + batch_size))
+    return out
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """`model` in eval mode for the body, then back in the mode it was in."""
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode():
-            for start in range(0, n, batch_size):
-                idx = order[start : start + batch_size]
-                hook = offset_hook_factory() if offset_hook_factory is not None else None
-                uniforms = (
-                    row_uniforms([row_seeds[i] for i in idx], max_new_tokens, device)
-                    if row_seeds is not None and do_sample
-                    else None
-                )
-                tokens, lps, blps, lengths = _generate_batch(
-                    model,
-                    [prompts[i] for i in idx],
-                    hook=hook,
-                    keep=keep,
-                    max_new_tokens=max_new_tokens,
-                    pad_token_id=pad_token_id,
-                    eos=eos,
-                    do_sample=do_sample,
-                    temperature=temperature,
-                    top_k=top_k,
-                    top_p=top_p,
-                    generator=generator,
-                    uniforms=uniforms,
-                    force_full_length=force_full_length,
-                )
-                for b, i in enumerate(idx):
-                    length = lengths[b]
-                    out.responses[i] = tokens[b][:length]
-                    out.logprobs[i] = lps[b][:length]
-                    out.base_logprobs[i] = blps[b][:length]
-                if on_batch is not None:
-                    on_batch(min(n, start + batch_size))
+        yield
     finally:
         model.train(was_training)
-    return out
 
 
 def _generate_batch(
@@ -372,29 +387,19 @@ def _generate_batch(
     ones = torch.ones((n_rows, 1), dtype=attn.dtype, device=device)
     tokens, lps, blps = [], [], []
     cache = None
+    select = partial(
+        select_tokens,
+        do_sample=do_sample,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        generator=generator,
+    )
     for t in range(max_new_tokens):
-        fwd = model(
-            input_ids=step_ids,
-            attention_mask=attn,
-            position_ids=pos,
-            past_key_values=cache,
-            use_cache=True,
-            **keep,
-        )
-        cache = fwd.past_key_values
-        logits = fwd.logits[:, -1, :].float()
-        del fwd
+        logits, cache = _last_logits(model, step_ids, attn, pos, cache, keep)
         offsets = hook(step_ids, attn, pos, logits) if hook is not None else None
-        tok, lp, blp = select_tokens(
-            logits,
-            offsets,
-            do_sample=do_sample,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            generator=generator,
-            uniforms=uniforms[:, t : t + 1] if uniforms is not None else None,
-        )
+        draws = uniforms[:, t : t + 1] if uniforms is not None else None
+        tok, lp, blp = select(logits, offsets, uniforms=draws)
         tok = torch.where(finished, pad, tok)
         tokens.append(tok)
         lps.append(lp)
@@ -409,12 +414,28 @@ def _generate_batch(
             step_ids = tok.unsqueeze(-1)
             attn = torch.cat([attn, ones], dim=-1)
             pos = pos[:, -1:] + 1
-    return (
-        torch.stack(tokens, dim=1).tolist(),
-        torch.stack(lps, dim=1).tolist(),
-        torch.stack(blps, dim=1).tolist(),
-        lengths.tolist(),
+    tokens, lps, blps = (torch.stack(x, dim=1).tolist() for x in (tokens, lps, blps))
+    return tokens, lps, blps, lengths.tolist()
+
+
+def _last_logits(
+    model: torch.nn.Module,
+    step_ids: torch.Tensor,
+    attn: torch.Tensor,
+    pos: torch.Tensor,
+    cache: Any,
+    keep: dict[str, int],
+) -> tuple[torch.Tensor, Any]:
+    """One decoding step's forward: the last position's logits (fp32) and the KV cache."""
+    fwd = model(
+        input_ids=step_ids,
+        attention_mask=attn,
+        position_ids=pos,
+        past_key_values=cache,
+        use_cache=True,
+        **keep,
     )
+    return fwd.logits[:, -1, :].float(), fwd.past_key_values
 
 
 def forced_logprobs(
@@ -450,42 +471,43 @@ def forced_logprobs(
     device = model_device(model)
     supports_keep = _accepts_logits_to_keep(model)
     order = sorted(range(n), key=lambda i: -len(prompts[i]))
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode():
-            for start in range(0, n, batch_size):
-                idx = [i for i in order[start : start + batch_size] if len(responses[i])]
-                if not idx:
-                    continue
-                r_max = max(len(responses[i]) for i in idx)
-                prompt_ids, prompt_mask = _left_pad([prompts[i] for i in idx], pad_token_id, device)
-                resp_ids = torch.full((len(idx), r_max), pad_token_id, dtype=torch.long)
-                resp_mask = torch.zeros((len(idx), r_max), dtype=torch.long)
-                for b, i in enumerate(idx):
-                    resp_ids[b, : len(responses[i])] = torch.as_tensor(responses[i])
-                    resp_mask[b, : len(responses[i])] = 1
-                resp_ids, resp_mask = resp_ids.to(device), resp_mask.to(device)
-                ids = torch.cat([prompt_ids, resp_ids], dim=1)
-                mask = torch.cat([prompt_mask, resp_mask], dim=1)
-                # Logits at columns P-1 .. P+R-2 predict the R response tokens.
-                extra = {"logits_to_keep": r_max + 1} if supports_keep else {}
-                logits = model(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    position_ids=position_ids_from_mask(mask),
-                    use_cache=False,
-                    **extra,
-                ).logits[:, -(r_max + 1) : -1]
-                for b, i in enumerate(idx):  # fp32 log-softmax one row at a time: bounded memory
-                    length, targets = len(responses[i]), resp_ids[b, : len(responses[i]), None]
-                    row_logits = logits[b, :length].float()
-                    row = rule_scores(
-                        row_logits, temperature=temperature, top_k=top_k, top_p=top_p
-                    ).log_softmax(dim=-1)
-                    result[i] = row.gather(-1, targets).squeeze(-1).tolist()
-                    raw[i] = row_logits.log_softmax(dim=-1).gather(-1, targets).squeeze(-1).tolist()
-                del logits
-    finally:
-        model.train(was_training)
+    rule = partial(rule_scores, temperature=temperature, top_k=top_k, top_p=top_p)
+    with _eval_mode(model), torch.inference_mode():
+        for start in range(0, n, batch_size):
+            idx = [i for i in order[start : start + batch_size] if len(responses[i])]
+            if not idx:
+                continue
+            r_max = max(len(responses[i]) for i in idx)
+            prompt_ids, prompt_mask = _left_pad([prompts[i] for i in idx], pad_token_id, device)
+            resp_ids, resp_mask = _right_pad([responses[i] for i in idx], pad_token_id, device)
+            mask = torch.cat([prompt_mask, resp_mask], dim=1)
+            # Logits at columns P-1 .. P+R-2 predict the R response tokens.
+            extra = {"logits_to_keep": r_max + 1} if supports_keep else {}
+            logits = model(
+                input_ids=torch.cat([prompt_ids, resp_ids], dim=1),
+                attention_mask=mask,
+                position_ids=position_ids_from_mask(mask),
+                use_cache=False,
+                **extra,
+            ).logits[:, -(r_max + 1) : -1]
+            for b, i in enumerate(idx):  # fp32 log-softmax one row at a time: bounded memory
+                length, targets = len(responses[i]), resp_ids[b, : len(responses[i]), None]
+                row_logits = logits[b, :length].float()
+                row = rule(row_logits).log_softmax(dim=-1)
+                result[i] = row.gather(-1, targets).squeeze(-1).tolist()
+                raw[i] = row_logits.log_softmax(dim=-1).gather(-1, targets).squeeze(-1).tolist()
+            del logits
     return result, raw
+
+
+def _right_pad(
+    rows: list[list[int]], pad_token_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and their attention mask (responses after their prompts)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, : len(row)] = torch.as_tensor(row)
+        mask[b, : len(row)] = 1
+    return ids.to(device), mask.to(device)

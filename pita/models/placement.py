@@ -247,6 +247,36 @@ def _blocks(model: Any, no_split: Sequence[str]) -> tuple[str | None, int]:
     return best
 
 
+def _device_map(
+    model: Any, budget: dict[Any, int], no_split: list[str], torch_dtype: Any, balanced: bool
+) -> dict[str, Any]:
+    """accelerate's device map of `model` within `budget` (balanced over the GPUs, or GPU 0
+    first), its "Device 0 is not available" warnings silenced (expected for simulated GPUs)."""
+    from accelerate import infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    accel_log = logging.getLogger("accelerate.utils.modeling")
+    quiet = accel_log.level
+    accel_log.setLevel(logging.ERROR)
+    try:
+        per_device = dict(budget)
+        if balanced and sum(1 for k in budget if isinstance(k, int)) > 1:
+            per_device = get_balanced_memory(
+                model,
+                max_memory=budget,
+                no_split_module_classes=no_split,
+                dtype=torch_dtype,
+                low_zero=False,
+            )
+        return dict(
+            infer_auto_device_map(
+                model, max_memory=per_device, no_split_module_classes=no_split, dtype=torch_dtype
+            )
+        )
+    finally:
+        accel_log.setLevel(quiet)
+
+
 def infer_placement(
     model_name_or_config: Any,
     max_memory: Mapping[Any, Any],
@@ -266,8 +296,7 @@ def infer_placement(
     "balanced"); False fills GPU 0 first ("sequential"). A map that would offload to the
     CPU or disk raises ValueError unless `allow_offload`.
     """
-    from accelerate import infer_auto_device_map
-    from accelerate.utils import compute_module_sizes, convert_file_size_to_int, get_balanced_memory
+    from accelerate.utils import compute_module_sizes, convert_file_size_to_int
 
     torch_dtype = _torch_dtype(dtype)
     model = _empty_model(model_name_or_config, trust_remote_code, torch_dtype)
@@ -282,26 +311,7 @@ def infer_placement(
     }
     if not budget:
         raise ValueError("max_memory is empty: give at least one device")
-    accel_log = logging.getLogger("accelerate.utils.modeling")
-    quiet = accel_log.level
-    accel_log.setLevel(logging.ERROR)  # "Device 0 is not available": expected for simulated GPUs
-    try:
-        per_device = dict(budget)
-        if balanced and sum(1 for k in budget if isinstance(k, int)) > 1:
-            per_device = get_balanced_memory(
-                model,
-                max_memory=budget,
-                no_split_module_classes=no_split,
-                dtype=torch_dtype,
-                low_zero=False,
-            )
-        device_map = dict(
-            infer_auto_device_map(
-                model, max_memory=per_device, no_split_module_classes=no_split, dtype=torch_dtype
-            )
-        )
-    finally:
-        accel_log.setLevel(quiet)
+    device_map = _device_map(model, budget, no_split, torch_dtype, balanced)
     offloaded = sorted({str(d) for d in device_map.values() if not isinstance(d, int)})
     sizes = compute_module_sizes(model, dtype=torch_dtype)
     total = int(sizes[""])
@@ -316,14 +326,10 @@ def infer_placement(
     for key, dev in device_map.items():
         bytes_per_device[dev] = bytes_per_device.get(dev, 0) + int(sizes.get(key, 0))
     prefix, n_layers = _blocks(model, no_split)
-    layers = (
-        layer_distribution(device_map, n_layers, prefix)
-        if prefix is not None
-        else layer_distribution(device_map)
-    )
+    blocks = (n_layers, prefix) if prefix is not None else ()
     return DevicePlacement(
         device_map=device_map,
-        layers=layers,
+        layers=layer_distribution(device_map, *blocks),
         bytes_per_device=_ordered(bytes_per_device),
         max_memory=budget,
         num_layers=n_layers,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import traceback
 from collections.abc import Callable
+from functools import partial
 from typing import Any, cast
 
 from omegaconf import OmegaConf
@@ -137,6 +138,17 @@ def stall_rule(ctx: StageContext) -> Any:
     return StallRule(after_s=settings(ExecutorConfig, cast("dict[str, Any]", plain)).gang_stall_s)
 
 
+def _on_message(
+    logger: logging.Logger, heartbeat: Callable[[str], None], kind: str, rank: int, payload: Any
+) -> None:
+    """A rank's message to the task: its log line, its heartbeat."""
+    if kind == "log":
+        level, message = payload
+        logger.log(level, message)
+    elif kind == "heartbeat":
+        heartbeat(payload)
+
+
 def run_stage(
     ctx: StageContext, body: Callable[..., Any], *args: Any, world_size: int | None = None
 ) -> Any:
@@ -165,10 +177,10 @@ def run_stage(
     planned = ctx.task.gang
     # a caller's `world_size` on a task without a gang strategy (a test's gang): DDP
     gang = Gang(planned.strategy if planned.ranked else Strategy.DDP, world, planned.nodes)
-    what = _WHAT[gang.strategy]
     nodes = len(set(planned.nodes))
     on = f" on {nodes} Ray nodes" if nodes > 1 else ""  # a Ray gang across nodes
-    ctx.logger.info("gang strategy %s: %s over %d ranks%s", _why(planned, gang), what, world, on)
+    how = (_why(planned, gang), _WHAT[gang.strategy], world, on)
+    ctx.logger.info("gang strategy %s: %s over %d ranks%s", *how)
     snapshot = {
         "task": ctx.task.to_dict(),
         "cfg": OmegaConf.to_container(ctx.cfg, resolve=True),
@@ -176,21 +188,13 @@ def run_stage(
         "out_dir": str(ctx.out_dir),
         "gang": gang.to_dict(),
     }
-
-    def on_message(kind: str, rank: int, payload: Any) -> None:
-        if kind == "log":
-            level, message = payload
-            ctx.logger.log(level, message)
-        elif kind == "heartbeat":
-            ctx.heartbeat(payload)
-
     try:
         returned = launch(
             _stage_rank,
             world,
             args=(body, snapshot, tuple(args)),
             device_type=torch.device(ctx.device).type,
-            on_message=on_message,
+            on_message=partial(_on_message, ctx.logger, ctx.heartbeat),
             stall=stall_rule(ctx),
         )
     except DataParallelError:

@@ -176,107 +176,168 @@ def execute_task(
     committed atomically (manifest last); on failure the temporary folder, with the log
     and error.json, is kept as `tasks/<id>.attempt<N>.failed/` and resume ignores it.
     """
-
     from pita.core.journal import run_folder_problem
-    from pita.core.paths import Artifact, TaskPaths, atomic_write_json, nan_numbers
+    from pita.core.paths import TaskPaths
     from pita.core.schema import recording_reads
-    from pita.runtime.context import StageContext, resolve_function
+    from pita.runtime.context import resolve_function
 
     paths = TaskPaths(run_dir, task.id)
     tmp = paths.tmp(os.getpid())
-    shutil.rmtree(tmp, ignore_errors=True)
     try:  # an immutable tasks/ folder or a full disk: one line for the run, not a dead worker
-        tmp.mkdir(parents=True)
-        logger = _task_logger(task.id, tmp / Artifact.LOG)
+        logger = _open_attempt(tmp, task.id)
     except OSError as exc:
         why = run_folder_problem(exc, run_dir) or f"cannot write {tmp}: {exc.strerror or exc}"
         return False, "error", why, {}
     t0 = time.time()
     try:
-        logger.info(
-            "task %s (attempt %d) on %s, CUDA_VISIBLE_DEVICES=%r, pid %d",
-            task.id,
-            attempt,
-            device,
-            os.environ.get("CUDA_VISIBLE_DEVICES"),
-            os.getpid(),
-        )
+        where = (task.id, attempt, device, os.environ.get("CUDA_VISIBLE_DEVICES"), os.getpid())
+        logger.info("task %s (attempt %d) on %s, CUDA_VISIBLE_DEVICES=%r, pid %d", *where)
         fn = resolve_function(task.fn)
         reset_peak_memory()
         first_step = FirstStep(t0, heartbeat)
-        heartbeat = first_step.heartbeat
         cpu0 = cpu_seconds()
-        cfg, settings = _stage_config(cfg_dict, task)
-        seed_task_globals(cfg_dict, task)
-        ctx = StageContext(
-            task=task,
-            cfg=cfg,
-            settings=settings,
-            run_dir=Path(run_dir),
-            out_dir=tmp,
-            logger=logger,
-            device=device,
-            models=models,
-            heartbeat=heartbeat,
-            chain_merged=True,
+        ctx = _stage_context(
+            task, cfg_dict, run_dir, tmp, logger, device, models, first_step.heartbeat
         )
         with recording_reads() as reads:  # the config keys this task computed with
-            result = fn(ctx) or {}
-        wall = round(time.time() - t0, 3)
-        result = {"task_id": task.id, "wall_s": wall, "attempt": attempt, **result}
-        if first_step.seconds is not None:  # dispatch -> first step: the sizer's start-up
-            result.setdefault("first_step_s", round(first_step.seconds, 3))
-        # this process's CPU seconds in the task (a gang's ranks are not its children): the
-        # work the forecast learns, whatever else ran on the cores (pita/core/host_share.py)
-        result.setdefault("cpu_s", round(cpu_seconds() - cpu0, 3))
-        bad = nan_numbers(result)
-        if bad:  # a NaN metric is a failed task, not a row of the results table
-            raise FloatingPointError(f"NaN value(s) in the stage's result: {', '.join(bad[:5])}")
-        peak = peak_memory_mb()
-        if peak:
-            result["peak_gpu_mb"] = peak
-        atomic_write_json(tmp / Artifact.RESULT, result)
-        logger.info("done in %.2fs", wall)
-        _close(logger)
-        paths.commit(tmp, required=task.outputs, reads=reads)
-        shutil.rmtree(
-            paths.checkpoints, ignore_errors=True
-        )  # in-task checkpoints: no longer needed
+            returned = fn(ctx) or {}
+        result = _result(task.id, attempt, t0, returned, first_step, cpu0)
+        _commit(paths, tmp, logger, task.outputs, result, reads)
         return True, None, "", result
     except StoppedAtCheckpoint as stop:  # asked to stop (a resize): not a failure
         logger.info("stopped at the checkpoint of step %d after %.2fs", stop.step, time.time() - t0)
         _close(logger)
-        kept = paths.run_dir / "tasks" / f"{task.id}.attempt{attempt}.stopped-at-{stop.step}"
-        shutil.rmtree(kept, ignore_errors=True)
-        with contextlib.suppress(OSError):  # its log, kept beside the other attempts'
-            os.replace(tmp, kept)
+        _keep_stopped(paths, tmp, task.id, attempt, stop.step)
         return False, STOPPED, str(stop), {"stopped_at_step": stop.step}
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, classified
-        failure = (
-            "interrupted"
-            if isinstance(exc, (KeyboardInterrupt, SystemExit))
-            else classify_exception(exc)
-        )
+        interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
+        failure = "interrupted" if interrupted else classify_exception(exc)
         run_file = run_folder_problem(exc, run_dir, tmp)
-        try:  # on a full disk these writes fail too: the tmp folder stays, resume removes it
-            if not logger.handlers:  # the commit itself failed (a declared output is missing)
-                logger = _task_logger(task.id, tmp / Artifact.LOG)
-            logger.error("failed (%s): %s\n%s", failure, exc, traceback.format_exc())
-            _close(logger)
-            (tmp / Artifact.ERROR).write_text(
-                json.dumps({"failure": failure, "message": str(exc), "type": type(exc).__name__})
-            )
-            failed_dir = paths.failed(attempt)
-            shutil.rmtree(failed_dir, ignore_errors=True)
-            os.replace(tmp, failed_dir)
-        except OSError:
-            _close(logger)
+        _keep_failed(paths, tmp, logger, task.id, attempt, failure, exc)
         if failure == "interrupted" and reraise_interrupt:
             raise  # in-process runs: Ctrl-C inside a stage stops the whole run
         if run_file is not None:
             return False, "error", run_file, {}
-        message = f"{type(exc).__name__}: {exc}".strip().splitlines()
-        return False, failure, (message[0][:500] if message else ""), {}
+        return False, failure, _one_line(exc), {}
+
+
+def _result(
+    task_id: str, attempt: int, t0: float, returned: dict, first_step: Any, cpu0: float
+) -> dict:
+    """The stage's result with the task's id, wall seconds and attempt, its dispatch -> first
+    step seconds (the sizer's start-up) and this process's CPU seconds in the task (a gang's
+    ranks are not its children): the work the forecast learns, whatever else ran on the
+    cores (pita/core/host_share.py)."""
+    wall = round(time.time() - t0, 3)
+    result = {"task_id": task_id, "wall_s": wall, "attempt": attempt, **returned}
+    if first_step.seconds is not None:
+        result.setdefault("first_step_s", round(first_step.seconds, 3))
+    result.setdefault("cpu_s", round(cpu_seconds() - cpu0, 3))
+    return result
+
+
+def _one_line(exc: BaseException) -> str:
+    """`Type: message`, its first line, at most 500 characters."""
+    message = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return message[0][:500] if message else ""
+
+
+def _open_attempt(tmp: Path, task_id: str) -> logging.Logger:
+    """An attempt's fresh temporary folder and its task log (OSError when the run folder
+    cannot take them)."""
+    from pita.core.paths import Artifact
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return _task_logger(task_id, tmp / Artifact.LOG)
+
+
+def _stage_context(
+    task: Any,
+    cfg_dict: dict,
+    run_dir: str | Path,
+    out_dir: Path,
+    logger: logging.Logger,
+    device: str,
+    models: Any,
+    heartbeat: Any,
+) -> Any:
+    """The task's `StageContext` (its chain's config, typed once), its process seeded."""
+    from pita.runtime.context import StageContext
+
+    cfg, settings = _stage_config(cfg_dict, task)
+    seed_task_globals(cfg_dict, task)
+    return StageContext(
+        task=task,
+        cfg=cfg,
+        settings=settings,
+        run_dir=Path(run_dir),
+        out_dir=out_dir,
+        logger=logger,
+        device=device,
+        models=models,
+        heartbeat=heartbeat,
+        chain_merged=True,
+    )
+
+
+def _commit(
+    paths: Any, tmp: Path, logger: logging.Logger, outputs: list[str], result: dict, reads: Any
+) -> None:
+    """A finished attempt's result.json (a NaN metric is a failed task, not a row of the
+    results table), then its folder committed (manifest last); its in-task checkpoints are
+    no longer needed."""
+    from pita.core.paths import Artifact, atomic_write_json, nan_numbers
+
+    bad = nan_numbers(result)
+    if bad:
+        raise FloatingPointError(f"NaN value(s) in the stage's result: {', '.join(bad[:5])}")
+    peak = peak_memory_mb()
+    if peak:
+        result["peak_gpu_mb"] = peak
+    atomic_write_json(tmp / Artifact.RESULT, result)
+    logger.info("done in %.2fs", result["wall_s"])
+    _close(logger)
+    paths.commit(tmp, required=outputs, reads=reads)
+    shutil.rmtree(paths.checkpoints, ignore_errors=True)
+
+
+def _keep_stopped(paths: Any, tmp: Path, task_id: str, attempt: int, step: int) -> None:
+    """An attempt stopped at a checkpoint: its folder (its log) kept beside the other
+    attempts' as `tasks/<id>.attempt<N>.stopped-at-<step>`."""
+    kept = paths.run_dir / "tasks" / f"{task_id}.attempt{attempt}.stopped-at-{step}"
+    shutil.rmtree(kept, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.replace(tmp, kept)
+
+
+def _keep_failed(
+    paths: Any,
+    tmp: Path,
+    logger: logging.Logger,
+    task_id: str,
+    attempt: int,
+    failure: str,
+    exc: BaseException,
+) -> None:
+    """A failed attempt's folder, with its log and error.json, kept as
+    `tasks/<id>.attempt<N>.failed/` (on a full disk these writes fail too: the tmp folder
+    stays, resume removes it)."""
+    from pita.core.paths import Artifact
+
+    try:
+        if not logger.handlers:  # the commit itself failed (a declared output is missing)
+            logger = _task_logger(task_id, tmp / Artifact.LOG)
+        logger.error("failed (%s): %s\n%s", failure, exc, traceback.format_exc())
+        _close(logger)
+        (tmp / Artifact.ERROR).write_text(
+            json.dumps({"failure": failure, "message": str(exc), "type": type(exc).__name__})
+        )
+        failed_dir = paths.failed(attempt)
+        shutil.rmtree(failed_dir, ignore_errors=True)
+        os.replace(tmp, failed_dir)
+    except OSError:
+        _close(logger)
 
 
 def seed_task_globals(cfg_dict: dict, task) -> int:

@@ -159,6 +159,54 @@ def sample_kls(
     return [sample_kl(a, b, c) for a, b, c in zip(out.logprobs, rule_lp, full_lp)]
 
 
+def _sample(
+    policy: Any,
+    prompts: list[list[int]],
+    seeds: list[int],
+    max_new: int,
+    batch_size: int,
+    tok: Any,
+    on_batch: Any,
+) -> Any:
+    """`policy`'s samples of `prompts` under its sampling rule (and guidance hook), each
+    from its own seed."""
+    from pita.models.generation import generate
+
+    return generate(
+        policy.model,
+        prompts,
+        max_new_tokens=max_new,
+        batch_size=batch_size,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        do_sample=True,
+        row_seeds=seeds,
+        offset_hook_factory=policy.hook_factory,
+        on_batch=on_batch,
+        **policy.rule.kwargs(),
+    )
+
+
+def _write_samples(
+    f: Any,
+    task: Any,
+    policy: Any,
+    examples: list[Any],
+    prompt_index: list[int],
+    responses: list[list[int]],
+    kls: list[dict],
+) -> list[float]:
+    """One `samples.jsonl` record per sample of `policy` (η, sampling rule, example, token
+    ids, reward, answer, its KL terms); returns the rewards."""
+    rewards = task.rewards(examples, responses)
+    answers = task.answers(examples, responses)
+    for j, response in enumerate(responses):
+        record = {"eta": policy.eta, "sampling": policy.rule.label, "example": prompt_index[j]}
+        record.update(response=response, reward=rewards[j], answer=answers[j], **kls[j])
+        f.write(json.dumps(record) + "\n")
+    return rewards
+
+
 def evaluate_shard(ctx: StageContext) -> dict:
     """Sample this shard's test prompts with the round's policy at every η and score them.
 
@@ -166,7 +214,6 @@ def evaluate_shard(ctx: StageContext) -> dict:
     GRPO), `evaluation.*`, `generation.*`. Writes: `samples.jsonl` (one record per
     sample: η, sampling rule, token ids, reward, answer, its KL terms).
     """
-    from pita.models.generation import generate
     from pita.models.placement import placement_lines
     from pita.models.seeds import example_seed
 
@@ -198,39 +245,11 @@ def evaluate_shard(ctx: StageContext) -> dict:
             def on_batch(done: int, before: int = i * len(prompts), eta: Any = policy.eta) -> None:
                 ctx.report_progress(before + done, total, "prompts", f"eta={eta}")
 
-            out = generate(
-                policy.model,
-                prompts,
-                max_new_tokens=max_new,
-                batch_size=bs,
-                pad_token_id=tok.pad_token_id,
-                eos_token_id=tok.eos_token_id,
-                do_sample=True,
-                row_seeds=seeds,
-                offset_hook_factory=policy.hook_factory,
-                on_batch=on_batch,
-                **policy.rule.kwargs(),
-            )
+            out = _sample(policy, prompts, seeds, max_new, bs, tok, on_batch)
             kls = sample_kls(
                 policy, ref, prompts, out, batch_size=bs, pad_token_id=tok.pad_token_id
             )
-            rewards = task.rewards(examples, out.responses)
-            answers = task.answers(examples, out.responses)
-            for j in range(len(prompts)):
-                f.write(
-                    json.dumps(
-                        {
-                            "eta": policy.eta,
-                            "sampling": policy.rule.label,
-                            "example": prompt_index[j],
-                            "response": out.responses[j],
-                            "reward": rewards[j],
-                            "answer": answers[j],
-                            **kls[j],
-                        }
-                    )
-                    + "\n"
-                )
+            rewards = _write_samples(f, task, policy, examples, prompt_index, out.responses, kls)
             n_records += len(prompts)
             ctx.logger.info(
                 "eta=%s (%s): %d samples, mean reward %.4f",

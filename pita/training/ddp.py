@@ -59,6 +59,7 @@ import pickle
 import queue as queue_mod
 import re
 import select
+import shutil
 import signal
 import tempfile
 import threading
@@ -639,76 +640,32 @@ def _launch(
     stall: StallRule | None,
 ) -> list[Any]:
     """One start of `launch_ranks`' gang."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size}: must be >= 1")
-    if device_type is None:
-        device_type = (
-            "cuda"
-            if torch.cuda.is_available() and torch.cuda.device_count() >= world_size
-            else "cpu"
-        )
-    if device_type == "cuda" and torch.cuda.device_count() < world_size:
-        raise DataParallelError(
-            f"{world_size} ranks need {world_size} GPUs; this task sees {torch.cuda.device_count()}"
-        )
-    if backend is None:
-        backend = "nccl" if device_type == "cuda" and dist_mod.is_nccl_available() else "gloo"
-    if threads_per_rank is None:
-        threads_per_rank = (
-            max(1, torch.get_num_threads() // world_size) if device_type == "cpu" else 0
-        )
+    device_type, backend, threads_per_rank = _rank_devices(
+        world_size, device_type, backend, threads_per_rank
+    )
     if start_method == "forkserver":
         warm_forkserver()
-    if threading.current_thread() is not threading.main_thread():
-        log.warning(
-            "launch_ranks off the main thread: the launcher cannot stop its ranks on a signal"
-        )
     queue = multiprocessing.get_context(start_method).Queue()
     watch = _GangWatch(world_size, stall)
     drain = threading.Thread(
         target=_drain, args=(queue, on_message, watch), name="pita-ranks", daemon=True
     )
     drain.start()
-    saved = {
-        name: signal.getsignal(getattr(signal, name))
-        for name in _HANDLED_SIGNALS
-        if threading.current_thread() is threading.main_thread()
-    }
     # named after this process: a sweep removes the folders of dead ones (a killed worker)
     log_dir = tempfile.mkdtemp(prefix=f"{RANKS_DIR_PREFIX}{os.getpid()}-")
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=world_size,
-        run_id=f"pita-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        rdzv_configs={"timeout": int(min(timeout_s, 900))},
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method=start_method,
-        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
-    )
+    config = _launch_config(world_size, timeout_s, start_method, log_dir)
     log.info(
         "%d ranks via elastic_launch (%s, %s on %s)", world_size, start_method, backend, device_type
     )
     _quiet_launcher_logs()
     try:
-        returned = elastic_launch(config, _rank_main)(
-            os.getpid(),
-            entry,
-            tuple(args),
-            queue,
-            backend,
-            device_type,
-            threads_per_rank,
-            timeout_s,
-        )
+        rank_args = (entry, tuple(args), queue, backend, device_type, threads_per_rank)
+        with _signals_kept():
+            returned = elastic_launch(config, _rank_main)(os.getpid(), *rank_args, timeout_s)
     except ChildFailedError as exc:
         _stop_drain(queue, drain)
         failure = _failure(exc, watch)
@@ -723,16 +680,76 @@ def _launch(
         raise failure from exc
     finally:
         watch.stop()
-        for name, handler in saved.items():
-            signal.signal(getattr(signal, name), handler)
-        import shutil
-
         shutil.rmtree(log_dir, ignore_errors=True)
     _stop_drain(queue, drain)
+    return _results(returned, world_size)
+
+
+def _results(returned: dict[int, bytes], world_size: int) -> list[Any]:
+    """The ranks' pickled return values, by rank (every rank must have returned)."""
     missing = [r for r in range(world_size) if r not in returned]
     if missing:
         raise DataParallelError(f"ranks {missing} of {world_size} finished without a result")
     return [pickle.loads(returned[r]) for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def _signals_kept() -> Iterator[None]:
+    """The launcher installs its own signal handlers (on the main thread, where it can stop
+    its ranks on a signal): this process's are put back afterwards."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main:
+        log.warning(
+            "launch_ranks off the main thread: the launcher cannot stop its ranks on a signal"
+        )
+    saved = {name: signal.getsignal(getattr(signal, name)) for name in _HANDLED_SIGNALS if main}
+    try:
+        yield
+    finally:
+        for name, handler in saved.items():
+            signal.signal(getattr(signal, name), handler)
+
+
+def _rank_devices(
+    world_size: int, device_type: str | None, backend: str | None, threads: int | None
+) -> tuple[str, str, int]:
+    """(device type, backend, torch threads per rank) of a k-rank launch (see
+    `launch_ranks`); refuses a CUDA gang with fewer GPUs than ranks."""
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: must be >= 1")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device_type is None:
+        device_type = "cuda" if gpus >= world_size else "cpu"
+    if device_type == "cuda" and torch.cuda.device_count() < world_size:
+        raise DataParallelError(
+            f"{world_size} ranks need {world_size} GPUs; this task sees {torch.cuda.device_count()}"
+        )
+    if backend is None:
+        backend = "nccl" if device_type == "cuda" and dist_mod.is_nccl_available() else "gloo"
+    if threads is None:
+        threads = max(1, torch.get_num_threads() // world_size) if device_type == "cpu" else 0
+    return device_type, backend, threads
+
+
+def _launch_config(world_size: int, timeout_s: float, start_method: str, log_dir: str) -> Any:
+    """torch's elastic `LaunchConfig` of one node's k ranks: c10d rendezvous on a free local
+    port, no restarts (pita's retry policy owns them), the agent's monitor every 0.1 s."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
+        run_id=f"pita-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        rdzv_configs={"timeout": int(min(timeout_s, 900))},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method=start_method,
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+    )
 
 
 def _stop_drain(queue: Any, drain: threading.Thread) -> None:
