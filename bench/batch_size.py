@@ -198,24 +198,13 @@ def gpu_bench(steps: int, backoff_budget_s: float) -> dict:
         return {"skipped": "torch is not installed"}
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device"}
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     from pita.runtime import batch_size as bs
+    from tests.archs import llama_1b
 
     log = logging.getLogger("bench")
-    config = LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        vocab_size=128256,
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    config = llama_1b(head_dim=64, max_position_embeddings=4096, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
     with torch.device("cuda:0"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()

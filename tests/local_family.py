@@ -113,21 +113,11 @@ def train_tokenizer(texts: list[str], vocab_size: int = 384):
 
 
 def _llama_config(tokenizer, *, hidden: int, layers: int):
-    from transformers import LlamaConfig
+    from tests.archs import llama
 
-    return LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-    )
+    ids = {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id") for k in ("bos", "eos", "pad")}
+    shape = dict(max_position_embeddings=256, tie_word_embeddings=False, **ids)
+    return llama(len(tokenizer), hidden, 2 * hidden, layers, 4, 2, **shape)
 
 
 def build_local_family(

@@ -394,20 +394,12 @@ def test_cache_entry_limited_by_a_smaller_cap(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_model():  # type: ignore[no-untyped-def]
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from tests.archs import llama
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        max_position_embeddings=128,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    config = llama(64, 32, 64, 2, 4, 2, max_position_embeddings=128, eos_token_id=2, pad_token_id=0)
     return LlamaForCausalLM(config).eval()
 
 
@@ -455,17 +447,9 @@ def test_training_workload_leaves_the_weights_alone(tiny_model) -> None:  # type
 
 
 def test_estimate_from_config_counts_the_kv_cache() -> None:
-    from transformers import LlamaConfig
+    from tests.archs import llama
 
-    cfg = LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        head_dim=64,
-    )
+    cfg = llama(128256, 2048, 8192, 16, 32, 8, head_dim=64)
     a = estimate_from_config(cfg, mode="generate", prompt_tokens=512, new_tokens=256)
     b = estimate_from_config(cfg, mode="generate", prompt_tokens=512, new_tokens=512)
     kv_per_token = 2 * 16 * 8 * 64 * 2  # K and V, layers, kv heads, head dim, bf16 bytes

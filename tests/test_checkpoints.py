@@ -373,18 +373,12 @@ def test_sigkilled_value_training_resumes_from_its_checkpoint_like_an_uninterrup
 
 def _tiny_model_and_adam(seed: int, tied: bool = False):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from tests.archs import llama
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=16,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-    )
+    config = llama(16, 16, 32, 1, 2, 2, tie_word_embeddings=tied)
     model = LlamaForCausalLM(config)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 

@@ -165,18 +165,12 @@ def test_a_lora_adapter_counts_only_its_own_gradients_and_optimizer_state():
 def _llama():
     """A Llama of ~17M parameters (68 MB in fp32): large enough that MB rounding is < 1 %."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from tests.archs import llama
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=4096,
-        hidden_size=512,
-        intermediate_size=1376,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        max_position_embeddings=64,
-    )
+    config = llama(4096, 512, 1376, 4, 8, 8, max_position_embeddings=64)
     return LlamaForCausalLM(config)
 
 

@@ -223,17 +223,11 @@ def test_resume_learns_from_result_json_of_finished_tasks(tmp_path):
 
 
 def _save_tiny_llama(folder):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=1000,
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
+    from tests.archs import llama
+
+    config = llama(1000, 64, 256, 2, 4, 2, max_position_embeddings=128)
     model = LlamaForCausalLM(config)
     model.save_pretrained(folder)
     return sum(p.numel() for p in model.parameters()), model

@@ -20,33 +20,7 @@ from pita.models.placement import (
     max_memory_for_gang,
     model_bytes,
 )
-
-
-def llama_8b() -> LlamaConfig:
-    """meta-llama/Llama-3.1-8B's architecture (no download)."""
-    return LlamaConfig(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        tie_word_embeddings=False,
-    )
-
-
-def llama_1b() -> LlamaConfig:
-    """meta-llama/Llama-3.2-1B's architecture (tied embeddings)."""
-    return LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        tie_word_embeddings=True,
-    )
+from tests.archs import llama_1b, llama_8b, llama_70b_judge
 
 
 def weight_bytes(config: LlamaConfig, dtype: str) -> int:
@@ -162,21 +136,6 @@ def test_a_quantized_alias_on_cpu_fails_with_one_clear_line(alias):
             f"-{quant} needs CUDA + bitsandbytes" in message
             and f"drop the -{quant} suffix" in message
         )
-
-
-def llama_70b_judge() -> LlamaConfig:
-    """A Llama-3.1-70B-sized reward model (sequence classification, one output)."""
-    return LlamaConfig(
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        tie_word_embeddings=False,
-        num_labels=1,
-        architectures=["LlamaForSequenceClassification"],
-    )
 
 
 def test_a_70b_judge_gets_a_gang_of_fake_gpus_and_a_device_map_over_it(local_family):

@@ -37,15 +37,14 @@ class TaskOutcome:
 # in the calling process (pita.runtime.worker.run_task_here).
 RunTask = Callable[[TaskSpec, dict, str, int], TaskOutcome]
 
+# The GPU indices a task runs on, and a run folder as callers pass it.
+Devices = Sequence[int]
+StrPath = str | Path
+
 
 class Executor(Protocol):
     def submit(
-        self,
-        task: TaskSpec,
-        devices: Sequence[int],
-        cfg_dict: dict,
-        run_dir: str | Path,
-        attempt: int = 1,
+        self, task: TaskSpec, devices: Devices, cfg_dict: dict, run_dir: StrPath, attempt: int = 1
     ) -> Future[TaskOutcome]:
         """Start `task` on `devices`; the future completes with its outcome, never raises."""
         ...

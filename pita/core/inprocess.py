@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
-from pita.core.executor import RunTask, TaskOutcome
+from pita.core.executor import Devices, RunTask, StrPath, TaskOutcome
 from pita.core.tasks import TaskSpec
 
 
@@ -28,12 +27,7 @@ class InProcessExecutor:
         self.on_shutdown = on_shutdown
 
     def submit(
-        self,
-        task: TaskSpec,
-        devices: Sequence[int],
-        cfg_dict: dict,
-        run_dir: str | Path,
-        attempt: int = 1,
+        self, task: TaskSpec, devices: Devices, cfg_dict: dict, run_dir: StrPath, attempt: int = 1
     ) -> Future[TaskOutcome]:
         future: Future[TaskOutcome] = Future()
         outcome = self.run_task(task, cfg_dict, str(run_dir), attempt)

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from pita.core.errors import RECYCLE_WORKER, ExecutorBroken
-from pita.core.executor import TaskOutcome
+from pita.core.executor import Devices, StrPath, TaskOutcome
 from pita.core.forked_worker import (
     WORKER_MODULE,
     WorkerProcess,
@@ -195,12 +195,7 @@ class WorkerPool:
 
     # ---- public interface ----------------------------------------------------------------
     def submit(
-        self,
-        task: TaskSpec,
-        devices: Sequence[int],
-        cfg_dict: dict,
-        run_dir: str | Path,
-        attempt: int = 1,
+        self, task: TaskSpec, devices: Devices, cfg_dict: dict, run_dir: StrPath, attempt: int = 1
     ) -> Future[TaskOutcome]:
         """Run `task` on a worker pinned to exactly `devices`; the future never raises."""
         devices = tuple(devices)
