@@ -56,10 +56,14 @@ def _close(a, b, tol=1e-4):
         assert all(abs(x - y) < tol for x, y in zip(ra, rb)), (ra, rb)
 
 
-def _count_forwards(model):
+def _gen_counting(model, prompts, **kw):
+    """`_gen`, and the model's forward passes it made (one list item each)."""
     calls = []
     handle = model.register_forward_hook(lambda *_: calls.append(1))
-    return calls, handle
+    try:
+        return _gen(model, prompts, **kw), calls
+    finally:
+        handle.remove()
 
 
 def test_batched_greedy_equals_one_at_a_time(model, prompts):
@@ -145,17 +149,13 @@ class ForceTokens:
 def test_rows_stop_at_eos_and_are_truncated(model):
     prompts = [[BOS, 7, 8], [BOS], [BOS, 9]]  # EOS at steps 2, 0, 1
     fed = []
-    calls, handle = _count_forwards(model)
-    try:
-        out = _gen(
-            model,
-            prompts,
-            do_sample=False,
-            max_new_tokens=6,
-            offset_hook_factory=lambda: ForceTokens(fed),
-        )
-    finally:
-        handle.remove()
+    out, calls = _gen_counting(
+        model,
+        prompts,
+        do_sample=False,
+        max_new_tokens=6,
+        offset_hook_factory=lambda: ForceTokens(fed),
+    )
     assert out.responses == [[5, 5, EOS], [EOS], [5, EOS]]
     assert [len(x) for x in out.logprobs] == [3, 1, 2]
     assert [len(x) for x in out.base_logprobs] == [3, 1, 2]
@@ -194,11 +194,7 @@ def test_sparse_eos_checks_run_extra_steps_but_return_the_same_rows(model, promp
     lengths = [len(r) for r in first.responses]
     assert max(lengths) < 20, "some row must stop early for this test to mean anything"
     monkeypatch.setattr(generation, "eos_check_every", lambda device: 8)
-    calls, handle = _count_forwards(model)
-    try:
-        sparse = _gen(model, prompts, generator=torch.Generator().manual_seed(5), **kw)
-    finally:
-        handle.remove()
+    sparse, calls = _gen_counting(model, prompts, generator=torch.Generator().manual_seed(5), **kw)
     assert sparse.responses == first.responses
     _close(sparse.logprobs, first.logprobs)
     _close(sparse.base_logprobs, first.base_logprobs)
@@ -208,18 +204,14 @@ def test_sparse_eos_checks_run_extra_steps_but_return_the_same_rows(model, promp
 
 def test_force_full_length_ignores_eos(model):
     prompts = [[BOS, 7, 8], [BOS], [BOS, 9]]
-    calls, handle = _count_forwards(model)
-    try:
-        out = _gen(
-            model,
-            prompts,
-            do_sample=False,
-            max_new_tokens=6,
-            force_full_length=True,
-            offset_hook_factory=lambda: ForceTokens([]),
-        )
-    finally:
-        handle.remove()
+    out, calls = _gen_counting(
+        model,
+        prompts,
+        do_sample=False,
+        max_new_tokens=6,
+        force_full_length=True,
+        offset_hook_factory=lambda: ForceTokens([]),
+    )
     assert [len(r) for r in out.responses] == [6, 6, 6]
     assert out.responses[1][0] == EOS  # EOS emitted, generation went on
     assert len(calls) == 6

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from pita.core.schema import GUIDANCE_MODES as MODES
 from pita.core.schema import ValueGuidedConfig
@@ -113,12 +114,8 @@ class ValueGuidanceHook:
         self.device = next(model.parameters()).device
 
     def __call__(
-        self,
-        step_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        logits: torch.Tensor,
-    ) -> torch.Tensor:
+        self, step_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, logits: Tensor
+    ) -> Tensor:
         self.stats.steps += 1
         with torch.inference_mode():
             out = self.model(
@@ -176,12 +173,8 @@ class CandidateGuidanceHook:
         self.cache = out.past_key_values
 
     def __call__(
-        self,
-        step_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        logits: torch.Tensor,
-    ) -> torch.Tensor:
+        self, step_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, logits: Tensor
+    ) -> Tensor:
         self.stats.steps += 1
         dev = self.device
         step_ids, attention_mask, position_ids = (
