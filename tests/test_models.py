@@ -216,15 +216,20 @@ def _one_pair_score(model, prompt, response):
         return float(model(input_ids=torch.tensor([prompt + response])).logits[0, 0])
 
 
+def _score_counting(scorer, model):
+    """The scorer's scores of the PAIRS, and the model's forward passes (one list item each)."""
+    calls = []
+    handle = model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        return scorer.score(PAIRS_PROMPTS, PAIRS_RESPONSES), calls
+    finally:
+        handle.remove()
+
+
 @pytest.mark.parametrize("padding_side", ["right", "left"])
 def test_reward_scorer_one_forward_and_per_pair_scores(reward_model, padding_side):
     scorer = RewardScorer(reward_model, PAD, batch_size=8, padding_side=padding_side)
-    calls = []
-    handle = reward_model.register_forward_hook(lambda *_: calls.append(1))
-    try:
-        scores = scorer.score(PAIRS_PROMPTS, PAIRS_RESPONSES)
-    finally:
-        handle.remove()
+    scores, calls = _score_counting(scorer, reward_model)
     assert len(calls) == 1
     want = [_one_pair_score(reward_model, p, r) for p, r in zip(PAIRS_PROMPTS, PAIRS_RESPONSES)]
     assert scores == pytest.approx(want, abs=1e-5)
@@ -233,12 +238,7 @@ def test_reward_scorer_one_forward_and_per_pair_scores(reward_model, padding_sid
 
 def test_reward_scorer_chunks_by_batch_size(reward_model):
     scorer = RewardScorer(reward_model, PAD, batch_size=4)
-    calls = []
-    handle = reward_model.register_forward_hook(lambda *_: calls.append(1))
-    try:
-        scores = scorer.score(PAIRS_PROMPTS, PAIRS_RESPONSES)
-    finally:
-        handle.remove()
+    scores, calls = _score_counting(scorer, reward_model)
     assert len(calls) == 2
     assert scores == pytest.approx(
         RewardScorer(reward_model, PAD, 64).score(PAIRS_PROMPTS, PAIRS_RESPONSES), abs=1e-5
