@@ -104,11 +104,14 @@ def test_dpo_trains_on_the_sampled_token_ids(local_family, tmp_path):
         check_token_dataset(trainer.train_dataset, tampered)
 
 
-def test_grpo_generates_from_the_prompt_ids(local_family, tmp_path):
+def test_grpo_generates_from_the_prompt_ids(local_family, tmp_path, monkeypatch):
     """GRPO's generation starts from each example's own prompt ids (not re-tokenized text),
-    also for prompts whose text would tokenize differently."""
+    also for prompts whose text would tokenize differently. pita samples GRPO's completions
+    itself (`pita.algos.grpo._seeded_completions`: one seed per row), so the prompts are
+    read where pita's sampler receives them."""
     from trl import GRPOConfig
 
+    import pita.models.generation as generation
     from pita.algos.grpo import prompt_dataset, token_grpo_trainer
     from pita.datasets.base import Example
     from pita.models.loading import load_causal_lm, load_tokenizer
@@ -119,15 +122,13 @@ def test_grpo_generates_from_the_prompt_ids(local_family, tmp_path):
     assert _not_round_tripping(tok, [e.prompt_ids[1:] for e in examples]) >= 2
     policy = load_causal_lm(str(local_family.reference), dtype="float32")
     seen_prompts: list[list[int]] = []
-    generate = policy.generate
+    generate = generation.generate
 
-    def recording_generate(*args, input_ids=None, attention_mask=None, **kwargs):
-        seen_prompts.extend(
-            ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)
-        )
-        return generate(*args, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    def recording_generate(model, prompts, *args, **kwargs):
+        seen_prompts.extend(list(p) for p in prompts)
+        return generate(model, prompts, *args, **kwargs)
 
-    policy.generate = recording_generate
+    monkeypatch.setattr(generation, "generate", recording_generate)
     rewarded: list[tuple[int, list[int]]] = []
 
     def reward(prompts, completions, completion_ids, example, **kwargs):
@@ -135,7 +136,7 @@ def test_grpo_generates_from_the_prompt_ids(local_family, tmp_path):
         return [float(len(c)) for c in completion_ids]
 
     args = _trl_args(GRPOConfig, tmp_path, num_generations=2, max_completion_length=4, beta=0.0)
-    trainer = token_grpo_trainer([e.prompt_ids for e in examples])(
+    trainer = token_grpo_trainer([e.prompt_ids for e in examples], seed=0)(
         model=policy,
         reward_funcs=reward,
         args=args,
@@ -276,6 +277,7 @@ def test_eta_zero_guided_row_is_the_reference_row_under_the_guided_rule(local_fa
     tok = load_tokenizer(str(local_family.reference))
 
     from pita.core.schema import EvaluationConfig, GenerationConfig, settings
+    from pita.runtime.context import algo_settings
 
     def ctx(algo):
         return SimpleNamespace(
@@ -284,6 +286,7 @@ def test_eta_zero_guided_row_is_the_reference_row_under_the_guided_rule(local_fa
             generation=settings(GenerationConfig, cfg.generation),
             evaluation=settings(EvaluationConfig, cfg.evaluation),
             input=lambda name: local_family.guide,
+            algo_settings=lambda name, schema: algo_settings(cfg, name, schema),
         )
 
     reference_rows = eval_policies(ctx("reference"), ref)
