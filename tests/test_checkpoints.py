@@ -153,16 +153,27 @@ TRL_ARGS = [
     # hold both rewards (at 20 steps every sample failed: zero advantage, no weight moved)
     "pretrain.steps=40",
     "algos.GRPO.steps=2",
-    # one epoch of DPO's pairs (56) in two batches of 32
+    # one epoch of DPO's pairs (56) in two whole batches of 28 (an epoch draws whole global
+    # batches only: pita.algos.trl_common.whole_batches)
     "data_collection.max_examples=10",
-    "algos.DPO.batch_size=32",
+    "algos.DPO.batch_size=28",
     "training.checkpoint_every=1",
     "executor.progress=false",
     "executor.max_retries=12",
     *ONE_WORKER,
 ]
 # values of a run that are times, not results (TRL's and pita's own clocks)
-_CLOCKS = ("elapsed_s", "runtime", "per_second", "time", "wall_s", "performance", "attempt")
+_CLOCKS = (
+    "elapsed_s",
+    "runtime",
+    "per_second",
+    "time",
+    "wall_s",
+    "cpu_s",
+    "first_step_s",
+    "performance",
+    "attempt",
+)
 _PATHS = ("start",)  # where the run folder is
 
 

@@ -361,7 +361,7 @@ def _committed(run: Path) -> dict:
             keep[p.name] = {
                 k: v
                 for k, v in result.items()
-                if k not in ("wall_s", "performance", "attempt", "start")
+                if k not in ("wall_s", "cpu_s", "first_step_s", "performance", "attempt", "start")
             }
             for row in keep[p.name].get("rows", []):
                 row.pop("eval_wall_s", None)

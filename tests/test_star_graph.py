@@ -368,6 +368,7 @@ def test_star_graph_paper_config_runs_at_toy_size(tmp_path):
         "executor.cpu_workers=1",  # one worker importing torch, not one per core
         "model.memory_gb=0.5",
         "experiment.datasets=[star_graph]",
+        "dataset=star_graph",  # dataset.* keys set the selected dataset (issue 45 item 1)
         "dataset.num_nodes=20",
         *[
             f"model.{m}.{k}={v}"

@@ -380,6 +380,7 @@ class ExecutorConfig:
         " what the cluster offers.",
         120.0,
         gt=0,
+        le=WEEK_S,
         affects="place",
     )
 
