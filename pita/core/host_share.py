@@ -160,9 +160,21 @@ class _Ranks:
     gpus: int
 
 
+OUTSIDE_LOAD_ENV = "PITA_OUTSIDE_LOAD"
+
+
 def outside_load(ours: float) -> float:
     """Runnable threads on the host that are not the run's: the 1-minute load average less
-    the run's own demand and the orchestrator's thread (0 where the OS has no load average)."""
+    the run's own demand and the orchestrator's thread (0 where the OS has no load average).
+    $PITA_OUTSIDE_LOAD, where set, is the figure instead: a run whose sizing must not depend
+    on what else the machine runs at that minute (the test suite's runs, a benchmark's
+    baseline) states it."""
+    pinned = os.environ.get(OUTSIDE_LOAD_ENV)
+    if pinned:
+        try:
+            return max(0.0, float(pinned))
+        except ValueError:
+            pass  # not a number: read the host as usual
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
