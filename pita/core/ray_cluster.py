@@ -19,13 +19,13 @@ named in one line (exit 2) instead of failing its first task with "no such file"
 
 from __future__ import annotations
 
-import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pita.core.errors import ConfigError
+from pita.core.paths import atomic_write_text
 
 PROBE_TIMEOUT_S = 60.0
 
@@ -108,9 +108,7 @@ def check_shared_storage(
     folder.mkdir(parents=True, exist_ok=True)
     token = uuid.uuid4().hex
     probe = folder / f"storage-probe-{token[:12]}"
-    tmp = probe.with_suffix(".tmp")
-    tmp.write_text(token)
-    os.replace(tmp, probe)
+    atomic_write_text(probe, token)
     first: dict[str, Slot] = {}
     for slot in slots:
         first.setdefault(slot.node, slot)

@@ -33,7 +33,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
+
+from pita.core.paths import atomic_write_text
 
 _GANG: dict[str, Any] = {}  # this actor's gang while it runs a gang's rank 0: {"peers": [...]}
 
@@ -261,9 +264,7 @@ class SlotWorker:
         if seen != token:
             return f"{path} holds another run's probe (a different folder under that path)"
         try:
-            with open(reply + ".tmp", "w") as f:
-                f.write(token)
-            os.replace(reply + ".tmp", reply)
+            atomic_write_text(Path(reply), token)
         except OSError as exc:
             return f"cannot write {reply}: {exc.strerror or type(exc).__name__}"
         return ""
