@@ -327,6 +327,9 @@ class Eta:
 
 
 ETA_REFRESH_S = 2.0  # the live table's ETA is recomputed at most this often
+# The live ETA while most of what is left has no measured duration (no earlier run, no
+# finished task of this run): a figure from work units alone was 40x too small (issue 45).
+NO_MEASURE_YET = "ETA unknown until a task finishes (no earlier run of these tasks)"
 
 
 class Progress:
@@ -454,6 +457,8 @@ class Progress:
         if left is None or self._eta is None:
             return None
         estimate, at = self._eta
+        if left[1] == WORK_UNITS:  # nothing measured: a work-unit figure can be 40x off
+            return NO_MEASURE_YET
         unknown = estimate.unknown
         if not unknown:
             return f"ETA {format_duration(left[0])} ({left[1]})"
