@@ -359,6 +359,10 @@ def _rank_main(
     timeout_s: float,
 ) -> bytes:
     """One rank (started by the elastic agent, which set RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+    # SIGTERM ends a rank at once, as under spawn and forkserver. A rank forked ("fork")
+    # inherits the agent's handler, which raises only between bytecodes: a rank blocked in a
+    # rendezvous whose peer died ignored the agent's SIGTERM until its SIGKILL 30 s later.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _die_with(launcher_pid)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if threads > 0:
