@@ -302,7 +302,7 @@ def pytest_configure(config: pytest.Config) -> None:
     it is removed after the last."""
     os.environ["PITA_CACHE_DIR"] = str(_temp_folder(config, "pita-test-cache-"))
     # the same for the host's load: a run's sizing reads other processes' runnable threads
-    # off the load average (pita.core.host_share.outside_load), and under the suite those are
+    # off the host (pita.core.host_share.outside_load), and under the suite those are
     # the other worker's tests: a gang a test expects was refused when they ran beside it
     os.environ.setdefault("PITA_OUTSIDE_LOAD", "0")
     if not hasattr(config, "workerinput"):

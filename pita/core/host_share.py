@@ -18,7 +18,7 @@ Since every running task progresses at the same rate, one virtual clock serves t
 (V(t) = integral of rate): a task that starts at V0 with w seconds of work ends when V
 reaches V0 + w, so the simulation keeps its heap of end times and stays O(log n) an event.
 Other users' processes take their share too: `HostShare.external`, their runnable threads
-(the load average less the run's own, `outside_load`), read when the dry run or the live ETA
+(the host's runnable threads less the run's own, `outside_load`), read when the dry run or the live ETA
 forecasts. A finished task is learned from its CPU seconds where it computed (they do not
 depend on who else ran), else from its wall time x the modelled rate. Not modelled: memory
 bandwidth, and load that comes or goes after the forecast.
@@ -27,6 +27,8 @@ bandwidth, and load that comes or goes after the forecast.
 from __future__ import annotations
 
 import os
+import statistics
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -164,22 +166,43 @@ OUTSIDE_LOAD_ENV = "PITA_OUTSIDE_LOAD"
 
 
 def outside_load(ours: float) -> float:
-    """Runnable threads on the host that are not the run's: the 1-minute load average less
-    the run's own demand and the orchestrator's thread (0 where the OS has no load average).
-    $PITA_OUTSIDE_LOAD, where set, is the figure instead: a run whose sizing must not depend
-    on what else the machine runs at that minute (the test suite's runs, a benchmark's
-    baseline) states it."""
+    """Runnable threads on the host that are not the run's: the runnable threads now
+    (`runnable_threads`; the 1-minute load average where the OS has no /proc/stat) less the
+    run's own demand and the orchestrator's thread. $PITA_OUTSIDE_LOAD, where set, is the
+    figure instead: a run whose sizing must not depend on what else the machine runs at that
+    minute (the test suite's runs, a benchmark's baseline) states it."""
     pinned = os.environ.get(OUTSIDE_LOAD_ENV)
     if pinned:
         try:
             return max(0.0, float(pinned))
         except ValueError:
             pass  # not a number: read the host as usual
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return 0.0
+    load = runnable_threads()
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):
+            return 0.0
     return max(0.0, load - ours - 1.0)
+
+
+def runnable_threads(samples: int = 10, gap_s: float = 0.02) -> float | None:
+    """The host's runnable threads now (this one included): the median of /proc/stat's
+    `procs_running` over `samples` reads `gap_s` apart; None without /proc/stat.
+
+    Not the load average: it is a one-minute moving average, so right after a run ends it
+    still counts that run's threads. A dry run typed after a run (bench/forecast.py does)
+    read them as other users' load and forecast 1.4x too long (bench/README.md)."""
+    seen: list[int] = []
+    for i in range(samples):
+        try:
+            with open("/proc/stat") as f:
+                seen += [int(ln.split()[1]) for ln in f if ln.startswith("procs_running")]
+        except (OSError, ValueError, IndexError):
+            return None
+        if i + 1 < samples:
+            time.sleep(gap_s)
+    return float(statistics.median(seen)) if seen else None
 
 
 def felt_outside(share: HostShare, cpu: float, wall: float, demand: float) -> float | None:

@@ -208,7 +208,7 @@ def print_dry_run(plan: Plan, cfg: DictConfig, gpu: GPUManager) -> None:
     if host is not None and host.external >= 0.5:  # the estimate counts them: say so
         print(
             f"The host's {host.cores:g} cores are shared with {host.external:.1f} busy threads "
-            f"of other processes now (load average); the estimate counts them."
+            f"of other processes now (runnable threads); the estimate counts them."
         )
     print(history_line(plan, durations))
 
