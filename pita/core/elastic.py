@@ -63,17 +63,21 @@ def speedup(k: int, alpha: float) -> float:
 
 
 def _beyond(
-    window: list[str], remaining: Mapping[str, TaskSpec], path_s: Mapping[str, float]
+    window: list[str],
+    remaining: Mapping[str, TaskSpec],
+    path_s: Mapping[str, float],
+    dependants: Mapping[str, list[str]],
 ) -> dict[str, float]:
     """What lies beyond the window after each of its tasks: its longest path through a
-    dependant outside the window (0 when the whole plan is simulated)."""
+    dependant outside the window (0 when the whole plan is simulated). `dependants` may be
+    of a larger plan than `remaining` (a dependant of an unfinished task is unfinished too):
+    only the window's own are read, not the whole plan per decision."""
     inside = set(window)
     tail = dict.fromkeys(window, 0.0)
-    for tid, t in remaining.items():
-        if tid not in inside:
-            for d in t.deps:
-                if d in inside:
-                    tail[d] = max(tail[d], path_s.get(tid, 0.0))
+    for d in window:
+        for tid in dependants.get(d, ()):
+            if tid not in inside and tid in remaining:
+                tail[d] = max(tail[d], path_s.get(tid, 0.0))
     return tail
 
 
@@ -263,6 +267,7 @@ class Sizer:
         self.key = key
         self.version = version  # changes when the duration estimates do (cached paths)
         self._paths: tuple[Any, dict[str, float]] | None = None
+        self._dependants: dict[str, list[str]] = {}  # of the tasks `paths` last read
         self._order: tuple[Any, list[str]] | None = None
         self._longest: list[Any] = [[], 0]  # ids by path to the end, first one unfinished
         self.margin = 0.02  # predicted ends closer than this share count as equal
@@ -315,6 +320,7 @@ class Sizer:
         ):
             seconds = {tid: self.seconds(t, 1) for tid, t in tasks.items()}
             paths = paths_to_end(tasks, seconds)
+            self._dependants = dependants_of(tasks)
             self._paths = (stamp, paths)
             self._longest = [sorted(paths, key=lambda tid: -paths[tid]), 0]
         return self._paths[1]
@@ -374,7 +380,7 @@ class Sizer:
             for tid in window
             if tid != task.id
         }
-        tail = _beyond(window, remaining, path_s)
+        tail = _beyond(window, remaining, path_s, self._dependants)
         base = {tid: remaining[tid] for tid in window}
         first = list(running_left)  # the others in their priority order, as the runner does
         fixed = set(running_left) | set(self.decisions) | {task.id}  # started, or sized
@@ -407,7 +413,7 @@ class Sizer:
 
     def _size_in_simulation(
         self, fixed: set[str], t: TaskSpec, now: float, ends: dict[str, float], sched: Any
-    ) -> float | None:
+    ) -> tuple[TaskSpec, float] | None:
         """An elastic task that becomes ready inside the simulation is sized there, cheaply,
         as its own decision would: the k whose gang ends first given when the devices
         free up, at most the devices idle then (so no simulated gang waits holding
@@ -420,8 +426,8 @@ class Sizer:
         k = min(choices, key=lambda k: (free_at[k - 1] + self.seconds(t, k), k))
         idle = sum(1 for at in free_at if at <= now)
         k = max([c for c in choices if c <= min(k, idle)] or choices[:1])
-        set_ranks(t, k)
-        return self.seconds(t, k)
+        new = resized(t, k)
+        return new, self.seconds(new, k)
 
     def prioritize(self, tasks: Mapping[str, TaskSpec]) -> None:
         """Dispatch priority = the seconds from a task to the end of the plan (its longest
@@ -433,13 +439,19 @@ class Sizer:
             tasks[tid].priority = p
 
 
-def paths_to_end(tasks: Mapping[str, TaskSpec], seconds: Mapping[str, float]) -> dict[str, float]:
-    """Seconds of the longest chain from each task (itself included) to the end of `tasks`."""
+def dependants_of(tasks: Mapping[str, TaskSpec]) -> dict[str, list[str]]:
+    """Each task's dependants among `tasks`."""
     dependants: dict[str, list[str]] = {tid: [] for tid in tasks}
     for tid, t in tasks.items():
         for d in t.deps:
             if d in dependants:
                 dependants[d].append(tid)
+    return dependants
+
+
+def paths_to_end(tasks: Mapping[str, TaskSpec], seconds: Mapping[str, float]) -> dict[str, float]:
+    """Seconds of the longest chain from each task (itself included) to the end of `tasks`."""
+    dependants = dependants_of(tasks)
     order = topological(tasks)
     out: dict[str, float] = {}
     for tid in reversed(order):

@@ -208,6 +208,7 @@ def simulate(
     starts: dict[str, float] | None = None,
     ends: dict[str, float] | None = None,
     on_ready: Callable[[TaskSpec, float, dict[str, float], set[str]], None] | None = None,
+    first: frozenset[str] | set[str] = frozenset(),
 ) -> tuple[dict[str, list[int]], float]:
     """Event simulation of the schedule (dry run placement): task -> devices, makespan.
 
@@ -220,7 +221,8 @@ def simulate(
     end. `on_ready(task, now, ends, unstarted)` is called once for each task as it becomes
     ready, before it can be placed, with the running tasks' (expected) end times and the
     ids not started yet: the dry run sizes elastic tasks there (pita/core/elastic.py), as
-    the real run does at dispatch."""
+    the real run does at dispatch. The ids in `first` are placed before every other ready
+    task (running tasks that hold their devices now), dependencies outside the plan are met."""
     order = {tid: i for i, tid in enumerate(plan.tasks)}
     waiting_on = {tid: sum(1 for d in t.deps if d in plan.tasks) for tid, t in plan.tasks.items()}
     dependants: dict[str, list[str]] = {}
@@ -230,7 +232,7 @@ def simulate(
     ready_ids = {tid for tid, n in waiting_on.items() if n == 0}
     # the ready tasks in dispatch order (the scheduler's priority, then plan order), kept
     # sorted as tasks become ready and start: no sort of thousands of ready tasks an event
-    rank = lambda tid: (-scheduler.priority(plan.tasks[tid]), order[tid])  # noqa: E731
+    rank = lambda tid: (tid not in first, -scheduler.priority(plan.tasks[tid]), order[tid])  # noqa: E731
     queue = sorted((rank(tid), tid) for tid in ready_ids)
     running: list[tuple[float, str]] = []  # (virtual end, id)
     placement: dict[str, list[int]] = {}
@@ -648,25 +650,19 @@ def simulate_window(
     scheduler: Scheduler,
     seconds: dict[str, float],
     first: frozenset[str] | set[str] | list[str] = frozenset(),
-    resize: Callable[[TaskSpec, float, dict[str, float], Scheduler], float | None] | None = None,
+    resize: Callable[[TaskSpec, float, dict[str, float], Scheduler], tuple[TaskSpec, float] | None]
+    | None = None,
     ends: dict[str, float] | None = None,
 ) -> tuple[dict[str, float], float]:
     """(start of each task, makespan) of `tasks` simulated from now: dependencies outside
     `tasks` are met, the ids in `first` are placed before the others (running tasks hold
     their devices). `resize(task, now, ends, scheduler)`, called as each task becomes ready,
-    may give it other ranks (a copy: `tasks` is not changed) and return its new seconds,
-    written into `seconds` (pita/core/elastic.py sizes the later elastic tasks so). `ends`
-    (if given) receives each task's simulated end (its start + its seconds unless the host's
-    cores are shared: `simulate`)."""
-    first = set(first)
-    sub = {
-        tid: replace(
-            t,
-            deps=[d for d in t.deps if d in tasks],
-            priority=float("inf") if tid in first else t.priority,
-        )
-        for tid, t in tasks.items()
-    }
+    may return the task on other ranks (a copy: `tasks` is not changed) and its seconds,
+    which the rest of the simulation uses (pita/core/elastic.py sizes the later elastic tasks
+    so). `ends` (if given) receives each task's simulated end (its start + its seconds unless
+    the host's cores are shared: `simulate`). No task is copied otherwise: a sizing decision
+    simulates its window once per rank choice, hundreds of times in a big dry run."""
+    plan = Plan(tasks=dict(tasks))
     starts: dict[str, float] = {}
     hook = None
     if resize is not None:
@@ -674,15 +670,16 @@ def simulate_window(
         def hook(task: TaskSpec, now: float, ends: dict[str, float], _: set[str]) -> None:
             new = resize(task, now, ends, scheduler)
             if new is not None:
-                seconds[task.id] = new
+                plan.tasks[task.id], seconds[task.id] = new
 
     _, makespan = simulate(
-        Plan(tasks=sub),
+        plan,
         scheduler,
         lambda t: seconds[t.id],
         starts=starts,
         ends=ends,
         on_ready=hook,
+        first=frozenset(first),
     )
     return starts, makespan
 
