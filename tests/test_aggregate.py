@@ -87,6 +87,7 @@ def test_jobs_that_differ_beyond_the_seed_are_kept_apart(tmp_path):
     ]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_real_seed_sweep_ends_with_one_aggregate_table(tmp_path):
     done = run_cli(

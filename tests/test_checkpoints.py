@@ -260,6 +260,7 @@ def _train_log(run_dir: Path, algo: str) -> list[dict]:
     ]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", TRL_ALGOS)
 def test_trl_stage_killed_after_every_checkpoint_resumes_faithfully(trl_kill_runs, algo):
@@ -346,6 +347,7 @@ VALUE_ARGS = [
 ]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_sigkilled_value_training_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path):
     """Value training (the guide's loop, pita's own checkpoints: shuffled order, cursor,

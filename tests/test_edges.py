@@ -51,6 +51,7 @@ def test_inprocess_runner_uses_the_worker_thread_budget_and_restores_it(monkeypa
         torch.set_num_threads(before)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_inprocess_run_prints_no_progress_bars(tmp_path):
     """A real in-process run (pretrain, DPO through TRL, evaluation) leaves no tqdm bars on

@@ -381,6 +381,7 @@ def _same(a: list[dict], b: list[dict], rel: float) -> bool:
     return True
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_results_do_not_depend_on_the_ranks_a_task_got(tmp_path):
     """One experiment on fake:2 with every training task on one rank and with the ranks the

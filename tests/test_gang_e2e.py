@@ -69,6 +69,7 @@ def _device_mb(family) -> int:
     return device
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_value_model_larger_than_one_device_trains_with_fsdp2_on_two_ranks(big_family, tmp_path):
     device = _device_mb(big_family)

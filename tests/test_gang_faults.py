@@ -138,7 +138,9 @@ def test_a_dead_workers_rank_folder_is_swept(tmp_path):
     ("fault", "failure", "line"),
     [
         ("SIGKILL", "killed", "RankDied: rank 1 of 2 died of SIGKILL"),
-        ("SIGSTOP", "stalled", "GangStalled: rank 1 of 2 (pid "),
+        pytest.param(
+            "SIGSTOP", "stalled", "GangStalled: rank 1 of 2 (pid ", marks=pytest.mark.long
+        ),
     ],
 )
 def test_a_task_whose_rank_dies_or_stalls_is_retried_from_its_checkpoint(

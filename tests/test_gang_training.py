@@ -277,7 +277,11 @@ def _resumes_like_the_uninterrupted_run(
 
 
 @pytest.mark.parametrize(
-    "strategy", [pytest.param("data_parallel", marks=pytest.mark.slow), "fsdp"]
+    "strategy",
+    [
+        pytest.param("data_parallel", marks=[pytest.mark.slow, pytest.mark.long]),
+        pytest.param("fsdp", marks=pytest.mark.slow),
+    ],
 )
 def test_a_killed_two_rank_task_resumes_on_two_and_on_one_rank(
     run_dir, value_single, tmp_path, strategy
@@ -289,6 +293,7 @@ def test_a_killed_two_rank_task_resumes_on_two_and_on_one_rank(
     _resumes_like_the_uninterrupted_run(killed, tmp_path, value_single, strategy, (2, 1))
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_killed_two_rank_fsdp_task_resumes_on_four_ranks(run_dir, value_single, tmp_path):
     """The 2 ranks' shards resharded over 4 gloo ranks (DCP reads each rank's part of

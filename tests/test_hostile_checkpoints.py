@@ -369,6 +369,7 @@ def _committed(run: Path) -> dict:
     return {"results": keep, "weights": {k: v.tolist() for k, v in weights.items()}}
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_trl_checkpoints_foreign_flipped_truncated_future_or_pickled_are_all_moved_aside(
     tmp_path,

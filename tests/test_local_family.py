@@ -212,6 +212,7 @@ def every_algorithm_runs(local_family, tmp_path_factory) -> dict[str, tuple[Path
     return runs
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("dataset", ["gsm8k", "imdb"])
 def test_every_algorithm_runs_on_the_local_family(every_algorithm_runs, dataset):

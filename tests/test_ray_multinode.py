@@ -113,6 +113,7 @@ class _Holder:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.cluster
 def test_a_four_rank_fsdp_gang_over_two_nodes_matches_one_process(tmp_path):
     """Issue 41 item 1: pretrain on 4 FSDP ranks, 2 on each of 2 nodes (one rank actor per
@@ -176,6 +177,7 @@ def _wait_for(predicate, timeout: float, what: str):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.cluster
 def test_a_node_removed_while_its_task_runs(tmp_path):
     """Issue 41 item 4: the node under a running task dies (its raylet and workers killed);
@@ -247,6 +249,7 @@ if _hide:  # this node's own view of the filesystem: an empty folder where the r
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.cluster
 def test_a_node_that_cannot_see_the_run_folder_is_one_line_before_any_task(tmp_path):
     """Issue 41 item 6: one node mounts its own empty folder where the run folder lives (a
@@ -286,6 +289,7 @@ def test_a_node_that_cannot_see_the_run_folder_is_one_line_before_any_task(tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.cluster
 def test_a_gang_that_loses_a_node_resumes_from_its_checkpoint_on_the_ranks_left(tmp_path):
     """Issue 41 item 4: a 4-rank FSDP pretrain over 2 nodes loses the node of ranks 2-3 once a

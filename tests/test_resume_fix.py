@@ -254,6 +254,7 @@ def _rows(run_dir) -> list[dict[str, str]]:
         return [{k: v for k, v in row.items() if k != "wall_s"} for row in csv.DictReader(f)]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_resume_with_a_fix_gives_a_fresh_runs_rows_and_so_does_an_edited_config(tmp_path):
     """Planted for real: a run at `guidance.top_k=2`, resumed with `top_k=3`, has the rows of

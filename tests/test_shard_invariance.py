@@ -294,6 +294,7 @@ def test_evaluate_samples_and_rows_are_the_same_on_one_and_four_shards(run_folde
 # --- end to end -----------------------------------------------------------------------------------
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_an_experiment_gives_the_same_rows_on_one_and_four_devices(tmp_path):
     """experiment=smoke with the reference and Q# (collect sharded, value training, guided

@@ -352,6 +352,7 @@ def test_ground_truth_recipe_needs_a_known_answer(task):
         ground_truth_pairs(col, [0], [Example([1, 2], None, {})], max_tries=3)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_star_graph_paper_config_runs_at_toy_size(tmp_path):
     """`experiment=star_graph_paper` (the GPU table) wired end to end at toy sizes on CPU:

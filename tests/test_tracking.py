@@ -166,6 +166,7 @@ def _check_tracked(run: Path, args: list[str], backend: str, exactly: bool) -> N
     assert (run / "results" / "plots" / "frontier_goal_walk.png").is_file()
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_smoke_under_each_logger_reads_pretrain_value_grpo_and_results_back(logger_runs, backend):

@@ -371,6 +371,7 @@ def _logged(folder: Path) -> list[dict]:
     ]
 
 
+@pytest.mark.long
 @pytest.mark.slow  # each stage on one process twice, two 2-rank launches: ~30-90 s here
 def test_trl_stages_stopped_and_resumed_on_other_ranks_match_an_uninterrupted_run(
     tmp_path, monkeypatch

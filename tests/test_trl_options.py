@@ -261,6 +261,7 @@ def _state(path):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_trl_options_and_lora_reach_the_trainers(local_family, tmp_path):
     """DPO with trl.loss_type=ipo trained as a LoRA adapter on q_proj / v_proj, GRPO with

@@ -288,6 +288,7 @@ def head_runs(tmp_path_factory) -> dict[str, tuple[Path, Future]]:
     return runs
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("head", ["q", "v"])
 def test_training_and_guided_decoding_end_to_end(head_runs, head):
