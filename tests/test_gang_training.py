@@ -280,7 +280,7 @@ def _resumes_like_the_uninterrupted_run(
     "strategy",
     [
         pytest.param("data_parallel", marks=[pytest.mark.slow, pytest.mark.long]),
-        pytest.param("fsdp", marks=pytest.mark.slow),
+        pytest.param("fsdp", marks=[pytest.mark.slow, pytest.mark.long]),
     ],
 )
 def test_a_killed_two_rank_task_resumes_on_two_and_on_one_rank(
