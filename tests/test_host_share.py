@@ -139,7 +139,7 @@ def test_the_live_eta_learns_other_users_load_from_its_finished_tasks():
 
 
 def test_other_users_load_is_read_now_not_from_the_last_minute(monkeypatch):
-    """Six busy processes planted for real: the count of other users' runnable threads
+    """Eight busy processes planted for real: the count of other users' runnable threads
     includes them while they spin and drops as soon as they are killed (the one-minute load
     average would still count them for a minute: a dry run typed right after a run read that
     run as other users' load). Margins leave room for the other xdist worker's tests."""
@@ -153,7 +153,7 @@ def test_other_users_load_is_read_now_not_from_the_last_minute(monkeypatch):
     if runnable_threads() is None:
         pytest.skip("no /proc/stat on this OS")
     spin = [sys.executable, "-c", "while True: pass"]
-    procs = [subprocess.Popen(spin) for _ in range(6)]
+    procs = [subprocess.Popen(spin) for _ in range(8)]
     try:
         time.sleep(1.0)  # past the interpreter's start-up
         busy = outside_load(0.0)
@@ -163,5 +163,5 @@ def test_other_users_load_is_read_now_not_from_the_last_minute(monkeypatch):
         for p in procs:
             p.wait()
     after = outside_load(0.0)
-    assert busy >= 5.0, busy
-    assert after <= busy - 4.0, (busy, after)
+    assert busy >= 7.0, busy
+    assert after <= busy - 4.0, (busy, after)  # the other worker may add up to 3 meanwhile
