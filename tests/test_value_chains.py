@@ -171,6 +171,7 @@ def _rows(run_dir):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow  # an end-to-end run that trains for real: not in the quick set
 def test_two_round_chain_through_run_parallel(tmp_path):
     """Round 1 collects with round 0's guide and its train stage loads round 0's checkpoint;
     the training data of round 1 is rounds 0 and 1 (DAgger)."""
