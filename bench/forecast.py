@@ -19,7 +19,9 @@ order of `--devices` is the order of the runs).
 - `eta_20`: the first ETA line of the run's run.log at or after 20 % of its wall time:
   `at_s` into the run, `eta_s` it said, `ratio` = (at_s + eta_s) / real;
 - `load`: the machine's 1-minute load average sampled every 5 s during the run (mean, max)
-  and the cores: the forecast cannot see other users' processes.
+  and the cores: the forecast reads other users' load only when it forecasts (the dry run:
+  the runnable threads then; the live ETA: what its finished tasks felt), not load that
+  comes or goes later.
 
 `--big-dry-run`: the dry run of `rounds_of_training=20 algos=all` on goal-walk and star graph
 on fake:64 (34,292 tasks), timed unsized and with `training.parallel_strategy=data_parallel`

@@ -123,17 +123,17 @@ def test_a_trl_gangs_ranks_fork_with_its_trainer_imported():
     imported instead of importing it each (15-19 s to the first step without)."""
     from pita.core.dag import Plan
     from pita.core.forked_worker import gang_preload
-    from pita.experiment.run import gang_stage_modules
+    from pita.experiment.run import stage_modules
     from tests.conftest import task_spec
 
     plan = Plan()
     plan.add(task_spec("dpo.train", algo="DPO", fn="pita.algos.dpo:train", gpus=2))
     plan.add(task_spec("dpo.collect", algo="DPO", stage="collect", fn="pita.algos.dpo:collect"))
     plan.add(task_spec("eval", stage="evaluate", fn="pita.stages.evaluate:evaluate"))
-    modules = gang_stage_modules(plan, set())
+    modules = stage_modules(plan, set(), gangs_only=True)
     assert modules == "pita.algos.dpo"  # only a gang's stage: one-device tasks add nothing
     assert gang_preload(modules) == ["pita.algos.dpo", "trl.trainer.dpo_trainer"]
-    assert gang_stage_modules(plan, {"dpo.train"}) == ""  # done: nothing to preload
+    assert stage_modules(plan, {"dpo.train"}, gangs_only=True) == ""  # done: nothing to preload
     assert gang_preload("pita.no_such_module") == []  # a head start only: never an error
 
 

@@ -132,7 +132,9 @@ def _policy(one_rank_s: float = 100.0, alpha: float = 0.0, startup: float = 2.0,
     def seconds(task, k: int) -> float:
         return one_rank_s * (1 + alpha * (k - 1)) / k + up(k)
 
-    return GrowthPolicy(seconds=seconds, startup=up, choices=lambda t: [1, 2, 4, 8], **kw)
+    return GrowthPolicy(
+        seconds=seconds, startup=lambda t, k: up(k), choices=lambda t: [1, 2, 4, 8], **kw
+    )
 
 
 def test_a_task_with_much_left_grows_into_the_idle_devices_and_one_near_its_end_does_not():
@@ -416,7 +418,7 @@ def test_a_real_run_grows_pretrain_from_one_rank_to_two_with_the_numbers_of_an_u
     run = tmp_path / "run"
     policy = GrowthPolicy(
         seconds=lambda t, k: 1000.0 / k,  # the estimate says growing pays
-        startup=lambda k: 0.0,
+        startup=lambda t, k: 0.0,
         choices=lambda t: [1, 2],
         # ask as soon as device 1 has idled, not after the first progress line: 120 tiny
         # steps can end before that line arrives (a race a run never depends on); the

@@ -183,6 +183,12 @@ class SpeedupCurves:
         entry.setdefault("by_ranks", {})[str(k)] = float(seconds)
         self._alpha = None
 
+    def observe_first_step(self, curve: str, k: int, seconds: float) -> None:
+        """A task of `curve` reached its first step `seconds` after dispatch on k ranks: the
+        start-up that a fit subtracts changed (`GangStartup.observe_first_step`)."""
+        self.startup.observe_first_step(curve, k, seconds)
+        self._alpha = None
+
     def fitted(self) -> dict[str, float]:
         if self._alpha is None:
             pairs: dict[str, list[float]] = {}
@@ -294,8 +300,7 @@ class Sizer:
         gang's start-up when the stage measured it (`gang_startup_s` in its result)."""
         first = result.get("first_step_s")  # one-rank tasks too: the kind's baseline
         if isinstance(first, (int, float)):
-            self.curves.startup.observe_first_step(curve_key(task), task.gpus, float(first))
-            self.curves._alpha = None  # the start-up a fit subtracts changed
+            self.curves.observe_first_step(curve_key(task), task.gpus, float(first))
         if not task.elastic:
             return
         startup = result.get("gang_startup_s")

@@ -11,7 +11,7 @@ Growth corrects that while it runs:
    on more: its time left on k ranks (`pita.core.progress.task_left`: its own pace from its
    progress line, else what is left of its estimate) against the resize's cost (stopping at
    the next step and writing the checkpoint, `stop_s`, measured on each resize; the gang's
-   start-up on k', `startup(k')`) plus the same work on k' ranks. It must gain `margin` of
+   start-up on k', `startup(task, k')`) plus the same work on k' ranks. It must gain `margin` of
    its time left and at least `min_gain_s`. Highest-priority tasks first; never shrinks.
 2. **How.** The run writes `tasks/<id>.stop-request` (`TaskPaths.stop_request`); the task's
    `Checkpointer` (a TRL stage: its Trainer's `stop_callback`) sees it after its next
@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pita.core.elastic import GangStartup, curve_key, set_ranks
+from pita.core.elastic import curve_key, set_ranks
 from pita.core.errors import STOPPED
 from pita.core.progress import parse_progress, task_left
 from pita.core.tasks import TaskSpec
@@ -94,7 +94,7 @@ class GrowthPolicy:
     """The decision (see the module docstring): pure, no clock, no files."""
 
     seconds: Callable[[TaskSpec, int], float]  # expected seconds on k ranks, start-up included
-    startup: Callable[[int], float]  # a k-rank gang's start-up beyond one rank
+    startup: Callable[[TaskSpec, int], float]  # the task's k-rank start-up beyond one rank
     choices: Callable[[TaskSpec], list[int]]  # the ranks a task may have (1, 2, 4, ...)
     margin: float = 0.1  # share of its time left a resize must save
     min_gain_s: float = 1.0
@@ -115,15 +115,9 @@ class GrowthPolicy:
     def grown_left(self, task: TaskSpec, left: float, k: int) -> float:
         """Seconds left after a resize to k ranks now: the stop and checkpoint, the gang's
         start-up on k, and what is left of the work at k ranks' pace."""
-        now = max(1e-9, self.seconds(task, task.gpus) - self._startup(task, task.gpus))
-        then = max(1e-9, self.seconds(task, k) - self._startup(task, k))
-        return self.stop_cost() + self._startup(task, k) + left * then / now
-
-    def _startup(self, task: TaskSpec, k: int) -> float:
-        """The start-up of `task`'s kind on k ranks where it was measured (`GangStartup`)."""
-        if isinstance(self.startup, GangStartup):
-            return self.startup(k, curve_key(task))
-        return self.startup(k)
+        now = max(1e-9, self.seconds(task, task.gpus) - self.startup(task, task.gpus))
+        then = max(1e-9, self.seconds(task, k) - self.startup(task, k))
+        return self.stop_cost() + self.startup(task, k) + left * then / now
 
     def decide(self, running: Iterable[RunningTask], idle: int) -> list[Grow]:
         """Resizes worth asking for with `idle` devices free, highest priority first."""
@@ -191,7 +185,7 @@ class Grower:
         elastic tasks whose checkpoints resume on any k (`growable`)."""
         policy = GrowthPolicy(
             seconds=lambda t, k: sizer.seconds(t, k),
-            startup=sizer.curves.startup,
+            startup=lambda t, k: sizer.curves.startup(k, curve_key(t)),  # its kind's, measured
             choices=sizer.ranks_of,
             needs_progress=True,
         )

@@ -139,16 +139,18 @@ class Scheduler:
         soonest = max(could, key=lambda d: (self.available_mb(d), -len(d.running), -d.index))
         return [soonest.index]
 
-    def _one_node(self, candidates: list[DeviceState], k: int) -> list[DeviceState]:
-        """k of `candidates` on one node (the node with the most of them free, packed as
-        `place` packs), or [] when no node has k: the gang then spans nodes."""
+    def _one_node(
+        self, candidates: list[DeviceState], k: int, packed: Callable[[DeviceState], Any]
+    ) -> list[DeviceState]:
+        """k of `candidates` on one node (the node with the most of them free, in `place`'s
+        packing order `packed`), or [] when no node has k: the gang then spans nodes."""
         by_node: dict[str, list[DeviceState]] = {}
         for d in candidates:
             by_node.setdefault(self.node_of.get(d.index, ""), []).append(d)
         best = max(by_node.values(), key=len)
         if len(best) < k:
             return []
-        return sorted(best, key=lambda d: (len(d.running), -self.available_mb(d), d.index))[:k]
+        return sorted(best, key=packed)[:k]
 
     def place(
         self, ready: Iterable[TaskSpec], presorted: bool = False
@@ -192,7 +194,7 @@ class Scheduler:
             else:
                 chosen = sorted(candidates, key=packed)[: task.gpus]
             if task.gpus > 1 and self.node_of:
-                chosen = self._one_node(candidates, task.gpus) or chosen
+                chosen = self._one_node(candidates, task.gpus, packed) or chosen
             for d in chosen:
                 d.running[task.id] = per_device_mb
             if any(len(d.running) >= cap for d in chosen):

@@ -218,6 +218,10 @@ class TaskPaths:
     def failed(self, attempt: int) -> Path:
         return self.run_dir / "tasks" / f"{self.task_id}.attempt{attempt}.failed"
 
+    def stopped(self, attempt: int, step: int) -> Path:
+        """An attempt asked to stop (a resize) at the checkpoint of `step`: its log, kept."""
+        return self.run_dir / "tasks" / f"{self.task_id}.attempt{attempt}.stopped-at-{step}"
+
     @property
     def checkpoints(self) -> Path:
         """In-task training checkpoints: beside the attempts' folders, so a retry of the

@@ -232,6 +232,7 @@ class RayExecutor:
         self.lost: dict[str, str] = {}  # lost node id -> its address
         self.busy: dict[int, str] = {}  # slot -> the task running there
         self.warm_stages = ""
+        self.preimport = True  # executor.preimport: each slot actor imports torch at start
         self._lock = threading.Lock()
         self._judges = ThreadPoolExecutor(4, thread_name_prefix="pita-ray-outcome")
 
@@ -293,10 +294,9 @@ class RayExecutor:
         from pita.core.paths import RunPaths
         from pita.core.ray_cluster import check_shared_storage
 
-        self.warm_stages = warm_stages
+        self.warm_stages, self.preimport = warm_stages, preimport
         self._start_slots(warm=False)  # the probe first: it answers before torch is imported
         check_shared_storage(self.ray, self.slot_list, RunPaths(run_dir).workers)
-        self.preimport = preimport
         for slot in self.slot_list if preimport else ():
             slot.actor.warm.remote()  # queued before any task: the first one starts warm
 
@@ -336,7 +336,7 @@ class RayExecutor:
             # the cores are the run's compute (pita/runtime/worker.py `main`)
             .remote(slot.index, self.run_task, self.warm_stages if self.kind == "gpu" else "")
         )
-        if warm and getattr(self, "preimport", True):
+        if warm and self.preimport:
             actor.warm.remote()  # queued before any task: the first one starts warm
         return actor
 

@@ -331,12 +331,7 @@ def work_walls(events: list[dict[str, Any]], share: HostShare | None) -> dict[st
     walls = done_walls(events)
     if share is None:
         return walls
-    rates, ranks = mean_rates(events, share), ranks_of(events)
-    cpu = {
-        e["task"]: float(e["cpu_s"])
-        for e in events
-        if e.get("event") == "task_done" and isinstance(e.get("cpu_s"), (int, float))
-    }
+    rates, ranks, cpu = mean_rates(events, share), ranks_of(events), done_figures(events, "cpu_s")
     return {
         tid: share.work(wall, rates.get(tid, 1.0), cpu.get(tid), ranks.get(tid, 1))
         for tid, wall in walls.items()
@@ -346,8 +341,13 @@ def work_walls(events: list[dict[str, Any]], share: HostShare | None) -> dict[st
 def first_steps(events: list[dict[str, Any]]) -> dict[str, float]:
     """task id -> seconds from its dispatch to its first step (`first_step_s` of its last
     task_done event, where the stage reported steps)."""
+    return {tid: round(s, 3) for tid, s in done_figures(events, "first_step_s").items()}
+
+
+def done_figures(events: list[dict[str, Any]], name: str) -> dict[str, float]:
+    """task id -> the number `name` of its last task_done event, where it has one."""
     return {
-        e["task"]: round(float(e["first_step_s"]), 3)
+        e["task"]: float(e[name])
         for e in events
-        if e.get("event") == "task_done" and isinstance(e.get("first_step_s"), (int, float))
+        if e.get("event") == "task_done" and isinstance(e.get(name), (int, float))
     }

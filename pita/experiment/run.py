@@ -552,23 +552,16 @@ def _log_start(
     )
 
 
-def stage_modules(plan: Plan, done: set[str]) -> str:
+def stage_modules(plan: Plan, done: set[str], gangs_only: bool = False) -> str:
     """The modules of the stage functions that the tasks still to run call, comma-separated
-    (pita.runtime.worker.warm_stage_imports reads it)."""
-    return ",".join(
-        sorted({t.fn.split(":")[0] for tid, t in plan.tasks.items() if tid not in done})
-    )
-
-
-def gang_stage_modules(plan: Plan, done: set[str]) -> str:
-    """The stage modules of the tasks still to run that may run on a gang (elastic, or more
-    than one device), comma-separated (pita.core.forked_worker.gang_preload reads it)."""
+    (pita.runtime.worker.warm_stage_imports reads it); `gangs_only`: of the tasks that may
+    run on a gang (elastic, or more than one device: pita.core.forked_worker.gang_preload)."""
     return ",".join(
         sorted(
             {
                 t.fn.split(":")[0]
                 for tid, t in plan.tasks.items()
-                if tid not in done and (t.elastic or t.gpus > 1)
+                if tid not in done and (not gangs_only or t.elastic or t.gpus > 1)
             }
         )
     )
@@ -594,7 +587,7 @@ def _start_session(
         if any(t.elastic for t in plan.tasks.values()):  # gangs fork ranks from warm workers
             executor.extra_env[WARM_FORKSERVER] = "1"
         # a gang's ranks fork with their stage's trainer imported (TRL for TRL stages)
-        executor.extra_env[GANG_STAGES] = gang_stage_modules(plan, done)
+        executor.extra_env[GANG_STAGES] = stage_modules(plan, done, gangs_only=True)
     if hasattr(executor, "prepare"):  # Ray: slots reserved, warm actors, shared storage checked
         executor.prepare(run_dir, stage_modules(plan, done), bool(cfg.executor.preimport))
     executor.warm_up([(d.index,) for d in gpu.devices][: len(plan.tasks) - len(done)])

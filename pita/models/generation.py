@@ -255,16 +255,19 @@ def eos_check_every(device: torch.device) -> int:
     return 1 if device.type == "cpu" else EOS_CHECK_EVERY
 
 
-def _left_pad(
-    rows: Sequence[Sequence[int]], pad_token_id: int, device: torch.device
+def _pad(
+    rows: Sequence[Sequence[int]], pad_token_id: int, device: torch.device, left: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded ids and their attention mask: left-padded (prompts, so every row's next token
+    is the last column) or right-padded (responses after their prompts)."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for b, r in enumerate(rows):
         if len(r):
-            ids[b, width - len(r) :] = torch.as_tensor(r, dtype=torch.long)
-            mask[b, width - len(r) :] = 1
+            cols = slice(width - len(r), width) if left else slice(0, len(r))
+            ids[b, cols] = torch.as_tensor(r, dtype=torch.long)
+            mask[b, cols] = 1
     return ids.to(device), mask.to(device)
 
 
@@ -378,7 +381,7 @@ def _generate_batch(
     ``uniforms`` [B, max_new_tokens]: the rows' own draws (column t at step t)."""
     device = eos.device
     check_every = eos_check_every(device)
-    step_ids, attn = _left_pad(rows, pad_token_id, device)
+    step_ids, attn = _pad(rows, pad_token_id, device)
     pos = position_ids_from_mask(attn)
     n_rows = len(rows)
     finished = torch.zeros(n_rows, dtype=torch.bool, device=device)
@@ -478,13 +481,11 @@ def forced_logprobs(
             if not idx:
                 continue
             r_max = max(len(responses[i]) for i in idx)
-            prompt_ids, prompt_mask = _left_pad([prompts[i] for i in idx], pad_token_id, device)
-            resp_ids, resp_mask = _right_pad([responses[i] for i in idx], pad_token_id, device)
-            mask = torch.cat([prompt_mask, resp_mask], dim=1)
+            ids, mask, resp_ids = _joined(prompts, responses, idx, pad_token_id, device)
             # Logits at columns P-1 .. P+R-2 predict the R response tokens.
             extra = {"logits_to_keep": r_max + 1} if supports_keep else {}
             logits = model(
-                input_ids=torch.cat([prompt_ids, resp_ids], dim=1),
+                input_ids=ids,
                 attention_mask=mask,
                 position_ids=position_ids_from_mask(mask),
                 use_cache=False,
@@ -500,14 +501,16 @@ def forced_logprobs(
     return result, raw
 
 
-def _right_pad(
-    rows: list[list[int]], pad_token_id: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ids and their attention mask (responses after their prompts)."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for b, row in enumerate(rows):
-        ids[b, : len(row)] = torch.as_tensor(row)
-        mask[b, : len(row)] = 1
-    return ids.to(device), mask.to(device)
+def _joined(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    idx: list[int],
+    pad_token_id: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, attention mask, response ids) of rows `idx`: each prompt left-padded, then its
+    response right-padded, so every response starts in the same column."""
+    prompt_ids, prompt_mask = _pad([prompts[i] for i in idx], pad_token_id, device)
+    resp_ids, resp_mask = _pad([responses[i] for i in idx], pad_token_id, device, left=False)
+    ids = torch.cat([prompt_ids, resp_ids], dim=1)
+    return ids, torch.cat([prompt_mask, resp_mask], dim=1), resp_ids

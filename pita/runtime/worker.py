@@ -207,7 +207,7 @@ def execute_task(
     except StoppedAtCheckpoint as stop:  # asked to stop (a resize): not a failure
         logger.info("stopped at the checkpoint of step %d after %.2fs", stop.step, time.time() - t0)
         _close(logger)
-        _keep_stopped(paths, tmp, task.id, attempt, stop.step)
+        _keep_stopped(paths, tmp, attempt, stop.step)
         return False, STOPPED, str(stop), {"stopped_at_step": stop.step}
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, classified
         interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
@@ -222,7 +222,7 @@ def execute_task(
 
 
 def _result(
-    task_id: str, attempt: int, t0: float, returned: dict, first_step: Any, cpu0: float
+    task_id: str, attempt: int, t0: float, returned: dict, first_step: FirstStep, cpu0: float
 ) -> dict:
     """The stage's result with the task's id, wall seconds and attempt, its dispatch -> first
     step seconds (the sizer's start-up) and this process's CPU seconds in the task (a gang's
@@ -302,10 +302,10 @@ def _commit(
     shutil.rmtree(paths.checkpoints, ignore_errors=True)
 
 
-def _keep_stopped(paths: Any, tmp: Path, task_id: str, attempt: int, step: int) -> None:
+def _keep_stopped(paths: Any, tmp: Path, attempt: int, step: int) -> None:
     """An attempt stopped at a checkpoint: its folder (its log) kept beside the other
-    attempts' as `tasks/<id>.attempt<N>.stopped-at-<step>`."""
-    kept = paths.run_dir / "tasks" / f"{task_id}.attempt{attempt}.stopped-at-{step}"
+    attempts' (`TaskPaths.stopped`)."""
+    kept = paths.stopped(attempt, step)
     shutil.rmtree(kept, ignore_errors=True)
     with contextlib.suppress(OSError):
         os.replace(tmp, kept)

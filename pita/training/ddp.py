@@ -724,10 +724,8 @@ def _rank_devices(
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device_type is None:
         device_type = "cuda" if gpus >= world_size else "cpu"
-    if device_type == "cuda" and torch.cuda.device_count() < world_size:
-        raise DataParallelError(
-            f"{world_size} ranks need {world_size} GPUs; this task sees {torch.cuda.device_count()}"
-        )
+    if device_type == "cuda" and gpus < world_size:
+        raise DataParallelError(f"{world_size} ranks need {world_size} GPUs; this task sees {gpus}")
     if backend is None:
         backend = "nccl" if device_type == "cuda" and dist_mod.is_nccl_available() else "gloo"
     if threads is None:
