@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Create .venv and install pita. torch is pinned FIRST so that pip never resolves an
+# Create .venv and install pita. torch is pinned FIRST so that no resolver ever picks an
 # unpinned torch (which would pull several GB of CUDA packages on a CPU-only machine).
+# pip installs torch (pip's configuration may name a local wheel of it: uv does not read that
+# configuration); uv installs the rest, 37 s instead of pip's 73 s from nothing (docs/DESIGN.md §8),
+# keeping the torch installed here (uv leaves an installed package that satisfies a requirement).
 #   TORCH_SPEC   torch requirement to install (default torch==2.13.0)
 #   TORCH_INDEX  extra index for a CUDA build, e.g. https://download.pytorch.org/whl/cu128
 set -euo pipefail
@@ -8,14 +11,16 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -d .venv ] || "$PY" -m venv .venv
 . .venv/bin/activate
-python -m pip install -q --upgrade pip
+python -m pip install -q --upgrade pip "uv==0.13.9"
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 if [ -n "${TORCH_INDEX:-}" ]; then
   pip install -q "$TORCH_SPEC" --extra-index-url "$TORCH_INDEX"
 else
   pip install -q "$TORCH_SPEC"
 fi
-pip install -q -e ".[dev]"
+# --compile-bytecode: pip writes bytecode at install, uv only when asked; without it, where
+# PYTHONDONTWRITEBYTECODE is set every process would compile torch's and transformers' sources
+uv pip install -q --compile-bytecode -e ".[dev]"
 # An editable install leaves pita's own modules uncompiled, and where PYTHONDONTWRITEBYTECODE
 # is set (this project's CI machines) Python never caches them: every worker and every run
 # would compile them again (0.05-0.1 s of CPU per process). Write the bytecode once here.
