@@ -4,10 +4,11 @@ resume_from=auto; a non-local launcher checks devices in the job, not on the log
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
-from tests.conftest import run_cli, run_dirs, sleep_overrides
+from tests.conftest import only, run_cli, run_dirs, sleep_overrides
 
 MINE = """# @package _global_
 experiment:
@@ -170,3 +171,62 @@ def test_launcher_kind_comes_from_the_composed_config(tmp_path):
     assert bad.stderr.startswith(
         "error: hydra/launcher=slrum: no such launcher; available: basic, slurm, slurm_1gpu"
     )
+
+
+def _run_in_process(tmp_path, monkeypatch, name: str, extra: list[str]) -> tuple[int, int]:
+    """One in-process run of two sleep tasks through `cli.main`: (exit code, how many times
+    Hydra composed the command line)."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    from pita.experiment import cli
+
+    composes = []
+    compose = ConfigLoaderImpl.load_configuration
+
+    def counted(self, *args, **kwargs):
+        composes.append(kwargs.get("run_mode"))
+        return compose(self, *args, **kwargs)
+
+    monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", counted)
+    monkeypatch.setattr(sys, "argv", ["run_parallel.py"])
+    monkeypatch.setenv("PITA_COMMAND", "")  # main() sets it; restored after the test
+    monkeypatch.setenv("PITA_TEST_SLEEP", "0.01")
+    monkeypatch.chdir(tmp_path)
+    args = ["system.use_parallel_execution=false", f"experiment.name={name}", *only("reference")]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*args, "executor.progress=false", *sleep_overrides(), *extra])
+    return int(exit_info.value.code or 0), len(composes)
+
+
+def test_a_single_run_composes_once_and_hydra_records_what_its_own_composition_would(
+    tmp_path, monkeypatch
+):
+    """A single local run hands the pre-check's composition to Hydra's run_job (`@hydra.main`
+    would compose twice more: 0.3 s of CPU each); a typed Hydra key takes `@hydra.main`'s
+    path. Both write the same `.hydra/` files."""
+    import yaml
+
+    once = _run_in_process(tmp_path, monkeypatch, "once", [])
+    assert once == (0, 1)
+    typed = _run_in_process(tmp_path, monkeypatch, "typed", ["hydra.job.chdir=false"])
+    assert typed == (0, 3)  # the pre-check, then Hydra's mode check and its run
+
+    def hydra_files(name: str) -> dict:
+        [run_dir] = run_dirs(tmp_path, name)
+        files = {
+            f: yaml.safe_load((run_dir / ".hydra" / f).read_text())
+            for f in ("config.yaml", "hydra.yaml", "overrides.yaml")
+        }
+        files["config.yaml"]["experiment"]["name"] = "-"
+        files["overrides.yaml"] = [o for o in files["overrides.yaml"] if "experiment.name" not in o]
+        hydra = files["hydra.yaml"]["hydra"]
+        for varying in ("run", "runtime"):
+            hydra.pop(varying)
+        hydra["overrides"]["task"] = files["overrides.yaml"]
+        hydra["overrides"]["hydra"] = [o.split("=")[0] for o in hydra["overrides"]["hydra"]]
+        hydra["job"]["override_dirname"] = "-"
+        return files
+
+    with_chdir = hydra_files("typed")
+    with_chdir["hydra.yaml"]["hydra"]["overrides"]["hydra"].remove("hydra.job.chdir")
+    assert hydra_files("once") == with_chdir

@@ -34,7 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from omegaconf import DictConfig, OmegaConf
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from pita.core.errors import ConfigError
 from pita.core.paths import RunPaths
@@ -57,6 +58,8 @@ from pita.experiment.config import (
 CONF_DIR = conf_dir()
 LOCAL_LAUNCHERS = ("BasicLauncher",)  # Hydra's launcher classes that run jobs in this process
 LAST_COMPOSE: dict[str, str] = {}
+# Hydra's job name for `@hydra.main` in this module (hydra._internal.utils.detect_task_name)
+JOB_NAME = __name__.rsplit(".", 1)[-1]
 T = TypeVar("T")
 HELD_LOCKS: list[Any] = []  # run folder locks taken before Hydra or run() write anything
 EXIT_CODE_FILE = "exit_code"  # a remote job's exit code, read by the sweep's end (aggregate.py)
@@ -179,22 +182,31 @@ def _sweep_to_single(overrides: list[str]) -> list[str]:
     return out
 
 
-def compose_config(
-    overrides: list[str], config_name: str | None = None, config_dir: str | None = None
-) -> DictConfig:
-    """Compose the config (pita's conf/ + `--config-dir` + `hydra.searchpath`) with overrides,
-    without a run folder, as `@hydra.main` will; raises ConfigError."""
-    from hydra._internal.hydra import Hydra
-    from hydra._internal.utils import create_config_search_path
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.types import RunMode
-
-    register_configs()
-    overrides = [
+def _without_hydra_keys(overrides: list[str]) -> list[str]:
+    """The overrides the pre-check composes: Hydra's own keys left out, its search path kept."""
+    return [
         o
         for o in overrides
         if not o.startswith(("hydra.", "+hydra.", "~hydra.")) or o.startswith("hydra.searchpath=")
     ]
+
+
+def compose_config(
+    overrides: list[str],
+    config_name: str | None = None,
+    config_dir: str | None = None,
+    *,
+    keep_hydra: bool = False,
+) -> DictConfig:
+    """Compose the config (pita's conf/ + `--config-dir` + `hydra.searchpath`) with overrides,
+    without a run folder, as `@hydra.main` will; raises ConfigError. `keep_hydra`: with
+    Hydra's own node (`hydra.*`), for `_hydra_main` to run the job without composing again."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    overrides = _without_hydra_keys(overrides)
     try:
         overrides = _sweep_to_single(overrides)
     except Exception as exc:
@@ -206,7 +218,7 @@ def compose_config(
     if config_dir:  # what Hydra does for --config-dir
         search_path.prepend("command-line", f"file://{Path(config_dir).expanduser().resolve()}")
     try:
-        hydra = Hydra.create_main_hydra2(task_name="pita", config_search_path=search_path)
+        hydra = Hydra.create_main_hydra2(task_name=JOB_NAME, config_search_path=search_path)
         cfg = hydra.compose_config(
             config_name or "config", overrides, run_mode=RunMode.RUN, with_log_configuration=False
         )
@@ -226,9 +238,7 @@ def compose_config(
         from pita.experiment.dataset_choice import record_dataset_file
 
         record_dataset_file(cfg, OmegaConf.select(cfg, "hydra.runtime.choices"))
-        if "hydra" in cfg:  # as hydra.compose(return_hydra_config=False)
-            from omegaconf import open_dict, read_write
-
+        if "hydra" in cfg and not keep_hydra:  # as hydra.compose(return_hydra_config=False)
             with read_write(cfg), open_dict(cfg):
                 del cfg["hydra"]
         return cfg
@@ -464,16 +474,18 @@ def main(argv: list[str] | None = None) -> None:
     overrides = _exit_2_on_config_error(lambda: _expanded_algos(args))
     info_only = bool(args.hydra_help or args.cfg or args.info or args.shell_completion)
     cfg: DictConfig | None = None  # Hydra's --info / --cfg / completion need no run config
+    composed: DictConfig | None = None
     if not info_only:
         resume, implicit, overrides = _which_run(overrides, args)
         if resume is not None:
             sys.exit(_resume(resume, implicit, overrides, args))
-        cfg = _exit_2_on_config_error(lambda: _new_run_config(overrides, args))
-    if cfg is not None and not args.multirun and remote_launcher() is None:
+        cfg, composed = _exit_2_on_config_error(lambda: _new_run_config(overrides, args))
+    single = cfg is not None and not args.multirun and remote_launcher() is None
+    if cfg is not None and single:
         overrides = _lock_before_hydra(cfg, overrides)
     given = set(args.overrides)
     sys.argv = [sys.argv[0], *[a for a in argv if a not in given], *overrides]  # Hydra reads it
-    _hydra_main()
+    _hydra_main(_pinned(composed, overrides) if single and _composed_as_hydra(args) else None)
 
 
 def _print_help(args: Any) -> None:
@@ -567,12 +579,46 @@ def _resume(resume: str, implicit: bool, overrides: list[str], args: Any) -> int
     return _run_checked(lambda: run(cfg, run_dir, resumed=True))
 
 
-def _new_run_config(overrides: list[str], args: Any) -> DictConfig:
+def _new_run_config(overrides: list[str], args: Any) -> tuple[DictConfig, DictConfig]:
     """The composed, checked config of a new run (devices checked here unless a remote
-    launcher's job will check them where it runs)."""
-    cfg = compose_config(overrides, args.config_name, args.config_dir)
+    launcher's job will check them where it runs), and the same composition with Hydra's
+    node, as the checks found it (they make paths absolute, which `run` does itself)."""
+    import copy
+
+    composed = compose_config(overrides, args.config_name, args.config_dir, keep_hydra=True)
+    cfg = copy.deepcopy(composed)
+    with read_write(cfg), open_dict(cfg):
+        del cfg["hydra"]
     preflight(cfg, overrides, devices=remote_launcher() is None)
-    return cfg
+    return cfg, composed
+
+
+def _composed_as_hydra(args: Any) -> bool:
+    """Whether the pre-check's composition is the one `@hydra.main` would make: no Hydra
+    key typed but the run folder (the pre-check leaves them out), no sweep (it takes each
+    sweep's first value), no `--config-path` (it reads pita's conf/ and `--config-dir`)."""
+    typed = [o for o in args.overrides if not o.startswith("hydra.run.dir=")]  # pinned anyway
+    return (
+        args.config_path is None
+        and _without_hydra_keys(typed) == typed
+        and _sweep_to_single(typed) == typed
+    )
+
+
+def _pinned(composed: DictConfig | None, overrides: list[str]) -> DictConfig | None:
+    """`composed` run in the folder `_lock_before_hydra` locked and pinned, as `@hydra.main`
+    would compose it with that pin; None where there is no such config or pin (an
+    interpolated folder, or an experiment that asks for `hydra.mode: MULTIRUN`)."""
+    pin = next((o for o in overrides if o.startswith("hydra.run.dir=")), None)
+    if composed is None or pin is None or composed.hydra.get("mode") not in (None, RunMode.RUN):
+        return None
+    with read_write(composed.hydra):
+        composed.hydra.run.dir = pin.split("=", 1)[1].strip("'")
+        composed.hydra.overrides.hydra.append(pin)
+        if composed.hydra.get("mode") is None:  # what Hydra's _run_app adds then
+            composed.hydra.overrides.hydra.append("hydra.mode=RUN")
+        composed.hydra.mode = RunMode.RUN
+    return composed
 
 
 def _lock_before_hydra(cfg: DictConfig, overrides: list[str]) -> list[str]:
@@ -683,34 +729,77 @@ def _setup_console_logging(run_dir: Path | None = None) -> None:
         root.handlers.append(file)
 
 
-def _hydra_main() -> None:
+def _hydra_main(composed: DictConfig | None = None) -> None:
+    """Hydra runs the job(s): `@hydra.main` (sweeps, launchers), or, for a single local run
+    whose config the pre-check composed as Hydra would (`composed`), Hydra's `run_job` on
+    that config. `@hydra.main` composes the command line twice more (once to read
+    `hydra.mode`, once to run), 0.3 s of CPU each on a 2-core machine: a third of what a
+    run's command line costs before its first task (docs/DESIGN.md §8)."""
     import hydra
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
 
-    register_configs()
     worst = [0]  # a sweep exits with its worst job's code
+    if composed is not None:
+        _run_job(composed, lambda cfg: _job(cfg, worst))
+        return
+    register_configs()
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
     def _main(cfg: DictConfig) -> int:
-        from pita.experiment.run import run
-
-        hc = HydraConfig.get()
-        out = Path(hc.runtime.output_dir)
-        code = _run_checked(lambda: run(cfg, out))
-        remote = "BasicLauncher" not in str(hc.launcher.get("_target_", "BasicLauncher"))
-        if remote:  # the job ran elsewhere (SLURM, submitit): its code reaches us through a file
-            from pita.core.paths import atomic_write_text
-
-            out.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(out / EXIT_CODE_FILE, f"{code}\n")
-            return code  # sys.exit here would lose the job's result in the launcher
-        if hc.mode != RunMode.MULTIRUN or code in (2, 130):
-            sys.exit(code)
-        worst[0] = max(worst[0], code)
-        return code
+        return _job(cfg, worst)
 
     _main()
     from pita.results.aggregate import LAST_SWEEP
 
     sys.exit(max(worst[0], LAST_SWEEP.get("worst_exit_code", 0)))
+
+
+def _job(cfg: DictConfig, worst: list[int]) -> int:
+    """One Hydra job: pita's run in Hydra's output folder. Its exit code, or exit with it."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from pita.experiment.run import run
+
+    hc = HydraConfig.get()
+    out = Path(hc.runtime.output_dir)
+    code = _run_checked(lambda: run(cfg, out))
+    remote = "BasicLauncher" not in str(hc.launcher.get("_target_", "BasicLauncher"))
+    if remote:  # the job ran elsewhere (SLURM, submitit): its code reaches us through a file
+        from pita.core.paths import atomic_write_text
+
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / EXIT_CODE_FILE, f"{code}\n")
+        return code  # sys.exit here would lose the job's result in the launcher
+    if hc.mode != RunMode.MULTIRUN or code in (2, 130):
+        sys.exit(code)
+    worst[0] = max(worst[0], code)
+    return code
+
+
+def _run_job(composed: DictConfig, task: Callable[[DictConfig], int]) -> None:
+    """What Hydra's `Hydra.run` does after it composes: its logging, the run callbacks,
+    `run_job` (`.hydra/`, the job's logging, the task) and its report of a failed job."""
+    from hydra._internal.callbacks import Callbacks
+    from hydra._internal.utils import run_and_report
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.utils import JobRuntime, configure_log, run_job
+    from hydra.types import HydraContext
+
+    def run() -> None:
+        JobRuntime.instance().set("name", JOB_NAME)
+        configure_log(composed.hydra.hydra_logging, composed.hydra.verbose)
+        callbacks = Callbacks(composed)
+        callbacks.on_run_start(config=composed, config_name="config")
+        ret = run_job(
+            hydra_context=HydraContext(config_loader=None, callbacks=callbacks),  # type: ignore[arg-type]
+            task_function=task,
+            config=composed,
+            job_dir_key="hydra.run.dir",
+            job_subdir_key=None,
+        )
+        callbacks.on_run_end(config=composed, config_name="config", job_return=ret)
+        _ = ret.return_value  # raises the job's exception, as Hydra.run does
+
+    try:
+        run_and_report(run)
+    finally:
+        GlobalHydra.instance().clear()
