@@ -317,6 +317,7 @@ def test_reward_model_learns_an_easy_preference_and_scores_it(tmp_path):
 # --- end to end --------------------------------------------------------------------------------------
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_dpo_grpo_and_grpo_hf_chains_through_the_command_line(tmp_path):
     name = "baselines_smoke"

@@ -52,6 +52,7 @@ def test_training_stages_are_planned_on_a_gang(overrides, gang, ranks):
             assert strategy == {"data_parallel": "ddp", "fsdp": "fsdp"}[key]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_data_parallel_run_trains_pretrain_with_ddp_over_the_gang(tmp_path):
     args = [

@@ -49,6 +49,7 @@ def test_without_the_package_each_name_is_one_line(tmp_path):
     assert dataset.startswith("error: dataset.name='short_walk': must be one of goal_walk")
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_own_algorithm_and_dataset_run_end_to_end(tmp_path):
     # one worker importing torch, not one per core

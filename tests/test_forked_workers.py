@@ -17,6 +17,21 @@ def test_only_preimporting_workers_off_cuda_fork():
     assert not forks_workers("cpu", False) and not forks_workers("fake", False)
 
 
+def test_a_run_with_no_task_left_forks_from_no_forkserver(tmp_path):
+    """A resume of a finished run (it only writes the report) starts no forkserver: it would
+    import torch and transformers (5 s of CPU) for no worker."""
+    from pita.experiment.cli import compose_config
+    from pita.experiment.run import make_executor, make_gpu_manager
+
+    assert not forks_workers("fake", True, pending=0) and forks_workers("fake", True, pending=1)
+    cfg = compose_config(["system.devices=fake:1"])
+    pool = make_executor(cfg, make_gpu_manager(cfg), tmp_path, pending=0)
+    try:
+        assert pool.fork_workers is False  # type: ignore[attr-defined]
+    finally:
+        pool.shutdown()
+
+
 def test_the_forkserver_preloads_the_worker_and_what_gang_ranks_fork_with():
     """One list for both, and really imported: a child forked from the forkserver a gang's
     ranks fork from (pita.training.ddp.warm_forkserver, the pool's starter) holds every

@@ -181,6 +181,7 @@ def test_bad_init_and_missing_weights_stop_before_any_worker(tmp_path):
     assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("tasks"))
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_star_graph_gpt2_runs_end_to_end_on_a_local_gpt2_family(gpt2_family, tmp_path):
     """`experiment=star_graph_gpt2 model=local` at toy size: π_ref fine-tuned from the

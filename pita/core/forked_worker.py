@@ -59,10 +59,11 @@ PRELOAD = (
 WORKER_MODULE = "pita.runtime.worker"  # the program a worker runs (`python -m` when fresh)
 
 
-def forks_workers(kind: str, preimport: bool) -> bool:
+def forks_workers(kind: str, preimport: bool, pending: int = 1) -> bool:
     """Whether a pool on `kind` devices forks its workers: when they import torch up front
-    (`executor.preimport`) and are not CUDA workers."""
-    return preimport and kind != "cuda"
+    (`executor.preimport`), are not CUDA workers, and a task is `pending` (a resume of a
+    finished run only writes its report: a forkserver would import torch for no worker)."""
+    return preimport and kind != "cuda" and pending > 0
 
 
 class WorkerProcess(Protocol):

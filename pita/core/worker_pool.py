@@ -173,6 +173,7 @@ class WorkerPool:
         executor_cfg,
         extra_env: dict[str, str] | None = None,
         log_dir: Path | None = None,
+        fork_workers: bool | None = None,
     ) -> WorkerPool:
         from pita.core.resources import max_tasks_per_device
 
@@ -191,6 +192,7 @@ class WorkerPool:
             preimport=executor_cfg.preimport,
             extra_env=extra_env,
             log_dir=log_dir,
+            fork_workers=fork_workers,
         )
 
     # ---- public interface ----------------------------------------------------------------

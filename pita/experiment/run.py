@@ -69,9 +69,10 @@ def make_gpu_manager(cfg: DictConfig) -> GPUManager:
     return gpu
 
 
-def make_executor(cfg: DictConfig, gpu: GPUManager, run_dir: Path) -> Executor:
+def make_executor(cfg: DictConfig, gpu: GPUManager, run_dir: Path, pending: int = 1) -> Executor:
     """The executor of `executor.backend`: worker processes (local), this process
-    (inprocess, or system.use_parallel_execution=false), or Ray tasks."""
+    (inprocess, or system.use_parallel_execution=false), or Ray tasks. With no task
+    `pending` the local pool starts no forkserver (`forks_workers`)."""
     if cfg.executor.backend == "ray":
         from pita.core.ray_executor import RayExecutor
         from pita.runtime.ray_slot import SlotWorker
@@ -84,9 +85,13 @@ def make_executor(cfg: DictConfig, gpu: GPUManager, run_dir: Path) -> Executor:
 
         runner = InProcessRunner(cfg.executor.model_cache_size)
         return InProcessExecutor(runner, on_shutdown=runner.models.clear)
+    from pita.core.forked_worker import forks_workers
     from pita.core.worker_pool import WorkerPool
 
-    return WorkerPool.from_config(gpu, cfg.executor, log_dir=RunPaths(run_dir).workers)
+    fork = forks_workers(gpu.kind, bool(cfg.executor.preimport), pending)
+    return WorkerPool.from_config(
+        gpu, cfg.executor, log_dir=RunPaths(run_dir).workers, fork_workers=fork
+    )
 
 
 def make_scheduler(cfg: DictConfig, gpu: GPUManager) -> Scheduler:
@@ -580,7 +585,7 @@ def _start_session(
     run_dir = paths.root
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(cfg_dict, dict)
-    executor = make_executor(cfg, gpu, run_dir)
+    executor = make_executor(cfg, gpu, run_dir, pending=len(plan.tasks) - len(done))
     if hasattr(executor, "extra_env"):  # the local pool's workers
         # CUDA workers import these stages' libraries while they wait for a task
         executor.extra_env[WARM_STAGES] = stage_modules(plan, done)
