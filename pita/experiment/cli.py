@@ -609,12 +609,17 @@ def _pinned(composed: DictConfig | None, overrides: list[str]) -> DictConfig | N
     """`composed` run in the folder `_lock_before_hydra` locked and pinned, as `@hydra.main`
     would compose it with that pin; None where there is no such config or pin (an
     interpolated folder, or an experiment that asks for `hydra.mode: MULTIRUN`)."""
-    pin = next((o for o in overrides if o.startswith("hydra.run.dir=")), None)
-    if composed is None or pin is None or composed.hydra.get("mode") not in (None, RunMode.RUN):
+    pin = next((m for o in overrides if (m := re.fullmatch(r"hydra\.run\.dir='([^']*)'", o))), None)
+    if (
+        composed is None
+        or pin is None  # a folder typed with quotes or an interpolation: left to Hydra
+        or "${" in pin.group(1)
+        or composed.hydra.get("mode") not in (None, RunMode.RUN)
+    ):
         return None
     with read_write(composed.hydra):
-        composed.hydra.run.dir = pin.split("=", 1)[1].strip("'")
-        composed.hydra.overrides.hydra.append(pin)
+        composed.hydra.run.dir = pin.group(1)
+        composed.hydra.overrides.hydra.append(pin.group(0))
         if composed.hydra.get("mode") is None:  # what Hydra's _run_app adds then
             composed.hydra.overrides.hydra.append("hydra.mode=RUN")
         composed.hydra.mode = RunMode.RUN
