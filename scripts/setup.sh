@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Create .venv and install pita. torch is pinned FIRST so that no resolver ever picks an
 # unpinned torch (which would pull several GB of CUDA packages on a CPU-only machine).
-# pip installs torch (pip's configuration may name a local wheel of it: uv does not read that
-# configuration); uv installs the rest, 37 s instead of pip's 73 s from nothing (docs/DESIGN.md §8),
-# keeping the torch installed here (uv leaves an installed package that satisfies a requirement).
+# uv installs (docs/DESIGN.md §8: the dev extras in 37 s, pip took 73 s from nothing). uv does
+# not read pip's configuration, which may name a folder holding the pinned torch's CPU wheel
+# (this project's machines): uv is pointed at that folder when the wheel is there, and pip
+# installs torch otherwise. The extras keep the torch installed here (uv leaves an installed
+# package that satisfies a requirement).
 #   TORCH_SPEC   torch requirement to install (default torch==2.13.0)
 #   TORCH_INDEX  extra index for a CUDA build, e.g. https://download.pytorch.org/whl/cu128
 set -euo pipefail
@@ -13,8 +15,11 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 python -m pip install -q --upgrade pip "uv==0.13.9"
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+LINKS=$(pip config get global.find-links 2>/dev/null || echo "${PIP_FIND_LINKS:-}")
 if [ -n "${TORCH_INDEX:-}" ]; then
   pip install -q "$TORCH_SPEC" --extra-index-url "$TORCH_INDEX"
+elif [ -n "$LINKS" ] && ls "$LINKS/torch-${TORCH_SPEC#torch==}+cpu-"*.whl > /dev/null 2>&1; then
+  uv pip install -q --compile-bytecode --find-links "$LINKS" "$TORCH_SPEC"
 else
   pip install -q "$TORCH_SPEC"
 fi
