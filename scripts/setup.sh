@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install pita. torch is pinned FIRST so that no resolver ever picks an
 # unpinned torch (which would pull several GB of CUDA packages on a CPU-only machine).
-# uv installs (docs/DESIGN.md §8: the dev extras in 37 s, pip took 73 s from nothing). uv does
+# uv installs, in half pip's time from nothing (docs/DESIGN.md §8 has the figures). uv does
 # not read pip's configuration, which may name a folder holding the pinned torch's CPU wheel
 # (this project's machines): uv is pointed at that folder when the wheel is there, and pip
 # installs torch otherwise. The extras keep the torch installed here (uv leaves an installed

@@ -126,6 +126,7 @@ class WorkerPool:
         log_dir: Path | None = None,
         auth_timeout_s: float = AUTH_TIMEOUT_S,
         fork_workers: bool | None = None,
+        pending: int = 1,
     ):
         self.gpu = gpu_manager
         self.log_dir = Path(log_dir) if log_dir else None
@@ -150,9 +151,10 @@ class WorkerPool:
         # CPU and fake-device workers fork from a forkserver that imported torch once
         # (pita/core/forked_worker.py); a worker that imports nothing up front (preimport
         # off) or must see its GPUs from its first instruction (CUDA) starts fresh.
-        # `fork_workers` overrides the choice (bench/worker_start.py compares both).
+        # `fork_workers` overrides the choice (bench/worker_start.py compares both); with no
+        # task `pending` (a finished run's resume writes its report) there is nothing to fork.
         if fork_workers is None:
-            fork_workers = forks_workers(getattr(gpu_manager, "kind", "cpu"), preimport)
+            fork_workers = forks_workers(getattr(gpu_manager, "kind", "cpu"), preimport, pending)
         self.fork_workers = fork_workers
         if self.fork_workers:
             start_forkserver(self._worker_env(()))
@@ -173,7 +175,7 @@ class WorkerPool:
         executor_cfg,
         extra_env: dict[str, str] | None = None,
         log_dir: Path | None = None,
-        fork_workers: bool | None = None,
+        pending: int = 1,
     ) -> WorkerPool:
         from pita.core.resources import max_tasks_per_device
 
@@ -192,7 +194,7 @@ class WorkerPool:
             preimport=executor_cfg.preimport,
             extra_env=extra_env,
             log_dir=log_dir,
-            fork_workers=fork_workers,
+            pending=pending,
         )
 
     # ---- public interface ----------------------------------------------------------------

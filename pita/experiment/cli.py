@@ -5,7 +5,8 @@ our code sees the config, and reports composition errors with exit code 1. So th
 command line is first composed here with Hydra's compose API: any unknown key, bad type,
 bad group option or invalid value becomes one line naming the key and what is allowed,
 with exit code 2, before a folder or a process exists. Then `@hydra.main` runs as usual
-(sweeps, launchers and `.hydra/` included).
+(sweeps, launchers and `.hydra/` included), except for a single local run whose composition
+is already Hydra's: Hydra's `run_job` runs it on that config (`_hydra_main`).
 
 `resume_from=<run dir>` bypasses composition: the run's saved config is reused, any key
 may be overridden (the tasks it touches run again, the rest is kept:
@@ -24,6 +25,7 @@ checks values only: devices and placement are checked in the job, on its node.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import logging
@@ -238,9 +240,8 @@ def compose_config(
         from pita.experiment.dataset_choice import record_dataset_file
 
         record_dataset_file(cfg, OmegaConf.select(cfg, "hydra.runtime.choices"))
-        if "hydra" in cfg and not keep_hydra:  # as hydra.compose(return_hydra_config=False)
-            with read_write(cfg), open_dict(cfg):
-                del cfg["hydra"]
+        if not keep_hydra:  # as hydra.compose(return_hydra_config=False)
+            _drop_hydra_node(cfg)
         return cfg
     except ConfigError:
         raise
@@ -248,6 +249,13 @@ def compose_config(
         raise ConfigError(format_compose_error(exc, overrides)) from None
     finally:
         GlobalHydra.instance().clear()
+
+
+def _drop_hydra_node(cfg: DictConfig) -> None:
+    """`cfg` without Hydra's own node: what a job's task function gets."""
+    if "hydra" in cfg:
+        with read_write(cfg), open_dict(cfg):
+            del cfg["hydra"]
 
 
 def _refuse_hydra_secrets(cfg: DictConfig) -> None:
@@ -356,8 +364,6 @@ def _update_typed(cfg: DictConfig, key: str, dot: DictConfig, why: str) -> DictC
     dotlist into a typed dict of a saved config (`executor.stage_overrides`, Dict[str, Dict[
     str, str]]) fails in OmegaConf ("Value 'AnyNode' is not a supported primitive type"),
     so a resume could not state such a key again. ConfigError(`why`) when that fails too."""
-    import copy
-
     from omegaconf import ListConfig
 
     leaf = OmegaConf.select(dot, key)
@@ -480,12 +486,15 @@ def main(argv: list[str] | None = None) -> None:
         if resume is not None:
             sys.exit(_resume(resume, implicit, overrides, args))
         cfg, composed = _exit_2_on_config_error(lambda: _new_run_config(overrides, args))
-    single = cfg is not None and not args.multirun and remote_launcher() is None
-    if cfg is not None and single:
-        overrides = _lock_before_hydra(cfg, overrides)
+    folder: str | None = None  # where a single local run was locked and pinned
+    if cfg is not None and not args.multirun and remote_launcher() is None:
+        overrides, folder = _lock_before_hydra(cfg, overrides)
     given = set(args.overrides)
     sys.argv = [sys.argv[0], *[a for a in argv if a not in given], *overrides]  # Hydra reads it
-    _hydra_main(_pinned(composed, overrides) if single and _composed_as_hydra(args) else None)
+    job = None  # the composition Hydra's run_job takes as it is
+    if composed is not None and folder is not None and _composed_as_hydra(args):
+        job = _pinned(composed, folder)
+    _hydra_main(job)
 
 
 def _print_help(args: Any) -> None:
@@ -583,12 +592,9 @@ def _new_run_config(overrides: list[str], args: Any) -> tuple[DictConfig, DictCo
     """The composed, checked config of a new run (devices checked here unless a remote
     launcher's job will check them where it runs), and the same composition with Hydra's
     node, as the checks found it (they make paths absolute, which `run` does itself)."""
-    import copy
-
     composed = compose_config(overrides, args.config_name, args.config_dir, keep_hydra=True)
     cfg = copy.deepcopy(composed)
-    with read_write(cfg), open_dict(cfg):
-        del cfg["hydra"]
+    _drop_hydra_node(cfg)
     preflight(cfg, overrides, devices=remote_launcher() is None)
     return cfg, composed
 
@@ -605,32 +611,31 @@ def _composed_as_hydra(args: Any) -> bool:
     )
 
 
-def _pinned(composed: DictConfig | None, overrides: list[str]) -> DictConfig | None:
-    """`composed` run in the folder `_lock_before_hydra` locked and pinned, as `@hydra.main`
-    would compose it with that pin; None where there is no such config or pin (an
-    interpolated folder, or an experiment that asks for `hydra.mode: MULTIRUN`)."""
-    pin = next((m for o in overrides if (m := re.fullmatch(r"hydra\.run\.dir='([^']*)'", o))), None)
-    if (
-        composed is None
-        or pin is None  # a folder typed with quotes or an interpolation: left to Hydra
-        or "${" in pin.group(1)
-        or composed.hydra.get("mode") not in (None, RunMode.RUN)
-    ):
+def _pin(folder: str) -> str:
+    """The override that pins Hydra's run folder to `folder` (locked by `_lock_before_hydra`)."""
+    return f"hydra.run.dir='{folder}'"
+
+
+def _pinned(composed: DictConfig, folder: str) -> DictConfig | None:
+    """`composed` run in `folder`, as `@hydra.main` would compose it with `_pin(folder)`;
+    None where an experiment asks for `hydra.mode: MULTIRUN` (Hydra's path then)."""
+    if composed.hydra.get("mode") not in (None, RunMode.RUN):
         return None
     with read_write(composed.hydra):
-        composed.hydra.run.dir = pin.group(1)
-        composed.hydra.overrides.hydra.append(pin.group(0))
+        composed.hydra.run.dir = folder
+        composed.hydra.overrides.hydra.append(_pin(folder))
         if composed.hydra.get("mode") is None:  # what Hydra's _run_app adds then
             composed.hydra.overrides.hydra.append("hydra.mode=RUN")
         composed.hydra.mode = RunMode.RUN
     return composed
 
 
-def _lock_before_hydra(cfg: DictConfig, overrides: list[str]) -> list[str]:
+def _lock_before_hydra(cfg: DictConfig, overrides: list[str]) -> tuple[list[str], str | None]:
     """A single local run: Hydra writes `.hydra/` into the run folder before `run()` starts,
     so the folder is checked and locked here first (a refused second orchestrator changes
-    nothing), and `hydra.run.dir` is pinned to the folder locked. A dry run never reaches
-    Hydra: it prints the plan here and creates no folder."""
+    nothing), and `hydra.run.dir` is pinned to the folder locked: (the overrides with the
+    pin, the folder; None when it is left to Hydra). A dry run never reaches Hydra: it
+    prints the plan here and creates no folder."""
     from pita.experiment.run import lock_run_folder, run
 
     given = next((o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")), None)
@@ -639,13 +644,13 @@ def _lock_before_hydra(cfg: DictConfig, overrides: list[str]) -> list[str]:
         _setup_console_logging()
         sys.exit(_run_checked(lambda: run(cfg, Path(run_dir or "outputs/dry_run"))))
     if not run_dir or "'" in run_dir or "${" in run_dir:
-        return overrides  # an interpolated folder: Hydra resolves it, run() locks it
+        return overrides, None  # an interpolated folder: Hydra resolves it, run() locks it
     lock = _run_checked(lambda: lock_run_folder(cfg, Path(run_dir), share=True))
     if isinstance(lock, int):
         sys.exit(lock)
     HELD_LOCKS.append(lock)  # held until this process exits (the kernel drops it then)
     rest = [o for o in overrides if not o.startswith("hydra.run.dir=")]
-    return [*rest, f"hydra.run.dir='{run_dir}'"]
+    return [*rest, _pin(run_dir)], run_dir
 
 
 def _composed_for_help(overrides: list[str], args: Any) -> dict | None:

@@ -71,8 +71,8 @@ def make_gpu_manager(cfg: DictConfig) -> GPUManager:
 
 def make_executor(cfg: DictConfig, gpu: GPUManager, run_dir: Path, pending: int = 1) -> Executor:
     """The executor of `executor.backend`: worker processes (local), this process
-    (inprocess, or system.use_parallel_execution=false), or Ray tasks. With no task
-    `pending` the local pool starts no forkserver (`forks_workers`)."""
+    (inprocess, or system.use_parallel_execution=false), or Ray tasks. `pending`: the
+    tasks left to run (none: the local pool starts no forkserver, `forks_workers`)."""
     if cfg.executor.backend == "ray":
         from pita.core.ray_executor import RayExecutor
         from pita.runtime.ray_slot import SlotWorker
@@ -85,12 +85,10 @@ def make_executor(cfg: DictConfig, gpu: GPUManager, run_dir: Path, pending: int 
 
         runner = InProcessRunner(cfg.executor.model_cache_size)
         return InProcessExecutor(runner, on_shutdown=runner.models.clear)
-    from pita.core.forked_worker import forks_workers
     from pita.core.worker_pool import WorkerPool
 
-    fork = forks_workers(gpu.kind, bool(cfg.executor.preimport), pending)
     return WorkerPool.from_config(
-        gpu, cfg.executor, log_dir=RunPaths(run_dir).workers, fork_workers=fork
+        gpu, cfg.executor, log_dir=RunPaths(run_dir).workers, pending=pending
     )
 
 
