@@ -1039,8 +1039,15 @@ def describe_keys(keys: tuple[str, ...] | list[str]) -> str:
 def default_of(dotted: str, schema: type | None = None) -> Any:
     """The default `schema` (PitaConfig unless given) declares for a dotted key
     (`training.micro_batch_size`, or `num_generations` of an algorithm's schema)."""
-    f = dict(leaf_fields(schema or PitaConfig))[dotted]
+    f = _leaf_map(schema or PitaConfig)[dotted]
     return f.default_factory() if f.default is MISSING else f.default  # type: ignore[operator]
+
+
+@functools.cache
+def _leaf_map(schema: type) -> dict[str, dataclasses.Field]:
+    """`leaf_fields` of a schema class by dotted key, built once per class: a dry run of
+    17k tasks asked for defaults 43k times, and each walk of the tree took 0.2 ms."""
+    return dict(leaf_fields(schema))
 
 
 # --- typed settings: a stage's values as schema instances (issue 33) ----------------------

@@ -122,9 +122,16 @@ class Planner:
     shard_ranges: list[tuple[float, float]]
     largest_gang: int | None = None  # the most devices one task may hold (None: n_devices)
     plan: Plan = field(default_factory=Plan)
+    _functions: dict[tuple[str, str], str] = field(default_factory=dict)  # (algo, stage) -> path
 
     def function(self, algo: str, stage: str) -> str:
-        """The dotted path of (algo, stage), checked to be importable (without importing it)."""
+        """The dotted path of (algo, stage), checked to be importable (without importing it)
+        once per plan: every round of every chain asks again."""
+        if (algo, stage) not in self._functions:
+            self._functions[(algo, stage)] = self._function(algo, stage)
+        return self._functions[(algo, stage)]
+
+    def _function(self, algo: str, stage: str) -> str:
         dotted = lookup(algo, stage, self.cfg.executor.stage_overrides or {})
         if dotted is None or not is_importable(dotted):
             key = (
