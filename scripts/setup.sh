@@ -10,24 +10,30 @@
 #   TORCH_INDEX  extra index for a CUDA build, e.g. https://download.pytorch.org/whl/cu128
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-[ -d .venv ] || "$PY" -m venv .venv
+PY=$(command -v "${PYTHON:-python3}")  # the system's, found before the venv is on PATH
+UV_SPEC="uv==0.13.9"
+# The venv starts without pip (ensurepip installs it in 7 s); the system's pip puts uv in it
+# (pip >= 22.3: --python), else the venv's own pip from ensurepip does. Then uv adds pip.
+[ -d .venv ] || "$PY" -m venv --without-pip .venv
 . .venv/bin/activate
-python -m pip install -q --upgrade pip "uv==0.13.9"
+if ! python -m uv --version > /dev/null 2>&1; then
+  "$PY" -m pip --python .venv/bin/python install -q "$UV_SPEC" 2> /dev/null \
+    || { python -m ensurepip > /dev/null && python -m pip install -q "$UV_SPEC"; }
+fi
+uv pip install -q pip  # the venv's own pip: the CUDA and fallback torch installs below use it
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 LINKS=$(pip config get global.find-links 2>/dev/null || echo "${PIP_FIND_LINKS:-}")
 if [ -n "${TORCH_INDEX:-}" ]; then
   pip install -q "$TORCH_SPEC" --extra-index-url "$TORCH_INDEX"
 elif [ -n "$LINKS" ] && ls "$LINKS/torch-${TORCH_SPEC#torch==}+cpu-"*.whl > /dev/null 2>&1; then
-  uv pip install -q --compile-bytecode --find-links "$LINKS" "$TORCH_SPEC"
+  uv pip install -q --find-links "$LINKS" "$TORCH_SPEC"
 else
   pip install -q "$TORCH_SPEC"
 fi
-# --compile-bytecode: pip writes bytecode at install, uv only when asked; without it, where
-# PYTHONDONTWRITEBYTECODE is set every process would compile torch's and transformers' sources
-uv pip install -q --compile-bytecode -e ".[dev]"
-# An editable install leaves pita's own modules uncompiled, and where PYTHONDONTWRITEBYTECODE
-# is set (this project's CI machines) Python never caches them: every worker and every run
-# would compile them again (0.05-0.1 s of CPU per process). Write the bytecode once here.
+uv pip install -q -e ".[dev]"
+# Bytecode: pip compiles every file it installs (uv only when asked), 20k files; what runs
+# and the suite import, a quarter of them, is compiled by importing it once (where
+# PYTHONDONTWRITEBYTECODE is set, as on this project's CI machines, nothing else would cache
+# it), and pita's own modules whole. scripts/compile_imports.py says why and what.
 python -m compileall -q pita > /dev/null
-python -c "import torch, transformers, trl, hydra; print(f'pita env ready: torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}')"
+python scripts/compile_imports.py

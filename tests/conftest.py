@@ -305,6 +305,13 @@ def pytest_configure(config: pytest.Config) -> None:
     # off the host (pita.core.host_share.outside_load), and under the suite those are
     # the other worker's tests: a gang a test expects was refused when they ran beside it
     os.environ.setdefault("PITA_OUTSIDE_LOAD", "0")
+    # The suite's processes cache the bytecode they compile: a module scripts/setup.sh did
+    # not compile (Ray's agents, a tracker's store) is compiled once per session instead of
+    # in every run, worker and Ray process that imports it, as it was where
+    # PYTHONDONTWRITEBYTECODE is set (this project's CI machines). xdist's workers start
+    # after this, with the environment it leaves.
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
     if not hasattr(config, "workerinput"):
         os.environ[_SESSION_DIR_ENV] = str(_temp_folder(config, "pita-test-session-"))
 
