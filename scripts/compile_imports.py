@@ -56,6 +56,17 @@ OPTIONAL = (
 # Compiled whole: what runs in processes pita does not start itself (Ray's agents on every
 # node, its workers), or is found at run time (Hydra's plugins), so an import list misses it.
 WHOLE = (
+    # first: what the training group imports after torch, compiled while it imports torch
+    "trl",
+    "accelerate",
+    "datasets",
+    "peft",
+    "transformers/generation",
+    "transformers/integrations",
+    "transformers/utils",
+    "transformers/models/auto",
+    "transformers/models/llama",
+    "transformers/models/gpt2",
     "hydra",
     "hydra_plugins",
     "omegaconf",
@@ -73,8 +84,13 @@ WHOLE = (
 )
 
 _IMPORT = """
-import importlib, sys
-required, optional = sys.argv[1].split(","), sys.argv[2].split(",")
+import compileall, importlib, importlib.util, sys
+required, optional, whole = (arg.split(",") for arg in sys.argv[1:])
+for folder in filter(None, whole):
+    top, _, sub = folder.partition("/")
+    spec = importlib.util.find_spec(top)
+    for root in (spec and spec.submodule_search_locations) or ():
+        compileall.compile_dir(f"{root}/{sub}" if sub else root, quiet=2)
 if "pita.core.forked_worker" in required:
     from pita.core.forked_worker import PRELOAD
     required += PRELOAD
@@ -88,12 +104,6 @@ for name in filter(None, optional):
         importlib.import_module(name)
     except ImportError:
         pass
-import compileall, importlib.util
-for folder in filter(None, sys.argv[3].split(",")):
-    top, _, sub = folder.partition("/")
-    spec = importlib.util.find_spec(top)
-    for root in (spec and spec.submodule_search_locations) or ():
-        compileall.compile_dir(f"{root}/{sub}" if sub else root, quiet=2)
 """
 
 
