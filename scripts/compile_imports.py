@@ -11,8 +11,8 @@ gang ranks and the suite import, with bytecode writing on, in two processes at o
 per core). A module that is not here is compiled when something first imports it (and
 cached, unless PYTHONDONTWRITEBYTECODE is set).
 
-Prints the line setup.sh ends with: the versions of torch (imported: a wrong build fails
-here), transformers, TRL and Hydra. Exit 1, naming the module, when a required one fails.
+Prints the line setup.sh ends with: the versions of torch (imported here: a wrong build
+fails), transformers, TRL and Hydra. Exit 1, naming the module, when a required one fails.
 """
 
 from __future__ import annotations
@@ -120,14 +120,10 @@ def main() -> int:
     ]
     if any([p.wait() != 0 for p in procs]):  # a list: wait for both
         return 1
-    from importlib.metadata import version
+    from importlib.metadata import version  # torch was imported above: a wrong build failed
 
-    import torch
-
-    print(
-        f"pita env ready: torch {torch.__version__}, transformers {version('transformers')}, "
-        f"trl {version('trl')}, hydra-core {version('hydra-core')}"
-    )
+    names = ("torch", "transformers", "trl", "hydra-core")
+    print("pita env ready: " + ", ".join(f"{n} {version(n)}" for n in names))
     return 0
 
 
