@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv and install pita. torch is pinned FIRST so that no resolver ever picks an
 # unpinned torch (which would pull several GB of CUDA packages on a CPU-only machine).
-# uv installs, in half pip's time from nothing (docs/DESIGN.md §8 has the figures). uv does
+# uv installs, in half pip's time from nothing (docs/DESIGN.md §8 has the figures), without
+# compiling every installed file (scripts/compile_imports.py compiles what is used). uv does
 # not read pip's configuration, which may name a folder holding the pinned torch's CPU wheel
 # (this project's machines): uv is pointed at that folder when the wheel is there, and pip
 # installs torch otherwise. The extras keep the torch installed here (uv leaves an installed
