@@ -34,12 +34,15 @@ fi
 # Bytecode: pip compiles every file it installs (uv only when asked), 20k files; what runs
 # and the suite import, a quarter of them, is compiled by importing it once (where
 # PYTHONDONTWRITEBYTECODE is set, as on this project's CI machines, nothing else would cache
-# it), and pita's own modules whole. scripts/compile_imports.py says why and what. torch's
-# own goes on beside the install of the rest (its outcome is not read: the script below
-# imports torch again and reports a failure).
-PYTHONDONTWRITEBYTECODE= python -c "import torch" > /dev/null 2>&1 &
-TORCH_COMPILE=$!
+# it), and pita's own modules whole. scripts/compile_imports.py says why and what (once per
+# set of installed packages: its stamp in .venv). On a new venv torch's own goes on beside
+# the install of the rest (its outcome is not read: the script imports torch again).
+TORCH_COMPILE=
+if [ ! -f .venv/pita-compiled-imports.txt ]; then
+  PYTHONDONTWRITEBYTECODE= python -c "import torch" > /dev/null 2>&1 &
+  TORCH_COMPILE=$!
+fi
 uv pip install -q -e ".[dev]"
-wait "$TORCH_COMPILE" || true
+[ -z "$TORCH_COMPILE" ] || wait "$TORCH_COMPILE" || true
 python -m compileall -q pita > /dev/null
 python scripts/compile_imports.py
