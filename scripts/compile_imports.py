@@ -18,6 +18,9 @@ Done once per set of installed packages (a stamp in the venv; `_stamp`).
 
 from __future__ import annotations
 
+import compileall
+import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -25,32 +28,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# What a worker and a gang rank import: the forkserver's preload, TRL's trainers (the
-# stages' WARM_IMPORTS) and LoRA. Required: a missing one fails the setup.
-TRAINING = (
-    "pita.core.forked_worker",  # its PRELOAD is added below
-    "pita.stages.collect",
-    "pita.stages.evaluate",
-    "pita.algos.dpo",
-    "pita.algos.grpo",
-    "pita.algos.reward_model",
-    "trl.trainer.dpo_trainer",
-    "trl.trainer.grpo_trainer",
-    "trl.trainer.reward_trainer",
-)
-# What the orchestrator and the suite import; the dev extras (Ray, the trackers, pytest)
-# are skipped when not installed.
+# What the orchestrator and the suite import beyond the training group (`_training_modules`); the
+# dev extras (Ray, the trackers, pytest) are skipped when not installed.
 ORCHESTRATION = ("pita.experiment.cli", "pita.experiment.run", "pita.results.report")
 OPTIONAL = (
     "matplotlib.pyplot",
-    "peft",
     "ray",
     "ray.util.placement_group",
     "pita.core.ray_executor",
     "wandb",
     "mlflow",
-    "tensorboard",
-    "torch.utils.tensorboard",
     "pytest",
     "xdist",
 )
@@ -83,29 +70,55 @@ WHOLE = (
     "pydantic",
     "PIL",
 )
+GROUPS = ("training", "orchestration")  # one process each, at once
 
-_IMPORT = """
-import compileall, importlib, importlib.util, sys
-required, optional, whole = (arg.split(",") for arg in sys.argv[1:])
-for folder in filter(None, whole):
-    top, _, sub = folder.partition("/")
-    spec = importlib.util.find_spec(top)
-    for root in (spec and spec.submodule_search_locations) or ():
-        compileall.compile_dir(f"{root}/{sub}" if sub else root, quiet=2)
-if "pita.core.forked_worker" in required:
+
+def _training_modules() -> list[str]:
+    """What a worker and a gang rank import first: the forkserver's `PRELOAD` and every
+    registered stage module (read from pita without importing torch)."""
+    from pita.algos.registry import ALGORITHMS, EXTRA_FUNCTIONS, SHARED_FUNCTIONS
     from pita.core.forked_worker import PRELOAD
-    required += PRELOAD
-for name in filter(None, required):
-    try:
-        importlib.import_module(name)
-    except Exception as exc:
-        sys.exit(f"setup: importing {name} failed: {type(exc).__name__}: {exc}")
-for name in filter(None, optional):
-    try:
-        importlib.import_module(name)
-    except ImportError:
-        pass
-"""
+
+    functions = [*SHARED_FUNCTIONS.values(), *EXTRA_FUNCTIONS.values()]
+    functions += [fn for algo in ALGORITHMS.values() for fn in algo.functions.values()]
+    return [*PRELOAD, *sorted({fn.partition(":")[0] for fn in functions})]
+
+
+def _import_training() -> None:
+    """`_training_modules`, then the libraries the stages name in `WARM_IMPORTS` (TRL's
+    trainers: `gang_preload`, what a gang's ranks preload)."""
+    from pita.core.forked_worker import PRELOAD, gang_preload
+
+    modules = _training_modules()
+    _import_all(modules)  # a stage that fails to import fails here, named
+    _import_all(gang_preload(",".join(m for m in modules if m not in PRELOAD)))
+
+
+def _import_all(names: list[str]) -> None:
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            sys.exit(f"setup: importing {name} failed: {type(exc).__name__}: {exc}")
+
+
+def _compile_group(group: str) -> None:
+    """Import (and so compile) one group, in this process (started without
+    PYTHONDONTWRITEBYTECODE by `main`)."""
+    if group == "training":
+        _import_training()
+        return
+    for folder in WHOLE:
+        top, _, sub = folder.partition("/")
+        spec = importlib.util.find_spec(top)
+        for root in (spec and spec.submodule_search_locations) or ():
+            compileall.compile_dir(f"{root}/{sub}" if sub else root, quiet=2)
+    _import_all(list(ORCHESTRATION))
+    for name in OPTIONAL:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
 
 
 def _stamp() -> str:
@@ -115,21 +128,20 @@ def _stamp() -> str:
     from importlib.metadata import distributions
 
     installed = sorted(f"{d.metadata['Name']}=={d.version}" for d in distributions())
-    return "\n".join([*installed, repr((TRAINING, ORCHESTRATION, OPTIONAL, WHOLE))]) + "\n"
+    lists = (_training_modules(), ORCHESTRATION, OPTIONAL, WHOLE)
+    return "\n".join([*installed, repr(lists)]) + "\n"
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--group"]:
+        _compile_group(argv[1])
+        return 0
     stamp_file, stamp = Path(sys.prefix) / "pita-compiled-imports.txt", _stamp()
     if not (stamp_file.is_file() and stamp_file.read_text() == stamp):
         env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-        groups = [(TRAINING, (), ()), (ORCHESTRATION, OPTIONAL, WHOLE)]
         procs = [
-            subprocess.Popen(
-                [sys.executable, "-c", _IMPORT, *(",".join(names) for names in group)],
-                cwd=ROOT,
-                env=env,
-            )
-            for group in groups
+            subprocess.Popen([sys.executable, __file__, "--group", g], cwd=ROOT, env=env)
+            for g in GROUPS
         ]
         if any([p.wait() != 0 for p in procs]):  # a list: wait for both
             return 1
@@ -142,4 +154,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

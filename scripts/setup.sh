@@ -35,10 +35,11 @@ fi
 # and the suite import, a quarter of them, is compiled by importing it once (where
 # PYTHONDONTWRITEBYTECODE is set, as on this project's CI machines, nothing else would cache
 # it), and pita's own modules whole. scripts/compile_imports.py says why and what (once per
-# set of installed packages: its stamp in .venv). On a new venv torch's own goes on beside
-# the install of the rest (its outcome is not read: the script imports torch again).
+# set of installed packages: its stamp in .venv). Until torch has its bytecode, torch's own
+# goes on beside the install of the rest (its outcome is not read: the script imports torch
+# again).
 TORCH_COMPILE=
-if [ ! -f .venv/pita-compiled-imports.txt ]; then
+if ! ls -d .venv/lib/python3*/site-packages/torch/__pycache__ > /dev/null 2>&1; then
   PYTHONDONTWRITEBYTECODE= python -c "import torch" > /dev/null 2>&1 &
   TORCH_COMPILE=$!
 fi

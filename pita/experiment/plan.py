@@ -122,7 +122,7 @@ class Planner:
     shard_ranges: list[tuple[float, float]]
     largest_gang: int | None = None  # the most devices one task may hold (None: n_devices)
     plan: Plan = field(default_factory=Plan)
-    _functions: dict[tuple[str, str], str] = field(default_factory=dict)  # (algo, stage) -> path
+    _functions: dict[tuple[str, str], str] = field(default_factory=dict, init=False, repr=False)
 
     def function(self, algo: str, stage: str) -> str:
         """The dotted path of (algo, stage), checked to be importable (without importing it)
